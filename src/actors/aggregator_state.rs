@@ -1,0 +1,173 @@
+//! One request's receive as a tiny state machine (DESIGN.md §4 rules 5, 8, 9): outstanding
+//! peers, the first failure (once), the completion (once), nothing after.
+
+use crate::config::Policy;
+use crate::messages::{
+    Completion, FirstFailure, Outcome, PeerId, Settle, SettleOutcome, SharedRequest,
+};
+
+/// What to publish after a settle.
+#[derive(Debug, Default)]
+pub struct AggEffects {
+    pub first_failure: Option<FirstFailure>,
+    pub completion: Option<Completion>,
+    /// The settle was not expected (peer not in the request, or already settled, or after the
+    /// completion).
+    pub stale: bool,
+}
+
+pub struct AggregatorState {
+    req: SharedRequest,
+    policy: Policy,
+    /// One slot per peer, in protocol order; `None` until that peer settles.
+    settled: Vec<(PeerId, Option<SettleOutcome>)>,
+    outstanding: usize,
+    first_failure: Option<(Option<PeerId>, String)>,
+    completed: bool,
+}
+
+impl AggregatorState {
+    /// `outstanding` starts at the number of peers.
+    pub fn new(req: SharedRequest, peers: Vec<PeerId>, policy: Policy) -> Self {
+        let outstanding = peers.len();
+        AggregatorState {
+            req,
+            policy,
+            settled: peers.into_iter().map(|p| (p, None)).collect(),
+            outstanding,
+            first_failure: None,
+            completed: false,
+        }
+    }
+
+    pub fn req(&self) -> &SharedRequest {
+        &self.req
+    }
+
+    pub fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    pub fn is_complete(&self) -> bool {
+        self.completed
+    }
+
+    /// No writer can exist (topology failure, rule 7): fail and complete at once.
+    pub fn fail_now(&mut self, reason: String) -> AggEffects {
+        if self.completed {
+            return AggEffects { stale: true, ..Default::default() };
+        }
+        self.first_failure = Some((None, reason.clone()));
+        self.completed = true;
+        AggEffects {
+            first_failure: Some(FirstFailure { req: self.req.clone(), peer: None, reason: reason.clone() }),
+            completion: Some(Completion {
+                req: self.req.clone(),
+                outcome: Outcome::Failed { peer: None, reason },
+                uncertain_peers: vec![],
+                unsettled_peers: vec![],
+            }),
+            stale: false,
+        }
+    }
+
+    pub fn on_settle(&mut self, s: &Settle) -> AggEffects {
+        let mut fx = AggEffects::default();
+        if self.completed {
+            fx.stale = true;
+            return fx;
+        }
+        let Some(slot) = self.settled.iter_mut().find(|(p, o)| *p == s.peer && o.is_none()) else {
+            fx.stale = true;
+            return fx;
+        };
+        slot.1 = Some(s.outcome.clone());
+        self.outstanding -= 1;
+        if let Some(reason) = s.outcome.reason() {
+            if self.first_failure.is_none() {
+                self.first_failure = Some((Some(s.peer.clone()), reason.to_owned()));
+                fx.first_failure = Some(FirstFailure {
+                    req: self.req.clone(),
+                    peer: Some(s.peer.clone()),
+                    reason: reason.to_owned(),
+                });
+            }
+        }
+        let naive_stop = self.policy == Policy::Naive && self.first_failure.is_some();
+        if self.outstanding == 0 || naive_stop {
+            fx.completion = Some(self.complete());
+        }
+        fx
+    }
+
+    fn complete(&mut self) -> Completion {
+        self.completed = true;
+        let outcome = match &self.first_failure {
+            None => Outcome::Ok,
+            Some((peer, reason)) => Outcome::Failed { peer: peer.clone(), reason: reason.clone() },
+        };
+        let uncertain_peers = self
+            .settled
+            .iter()
+            .filter(|(_, o)| matches!(o, Some(SettleOutcome::Uncertain(_))))
+            .map(|(p, _)| p.clone())
+            .collect();
+        let unsettled_peers =
+            self.settled.iter().filter(|(_, o)| o.is_none()).map(|(p, _)| p.clone()).collect();
+        Completion { req: self.req.clone(), outcome, uncertain_peers, unsettled_peers }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::messages::RequestMeta;
+
+    fn req() -> SharedRequest {
+        Arc::new(RequestMeta {
+            req_id: "r".into(),
+            transfer_id: "t".into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: vec![vec![1]],
+        })
+    }
+
+    fn settle(peer: &str, outcome: SettleOutcome) -> Settle {
+        Settle { peer: PeerId::new(peer), pull_id: 1, req_id: "r".into(), outcome }
+    }
+
+    #[test]
+    fn failure_is_reported_at_once_and_completion_waits_for_every_peer() {
+        let mut a = AggregatorState::new(req(), vec![PeerId::new("a"), PeerId::new("b")], Policy::Settle);
+        let fx = a.on_settle(&settle("a", SettleOutcome::Uncertain("x".into())));
+        assert!(fx.first_failure.is_some() && fx.completion.is_none());
+        let fx = a.on_settle(&settle("a", SettleOutcome::Ok));
+        assert!(fx.stale, "a second settle from the same peer is stale");
+        let fx = a.on_settle(&settle("b", SettleOutcome::Failed("y".into())));
+        assert!(fx.first_failure.is_none(), "first failure once");
+        let c = fx.completion.unwrap();
+        assert_eq!(c.uncertain_peers, vec![PeerId::new("a")]);
+        assert!(matches!(c.outcome, Outcome::Failed { reason, .. } if reason == "x"));
+        assert!(a.on_settle(&settle("b", SettleOutcome::Ok)).stale);
+    }
+
+    #[test]
+    fn naive_completes_on_first_failure_and_names_the_peers_still_writing() {
+        let mut a = AggregatorState::new(req(), vec![PeerId::new("a"), PeerId::new("b")], Policy::Naive);
+        let fx = a.on_settle(&settle("a", SettleOutcome::Failed("x".into())));
+        let c = fx.completion.unwrap();
+        assert_eq!(c.unsettled_peers, vec![PeerId::new("b")]);
+        assert!(a.on_settle(&settle("b", SettleOutcome::Ok)).stale);
+    }
+
+    #[test]
+    fn a_peer_listed_twice_must_settle_twice() {
+        let p = PeerId::new("a");
+        let mut a = AggregatorState::new(req(), vec![p.clone(), p], Policy::Settle);
+        assert!(a.on_settle(&settle("a", SettleOutcome::Ok)).completion.is_none());
+        assert!(a.on_settle(&settle("a", SettleOutcome::Ok)).completion.is_some());
+    }
+}

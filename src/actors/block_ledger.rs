@@ -1,0 +1,238 @@
+//! Destination-block lifetime, without actors or timers (DESIGN.md §5): failure signals at once,
+//! completions only when no peer can write any more, quarantine until a fence or the last-resort
+//! deadline, and the per-step drain a host scheduler calls.
+
+use std::collections::{HashMap, HashSet};
+use std::time::{Duration, Instant};
+
+use crate::messages::{Completion, FirstFailure, PeerId, ReqId, SharedRequest, StepOutput};
+use crate::rdma::Revocation;
+
+use super::block_pool::BlockPool;
+
+/// What to do with a completion's blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Released now.
+    Released { blocks: Vec<u32> },
+    /// Held until `peers` are fenced or the deadline passes.
+    Quarantined { blocks: Vec<u32>, peers: Vec<PeerId>, deadline: Instant },
+}
+
+struct Held {
+    req: SharedRequest,
+    peers: Vec<PeerId>,
+    since: Instant,
+    deadline: Instant,
+}
+
+/// A quarantine that ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Release {
+    pub req_id: ReqId,
+    pub blocks: Vec<u32>,
+    pub held_for: Duration,
+}
+
+pub struct BlockLedger {
+    out: StepOutput,
+    /// Requests whose failure signal is queued or drained but whose completion is not yet out.
+    failure_signalled: HashSet<ReqId>,
+    held: HashMap<ReqId, Held>,
+    quarantine_deadline: Duration,
+    pool: Option<BlockPool>,
+}
+
+impl BlockLedger {
+    pub fn new(quarantine_deadline: Duration, pool: Option<BlockPool>) -> Self {
+        BlockLedger {
+            out: StepOutput::default(),
+            failure_signalled: HashSet::new(),
+            held: HashMap::new(),
+            quarantine_deadline,
+            pool,
+        }
+    }
+
+    pub fn pool(&self) -> Option<&BlockPool> {
+        self.pool.as_ref()
+    }
+
+    pub fn pool_mut(&mut self) -> Option<&mut BlockPool> {
+        self.pool.as_mut()
+    }
+
+    pub fn quarantined_requests(&self) -> usize {
+        self.held.len()
+    }
+
+    pub fn quarantined_blocks(&self) -> usize {
+        self.held.values().map(|h| h.req.all_blocks().count()).sum()
+    }
+
+    pub fn is_quarantined(&self, req_id: &ReqId) -> bool {
+        self.held.contains_key(req_id)
+    }
+
+    /// Queue the failure signal (once per request): request-level for multi-group caches,
+    /// block-level otherwise (PROTOCOL.md §4).
+    pub fn on_first_failure(&mut self, ff: &FirstFailure) {
+        self.signal_failure(&ff.req);
+    }
+
+    fn signal_failure(&mut self, req: &SharedRequest) {
+        if !self.failure_signalled.insert(req.req_id.clone()) {
+            return;
+        }
+        if req.block_ids.len() > 1 {
+            self.out.failed_recving.push(req.req_id.clone());
+        } else {
+            self.out.invalid_block_ids.extend(req.all_blocks());
+        }
+    }
+
+    /// A completion arrived; its permits were already revoked with result `revocation`.
+    /// `fence_needed_for` is the set of peers that may still write (empty: nothing to wait for).
+    pub fn on_completion(
+        &mut self,
+        c: &Completion,
+        fence_needed_for: Vec<PeerId>,
+        now: Instant,
+    ) -> Disposition {
+        if !c.outcome.is_ok() {
+            // A failure signal is never later than its completion.
+            self.signal_failure(&c.req);
+        }
+        let blocks: Vec<u32> = c.req.all_blocks().collect();
+        if fence_needed_for.is_empty() {
+            self.release_now(&c.req);
+            return Disposition::Released { blocks };
+        }
+        let deadline = now + self.quarantine_deadline;
+        self.held.insert(
+            c.req.req_id.clone(),
+            Held { req: c.req.clone(), peers: fence_needed_for.clone(), since: now, deadline },
+        );
+        Disposition::Quarantined { blocks, peers: fence_needed_for, deadline }
+    }
+
+    fn release_now(&mut self, req: &SharedRequest) {
+        self.failure_signalled.remove(&req.req_id);
+        self.out.finished_recving.push(req.req_id.clone());
+        if let Some(pool) = &mut self.pool {
+            pool.release(&req.req_id);
+        }
+    }
+
+    /// The fence for `req_id` is confirmed (or its deadline passed): release it.
+    pub fn end_quarantine(&mut self, req_id: &ReqId, now: Instant) -> Option<Release> {
+        let h = self.held.remove(req_id)?;
+        self.release_now(&h.req);
+        Some(Release {
+            req_id: req_id.clone(),
+            blocks: h.req.all_blocks().collect(),
+            held_for: now.saturating_duration_since(h.since),
+        })
+    }
+
+    /// Quarantines whose last-resort deadline has passed.
+    pub fn expired(&self, now: Instant) -> Vec<ReqId> {
+        let mut v: Vec<ReqId> =
+            self.held.iter().filter(|(_, h)| h.deadline <= now).map(|(r, _)| r.clone()).collect();
+        v.sort();
+        v
+    }
+
+    /// The peers a quarantine waits for.
+    pub fn held_peers(&self, req_id: &ReqId) -> Option<&[PeerId]> {
+        self.held.get(req_id).map(|h| h.peers.as_slice())
+    }
+
+    /// Everything ready for the host since the last drain.
+    pub fn drain(&mut self) -> StepOutput {
+        std::mem::take(&mut self.out)
+    }
+}
+
+/// Which peers must be fenced before a completion's blocks can go back (DESIGN.md §5).
+pub fn peers_to_fence(c: &Completion, revocation: Revocation) -> Vec<PeerId> {
+    if revocation == Revocation::Exact {
+        return vec![]; // the permit refuses every later write: that is the fence
+    }
+    // Unsettled peers only exist under `naive`, which by design does not wait for them.
+    c.uncertain_peers.clone()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::messages::{Outcome, RequestMeta};
+
+    fn req(id: &str, groups: Vec<Vec<u32>>) -> SharedRequest {
+        Arc::new(RequestMeta {
+            req_id: id.into(),
+            transfer_id: id.into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: groups,
+        })
+    }
+
+    fn completion(r: &SharedRequest, failed: bool, uncertain: &[&str]) -> Completion {
+        Completion {
+            req: r.clone(),
+            outcome: if failed {
+                Outcome::Failed { peer: None, reason: "x".into() }
+            } else {
+                Outcome::Ok
+            },
+            uncertain_peers: uncertain.iter().map(PeerId::new).collect(),
+            unsettled_peers: vec![],
+        }
+    }
+
+    #[test]
+    fn failure_signal_is_drained_no_later_than_its_completion() {
+        let mut l = BlockLedger::new(Duration::from_secs(1), None);
+        let r = req("r", vec![vec![3, 4]]);
+        l.on_first_failure(&FirstFailure { req: r.clone(), peer: None, reason: "x".into() });
+        let first = l.drain();
+        assert_eq!(first.invalid_block_ids, vec![3, 4]);
+        assert!(first.finished_recving.is_empty());
+        l.on_completion(&completion(&r, true, &[]), vec![], Instant::now());
+        let second = l.drain();
+        assert_eq!(second.finished_recving, vec![ReqId::from("r")]);
+        assert!(second.invalid_block_ids.is_empty(), "failure signalled once");
+    }
+
+    #[test]
+    fn multi_group_failures_are_request_level() {
+        let mut l = BlockLedger::new(Duration::from_secs(1), None);
+        let r = req("r", vec![vec![1], vec![2]]);
+        l.on_completion(&completion(&r, true, &[]), vec![], Instant::now());
+        let out = l.drain();
+        assert_eq!(out.failed_recving, vec![ReqId::from("r")]);
+        assert!(out.invalid_block_ids.is_empty());
+        assert_eq!(out.finished_recving, vec![ReqId::from("r")]);
+    }
+
+    #[test]
+    fn quarantine_holds_until_fence_or_deadline() {
+        let t0 = Instant::now();
+        let mut l = BlockLedger::new(Duration::from_secs(10), Some(BlockPool::new(4)));
+        let r = req("r", vec![vec![]]);
+        let c = completion(&r, true, &["p1"]);
+        let fence = peers_to_fence(&c, Revocation::NotExact);
+        assert!(matches!(l.on_completion(&c, fence, t0), Disposition::Quarantined { .. }));
+        assert!(l.drain().finished_recving.is_empty(), "no completion while quarantined");
+        assert!(l.expired(t0 + Duration::from_secs(9)).is_empty());
+        assert_eq!(l.expired(t0 + Duration::from_secs(10)), vec![ReqId::from("r")]);
+        let rel = l.end_quarantine(&"r".into(), t0 + Duration::from_secs(10)).unwrap();
+        assert_eq!(rel.held_for, Duration::from_secs(10));
+        assert_eq!(l.drain().finished_recving, vec![ReqId::from("r")]);
+        assert!(l.end_quarantine(&"r".into(), t0).is_none(), "released once");
+        assert!(peers_to_fence(&c, Revocation::Exact).is_empty());
+    }
+}

@@ -1,0 +1,147 @@
+//! BlockManager: one per D worker. Owns destination-block lifetime: revokes landing permits at
+//! every completion, quarantines blocks that uncertain peers may still write until the data
+//! plane fences them (or the last-resort deadline), and serves the host's per-step drain.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use actix::{
+    Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult, WrapFuture,
+};
+
+use crate::config::Policy;
+use crate::messages::{
+    Allocate, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent, LedgerStats, ReqId,
+};
+use crate::metrics as m;
+use crate::rdma::Landing;
+
+use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
+use super::block_pool::{BlockOwnership, PoolError};
+use super::event_sink::EventSink;
+
+pub struct BlockManager {
+    ledger: BlockLedger,
+    landing: Arc<dyn Landing>,
+    policy: Policy,
+    events: EventSink,
+}
+
+impl BlockManager {
+    pub fn new(ledger: BlockLedger, landing: Arc<dyn Landing>, policy: Policy, events: EventSink) -> Self {
+        BlockManager { ledger, landing, policy, events }
+    }
+
+    /// The built-in pool's ownership table (for the data plane's audit), if there is a pool.
+    pub fn ownership(&self) -> Option<Arc<BlockOwnership>> {
+        self.ledger.pool().map(|p| p.ownership())
+    }
+
+    fn end_quarantine(&mut self, req_id: &ReqId, fenced: bool) {
+        let now = Instant::now();
+        let Some(rel) = self.ledger.end_quarantine(req_id, now) else { return };
+        if fenced {
+            metrics::histogram!(m::FENCE_LATENCY).record(rel.held_for.as_secs_f64());
+            tracing::info!(req_id = %req_id, held_ms = rel.held_for.as_millis() as u64, "fenced, released");
+        } else {
+            metrics::counter!(m::QUARANTINE_FORCED).increment(1);
+            tracing::warn!(req_id = %req_id, held_ms = rel.held_for.as_millis() as u64,
+                "quarantine deadline passed without a fence; releasing blocks a peer may still write");
+        }
+        metrics::gauge!(m::QUARANTINED_BLOCKS).set(self.ledger.quarantined_blocks() as f64);
+        self.events.emit(KvEvent::Released {
+            req_id: req_id.clone(),
+            blocks: rel.blocks,
+            fenced,
+            forced: !fenced,
+        });
+    }
+}
+
+impl Actor for BlockManager {
+    type Context = Context<Self>;
+}
+
+impl Handler<FirstFailure> for BlockManager {
+    type Result = ();
+
+    fn handle(&mut self, ff: FirstFailure, _ctx: &mut Context<Self>) {
+        self.ledger.on_first_failure(&ff);
+    }
+}
+
+impl Handler<Completion> for BlockManager {
+    type Result = ();
+
+    fn handle(&mut self, c: Completion, ctx: &mut Context<Self>) {
+        // Revoke first, whatever the outcome: an ok from a v1 writer or a timed-out TE batch is
+        // no proof that the bytes stopped moving (DESIGN.md §5).
+        let revocation = self.landing.revoke(&c.req);
+        let fence = match self.policy {
+            Policy::Settle => peers_to_fence(&c, revocation),
+            Policy::Naive => vec![],
+        };
+        let req_id = c.req.req_id.clone();
+        match self.ledger.on_completion(&c, fence, Instant::now()) {
+            Disposition::Released { blocks } => {
+                self.events.emit(KvEvent::Released { req_id, blocks, fenced: false, forced: false });
+            }
+            Disposition::Quarantined { blocks, peers, deadline } => {
+                tracing::info!(req_id = %req_id, blocks = blocks.len(), peers = ?peers, "quarantined until fenced");
+                metrics::gauge!(m::QUARANTINED_BLOCKS).set(self.ledger.quarantined_blocks() as f64);
+                self.events.emit(KvEvent::Quarantined { req_id: req_id.clone(), blocks, peers: peers.clone() });
+                let r = req_id.clone();
+                ctx.spawn(self.landing.fence(&peers).into_actor(self).map(move |res, act, _ctx| {
+                    match res {
+                        Ok(()) => act.end_quarantine(&r, true),
+                        Err(e) => tracing::warn!(req_id = %r, error = %e, "fence failed; holding blocks until the deadline"),
+                    }
+                }));
+                let wait = deadline.saturating_duration_since(Instant::now());
+                ctx.run_later(wait, move |act, _ctx| act.end_quarantine(&req_id, false));
+            }
+        }
+    }
+}
+
+impl Handler<Drain> for BlockManager {
+    type Result = MessageResult<Drain>;
+
+    fn handle(&mut self, _: Drain, _ctx: &mut Context<Self>) -> MessageResult<Drain> {
+        MessageResult(self.ledger.drain())
+    }
+}
+
+impl Handler<Allocate> for BlockManager {
+    type Result = Result<Vec<u32>, PoolError>;
+
+    fn handle(&mut self, a: Allocate, _ctx: &mut Context<Self>) -> Self::Result {
+        match self.ledger.pool_mut() {
+            Some(p) => p.allocate(&a.req_id, a.owner_tag, a.n),
+            None => Err(PoolError::Exhausted { wanted: a.n, free: 0 }),
+        }
+    }
+}
+
+impl Handler<Free> for BlockManager {
+    type Result = Vec<u32>;
+
+    fn handle(&mut self, f: Free, _ctx: &mut Context<Self>) -> Vec<u32> {
+        if self.ledger.is_quarantined(&f.req_id) {
+            return vec![]; // still fenced off; the quarantine releases it
+        }
+        self.ledger.pool_mut().map(|p| p.release(&f.req_id)).unwrap_or_default()
+    }
+}
+
+impl Handler<GetLedgerStats> for BlockManager {
+    type Result = LedgerStats;
+
+    fn handle(&mut self, _: GetLedgerStats, _ctx: &mut Context<Self>) -> LedgerStats {
+        LedgerStats {
+            quarantined_requests: self.ledger.quarantined_requests(),
+            quarantined_blocks: self.ledger.quarantined_blocks(),
+            free_blocks: self.ledger.pool().map(|p| p.free_blocks()),
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! kvrecv's built-in destination-block pool, for hosts without their own and for the demo:
+//! allocation, a generation per block, and an ownership table the data plane's audit reads.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use thiserror::Error;
+
+use crate::messages::ReqId;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PoolError {
+    #[error("pool exhausted: {wanted} blocks wanted, {free} free")]
+    Exhausted { wanted: usize, free: usize },
+    #[error("request {0} already holds blocks")]
+    AlreadyAllocated(ReqId),
+}
+
+/// Stable 32-bit tag of a request as the writer knows it (its `transfer_id`), never 0.
+///
+/// ```
+/// let t = kvrecv::actors::block_pool::owner_tag("t-1");
+/// assert_ne!(t, 0);
+/// assert_eq!(t, kvrecv::actors::block_pool::owner_tag("t-1"));
+/// ```
+pub fn owner_tag(transfer_id: &str) -> u32 {
+    // FNV-1a: stable across processes and languages, so a writer can compute it too.
+    let h = transfer_id.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    h.max(1)
+}
+
+/// Who owns each block right now: `generation << 32 | owner_tag`, tag 0 = free. Lock-free reads
+/// for the data server's audit; only the pool writes.
+#[derive(Debug)]
+pub struct BlockOwnership {
+    slots: Vec<AtomicU64>,
+}
+
+/// One block's state as the audit sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BlockState {
+    pub generation: u32,
+    /// `None` when the block is free.
+    pub owner_tag: Option<u32>,
+}
+
+impl BlockOwnership {
+    pub fn new(num_blocks: u32) -> Self {
+        BlockOwnership { slots: (0..num_blocks).map(|_| AtomicU64::new(0)).collect() }
+    }
+
+    pub fn get(&self, block: u32) -> Option<BlockState> {
+        let v = self.slots.get(block as usize)?.load(Ordering::Acquire);
+        let tag = v as u32;
+        Some(BlockState { generation: (v >> 32) as u32, owner_tag: (tag != 0).then_some(tag) })
+    }
+
+    fn set(&self, block: u32, generation: u32, tag: u32) {
+        self.slots[block as usize].store((u64::from(generation) << 32) | u64::from(tag), Ordering::Release);
+    }
+
+    pub fn len(&self) -> u32 {
+        self.slots.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+}
+
+/// A LIFO pool: the most recently freed block is handed out first, as a busy scheduler would,
+/// so a write after free quickly becomes a write into someone else's request.
+pub struct BlockPool {
+    free: Vec<u32>,
+    generation: Vec<u32>,
+    holders: std::collections::HashMap<ReqId, Vec<u32>>,
+    table: Arc<BlockOwnership>,
+}
+
+impl BlockPool {
+    pub fn new(num_blocks: u32) -> Self {
+        BlockPool {
+            free: (0..num_blocks).rev().collect(),
+            generation: vec![0; num_blocks as usize],
+            holders: Default::default(),
+            table: Arc::new(BlockOwnership::new(num_blocks)),
+        }
+    }
+
+    pub fn ownership(&self) -> Arc<BlockOwnership> {
+        self.table.clone()
+    }
+
+    pub fn free_blocks(&self) -> usize {
+        self.free.len()
+    }
+
+    pub fn capacity(&self) -> usize {
+        self.generation.len()
+    }
+
+    /// Take `n` blocks for `req`, owned by the writer-visible `tag`.
+    pub fn allocate(&mut self, req: &ReqId, tag: u32, n: usize) -> Result<Vec<u32>, PoolError> {
+        if self.holders.contains_key(req) {
+            return Err(PoolError::AlreadyAllocated(req.clone()));
+        }
+        if n > self.free.len() {
+            return Err(PoolError::Exhausted { wanted: n, free: self.free.len() });
+        }
+        let blocks = self.free.split_off(self.free.len() - n);
+        for &b in &blocks {
+            let g = &mut self.generation[b as usize];
+            *g = g.wrapping_add(1);
+            self.table.set(b, *g, tag.max(1));
+        }
+        self.holders.insert(req.clone(), blocks.clone());
+        Ok(blocks)
+    }
+
+    /// Give `req`'s blocks back; returns them (empty if it held none).
+    pub fn release(&mut self, req: &ReqId) -> Vec<u32> {
+        let blocks = self.holders.remove(req).unwrap_or_default();
+        for &b in &blocks {
+            self.table.set(b, self.generation[b as usize], 0);
+        }
+        self.free.extend(blocks.iter().rev());
+        blocks
+    }
+
+    pub fn holds(&self, req: &ReqId) -> bool {
+        self.holders.contains_key(req)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn freed_blocks_are_reused_first_with_a_new_generation() {
+        let mut p = BlockPool::new(4);
+        let a: ReqId = "a".into();
+        let b: ReqId = "b".into();
+        let blocks = p.allocate(&a, 7, 2).unwrap();
+        let t = p.ownership();
+        assert_eq!(t.get(blocks[0]).unwrap(), BlockState { generation: 1, owner_tag: Some(7) });
+        assert_eq!(p.release(&a), blocks);
+        assert_eq!(t.get(blocks[0]).unwrap().owner_tag, None);
+        let again = p.allocate(&b, 9, 2).unwrap();
+        assert_eq!(again.iter().collect::<std::collections::BTreeSet<_>>(), blocks.iter().collect());
+        assert_eq!(t.get(again[0]).unwrap().generation, 2);
+        assert!(matches!(p.allocate(&a, 1, 3), Err(PoolError::Exhausted { .. })));
+        assert!(matches!(p.allocate(&b, 1, 1), Err(PoolError::AlreadyAllocated(_))));
+    }
+}

@@ -1,0 +1,26 @@
+//! The receive coordinator's actors (DESIGN.md §3). Each actor is thin: the logic lives in a
+//! plain struct it owns (`*_state`, `block_ledger`, `block_pool`, `topology`), tested directly.
+
+pub mod aggregator;
+pub mod aggregator_state;
+pub mod block_ledger;
+pub mod block_manager;
+pub mod block_pool;
+pub mod event_sink;
+pub mod peer;
+pub mod peer_state;
+pub mod receiver;
+pub mod scripted_transport;
+pub mod system;
+pub mod topology;
+pub mod transport;
+
+pub use aggregator::RequestAggregator;
+pub use block_manager::BlockManager;
+pub use event_sink::EventSink;
+pub use peer::{Peer, PeerConfig};
+pub use receiver::Receiver;
+pub use scripted_transport::{OpenedPull, ScriptedTransport};
+pub use system::{Coordinator, CoordinatorParts};
+pub use topology::{DRank, EngineTopology, StaticTopology, TopologyError, TopologySource};
+pub use transport::{Frames, PeerTransport, ReplyStream, TransportError};

@@ -1,0 +1,261 @@
+//! Peer: one per prefill worker, under an actix `Supervisor`. Sends each pull on a fresh channel,
+//! turns replies into settles, enforces the per-pull deadline, and on a channel failure stops so
+//! the supervisor restarts it, after settling everything it owed as Uncertain.
+
+use std::collections::{HashMap, VecDeque};
+use std::rc::Rc;
+use std::time::{Duration, Instant};
+
+use actix::{Actor, ActorContext, AsyncContext, Context, Handler, SpawnHandle, StreamHandler, Supervised};
+use futures::StreamExt;
+
+use crate::messages::{KvEvent, PeerId, Pull, PullId};
+use crate::metrics as m;
+
+use super::event_sink::EventSink;
+use super::peer_state::{Effects, PeerState};
+use super::transport::{Frames, PeerTransport, TransportError};
+
+/// Timing knobs of a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerConfig {
+    /// Longest silence tolerated during a pull (restarted by every reply).
+    pub pull_timeout: Duration,
+    pub backoff_base: Duration,
+    pub backoff_max: Duration,
+}
+
+impl PeerConfig {
+    /// Backoff before serving pulls again after the `n`-th consecutive failure (n >= 1).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let c = kvrecv::actors::PeerConfig { pull_timeout: Duration::from_secs(1),
+    ///     backoff_base: Duration::from_millis(100), backoff_max: Duration::from_millis(250) };
+    /// assert_eq!(c.backoff(1), Duration::from_millis(100));
+    /// assert_eq!(c.backoff(2), Duration::from_millis(200));
+    /// assert_eq!(c.backoff(9), Duration::from_millis(250));
+    /// ```
+    pub fn backoff(&self, n: u32) -> Duration {
+        let factor = 1u32.checked_shl(n.saturating_sub(1)).unwrap_or(u32::MAX);
+        self.backoff_base.saturating_mul(factor).min(self.backoff_max)
+    }
+}
+
+/// What came off one pull's channel.
+pub enum ChannelEvent {
+    Reply(Frames),
+    Failed(TransportError),
+    /// The channel ended (after its last reply, or without one).
+    Ended,
+}
+
+pub struct PullEvent {
+    pull_id: PullId,
+    event: ChannelEvent,
+}
+
+struct Live {
+    stream: SpawnHandle,
+    deadline: SpawnHandle,
+    started: Instant,
+    span: tracing::Span,
+}
+
+pub struct Peer {
+    state: PeerState,
+    transport: Rc<dyn PeerTransport>,
+    cfg: PeerConfig,
+    events: EventSink,
+    live: HashMap<PullId, Live>,
+    restarts: u32,
+    consecutive_failures: u32,
+    backoff_until: Option<Instant>,
+    parked: VecDeque<Pull>,
+}
+
+impl Peer {
+    pub fn new(id: PeerId, transport: Rc<dyn PeerTransport>, cfg: PeerConfig, events: EventSink) -> Self {
+        Peer {
+            state: PeerState::new(id),
+            transport,
+            cfg,
+            events,
+            live: HashMap::new(),
+            restarts: 0,
+            consecutive_failures: 0,
+            backoff_until: None,
+            parked: VecDeque::new(),
+        }
+    }
+
+    fn id(&self) -> &PeerId {
+        self.state.peer()
+    }
+
+    fn start_pull(&mut self, pull: Pull, ctx: &mut Context<Self>) {
+        let pull_id = pull.pull_id;
+        let span = tracing::info_span!("pull", peer = %self.id(), pull_id, requests = pull.requests.len());
+        span.in_scope(|| tracing::debug!("sending pull"));
+        metrics::counter!(m::PULLS).increment(1);
+        self.state.start(&pull);
+        let replies = self.transport.pull(self.id(), pull.payload);
+        let stream = replies
+            .map(move |r| PullEvent {
+                pull_id,
+                event: match r {
+                    Ok(frames) => ChannelEvent::Reply(frames),
+                    Err(e) => ChannelEvent::Failed(e),
+                },
+            })
+            .chain(futures::stream::once(async move { PullEvent { pull_id, event: ChannelEvent::Ended } }));
+        let stream = ctx.add_stream(stream);
+        let deadline = self.arm_deadline(pull_id, ctx);
+        self.live.insert(pull_id, Live { stream, deadline, started: Instant::now(), span });
+    }
+
+    fn arm_deadline(&self, pull_id: PullId, ctx: &mut Context<Self>) -> SpawnHandle {
+        let timeout = self.cfg.pull_timeout;
+        ctx.run_later(timeout, move |act, ctx| {
+            metrics::counter!(m::DEADLINE_EXPIRIES).increment(1);
+            let fx = act.state.abandon(pull_id, format!("no reply within the {timeout:?} pull deadline"));
+            act.apply(pull_id, fx, ctx);
+        })
+    }
+
+    /// Send settles, count, and close the pull's channel when it is over.
+    fn apply(&mut self, pull_id: PullId, fx: Effects, ctx: &mut Context<Self>) {
+        let span = self.live.get(&pull_id).map(|l| l.span.clone()).unwrap_or_else(tracing::Span::none);
+        let _g = span.enter();
+        if let Some(reason) = &fx.malformed {
+            metrics::counter!(m::MALFORMED_REPLIES).increment(1);
+            tracing::warn!(%reason, "malformed reply");
+        }
+        for req_id in fx.stale {
+            metrics::counter!(m::STALE_SETTLES).increment(1);
+            tracing::debug!(%req_id, "stale id in reply");
+            self.events.emit(KvEvent::Stale { peer: self.id().clone(), pull_id, req_id });
+        }
+        for (to, s) in fx.settles {
+            metrics::counter!(m::SETTLES, "outcome" => s.outcome.label()).increment(1);
+            tracing::debug!(req_id = %s.req_id, outcome = s.outcome.label(), reason = s.outcome.reason(), "settle");
+            self.events.emit(KvEvent::Settled {
+                peer: s.peer.clone(),
+                pull_id: s.pull_id,
+                req_id: s.req_id.clone(),
+                outcome: s.outcome.clone(),
+            });
+            if let Some(to) = to {
+                to.do_send(s);
+            }
+        }
+        if fx.finished_cleanly {
+            self.consecutive_failures = 0;
+        }
+        if fx.pull_done {
+            self.close(pull_id, ctx);
+        }
+    }
+
+    fn close(&mut self, pull_id: PullId, ctx: &mut Context<Self>) {
+        if let Some(l) = self.live.remove(&pull_id) {
+            ctx.cancel_future(l.stream); // drops the channel: the DEALER closes with linger 0
+            ctx.cancel_future(l.deadline);
+            metrics::histogram!(m::PULL_LATENCY).record(l.started.elapsed().as_secs_f64());
+        }
+    }
+
+    fn flush_parked(&mut self, ctx: &mut Context<Self>) {
+        self.backoff_until = None;
+        while let Some(p) = self.parked.pop_front() {
+            self.start_pull(p, ctx);
+        }
+    }
+}
+
+impl Actor for Peer {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(until) = self.backoff_until {
+            ctx.run_later(until.saturating_duration_since(Instant::now()), |act, ctx| act.flush_parked(ctx));
+        }
+    }
+}
+
+impl Supervised for Peer {
+    /// Everything the old incarnation owed is settled Uncertain, exactly once, before the new one
+    /// serves anything (DESIGN.md §6).
+    fn restarting(&mut self, ctx: &mut Context<Self>) {
+        self.restarts += 1;
+        self.consecutive_failures += 1;
+        let reason = format!("peer {} restarted after a channel failure", self.id());
+        let (fx, pulls) = self.state.abandon_all(&reason);
+        self.apply(0, fx, ctx);
+        for id in pulls {
+            self.close(id, ctx);
+        }
+        for (_, l) in self.live.drain() {
+            ctx.cancel_future(l.stream);
+            ctx.cancel_future(l.deadline);
+        }
+        let backoff = self.cfg.backoff(self.consecutive_failures);
+        self.backoff_until = Some(Instant::now() + backoff);
+        metrics::counter!(m::PEER_RESTARTS).increment(1);
+        tracing::warn!(peer = %self.id(), restarts = self.restarts, backoff_ms = backoff.as_millis() as u64, "peer restarted");
+        self.events.emit(KvEvent::PeerRestarted { peer: self.id().clone(), restarts: self.restarts });
+    }
+}
+
+impl Handler<Pull> for Peer {
+    type Result = ();
+
+    fn handle(&mut self, pull: Pull, ctx: &mut Context<Self>) {
+        match self.backoff_until {
+            Some(until) if until > Instant::now() => self.parked.push_back(pull),
+            _ => {
+                if !self.parked.is_empty() {
+                    self.flush_parked(ctx);
+                }
+                self.start_pull(pull, ctx)
+            }
+        }
+    }
+}
+
+impl StreamHandler<PullEvent> for Peer {
+    fn handle(&mut self, ev: PullEvent, ctx: &mut Context<Self>) {
+        let pull_id = ev.pull_id;
+        if !self.state.is_in_flight(pull_id) {
+            return;
+        }
+        match ev.event {
+            ChannelEvent::Reply(frames) => {
+                let fx = self.state.on_reply(pull_id, frames);
+                if !fx.pull_done {
+                    // P restarts its readiness wait after every subset; so does D's deadline.
+                    if let Some(old) = self.live.get(&pull_id).map(|l| l.deadline) {
+                        ctx.cancel_future(old);
+                        let new = self.arm_deadline(pull_id, ctx);
+                        if let Some(l) = self.live.get_mut(&pull_id) {
+                            l.deadline = new;
+                        }
+                    }
+                }
+                self.apply(pull_id, fx, ctx);
+            }
+            ChannelEvent::Failed(e) => {
+                let fx = self.state.abandon(pull_id, e.to_string());
+                self.apply(pull_id, fx, ctx);
+                ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
+            }
+            ChannelEvent::Ended => {
+                let fx = self.state.abandon(pull_id, "channel closed before FINISH".into());
+                self.apply(pull_id, fx, ctx);
+            }
+        }
+    }
+
+    /// One pull's channel ending is not the actor's end.
+    fn finished(&mut self, _ctx: &mut Context<Self>) {}
+}

@@ -1,0 +1,214 @@
+//! Receiver: takes a batch from the host (`load_kv`), validates it, finds the peers of each P
+//! engine, starts one RequestAggregator per awaited request and hands each Peer its pull.
+
+use std::collections::{HashMap, HashSet};
+use std::rc::Rc;
+use std::sync::Arc;
+
+use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Supervisor, WrapFuture};
+
+use crate::config::KvRecvConfig;
+use crate::messages::{
+    BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId, PullRequest,
+    RequestMeta, SharedRequest,
+};
+use crate::metrics as m;
+use crate::rdma::{Landing, PullWindow};
+
+use super::aggregator::RequestAggregator;
+use super::block_manager::BlockManager;
+use super::event_sink::EventSink;
+use super::peer::{Peer, PeerConfig};
+use super::topology::{EngineTopology, TopologyError, TopologySource};
+use super::transport::PeerTransport;
+
+pub struct Receiver {
+    cfg: KvRecvConfig,
+    topology: Rc<dyn TopologySource>,
+    transport: Rc<dyn PeerTransport>,
+    landing: Arc<dyn Landing>,
+    block_manager: Addr<BlockManager>,
+    events: EventSink,
+    peers: HashMap<PeerId, Addr<Peer>>,
+    next_pull: PullId,
+}
+
+impl Receiver {
+    pub fn new(
+        cfg: KvRecvConfig,
+        topology: Rc<dyn TopologySource>,
+        transport: Rc<dyn PeerTransport>,
+        landing: Arc<dyn Landing>,
+        block_manager: Addr<BlockManager>,
+        events: EventSink,
+    ) -> Self {
+        Receiver {
+            cfg,
+            topology,
+            transport,
+            landing,
+            block_manager,
+            events,
+            peers: HashMap::new(),
+            next_pull: 1,
+        }
+    }
+
+    /// Layout-level checks on top of [`crate::messages::KvRequest::validate`].
+    fn check_blocks(&self, r: &RequestMeta) -> Result<(), BatchError> {
+        let l = &self.cfg.layout;
+        if r.is_awaiting() && r.block_ids.len() != l.num_groups as usize {
+            return Err(BatchError::GroupCount {
+                req_id: r.req_id.to_string(),
+                groups: r.block_ids.len(),
+                expected: l.num_groups as usize,
+            });
+        }
+        match r.all_blocks().find(|b| *b >= l.num_blocks) {
+            Some(block) => Err(BatchError::BlockOutOfRange {
+                req_id: r.req_id.to_string(),
+                block,
+                num_blocks: l.num_blocks,
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn peer(&mut self, id: &PeerId) -> Addr<Peer> {
+        if let Some(a) = self.peers.get(id) {
+            return a.clone();
+        }
+        let (pid, transport, events) = (id.clone(), self.transport.clone(), self.events.clone());
+        let cfg = PeerConfig {
+            pull_timeout: self.cfg.pull_timeout,
+            backoff_base: self.cfg.peer_backoff_base,
+            backoff_max: self.cfg.peer_backoff_max,
+        };
+        let addr = Supervisor::start(move |_| Peer::new(pid, transport, cfg, events));
+        self.peers.insert(id.clone(), addr.clone());
+        addr
+    }
+
+    /// No writer exists for this batch (DESIGN.md §4 rule 7).
+    fn fail_batch(&mut self, group: Vec<SharedRequest>, err: TopologyError) {
+        metrics::counter!(m::TOPOLOGY_FAILURES).increment(1);
+        tracing::warn!(error = %err, requests = group.len(), "topology failure; failing the batch");
+        if let Some(r) = group.first() {
+            self.topology.invalidate(&r.bootstrap_addr, &r.engine_id);
+        }
+        for req in group.into_iter().filter(|r| r.is_awaiting()) {
+            RequestAggregator::failed(req, err.to_string(), self.block_manager.clone(), self.events.clone())
+                .start();
+        }
+    }
+
+    fn dispatch(&mut self, group: Vec<SharedRequest>, topo: Result<EngineTopology, TopologyError>) {
+        let peers = match topo.and_then(|t| t.peers_for(self.cfg.d_rank)) {
+            Ok(p) => p,
+            Err(e) => return self.fail_batch(group, e),
+        };
+        // Aggregators first, so no settle can arrive before its aggregator exists.
+        let requests: Vec<PullRequest> = group
+            .iter()
+            .map(|req| PullRequest {
+                meta: req.clone(),
+                aggregator: req.is_awaiting().then(|| {
+                    RequestAggregator::new(
+                        req.clone(),
+                        peers.clone(),
+                        self.cfg.policy,
+                        self.block_manager.clone(),
+                        self.events.clone(),
+                    )
+                    .start()
+                    .recipient()
+                }),
+            })
+            .collect();
+        let awaiting: Vec<SharedRequest> = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+        let (host, port) = self.landing.endpoint();
+        for peer in &peers {
+            let pull_id = self.next_pull;
+            self.next_pull += 1;
+            let bases =
+                self.landing.open_pull(&PullWindow { pull_id, peer, requests: &awaiting });
+            let payload = self.metadata(&host, port, &group, bases).encode();
+            let payload = match payload {
+                Ok(p) => p,
+                Err(e) => {
+                    // Encoding our own struct cannot fail; if it ever does, nothing was sent.
+                    tracing::error!(error = %e, "cannot encode metadata");
+                    continue;
+                }
+            };
+            self.peer(peer).do_send(Pull { pull_id, payload, requests: requests.clone() });
+        }
+    }
+
+    fn metadata(&self, host: &str, port: u32, group: &[SharedRequest], bases: Vec<u64>) -> MooncakeXferMetadata {
+        let l = &self.cfg.layout;
+        let d = self.cfg.d_rank;
+        let mut md = MooncakeXferMetadata::minimal(host, port, d.tp_size, d.tp_rank);
+        md.remote_pp_size = d.pp_size;
+        for r in group {
+            // Cleanup pulls and full prefix hits send an empty outer list, as vLLM does.
+            let blocks = if r.is_awaiting() {
+                r.block_ids.iter().map(|g| g.iter().map(|&b| u64::from(b)).collect()).collect()
+            } else {
+                vec![]
+            };
+            md.req_blocks.insert(r.req_id.to_string(), (r.transfer_id.clone(), blocks));
+        }
+        md.kv_caches_base_addr = bases;
+        md.block_lens = l.regions.iter().map(|r| r.block_len).collect();
+        md.kv_block_lens = l.regions.iter().map(|r| r.kv_block_len).collect();
+        md.registered_layer_names = l.regions.iter().map(|r| r.layer_name.clone()).collect();
+        md.registered_layer_indices = l.regions.iter().map(|r| r.layer_index).collect();
+        md.registered_group_indices = l.regions.iter().map(|r| r.group_index).collect();
+        md
+    }
+}
+
+impl Actor for Receiver {
+    type Context = Context<Self>;
+}
+
+impl Handler<LoadKv> for Receiver {
+    type Result = LoadKvReply;
+
+    fn handle(&mut self, batch: LoadKv, ctx: &mut Context<Self>) -> LoadKvReply {
+        let mut reply = LoadKvReply::default();
+        let mut seen = HashSet::new();
+        // (bootstrap, engine) -> requests, in arrival order: one pull per engine and peer.
+        let mut groups: Vec<((String, String), Vec<SharedRequest>)> = Vec::new();
+        for kv in batch.requests {
+            let meta = match kv.validate().and_then(|m| self.check_blocks(&m).map(|_| m)) {
+                Ok(m) => m,
+                Err(e) => {
+                    reply.rejected.push(e);
+                    continue;
+                }
+            };
+            if !seen.insert(meta.req_id.clone()) {
+                reply.rejected.push(BatchError::Duplicate { req_id: meta.req_id.to_string() });
+                continue;
+            }
+            reply.accepted += 1;
+            reply.awaiting += usize::from(meta.is_awaiting());
+            let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
+            let meta = Arc::new(meta);
+            match groups.iter_mut().find(|(k, _)| *k == key) {
+                Some((_, v)) => v.push(meta),
+                None => groups.push((key, vec![meta])),
+            }
+        }
+        for e in &reply.rejected {
+            tracing::warn!(error = %e, "request refused at load_kv");
+        }
+        for ((bootstrap, engine), group) in groups {
+            let lookup = self.topology.lookup(&bootstrap, &engine);
+            ctx.spawn(lookup.into_actor(self).map(move |topo, act, _ctx| act.dispatch(group, topo)));
+        }
+        reply
+    }
+}

@@ -1,0 +1,71 @@
+//! Wiring: start the BlockManager and the Receiver on the current actix arbiter. Peers are
+//! started lazily by the Receiver, each under its own `Supervisor`.
+
+use std::rc::Rc;
+use std::sync::Arc;
+
+use actix::{Actor, Addr};
+
+use crate::config::KvRecvConfig;
+use crate::messages::{Drain, LoadKv, LoadKvReply, StepOutput};
+use crate::rdma::Landing;
+
+use super::block_ledger::BlockLedger;
+use super::block_manager::BlockManager;
+use super::block_pool::{BlockOwnership, BlockPool};
+use super::event_sink::EventSink;
+use super::receiver::Receiver;
+use super::topology::TopologySource;
+use super::transport::PeerTransport;
+
+/// Everything a coordinator is made of.
+pub struct CoordinatorParts {
+    pub config: KvRecvConfig,
+    pub topology: Rc<dyn TopologySource>,
+    pub transport: Rc<dyn PeerTransport>,
+    pub landing: Arc<dyn Landing>,
+    pub events: EventSink,
+    /// Use kvrecv's built-in block pool (hosts without their own, the demo).
+    pub builtin_pool: bool,
+}
+
+/// Running actors of one D worker.
+#[derive(Clone)]
+pub struct Coordinator {
+    pub receiver: Addr<Receiver>,
+    pub block_manager: Addr<BlockManager>,
+    /// The built-in pool's ownership table, for the data plane's audit.
+    pub ownership: Option<Arc<BlockOwnership>>,
+}
+
+impl Coordinator {
+    /// Start on the current arbiter (inside an actix `System`).
+    pub fn start(parts: CoordinatorParts) -> Coordinator {
+        let cfg = parts.config;
+        let pool = parts.builtin_pool.then(|| BlockPool::new(cfg.layout.num_blocks));
+        let ownership = pool.as_ref().map(|p| p.ownership());
+        let ledger = BlockLedger::new(cfg.quarantine_deadline, pool);
+        let block_manager =
+            BlockManager::new(ledger, parts.landing.clone(), cfg.policy, parts.events.clone()).start();
+        let receiver = Receiver::new(
+            cfg,
+            parts.topology,
+            parts.transport,
+            parts.landing,
+            block_manager.clone(),
+            parts.events,
+        )
+        .start();
+        Coordinator { receiver, block_manager, ownership }
+    }
+
+    /// `load_kv`: hand a batch over. Rejected requests come back in the reply.
+    pub async fn load_kv(&self, batch: LoadKv) -> Result<LoadKvReply, actix::MailboxError> {
+        self.receiver.send(batch).await
+    }
+
+    /// The per-step drain.
+    pub async fn drain(&self) -> Result<StepOutput, actix::MailboxError> {
+        self.block_manager.send(Drain).await
+    }
+}

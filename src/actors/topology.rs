@@ -1,0 +1,269 @@
+//! Which prefill workers one D worker pulls from (PROTOCOL.md §3), and where the topology comes
+//! from (the HTTP bootstrap client in `control`, or a fixed table).
+
+use std::collections::BTreeMap;
+
+use futures::future::LocalBoxFuture;
+use thiserror::Error;
+
+use crate::messages::bootstrap::QueryResponse;
+use crate::messages::PeerId;
+
+/// One P engine (one DP rank): TP rank -> PP rank -> side-channel address.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineTopology {
+    pub engine_id: String,
+    pub tp_size: u32,
+    pub pp_size: u32,
+    /// `workers[tp][pp]`.
+    pub workers: Vec<Vec<PeerId>>,
+}
+
+/// This D worker's place in its own engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DRank {
+    pub tp_size: u32,
+    pub tp_rank: u32,
+    pub pp_size: u32,
+    pub pp_rank: u32,
+}
+
+impl Default for DRank {
+    fn default() -> Self {
+        DRank { tp_size: 1, tp_rank: 0, pp_size: 1, pp_rank: 0 }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum TopologyError {
+    #[error("engine {engine_id} is not registered at {bootstrap}")]
+    UnknownEngine { engine_id: String, bootstrap: String },
+    #[error("bootstrap {bootstrap} failed: {reason}")]
+    Bootstrap { bootstrap: String, reason: String },
+    #[error("engine {engine_id} topology incomplete: {reason}")]
+    Incomplete { engine_id: String, reason: String },
+    #[error("TP sizes do not divide: P TP {p_tp}, D TP {d_tp}")]
+    TpRatio { p_tp: u32, d_tp: u32 },
+    #[error("engine {engine_id} has no worker for this D rank")]
+    NoPeers { engine_id: String },
+}
+
+impl EngineTopology {
+    /// Build from one `GET /query` answer, refusing a partial view (PROTOCOL.md §3 hazards): TP
+    /// keys exactly `0..N-1`, every TP rank with the PP set `0..M-1`, sizes agreeing with
+    /// `tp_size`/`pp_size` when the server sends them.
+    pub fn from_query(
+        bootstrap: &str,
+        engine_id: &str,
+        query: &QueryResponse,
+    ) -> Result<Self, TopologyError> {
+        let entry = query.values().find(|e| e.engine_id == engine_id).ok_or_else(|| {
+            TopologyError::UnknownEngine { engine_id: engine_id.into(), bootstrap: bootstrap.into() }
+        })?;
+        let incomplete =
+            |reason: String| TopologyError::Incomplete { engine_id: engine_id.into(), reason };
+        let tp: BTreeMap<u32, &BTreeMap<String, String>> = entry
+            .worker_addr
+            .iter()
+            .map(|(k, v)| k.parse::<u32>().map(|k| (k, v)))
+            .collect::<Result<_, _>>()
+            .map_err(|_| incomplete("non-integer TP rank key".into()))?;
+        let tp_size = tp.len() as u32;
+        if tp_size == 0 || tp.keys().copied().ne(0..tp_size) {
+            return Err(incomplete(format!("TP ranks {:?} are not 0..{tp_size}", tp.keys())));
+        }
+        if let Some(expected) = entry.tp_size {
+            if expected != tp_size {
+                return Err(incomplete(format!("{tp_size} of {expected} TP ranks registered")));
+            }
+        }
+        let mut workers = Vec::with_capacity(tp.len());
+        let mut pp_size = None;
+        for (rank, stages) in &tp {
+            let pp: BTreeMap<u32, &String> = stages
+                .iter()
+                .map(|(k, v)| k.parse::<u32>().map(|k| (k, v)))
+                .collect::<Result<_, _>>()
+                .map_err(|_| incomplete("non-integer PP rank key".into()))?;
+            let n = pp.len() as u32;
+            if n == 0 || pp.keys().copied().ne(0..n) {
+                return Err(incomplete(format!("TP rank {rank}: PP stages {:?}", pp.keys())));
+            }
+            if *pp_size.get_or_insert(n) != n {
+                return Err(incomplete(format!("TP rank {rank} has {n} PP stages, others differ")));
+            }
+            workers.push(pp.values().map(|a| PeerId::new(a.as_str())).collect());
+        }
+        let pp_size = pp_size.unwrap_or(1);
+        if let Some(expected) = entry.pp_size {
+            if expected != pp_size {
+                return Err(incomplete(format!("{pp_size} of {expected} PP stages registered")));
+            }
+        }
+        Ok(EngineTopology { engine_id: engine_id.into(), tp_size, pp_size, workers })
+    }
+
+    /// The peers of one D worker, in protocol order (PROTOCOL.md §3 rules 1-3).
+    ///
+    /// ```
+    /// use kvrecv::actors::topology::{DRank, EngineTopology};
+    /// use kvrecv::messages::PeerId;
+    /// let t = EngineTopology {
+    ///     engine_id: "e".into(), tp_size: 2, pp_size: 1,
+    ///     workers: vec![vec![PeerId::new("tcp://a:1")], vec![PeerId::new("tcp://b:1")]],
+    /// };
+    /// assert_eq!(t.peers_for(DRank::default()).unwrap().len(), 2); // P TP2 -> D TP1
+    /// ```
+    pub fn peers_for(&self, d: DRank) -> Result<Vec<PeerId>, TopologyError> {
+        let p_tp = self.tp_size;
+        let ratio_err = TopologyError::TpRatio { p_tp, d_tp: d.tp_size };
+        if p_tp == 0 || d.tp_size == 0 || d.tp_rank >= d.tp_size {
+            return Err(ratio_err);
+        }
+        let tp_ranks: Vec<u32> = if d.tp_size >= p_tp {
+            if d.tp_size % p_tp != 0 {
+                return Err(ratio_err);
+            }
+            vec![d.tp_rank / (d.tp_size / p_tp)]
+        } else {
+            if p_tp % d.tp_size != 0 {
+                return Err(ratio_err);
+            }
+            let r = p_tp / d.tp_size;
+            (d.tp_rank * r..d.tp_rank * r + r).collect()
+        };
+        let mut peers = Vec::new();
+        for t in tp_ranks {
+            let stages = self
+                .workers
+                .get(t as usize)
+                .ok_or_else(|| TopologyError::NoPeers { engine_id: self.engine_id.clone() })?;
+            if d.pp_size as usize == stages.len() && (d.pp_rank as usize) < stages.len() {
+                peers.push(stages[d.pp_rank as usize].clone());
+            } else {
+                peers.extend(stages.iter().cloned());
+            }
+        }
+        if peers.is_empty() {
+            return Err(TopologyError::NoPeers { engine_id: self.engine_id.clone() });
+        }
+        Ok(peers)
+    }
+}
+
+/// Where engine topologies come from.
+pub trait TopologySource: 'static {
+    /// Look up `engine_id` at `bootstrap` (`http://host:port`). Implementations cache; after an
+    /// error the next call must ask again.
+    fn lookup(
+        &self,
+        bootstrap: &str,
+        engine_id: &str,
+    ) -> LocalBoxFuture<'static, Result<EngineTopology, TopologyError>>;
+
+    /// Forget a cached topology (called after a topology failure, DESIGN.md §4 rule 7).
+    fn invalidate(&self, bootstrap: &str, engine_id: &str);
+}
+
+/// A fixed table of engines (tests, and hosts that know their peers).
+#[derive(Debug, Default, Clone)]
+pub struct StaticTopology {
+    engines: BTreeMap<String, EngineTopology>,
+}
+
+impl StaticTopology {
+    pub fn new(engines: impl IntoIterator<Item = EngineTopology>) -> Self {
+        StaticTopology { engines: engines.into_iter().map(|e| (e.engine_id.clone(), e)).collect() }
+    }
+
+    /// An engine of `tp` x `pp` workers at `tcp://<prefix>-<tp>-<pp>` (for scripted transports).
+    pub fn grid(engine_id: &str, tp: u32, pp: u32) -> EngineTopology {
+        EngineTopology {
+            engine_id: engine_id.into(),
+            tp_size: tp,
+            pp_size: pp,
+            workers: (0..tp)
+                .map(|t| (0..pp).map(|p| PeerId::new(format!("tcp://{engine_id}-{t}-{p}"))).collect())
+                .collect(),
+        }
+    }
+}
+
+impl TopologySource for StaticTopology {
+    fn lookup(
+        &self,
+        bootstrap: &str,
+        engine_id: &str,
+    ) -> LocalBoxFuture<'static, Result<EngineTopology, TopologyError>> {
+        let r = self.engines.get(engine_id).cloned().ok_or_else(|| TopologyError::UnknownEngine {
+            engine_id: engine_id.into(),
+            bootstrap: bootstrap.into(),
+        });
+        Box::pin(async move { r })
+    }
+
+    fn invalidate(&self, _bootstrap: &str, _engine_id: &str) {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::bootstrap::DpEntry;
+
+    fn d(tp_size: u32, tp_rank: u32, pp_size: u32, pp_rank: u32) -> DRank {
+        DRank { tp_size, tp_rank, pp_size, pp_rank }
+    }
+
+    fn names(p: Vec<PeerId>) -> Vec<String> {
+        p.iter().map(|p| p.addr().trim_start_matches("tcp://e-").to_string()).collect()
+    }
+
+    #[test]
+    fn fan_out_table_of_protocol_section_3() {
+        let g = StaticTopology::grid;
+        assert_eq!(names(g("e", 2, 1).peers_for(d(1, 0, 1, 0)).unwrap()), ["0-0", "1-0"]);
+        assert_eq!(names(g("e", 4, 1).peers_for(d(2, 1, 1, 0)).unwrap()), ["2-0", "3-0"]);
+        assert_eq!(names(g("e", 2, 1).peers_for(d(2, 1, 1, 0)).unwrap()), ["1-0"]);
+        assert_eq!(names(g("e", 1, 1).peers_for(d(2, 1, 1, 0)).unwrap()), ["0-0"]);
+        assert_eq!(names(g("e", 2, 1).peers_for(d(4, 3, 1, 0)).unwrap()), ["1-0"]);
+        assert_eq!(names(g("e", 1, 2).peers_for(d(1, 0, 1, 0)).unwrap()), ["0-0", "0-1"]);
+        assert_eq!(
+            names(g("e", 2, 2).peers_for(d(1, 0, 1, 0)).unwrap()),
+            ["0-0", "0-1", "1-0", "1-1"]
+        );
+        assert_eq!(names(g("e", 2, 2).peers_for(d(2, 1, 2, 1)).unwrap()), ["1-1"]);
+        assert_eq!(names(g("e", 1, 1).peers_for(d(1, 0, 2, 1)).unwrap()), ["0-0"]);
+        assert!(g("e", 3, 1).peers_for(d(2, 0, 1, 0)).is_err());
+    }
+
+    fn entry(tp: &[(&str, &[&str])], tp_size: Option<u32>) -> QueryResponse {
+        let worker_addr = tp
+            .iter()
+            .map(|(t, pps)| {
+                (t.to_string(), pps.iter().map(|p| (p.to_string(), format!("tcp://x:{t}{p}"))).collect())
+            })
+            .collect();
+        [("0".to_string(), DpEntry { engine_id: "e0".into(), worker_addr, tp_size, pp_size: None })]
+            .into_iter()
+            .collect()
+    }
+
+    #[test]
+    fn partial_topologies_are_refused() {
+        let ok = EngineTopology::from_query("b", "e0", &entry(&[("0", &["0"]), ("1", &["0"])], None));
+        assert_eq!(ok.unwrap().tp_size, 2);
+        // only rank 1 registered
+        assert!(EngineTopology::from_query("b", "e0", &entry(&[("1", &["0"])], None)).is_err());
+        // server says TP2, only rank 0 registered
+        assert!(matches!(
+            EngineTopology::from_query("b", "e0", &entry(&[("0", &["0"])], Some(2))),
+            Err(TopologyError::Incomplete { .. })
+        ));
+        // PP stage missing on rank 1
+        assert!(EngineTopology::from_query("b", "e0", &entry(&[("0", &["0", "1"]), ("1", &["0"])], None)).is_err());
+        assert!(matches!(
+            EngineTopology::from_query("b", "e9", &entry(&[("0", &["0"])], None)),
+            Err(TopologyError::UnknownEngine { .. })
+        ));
+    }
+}

@@ -1,0 +1,33 @@
+//! The Peer's view of its socket: open a fresh channel per pull, send one request, stream the
+//! replies. The ZMQ implementation lives in `control`; tests use [`super::ScriptedTransport`].
+
+use futures::stream::LocalBoxStream;
+use thiserror::Error;
+
+use crate::messages::PeerId;
+
+/// One reply as it came off the socket: its frames (a well-formed reply has exactly one).
+pub type Frames = Vec<Vec<u8>>;
+
+/// A channel-level failure: the pull's socket is unusable.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum TransportError {
+    #[error("cannot open a channel to {peer}: {reason}")]
+    Connect { peer: PeerId, reason: String },
+    #[error("send to {peer} failed: {reason}")]
+    Send { peer: PeerId, reason: String },
+    #[error("receive from {peer} failed: {reason}")]
+    Recv { peer: PeerId, reason: String },
+    #[error("peer {peer} went away")]
+    Closed { peer: PeerId },
+}
+
+/// Replies of one pull, in order. The stream ends when the channel is closed by the other side;
+/// dropping it closes the channel (for ZMQ: the DEALER, with linger 0).
+pub type ReplyStream = LocalBoxStream<'static, Result<Frames, TransportError>>;
+
+/// Opens one channel per pull (PROTOCOL.md §2.1: never multiplex pulls on one socket).
+pub trait PeerTransport: 'static {
+    /// Open a channel to `peer`, send `request` as one frame, and return the replies.
+    fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream;
+}

@@ -1,0 +1,272 @@
+//! Configuration: vLLM's `kv_transfer_config` JSON plus kvrecv's own keys (under
+//! `kv_connector_extra_config.kvrecv`), so an operator can reuse what they already write.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use thiserror::Error;
+
+use crate::actors::topology::DRank;
+use crate::layout::KvLayout;
+
+/// When a request's receive is over (DESIGN.md §4 rule 9).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Policy {
+    /// Complete only when every peer settled (the fix). Default.
+    #[default]
+    Settle,
+    /// Upstream vLLM: complete on the first failure. For the demo and the detector tests only.
+    Naive,
+}
+
+impl Policy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Policy::Settle => "settle",
+            Policy::Naive => "naive",
+        }
+    }
+}
+
+/// vLLM's `kv_load_failure_policy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LoadFailurePolicy {
+    #[default]
+    Fail,
+    Recompute,
+}
+
+/// Everything the coordinator needs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvRecvConfig {
+    pub policy: Policy,
+    pub load_failure_policy: LoadFailurePolicy,
+    /// `kv_connector_extra_config.mooncake_protocol` (`tcp` or `rdma`).
+    pub mooncake_protocol: String,
+    /// D-side per-pull deadline: the longest silence tolerated from a peer during a pull. The
+    /// default allows P's 480 s readiness wait plus time queued behind P's 20 serving tasks.
+    pub pull_timeout: Duration,
+    /// Last resort for a quarantine that cannot be fenced.
+    pub quarantine_deadline: Duration,
+    pub peer_backoff_base: Duration,
+    pub peer_backoff_max: Duration,
+    pub d_rank: DRank,
+    pub layout: KvLayout,
+}
+
+impl Default for KvRecvConfig {
+    fn default() -> Self {
+        KvRecvConfig {
+            policy: Policy::Settle,
+            load_failure_policy: LoadFailurePolicy::Fail,
+            mooncake_protocol: "tcp".into(),
+            pull_timeout: Duration::from_secs(600),
+            quarantine_deadline: Duration::from_secs(900),
+            peer_backoff_base: Duration::from_millis(100),
+            peer_backoff_max: Duration::from_secs(10),
+            d_rank: DRank::default(),
+            layout: KvLayout::default(),
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum ConfigError {
+    #[error("kv_transfer_config is not valid JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("kv_role must be \"kv_consumer\" for kvrecv, got {0:?}")]
+    Role(String),
+    #[error("kv_connector must be \"MooncakeConnector\", got {0:?}")]
+    Connector(String),
+    #[error("mooncake_protocol must be \"tcp\" or \"rdma\", got {0:?}")]
+    Protocol(String),
+    #[error("{key} must be > 0")]
+    Zero { key: &'static str },
+    #[error("invalid layout: {0}")]
+    Layout(String),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKvTransfer {
+    #[serde(default)]
+    kv_connector: Option<String>,
+    kv_role: String,
+    #[serde(default)]
+    kv_load_failure_policy: LoadFailurePolicy,
+    #[serde(default)]
+    kv_connector_extra_config: RawExtra,
+    // Accepted and ignored: they configure vLLM itself.
+    #[serde(default)]
+    #[allow(dead_code)]
+    engine_id: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_rank: Option<i64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_parallel_size: Option<i64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_ip: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_port: Option<i64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_buffer_device: Option<String>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_buffer_size: Option<f64>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    kv_connector_module_path: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+struct RawExtra {
+    #[serde(default)]
+    mooncake_protocol: Option<String>,
+    #[serde(default)]
+    kvrecv: RawKvRecv,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawKvRecv {
+    policy: Option<Policy>,
+    pull_timeout_ms: Option<u64>,
+    quarantine_deadline_ms: Option<u64>,
+    peer_backoff_base_ms: Option<u64>,
+    peer_backoff_max_ms: Option<u64>,
+    tp_size: Option<u32>,
+    tp_rank: Option<u32>,
+    pp_size: Option<u32>,
+    pp_rank: Option<u32>,
+    layout: Option<KvLayout>,
+}
+
+impl KvRecvConfig {
+    /// Parse vLLM's `--kv-transfer-config` JSON.
+    ///
+    /// ```
+    /// let c = kvrecv::config::KvRecvConfig::from_kv_transfer_config(r#"{
+    ///   "kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
+    ///   "kv_connector_extra_config": {"mooncake_protocol": "tcp",
+    ///                                 "kvrecv": {"policy": "settle", "pull_timeout_ms": 30000}}}"#).unwrap();
+    /// assert_eq!(c.pull_timeout.as_secs(), 30);
+    /// ```
+    pub fn from_kv_transfer_config(json: &str) -> Result<Self, ConfigError> {
+        let raw: RawKvTransfer = serde_json::from_str(json)?;
+        if raw.kv_role != "kv_consumer" {
+            return Err(ConfigError::Role(raw.kv_role));
+        }
+        if let Some(c) = raw.kv_connector {
+            if c != "MooncakeConnector" {
+                return Err(ConfigError::Connector(c));
+            }
+        }
+        let mut cfg = KvRecvConfig {
+            load_failure_policy: raw.kv_load_failure_policy,
+            ..KvRecvConfig::default()
+        };
+        if let Some(p) = raw.kv_connector_extra_config.mooncake_protocol {
+            if p != "tcp" && p != "rdma" {
+                return Err(ConfigError::Protocol(p));
+            }
+            cfg.mooncake_protocol = p;
+        }
+        let k = raw.kv_connector_extra_config.kvrecv;
+        let ms = |v: Option<u64>, key: &'static str, dflt: Duration| match v {
+            Some(0) => Err(ConfigError::Zero { key }),
+            Some(v) => Ok(Duration::from_millis(v)),
+            None => Ok(dflt),
+        };
+        cfg.policy = k.policy.unwrap_or_default();
+        cfg.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", cfg.pull_timeout)?;
+        cfg.quarantine_deadline =
+            ms(k.quarantine_deadline_ms, "quarantine_deadline_ms", cfg.quarantine_deadline)?;
+        cfg.peer_backoff_base = ms(k.peer_backoff_base_ms, "peer_backoff_base_ms", cfg.peer_backoff_base)?;
+        cfg.peer_backoff_max = ms(k.peer_backoff_max_ms, "peer_backoff_max_ms", cfg.peer_backoff_max)?;
+        cfg.d_rank = DRank {
+            tp_size: k.tp_size.unwrap_or(1),
+            tp_rank: k.tp_rank.unwrap_or(0),
+            pp_size: k.pp_size.unwrap_or(1),
+            pp_rank: k.pp_rank.unwrap_or(0),
+        };
+        if cfg.d_rank.tp_size == 0 || cfg.d_rank.pp_size == 0 {
+            return Err(ConfigError::Zero { key: "tp_size/pp_size" });
+        }
+        if let Some(l) = k.layout {
+            cfg.layout = l;
+        }
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Internal consistency of the layout.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let l = &self.layout;
+        if l.regions.is_empty() || l.num_blocks == 0 || l.num_groups == 0 {
+            return Err(ConfigError::Layout("need at least one region, block and group".into()));
+        }
+        for r in &l.regions {
+            if r.block_len == 0 || r.kv_block_len == 0 || r.kv_block_len > r.block_len {
+                return Err(ConfigError::Layout(format!(
+                    "{}: kv_block_len {} must be in 1..=block_len {}",
+                    r.layer_name, r.kv_block_len, r.block_len
+                )));
+            }
+            if r.group_index >= l.num_groups {
+                return Err(ConfigError::Layout(format!(
+                    "{}: group {} >= num_groups {}",
+                    r.layer_name, r.group_index, l.num_groups
+                )));
+            }
+        }
+        if self.d_rank.tp_rank >= self.d_rank.tp_size || self.d_rank.pp_rank >= self.d_rank.pp_size {
+            return Err(ConfigError::Layout("rank outside its world size".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn producer_role_and_unknown_keys_are_refused() {
+        let e = KvRecvConfig::from_kv_transfer_config(r#"{"kv_role":"kv_producer"}"#).unwrap_err();
+        assert!(e.to_string().contains("kv_consumer"), "{e}");
+        let e = KvRecvConfig::from_kv_transfer_config(
+            r#"{"kv_role":"kv_consumer","kv_connector_extra_config":{"kvrecv":{"polcy":"naive"}}}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("polcy"), "{e}");
+        let e = KvRecvConfig::from_kv_transfer_config(
+            r#"{"kv_role":"kv_consumer","kv_connector_extra_config":{"mooncake_protocol":"ib"}}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::Protocol(_)));
+        assert!(KvRecvConfig::from_kv_transfer_config("{").is_err());
+    }
+
+    #[test]
+    fn vllm_keys_and_kvrecv_keys_are_read() {
+        let c = KvRecvConfig::from_kv_transfer_config(
+            r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_load_failure_policy":"recompute",
+                "engine_id":"x","kv_connector_extra_config":{"mooncake_protocol":"rdma","num_workers":10,
+                "kvrecv":{"policy":"naive","tp_size":2,"tp_rank":1,"quarantine_deadline_ms":5}}}"#,
+        )
+        .unwrap();
+        assert_eq!(c.policy, Policy::Naive);
+        assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);
+        assert_eq!(c.mooncake_protocol, "rdma");
+        assert_eq!(c.d_rank.tp_rank, 1);
+        assert_eq!(c.quarantine_deadline, Duration::from_millis(5));
+        assert_eq!(KvRecvConfig::default().policy, Policy::Settle);
+    }
+}

@@ -1,0 +1,67 @@
+//! The destination KV layout D advertises: regions (one per layer and KV-cache group), block
+//! stride and bytes per block, number of blocks.
+
+use serde::{Deserialize, Serialize};
+
+/// One registered region (vLLM: one layer's KV cache tensor view).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Region {
+    pub layer_name: String,
+    pub layer_index: u32,
+    pub group_index: u32,
+    /// Block stride in bytes.
+    pub block_len: u64,
+    /// Bytes transferred per block (<= `block_len`).
+    pub kv_block_len: u64,
+}
+
+/// The whole destination layout of one D worker.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvLayout {
+    pub regions: Vec<Region>,
+    /// Blocks per region (the pool size).
+    pub num_blocks: u32,
+    /// KV-cache groups (`req_blocks` carries one block list per group).
+    pub num_groups: u32,
+}
+
+impl KvLayout {
+    /// `layers` regions named like vLLM's, one group, `block_len` bytes per block.
+    ///
+    /// ```
+    /// let l = kvrecv::layout::KvLayout::uniform(2, 4096, 16);
+    /// assert_eq!(l.regions[1].layer_name, "model.layers.1.self_attn.attn");
+    /// assert_eq!(l.region_bytes(), 4096 * 16);
+    /// ```
+    pub fn uniform(layers: u32, block_len: u64, num_blocks: u32) -> Self {
+        KvLayout {
+            regions: (0..layers)
+                .map(|i| Region {
+                    layer_name: format!("model.layers.{i}.self_attn.attn"),
+                    layer_index: i,
+                    group_index: 0,
+                    block_len,
+                    kv_block_len: block_len,
+                })
+                .collect(),
+            num_blocks,
+            num_groups: 1,
+        }
+    }
+
+    /// Bytes of one region (all blocks).
+    pub fn region_bytes(&self) -> u64 {
+        self.regions.first().map_or(0, |r| r.block_len) * u64::from(self.num_blocks)
+    }
+
+    /// Bytes of all regions.
+    pub fn total_bytes(&self) -> u64 {
+        self.regions.iter().map(|r| r.block_len * u64::from(self.num_blocks)).sum()
+    }
+}
+
+impl Default for KvLayout {
+    fn default() -> Self {
+        KvLayout::uniform(4, 16 * 1024, 1024)
+    }
+}

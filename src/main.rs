@@ -1,0 +1,35 @@
+//! `kvrecv`: the decode-side KV receive coordinator's command-line tool.
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "kvrecv", version, about = "Decode-side KV-cache receive coordinator (vLLM MooncakeConnector compatible)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print the effective configuration for a vLLM kv_transfer_config JSON.
+    Config {
+        /// The JSON, as given to vLLM's --kv-transfer-config.
+        json: String,
+    },
+}
+
+fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match cli.cmd {
+        Cmd::Config { json } => match kvrecv::config::KvRecvConfig::from_kv_transfer_config(&json) {
+            Ok(c) => {
+                println!("{c:#?}");
+                std::process::ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::ExitCode::from(2)
+            }
+        },
+    }
+}

@@ -1,0 +1,53 @@
+//! RequestAggregator -> BlockManager: the failure signal (at once) and the completion (once every
+//! peer settled).
+
+use actix::Message;
+use serde::Serialize;
+
+use super::batch::SharedRequest;
+use super::ids::{PeerId, ReqId};
+
+/// The first failed or uncertain settle of a request; sent once, immediately, so the host can
+/// fail the request while other peers are still writing.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct FirstFailure {
+    pub req: SharedRequest,
+    /// `None` when no peer was involved (topology failure).
+    pub peer: Option<PeerId>,
+    pub reason: String,
+}
+
+/// The outcome of a whole receive.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(tag = "outcome", rename_all = "snake_case")]
+pub enum Outcome {
+    Ok,
+    Failed { peer: Option<PeerId>, reason: String },
+}
+
+impl Outcome {
+    pub fn is_ok(&self) -> bool {
+        matches!(self, Outcome::Ok)
+    }
+}
+
+/// The single message that ends a request's receive. Its blocks may be reused once the landing
+/// permits are revoked and, for `uncertain_peers`, the data plane fenced them (DESIGN.md §5).
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct Completion {
+    pub req: SharedRequest,
+    pub outcome: Outcome,
+    /// Peers whose settle was Uncertain: they may still be writing.
+    pub uncertain_peers: Vec<PeerId>,
+    /// Peers that had not settled when the completion was sent. Always empty under policy
+    /// `settle`; under `naive` these are the peers that can still write (the upstream bug).
+    pub unsettled_peers: Vec<PeerId>,
+}
+
+impl Completion {
+    pub fn req_id(&self) -> &ReqId {
+        &self.req.req_id
+    }
+}

@@ -1,0 +1,48 @@
+//! Identifiers shared by every actor.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// D's own request id (the key of `req_blocks`, what the host scheduler knows).
+pub type ReqId = Arc<str>;
+
+/// Process-unique id of one pull (one `MooncakeXferMetadata` sent to one peer).
+pub type PullId = u64;
+
+/// One prefill worker, identified by its side-channel address (`tcp://ip:port`).
+///
+/// ```
+/// let p = kvrecv::messages::PeerId::new("tcp://127.0.0.1:5555");
+/// assert_eq!(p.to_string(), "tcp://127.0.0.1:5555");
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct PeerId(Arc<str>);
+
+impl PeerId {
+    pub fn new(addr: impl AsRef<str>) -> Self {
+        PeerId(Arc::from(addr.as_ref()))
+    }
+
+    /// The side-channel address the DEALER connects to.
+    pub fn addr(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Debug for PeerId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PeerId({})", self.0)
+    }
+}
+
+impl serde::Serialize for PeerId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.0)
+    }
+}

@@ -1,0 +1,25 @@
+//! Every message that crosses a boundary: control-plane wire structs (msgpack, msgspec-compatible),
+//! bootstrap JSON, and the actix messages between actors. Plain data, no I/O.
+
+pub mod batch;
+pub mod bootstrap;
+pub mod completion;
+pub mod drain;
+pub mod event;
+pub mod handshake;
+pub mod ids;
+pub mod msgpack_strict;
+pub mod pool;
+pub mod pull;
+pub mod settle;
+pub mod wire;
+
+pub use batch::{BatchError, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
+pub use completion::{Completion, FirstFailure, Outcome};
+pub use drain::{Drain, StepOutput};
+pub use event::KvEvent;
+pub use ids::{PeerId, PullId, ReqId};
+pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats};
+pub use pull::{Pull, PullRequest};
+pub use settle::{Settle, SettleOutcome};
+pub use wire::{MooncakeXferMetadata, MooncakeXferResponse, WireError, XferStatus};

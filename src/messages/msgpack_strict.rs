@@ -1,0 +1,151 @@
+//! A structural pre-check of untrusted msgpack before serde sees it.
+//!
+//! msgspec (what P runs) rejects things serde would quietly accept: a struct in array form, `bin`
+//! where a `str` is expected. kvrecv applies the same rules to what it decodes, and bounds every
+//! container by the bytes actually present so a forged length cannot make a decoder allocate.
+
+use rmp::Marker;
+use thiserror::Error;
+
+/// Nesting deeper than any message of the protocol needs.
+const MAX_DEPTH: usize = 32;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum StrictError {
+    #[error("Expected `object`, got `{0}`")]
+    NotAMap(&'static str),
+    #[error("truncated msgpack at byte {0}")]
+    Truncated(usize),
+    #[error("`bin` where only `str` is allowed, at byte {0}")]
+    Binary(usize),
+    #[error("unsupported msgpack type `{kind}` at byte {at}")]
+    Unsupported { kind: &'static str, at: usize },
+    #[error("nesting deeper than {MAX_DEPTH}")]
+    TooDeep,
+    #[error("{0} trailing bytes after the document")]
+    Trailing(usize),
+}
+
+/// Check that `buf` is exactly one msgpack map containing no `bin`, `ext` or reserved markers.
+pub fn check_map_document(buf: &[u8]) -> Result<(), StrictError> {
+    let first = *buf.first().ok_or(StrictError::Truncated(0))?;
+    match Marker::from_u8(first) {
+        Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {}
+        Marker::FixArray(_) | Marker::Array16 | Marker::Array32 => {
+            return Err(StrictError::NotAMap("array"))
+        }
+        _ => return Err(StrictError::NotAMap("scalar")),
+    }
+    let mut pos = 0;
+    skip_value(buf, &mut pos, 0)?;
+    if pos != buf.len() {
+        return Err(StrictError::Trailing(buf.len() - pos));
+    }
+    Ok(())
+}
+
+fn take(buf: &[u8], pos: &mut usize, n: usize) -> Result<(), StrictError> {
+    let end = pos.checked_add(n).ok_or(StrictError::Truncated(*pos))?;
+    if end > buf.len() {
+        return Err(StrictError::Truncated(*pos));
+    }
+    *pos = end;
+    Ok(())
+}
+
+fn be_len(buf: &[u8], pos: &mut usize, n: usize) -> Result<usize, StrictError> {
+    let start = *pos;
+    take(buf, pos, n)?;
+    Ok(buf[start..*pos].iter().fold(0usize, |acc, b| (acc << 8) | usize::from(*b)))
+}
+
+fn skip_value(buf: &[u8], pos: &mut usize, depth: usize) -> Result<(), StrictError> {
+    if depth > MAX_DEPTH {
+        return Err(StrictError::TooDeep);
+    }
+    let at = *pos;
+    let b = *buf.get(at).ok_or(StrictError::Truncated(at))?;
+    *pos += 1;
+    let (items, per_item) = match Marker::from_u8(b) {
+        Marker::FixPos(_) | Marker::FixNeg(_) | Marker::Null | Marker::True | Marker::False => {
+            return Ok(())
+        }
+        Marker::U8 | Marker::I8 => return take(buf, pos, 1),
+        Marker::U16 | Marker::I16 => return take(buf, pos, 2),
+        Marker::U32 | Marker::I32 | Marker::F32 => return take(buf, pos, 4),
+        Marker::U64 | Marker::I64 | Marker::F64 => return take(buf, pos, 8),
+        Marker::FixStr(n) => return take(buf, pos, usize::from(n)),
+        Marker::Str8 => {
+            let n = be_len(buf, pos, 1)?;
+            return take(buf, pos, n);
+        }
+        Marker::Str16 => {
+            let n = be_len(buf, pos, 2)?;
+            return take(buf, pos, n);
+        }
+        Marker::Str32 => {
+            let n = be_len(buf, pos, 4)?;
+            return take(buf, pos, n);
+        }
+        Marker::Bin8 | Marker::Bin16 | Marker::Bin32 => return Err(StrictError::Binary(at)),
+        Marker::FixArray(n) => (usize::from(n), 1),
+        Marker::Array16 => (be_len(buf, pos, 2)?, 1),
+        Marker::Array32 => (be_len(buf, pos, 4)?, 1),
+        Marker::FixMap(n) => (usize::from(n), 2),
+        Marker::Map16 => (be_len(buf, pos, 2)?, 2),
+        Marker::Map32 => (be_len(buf, pos, 4)?, 2),
+        Marker::FixExt1
+        | Marker::FixExt2
+        | Marker::FixExt4
+        | Marker::FixExt8
+        | Marker::FixExt16
+        | Marker::Ext8
+        | Marker::Ext16
+        | Marker::Ext32 => return Err(StrictError::Unsupported { kind: "ext", at }),
+        Marker::Reserved => return Err(StrictError::Unsupported { kind: "reserved", at }),
+    };
+    // Every element takes at least one byte: a count larger than what is left is a lie.
+    let elems = items.checked_mul(per_item).ok_or(StrictError::Truncated(at))?;
+    if elems > buf.len() - *pos {
+        return Err(StrictError::Truncated(at));
+    }
+    for _ in 0..elems {
+        skip_value(buf, pos, depth + 1)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn accepts_a_plain_map_and_rejects_array_form() {
+        assert_eq!(check_map_document(&[0x81, 0xa1, b'a', 0x01]), Ok(()));
+        assert_eq!(check_map_document(&[0x91, 0x01]), Err(StrictError::NotAMap("array")));
+        assert_eq!(check_map_document(&[0xc0]), Err(StrictError::NotAMap("scalar")));
+    }
+
+    #[test]
+    fn rejects_bin_anywhere_and_forged_lengths() {
+        assert_eq!(
+            check_map_document(&[0x81, 0xa1, b'a', 0xc4, 0x01, b'x']),
+            Err(StrictError::Binary(3))
+        );
+        // map32 claiming four billion entries in a six-byte buffer
+        assert!(matches!(
+            check_map_document(&[0xdf, 0xff, 0xff, 0xff, 0xff, 0x00]),
+            Err(StrictError::Truncated(_))
+        ));
+        assert_eq!(check_map_document(&[0x81, 0xa1, b'a', 0x01, 0x00]), Err(StrictError::Trailing(1)));
+        assert_eq!(check_map_document(&[]), Err(StrictError::Truncated(0)));
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_not_overflowed() {
+        let mut doc = vec![0x81, 0xa1, b'a'];
+        doc.extend(std::iter::repeat_n(0x91, 10_000));
+        doc.push(0x00);
+        assert_eq!(check_map_document(&doc), Err(StrictError::TooDeep));
+    }
+}

@@ -1,0 +1,37 @@
+//! Host -> BlockManager requests about the built-in block pool and the ledger.
+
+use actix::Message;
+
+use crate::actors::block_pool::PoolError;
+
+use super::ids::ReqId;
+
+/// Take `n` destination blocks for a request from the built-in pool.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Result<Vec<u32>, PoolError>")]
+pub struct Allocate {
+    pub req_id: ReqId,
+    /// The writer-visible owner tag (`block_pool::owner_tag(transfer_id)`), checked by the audit.
+    pub owner_tag: u32,
+    pub n: usize,
+}
+
+/// Give back blocks of a request that was never loaded (the host changed its mind).
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "Vec<u32>")]
+pub struct Free {
+    pub req_id: ReqId,
+}
+
+/// A snapshot of the ledger, for operators and tests.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "LedgerStats")]
+pub struct GetLedgerStats;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
+pub struct LedgerStats {
+    pub quarantined_requests: usize,
+    pub quarantined_blocks: usize,
+    /// `None` without a built-in pool.
+    pub free_blocks: Option<usize>,
+}

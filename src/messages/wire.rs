@@ -1,0 +1,239 @@
+//! The two control-plane structs of vLLM's MooncakeConnector, byte-compatible with msgspec
+//! (`omit_defaults=True`, map form, declaration order; PROTOCOL.md §2.3–§2.5).
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use serde_repr::{Deserialize_repr, Serialize_repr};
+use thiserror::Error;
+
+use super::msgpack_strict::{check_map_document, StrictError};
+
+/// A `req_blocks` value: (`transfer_id`, one list of logical block ids per KV-cache group).
+pub type ReqBlocks = (String, Vec<Vec<u64>>);
+
+/// D -> P: write these requests into these blocks.
+///
+/// ```
+/// use kvrecv::messages::MooncakeXferMetadata;
+/// let m = MooncakeXferMetadata::minimal("h", 1, 1, 0);
+/// let bytes = m.encode().unwrap();
+/// assert_eq!(bytes[0], 0x88); // a map of the 8 required keys
+/// assert_eq!(MooncakeXferMetadata::decode(&bytes).unwrap(), m);
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MooncakeXferMetadata {
+    pub remote_hostname: String,
+    pub remote_port: u32,
+    pub remote_tp_size: u32,
+    pub remote_tp_rank: u32,
+    pub req_blocks: BTreeMap<String, ReqBlocks>,
+    pub kv_caches_base_addr: Vec<u64>,
+    pub block_lens: Vec<u64>,
+    pub kv_block_lens: Vec<u64>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registered_layer_names: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registered_layer_indices: Vec<u32>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registered_group_indices: Vec<u32>,
+    #[serde(default = "one", skip_serializing_if = "is_one")]
+    pub remote_pp_size: u32,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn is_one(v: &u32) -> bool {
+    *v == 1
+}
+
+/// Response status (a plain int on the wire; anything outside {0, 1, 2} is refused).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize_repr, Deserialize_repr)]
+#[repr(u8)]
+pub enum XferStatus {
+    Finish = 0,
+    Continue = 1,
+    Error = 2,
+}
+
+/// P -> D: the outcome of one ready subset (CONTINUE / FINISH) or of the whole pull (ERROR).
+/// `None`, `[]` and an absent key mean the same; unknown keys are ignored.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MooncakeXferResponse {
+    pub status: XferStatus,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ok_reqs: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub err_reqs: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub err_msg: Option<String>,
+}
+
+/// Why bytes could not be encoded or decoded.
+#[derive(Debug, Error)]
+pub enum WireError {
+    #[error("malformed msgpack: {0}")]
+    Structure(#[from] StrictError),
+    #[error("malformed message: {0}")]
+    Decode(#[from] rmp_serde::decode::Error),
+    #[error("cannot encode: {0}")]
+    Encode(#[from] rmp_serde::encode::Error),
+    #[error("message of {len} bytes exceeds the cap of {cap}")]
+    TooLarge { len: usize, cap: usize },
+}
+
+fn encode_named<T: Serialize>(v: &T) -> Result<Vec<u8>, WireError> {
+    Ok(rmp_serde::to_vec_named(v)?)
+}
+
+fn decode_strict<T: for<'de> Deserialize<'de>>(buf: &[u8]) -> Result<T, WireError> {
+    check_map_document(buf)?;
+    Ok(rmp_serde::from_slice(buf)?)
+}
+
+impl MooncakeXferMetadata {
+    /// The eight required keys with empty collections (PROTOCOL.md's reference vector).
+    pub fn minimal(host: &str, port: u32, tp_size: u32, tp_rank: u32) -> Self {
+        MooncakeXferMetadata {
+            remote_hostname: host.to_owned(),
+            remote_port: port,
+            remote_tp_size: tp_size,
+            remote_tp_rank: tp_rank,
+            req_blocks: BTreeMap::new(),
+            kv_caches_base_addr: vec![],
+            block_lens: vec![],
+            kv_block_lens: vec![],
+            registered_layer_names: vec![],
+            registered_layer_indices: vec![],
+            registered_group_indices: vec![],
+            remote_pp_size: 1,
+        }
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, WireError> {
+        encode_named(self)
+    }
+
+    /// Decode untrusted bytes with msgspec's strictness (used by the prefill simulator).
+    pub fn decode(buf: &[u8]) -> Result<Self, WireError> {
+        decode_strict(buf)
+    }
+}
+
+impl MooncakeXferResponse {
+    pub fn new(status: XferStatus) -> Self {
+        MooncakeXferResponse { status, ok_reqs: None, err_reqs: None, err_msg: None }
+    }
+
+    pub fn encode(&self) -> Result<Vec<u8>, WireError> {
+        encode_named(self)
+    }
+
+    /// Decode a reply that came off a socket. Never panics.
+    pub fn decode(buf: &[u8]) -> Result<Self, WireError> {
+        decode_strict(buf)
+    }
+
+    /// `ok_reqs` with nil, `[]` and absence alike.
+    pub fn ok(&self) -> &[String] {
+        self.ok_reqs.as_deref().unwrap_or(&[])
+    }
+
+    /// `err_reqs` with nil, `[]` and absence alike.
+    pub fn err(&self) -> &[String] {
+        self.err_reqs.as_deref().unwrap_or(&[])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hex(s: &str) -> Vec<u8> {
+        s.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn response_reference_vectors_roundtrip() {
+        let finish_ok = hex("82 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 91 a2 72 31");
+        let r = MooncakeXferResponse::decode(&finish_ok).unwrap();
+        assert_eq!(r.status, XferStatus::Finish);
+        assert_eq!(r.ok(), ["r1".to_string()]);
+        assert_eq!(r.encode().unwrap(), finish_ok);
+
+        let cont = hex("81 a6 73 74 61 74 75 73 01");
+        assert_eq!(MooncakeXferResponse::new(XferStatus::Continue).encode().unwrap(), cont);
+
+        let err = hex("82 a6 73 74 61 74 75 73 02 a7 65 72 72 5f 6d 73 67 a1 78");
+        let mut e = MooncakeXferResponse::new(XferStatus::Error);
+        e.err_msg = Some("x".into());
+        assert_eq!(e.encode().unwrap(), err);
+        assert_eq!(MooncakeXferResponse::decode(&err).unwrap(), e);
+    }
+
+    #[test]
+    fn realistic_metadata_is_the_269_byte_reference() {
+        let mut m = MooncakeXferMetadata::minimal("10.0.0.7", 15000, 1, 0);
+        m.req_blocks.insert("d-1".into(), ("t-1".into(), vec![vec![5, 6]]));
+        m.kv_caches_base_addr = vec![0x7e00_0000_0000];
+        m.block_lens = vec![4096];
+        m.kv_block_lens = vec![4096];
+        m.registered_layer_names = vec!["model.layers.0.self_attn.attn".into()];
+        m.registered_layer_indices = vec![0];
+        m.registered_group_indices = vec![0];
+        let b = m.encode().unwrap();
+        assert_eq!(b.len(), 269);
+        assert_eq!(b[0], 0x8b);
+        let addr = hex("b3").into_iter().chain(b"kv_caches_base_addr".iter().copied()).collect::<Vec<_>>();
+        let at = b.windows(addr.len()).position(|w| w == addr).unwrap() + addr.len();
+        assert_eq!(&b[at..at + 10], &hex("91 cf 00 00 7e 00 00 00 00 00")[..]);
+        let mut pp2 = m.clone();
+        pp2.remote_pp_size = 2;
+        let b2 = pp2.encode().unwrap();
+        assert_eq!(b2[0], 0x8c);
+        assert!(b2.ends_with(&[b"remote_pp_size".as_slice(), &[0x02]].concat()));
+    }
+
+    #[test]
+    fn rejections_match_msgspec() {
+        // array form of a response
+        assert!(MooncakeXferResponse::decode(&hex("91 00")).is_err());
+        // status outside {0,1,2}
+        assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 03")).is_err());
+        // nil for the status int
+        assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 c0")).is_err());
+        // bool for the status int
+        assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 c3")).is_err());
+        // bin where a str is expected
+        assert!(MooncakeXferResponse::decode(&hex("82 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 91 c4 02 72 31")).is_err());
+        // missing status
+        assert!(MooncakeXferResponse::decode(&hex("80")).is_err());
+        // garbage
+        assert!(MooncakeXferResponse::decode(b"\xff\xfe garbage").is_err());
+    }
+
+    #[test]
+    fn nil_empty_and_absent_lists_are_the_same_and_unknown_keys_are_ignored() {
+        // {"status":0,"ok_reqs":nil,"err_reqs":[],"zzz":{"a":1}}
+        let mut b = hex("84 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 c0 a8 65 72 72 5f 72 65 71 73 90");
+        b.extend(hex("a3 7a 7a 7a 81 a1 61 01"));
+        let r = MooncakeXferResponse::decode(&b).unwrap();
+        assert!(r.ok().is_empty() && r.err().is_empty());
+    }
+
+    #[test]
+    fn metadata_wrong_tuple_length_and_flat_block_list_are_rejected() {
+        let mut m = MooncakeXferMetadata::minimal("h", 1, 1, 0);
+        m.req_blocks.insert("d".into(), ("t".into(), vec![vec![1]]));
+        let good = m.encode().unwrap();
+        assert!(MooncakeXferMetadata::decode(&good).is_ok());
+        // ("t", [[1]]) -> ("t", [1]): a flat block list
+        let flat = good.windows(4).position(|w| w == [0xa1, b't', 0x91, 0x91]).unwrap();
+        let mut bad = good.clone();
+        bad.remove(flat + 2);
+        bad.truncate(bad.len());
+        assert!(MooncakeXferMetadata::decode(&bad).is_err());
+    }
+}

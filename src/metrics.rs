@@ -1,0 +1,57 @@
+//! Metric names (Prometheus text exposition through `metrics-exporter-prometheus`) and the
+//! exporter. Every counter an operator asks about in DESIGN.md §8 is named here, once.
+
+use std::net::SocketAddr;
+
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+
+pub const PULLS: &str = "kvrecv_pulls_total";
+pub const SETTLES: &str = "kvrecv_settles_total"; // label outcome
+pub const STALE_SETTLES: &str = "kvrecv_stale_settles_total";
+pub const MALFORMED_REPLIES: &str = "kvrecv_malformed_replies_total";
+pub const DEADLINE_EXPIRIES: &str = "kvrecv_pull_deadline_expiries_total";
+pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
+pub const FIRST_FAILURES: &str = "kvrecv_first_failures_total";
+pub const COMPLETIONS: &str = "kvrecv_completions_total"; // label outcome
+pub const TOPOLOGY_FAILURES: &str = "kvrecv_topology_failures_total";
+pub const QUARANTINED_BLOCKS: &str = "kvrecv_quarantined_blocks";
+pub const QUARANTINE_FORCED: &str = "kvrecv_quarantine_forced_releases_total";
+pub const FENCE_LATENCY: &str = "kvrecv_fence_latency_seconds";
+pub const PULL_LATENCY: &str = "kvrecv_pull_latency_seconds";
+pub const COMPLETION_LATENCY: &str = "kvrecv_completion_latency_seconds";
+pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
+pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
+pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total"; // label reason
+pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
+
+/// Register descriptions (shown as `# HELP` lines).
+pub fn describe() {
+    describe_counter!(PULLS, "Pulls sent to prefill peers");
+    describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
+    describe_counter!(STALE_SETTLES, "Reply ids not pending for that pull (unknown, duplicate, late)");
+    describe_counter!(MALFORMED_REPLIES, "Undecodable or multi-frame replies");
+    describe_counter!(DEADLINE_EXPIRIES, "Pulls abandoned at the D-side deadline");
+    describe_counter!(PEER_RESTARTS, "Supervised restarts of a peer actor");
+    describe_counter!(FIRST_FAILURES, "Requests whose first failure was reported");
+    describe_counter!(COMPLETIONS, "Completions, by outcome");
+    describe_counter!(TOPOLOGY_FAILURES, "Batches failed because the P topology was unavailable");
+    describe_gauge!(QUARANTINED_BLOCKS, "Destination blocks held until a fence");
+    describe_counter!(QUARANTINE_FORCED, "Quarantines released by the last-resort deadline");
+    describe_histogram!(FENCE_LATENCY, Unit::Seconds, "Completion to fence confirmation");
+    describe_histogram!(PULL_LATENCY, Unit::Seconds, "Pull sent to its last reply");
+    describe_histogram!(COMPLETION_LATENCY, Unit::Seconds, "load_kv to completion");
+    describe_counter!(BYTES_LANDED, Unit::Bytes, "Bytes written into destination memory");
+    describe_counter!(WRITES_LANDED, "Writes landed in destination memory");
+    describe_counter!(WRITES_REJECTED, "Writes refused by the data plane, by reason");
+    describe_gauge!(LIVE_PERMITS, "Open landing permits");
+}
+
+/// Install the global Prometheus recorder and serve `/metrics` on `addr`. Needs a tokio runtime.
+pub fn serve_prometheus(addr: SocketAddr) -> Result<(), String> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .with_http_listener(addr)
+        .install()
+        .map_err(|e| e.to_string())?;
+    describe();
+    Ok(())
+}

@@ -1,0 +1,92 @@
+//! What the coordinator needs from the data plane: an address window per pull (the landing
+//! permit), revocation of a request's permits before its blocks are released, and a fence for
+//! peers whose writes cannot be refused per request (DESIGN.md §5).
+
+use std::sync::Arc;
+
+use futures::future::LocalBoxFuture;
+use thiserror::Error;
+
+use crate::messages::{PeerId, PullId, RequestMeta};
+
+/// The pull a window is opened for.
+#[derive(Debug, Clone)]
+pub struct PullWindow<'a> {
+    pub pull_id: PullId,
+    pub peer: &'a PeerId,
+    /// Awaiting requests of the pull (each with its destination blocks).
+    pub requests: &'a [Arc<RequestMeta>],
+}
+
+/// What revoking a request's permits proves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Revocation {
+    /// No write can land in the request's blocks any more (TCP data plane with permits).
+    Exact,
+    /// Nothing could be revoked: peers that may still write need a fence.
+    NotExact,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum FenceError {
+    #[error("this data plane cannot fence peers: {0}")]
+    Unavailable(String),
+    #[error("fence of {peer} failed: {reason}")]
+    Failed { peer: PeerId, reason: String },
+}
+
+/// The data plane, as the Receiver (windows) and the BlockManager (revoke, fence) see it.
+pub trait Landing: Send + Sync + 'static {
+    /// `remote_hostname` and `remote_port` to advertise: where P's TE finds D's handshake daemon.
+    fn endpoint(&self) -> (String, u32);
+
+    /// Open the pull's landing permit; returns the advertised base address of every region.
+    fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64>;
+
+    /// Close every permit covering this request's blocks. Called once per completion, before the
+    /// request's blocks are released, whatever the outcome.
+    fn revoke(&self, req: &RequestMeta) -> Revocation;
+
+    /// Make sure none of `peers` can land a write any more (RDMA: queue pairs to the error
+    /// state). Resolves when done.
+    fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>>;
+}
+
+/// No data plane of kvrecv's own (the host's memory is written by someone else): fixed base
+/// addresses, nothing revocable, no fence. Quarantined blocks wait for the last-resort deadline.
+///
+/// ```
+/// use kvrecv::rdma::{Landing, StaticLanding};
+/// let l = StaticLanding::new("10.0.0.7", 15000, vec![0x7e00_0000_0000]);
+/// assert_eq!(l.endpoint(), ("10.0.0.7".to_string(), 15000));
+/// ```
+#[derive(Debug, Clone)]
+pub struct StaticLanding {
+    host: String,
+    port: u32,
+    bases: Vec<u64>,
+}
+
+impl StaticLanding {
+    pub fn new(host: &str, port: u32, bases: Vec<u64>) -> Self {
+        StaticLanding { host: host.to_owned(), port, bases }
+    }
+}
+
+impl Landing for StaticLanding {
+    fn endpoint(&self) -> (String, u32) {
+        (self.host.clone(), self.port)
+    }
+
+    fn open_pull(&self, _window: &PullWindow<'_>) -> Vec<u64> {
+        self.bases.clone()
+    }
+
+    fn revoke(&self, _req: &RequestMeta) -> Revocation {
+        Revocation::NotExact
+    }
+
+    fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
+        Box::pin(async { Err(FenceError::Unavailable("no data plane".into())) })
+    }
+}
