@@ -55,25 +55,29 @@ impl RequestAggregator {
         if let Some(ff) = fx.first_failure {
             tracing::warn!(req_id = %ff.req.req_id, peer = ?ff.peer, reason = %ff.reason, "first failure");
             metrics::counter!(m::FIRST_FAILURES).increment(1);
-            self.events.emit(KvEvent::FirstFailure {
+            let ev = KvEvent::FirstFailure {
                 req_id: ff.req.req_id.clone(),
                 peer: ff.peer.clone(),
                 reason: ff.reason.clone(),
-            });
+            };
+            // Queue for the BlockManager before telling observers, so an observer's next
+            // message to the BlockManager is handled after this one.
             self.block_manager.do_send(ff);
+            self.events.emit(ev);
         }
         if let Some(c) = fx.completion {
             let label = if c.outcome.is_ok() { "ok" } else { "failed" };
             tracing::info!(req_id = %c.req.req_id, outcome = label, uncertain = c.uncertain_peers.len(), "completion");
             metrics::counter!(m::COMPLETIONS, "outcome" => label).increment(1);
             metrics::histogram!(m::COMPLETION_LATENCY).record(self.since.elapsed().as_secs_f64());
-            self.events.emit(KvEvent::Completion {
+            let ev = KvEvent::Completion {
                 req_id: c.req.req_id.clone(),
                 outcome: c.outcome.clone(),
                 uncertain_peers: c.uncertain_peers.clone(),
                 unsettled_peers: c.unsettled_peers.clone(),
-            });
+            };
             self.block_manager.do_send(c);
+            self.events.emit(ev);
             ctx.stop();
         }
     }

@@ -1,0 +1,344 @@
+//! Actor-level tests of the settle rules (DESIGN.md §4-§6), through the actors' mailboxes with
+//! a scripted peer transport. Each test names the rule it protects.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvrecv::actors::peer_state::OMITTED;
+use kvrecv::actors::topology::DRank;
+use kvrecv::config::Policy;
+use kvrecv::messages::{
+    BatchError, GetLedgerStats, KvEvent, Outcome, PeerId, ReqId, SettleOutcome, XferStatus,
+};
+use XferStatus::{Continue, Error, Finish};
+
+fn peer(t: u32, p: u32) -> PeerId {
+    PeerId::new(format!("tcp://e0-{t}-{p}"))
+}
+
+fn settled_outcome(h: &Harness, peer: &PeerId, id: &str) -> Vec<SettleOutcome> {
+    h.seen
+        .borrow()
+        .iter()
+        .filter_map(|e| match e {
+            KvEvent::Settled { peer: p, req_id, outcome, .. } if p == peer && &**req_id == id => {
+                Some(outcome.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Rule 4+5: A ERROR while B is pending publishes the failure at once and nothing else; B's
+/// FINISH then completes the request exactly once.
+#[actix::test]
+async fn error_from_one_peer_while_another_is_pending_completes_only_after_both() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1, 2])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Error, &[], &[], Some("boom"));
+    h.wait_for("first failure", is_first_failure("r1")).await;
+    let step = h.coord.drain().await.unwrap();
+    assert!(step.finished_recving.is_empty(), "no completion while B may still write");
+    assert_eq!(step.invalid_block_ids, vec![1, 2], "failure signalled at once, block-level");
+    assert!(b.is_open());
+    b.respond(Finish, &["r1"], &[], None);
+    let c = h.wait_for("completion", is_completion("r1")).await;
+    match c {
+        KvEvent::Completion { outcome: Outcome::Failed { peer: p, reason }, uncertain_peers, .. } => {
+            assert_eq!(p, Some(peer(0, 0)));
+            assert!(reason.contains("boom"));
+            assert_eq!(uncertain_peers, vec![peer(0, 0)]);
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    h.wait_for("release", is_released("r1")).await;
+    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(h.count(is_first_failure("r1")), 1);
+    assert_eq!(h.count(is_completion("r1")), 1);
+}
+
+/// Rule 4 (deadline) + §6: a silent peer is settled Uncertain at the D-side deadline.
+#[actix::test]
+async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
+    let mut h = Harness::start(Setup { pull_timeout: Duration::from_millis(150), ..Setup::default() });
+    h.load(vec![req("r1", &[3])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    // B answers CONTINUE (nothing settled) and keeps answering; A stays silent.
+    b.respond(Continue, &[], &[], None);
+    h.wait_for("A uncertain", is_settled(&a.peer, "r1")).await;
+    assert!(matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("deadline")));
+    assert!(!a.is_open(), "the abandoned pull's channel is closed");
+    assert_eq!(h.count(is_completion("r1")), 0);
+    b.respond(Finish, &["r1"], &[], None);
+    h.wait_for("completion", is_completion("r1")).await;
+}
+
+/// Rule 2: `err_reqs` in a CONTINUE is an explicit Failed for that peer.
+#[actix::test]
+async fn err_reqs_in_continue_fails_the_request_for_that_peer_only() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Continue, &[], &["r1"], Some("Mooncake transfer engine returned -1"));
+    h.wait_for("first failure", is_first_failure("r1")).await;
+    a.respond(Finish, &["r2"], &[], None);
+    b.respond(Finish, &["r1", "r2"], &[], None);
+    h.wait_for("r1 completion", is_completion("r1")).await;
+    h.wait_for("r2 completion", is_completion("r2")).await;
+    assert!(matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Failed(m)] if m.contains("returned -1")));
+    assert_eq!(h.count(is_first_failure("r2")), 0);
+}
+
+/// Rule 4: an ERROR after CONTINUEs keeps earlier answers; only what is still pending becomes
+/// Uncertain.
+#[actix::test]
+async fn continue_ok_then_error_keeps_ok_and_makes_the_rest_uncertain() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Continue, &["r1"], &[], None);
+    a.respond(Error, &[], &[], Some("exception while serving"));
+    h.wait_for("r2 failure", is_first_failure("r2")).await;
+    assert_eq!(settled_outcome(&h, &a.peer, "r1"), vec![SettleOutcome::Ok]);
+    assert!(matches!(&settled_outcome(&h, &a.peer, "r2")[..], [SettleOutcome::Uncertain(_)]));
+    b.respond(Finish, &["r1", "r2"], &[], None);
+    let c1 = h.wait_for("r1", is_completion("r1")).await;
+    assert!(matches!(c1, KvEvent::Completion { outcome: Outcome::Ok, .. }));
+    h.wait_for("r2", is_completion("r2")).await;
+    assert_eq!(h.count(is_first_failure("r1")), 0);
+}
+
+/// Rule 3: FINISH settles whatever it omitted as Failed (no leak).
+#[actix::test]
+async fn finish_omitting_a_request_fails_it_for_that_peer() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Finish, &["r1"], &[], None);
+    b.respond(Finish, &["r1", "r2"], &[], None);
+    h.wait_for("r2 completion", is_completion("r2")).await;
+    assert_eq!(settled_outcome(&h, &a.peer, "r2"), vec![SettleOutcome::Failed(OMITTED.into())]);
+    assert_eq!(h.count(is_first_failure("r2")), 1);
+}
+
+/// Rules 1+8: duplicate, unknown and after-completion ids are stale: no second completion.
+#[actix::test]
+async fn duplicate_unknown_and_late_ids_are_stale() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Continue, &["r1", "r1", "nobody"], &["r1"], None);
+    h.wait_for("stale nobody", |e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "nobody")).await;
+    b.respond(Finish, &["r1"], &[], None);
+    h.wait_for("r1 completion", is_completion("r1")).await;
+    a.respond(Finish, &["r2", "r1"], &[], None);
+    h.wait_for("a's FINISH", is_settled(&a.peer, "r2")).await;
+    // r1 twice in ok_reqs, once more in err_reqs, once more after it was settled: 3 stale.
+    assert_eq!(h.count(|e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "r1")), 3);
+    assert_eq!(h.count(is_completion("r1")), 1);
+    assert_eq!(h.count(is_first_failure("r1")), 0, "duplicate err for an ok'd id is stale");
+    assert!(!b.is_open());
+}
+
+/// Rule 6: an empty pull is sent to every peer and settled, but never published.
+#[actix::test]
+async fn empty_pull_asks_every_peer_and_publishes_nothing() {
+    let mut h = Harness::start(Setup::default());
+    let reply = h.load(vec![req("gone", &[]), req("r1", &[5])]).await;
+    assert_eq!((reply.accepted, reply.awaiting), (2, 1));
+    let pulls = h.pulls(2).await;
+    for p in &pulls {
+        let md = p.metadata();
+        assert_eq!(md.req_blocks["gone"], ("t-gone".to_string(), vec![]), "empty outer list, as vLLM");
+        assert_eq!(md.req_blocks["r1"].1, vec![vec![5]]);
+    }
+    pulls[0].respond(Finish, &[], &[], None); // omits both
+    pulls[1].respond(Finish, &["gone", "r1"], &[], None);
+    h.wait_for("r1 completion", is_completion("r1")).await;
+    h.wait_for("gone settled", is_settled(&pulls[0].peer, "gone")).await;
+    assert_eq!(h.count(is_first_failure("gone")) + h.count(is_completion("gone")), 0);
+    let step = h.coord.drain().await.unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+}
+
+/// Rule 7: no writer (unknown engine) completes awaited requests Failed at once, empty ones never.
+#[actix::test]
+async fn topology_failure_fails_awaiting_requests_once() {
+    let mut h = Harness::start(Setup::default());
+    let mut r = req("r1", &[1]);
+    r.remote_engine_id = Some("nope".into());
+    let mut empty = req("e1", &[]);
+    empty.remote_engine_id = Some("nope".into());
+    h.load(vec![r, empty]).await;
+    let c = h.wait_for("completion", is_completion("r1")).await;
+    assert!(matches!(c, KvEvent::Completion { outcome: Outcome::Failed { peer: None, .. }, .. }));
+    h.wait_for("release", is_released("r1")).await;
+    let step = h.coord.drain().await.unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(step.invalid_block_ids, vec![1]);
+    assert_eq!(h.count(is_first_failure("r1")), 1);
+    assert_eq!(h.count(is_completion("e1")) + h.count(is_first_failure("e1")), 0);
+    assert!(h.opened.try_recv().is_err(), "no pull without a topology");
+}
+
+/// §6: a channel failure restarts the peer; what it owed is settled Uncertain exactly once and
+/// the restarted peer serves the next pull.
+#[actix::test]
+async fn restart_mid_pull_settles_once_and_next_pull_works() {
+    let mut h = Harness::start(Setup { p_tp: 1, ..Setup::default() });
+    h.load(vec![req("r1", &[1])]).await;
+    h.load(vec![req("r2", &[2])]).await;
+    let p1 = h.next_pull().await;
+    let p2 = h.next_pull().await;
+    p1.fail("socket error");
+    h.wait_for("restart", |e| matches!(e, KvEvent::PeerRestarted { .. })).await;
+    h.wait_for("r1", is_completion("r1")).await;
+    h.wait_for("r2", is_completion("r2")).await;
+    let me = peer(0, 0);
+    assert!(matches!(&settled_outcome(&h, &me, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("socket error")));
+    assert!(matches!(&settled_outcome(&h, &me, "r2")[..], [SettleOutcome::Uncertain(r)] if r.contains("restarted")));
+    assert!(!p2.is_open(), "the old incarnation's channels are closed");
+    // The same peer serves the next batch.
+    h.load(vec![req("r3", &[3])]).await;
+    let p3 = h.next_pull().await;
+    assert_eq!(p3.peer, me);
+    p3.respond(Finish, &["r3"], &[], None);
+    let c = h.wait_for("r3", is_completion("r3")).await;
+    assert!(matches!(c, KvEvent::Completion { outcome: Outcome::Ok, .. }));
+    assert_eq!(h.count(is_completion("r1")), 1);
+    assert_eq!(h.count(is_completion("r2")), 1);
+}
+
+/// §5: a completion with an uncertain peer and no exact revocation is quarantined until the
+/// data plane confirms the fence.
+#[actix::test]
+async fn quarantine_is_held_until_the_fence_is_confirmed() {
+    let mut h = Harness::start(Setup { landing: ManualLanding::default(), p_tp: 1, ..Setup::default() });
+    h.load(vec![req("r1", &[7, 8])]).await;
+    let a = h.next_pull().await;
+    a.respond(Error, &[], &[], Some("x"));
+    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. })).await;
+    assert_eq!(h.landing.revoked.lock().unwrap().as_slice(), ["r1"], "permits revoked first");
+    let stats = h.coord.block_manager.send(GetLedgerStats).await.unwrap();
+    assert_eq!(stats.quarantined_blocks, 2);
+    assert!(h.coord.drain().await.unwrap().finished_recving.is_empty(), "held: no completion to the host");
+    assert_eq!(h.landing.pending_fences(), vec![vec![peer(0, 0)]]);
+    assert_eq!(h.landing.confirm_fences(), 1);
+    let rel = h.wait_for("release", is_released("r1")).await;
+    assert!(matches!(rel, KvEvent::Released { fenced: true, forced: false, .. }));
+    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+}
+
+/// §5: a quarantine nobody can fence is released at the last-resort deadline, flagged forced.
+#[actix::test]
+async fn quarantine_without_fence_is_released_at_the_deadline() {
+    let mut h = Harness::start(Setup {
+        landing: ManualLanding::default(),
+        p_tp: 1,
+        quarantine_deadline: Duration::from_millis(100),
+        ..Setup::default()
+    });
+    h.load(vec![req("r1", &[7])]).await;
+    h.next_pull().await.respond(Error, &[], &[], None);
+    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. })).await;
+    let rel = h.wait_for("forced release", is_released("r1")).await;
+    assert!(matches!(rel, KvEvent::Released { fenced: false, forced: true, .. }));
+    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(h.landing.confirm_fences(), 1, "the fence was asked for; confirming late is harmless");
+}
+
+/// §5: a clean completion (no uncertain peer) is released at once, permits revoked first.
+#[actix::test]
+async fn ok_completion_revokes_then_releases() {
+    let mut h = Harness::start(Setup { landing: ManualLanding::default(), ..Setup::default() });
+    h.load(vec![req("r1", &[1])]).await;
+    for p in h.pulls(2).await {
+        p.respond(Finish, &["r1"], &[], None);
+    }
+    h.wait_for("release", is_released("r1")).await;
+    assert_eq!(h.landing.revoked.lock().unwrap().as_slice(), ["r1"]);
+    assert!(h.landing.pending_fences().is_empty());
+}
+
+async fn fan_out(p_tp: u32, p_pp: u32, d: DRank, expect: &[PeerId]) {
+    let mut h = Harness::start(Setup { p_tp, p_pp, d, ..Setup::default() });
+    h.load(vec![req("r1", &[1])]).await;
+    let pulls = h.pulls(expect.len()).await;
+    assert_eq!(pulls.iter().map(|p| p.peer.clone()).collect::<Vec<_>>(), expect);
+    for p in &pulls {
+        let md = p.metadata();
+        assert_eq!((md.remote_tp_size, md.remote_tp_rank, md.remote_pp_size), (d.tp_size, d.tp_rank, d.pp_size));
+    }
+    let (last, rest) = pulls.split_last().unwrap();
+    for p in rest {
+        p.respond(Finish, &["r1"], &[], None);
+        h.wait_for("settle", is_settled(&p.peer, "r1")).await;
+    }
+    // A round trip through the BlockManager lets the aggregator run first (single-threaded
+    // system, FIFO wake-ups); a premature completion would show up here.
+    assert!(h.coord.drain().await.unwrap().finished_recving.is_empty());
+    h.soak_events();
+    assert_eq!(h.count(is_completion("r1")), 0, "no completion before every peer settled");
+    last.respond(Finish, &["r1"], &[], None);
+    h.wait_for("completion", is_completion("r1")).await;
+    // Peers publish Settled before the aggregator can see the settle, so in the event order the
+    // completion must come after every peer's settle.
+    let seen = h.seen.borrow();
+    let done = seen.iter().position(is_completion("r1")).unwrap();
+    for p in &pulls {
+        let s = seen.iter().position(is_settled(&p.peer, "r1"));
+        assert!(s.is_some_and(|s| s < done), "completion before {} settled", p.peer);
+    }
+    drop(seen);
+    assert!(h.opened.try_recv().is_err(), "no extra peer asked");
+}
+
+#[actix::test]
+async fn fan_out_p_tp2_to_d_tp1() {
+    fan_out(2, 1, DRank::default(), &[peer(0, 0), peer(1, 0)]).await;
+}
+
+#[actix::test]
+async fn fan_out_p_tp4_to_d_tp2() {
+    let d = DRank { tp_size: 2, tp_rank: 1, pp_size: 1, pp_rank: 0 };
+    fan_out(4, 1, d, &[peer(2, 0), peer(3, 0)]).await;
+}
+
+#[actix::test]
+async fn fan_out_p_tp2_pp2_to_d_tp1_pp1() {
+    fan_out(2, 2, DRank::default(), &[peer(0, 0), peer(0, 1), peer(1, 0), peer(1, 1)]).await;
+}
+
+/// Rule 9: `naive` completes on the first failure, naming the peer that can still write.
+#[actix::test]
+async fn naive_policy_completes_on_first_failure() {
+    let mut h = Harness::start(Setup { policy: Policy::Naive, ..Setup::default() });
+    h.load(vec![req("r1", &[1])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Finish, &[], &["r1"], Some("fail"));
+    let c = h.wait_for("completion", is_completion("r1")).await;
+    assert!(matches!(c, KvEvent::Completion { ref unsettled_peers, .. } if *unsettled_peers == vec![b.peer.clone()]));
+    h.wait_for("release", is_released("r1")).await;
+    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+    b.respond(Finish, &["r1"], &[], None);
+    h.wait_for("b settles into nothing", is_settled(&b.peer, "r1")).await;
+    assert_eq!(h.count(is_completion("r1")), 1);
+}
+
+/// PROTOCOL.md §4: a request missing one of the three keys is refused at load_kv; the rest go on.
+#[actix::test]
+async fn load_kv_refuses_incomplete_requests_and_keeps_the_rest() {
+    let mut h = Harness::start(Setup { p_tp: 1, ..Setup::default() });
+    let mut bad = req("bad", &[1]);
+    bad.transfer_id = None;
+    let reply = h.load(vec![bad, req("ok", &[2]), req("ok", &[3]), req("far", &[999])]).await;
+    assert_eq!(reply.accepted, 1);
+    assert_eq!(reply.rejected.len(), 3);
+    assert!(matches!(&reply.rejected[0], BatchError::MissingField { field: "transfer_id", .. }));
+    assert!(matches!(&reply.rejected[1], BatchError::Duplicate { .. }));
+    assert!(matches!(&reply.rejected[2], BatchError::BlockOutOfRange { block: 999, .. }));
+    assert_eq!(h.next_pull().await.req_ids(), vec!["ok".to_string()]);
+}
