@@ -1,1 +1,87 @@
-fn main() {}
+//! The coordinator core alone: requests through Receiver -> Peer (a transport that answers
+//! FINISH ok at once) -> RequestAggregator -> BlockManager, for 1, 2 and 4 peers.
+//!
+//! `cargo bench --bench core` ; per-request cost = time per batch / batch size.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use futures::stream;
+
+use kvrecv::actors::topology::StaticTopology;
+use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink, PeerTransport, ReplyStream};
+use kvrecv::config::KvRecvConfig;
+use kvrecv::layout::KvLayout;
+use kvrecv::messages::{KvEvent, KvRequest, LoadKv, MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus};
+use kvrecv::rdma::StaticLanding;
+
+/// A peer that has everything ready: one FINISH naming every request.
+struct InstantPeer;
+
+impl PeerTransport for InstantPeer {
+    fn pull(&self, _peer: &PeerId, request: Vec<u8>) -> ReplyStream {
+        let md = MooncakeXferMetadata::decode(&request).expect("own metadata");
+        let mut r = MooncakeXferResponse::new(XferStatus::Finish);
+        r.ok_reqs = Some(md.req_blocks.into_keys().collect());
+        Box::pin(stream::iter([Ok(vec![r.encode().unwrap()])]))
+    }
+}
+
+const BATCH: usize = 64;
+
+fn bench(c: &mut Criterion) {
+    let mut g = c.benchmark_group("core_requests");
+    g.throughput(Throughput::Elements(BATCH as u64));
+    g.measurement_time(Duration::from_secs(4));
+    for peers in [1u32, 2, 4] {
+        let sys = actix::System::new();
+        let (sink, mut events) = EventSink::channel();
+        let coord = sys.block_on(async {
+            Coordinator::start(CoordinatorParts {
+                config: KvRecvConfig { layout: KvLayout::uniform(2, 64, 1024), ..Default::default() },
+                topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
+                transport: Rc::new(InstantPeer),
+                landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000, 0x100_0000])),
+                events: sink,
+                builtin_pool: false,
+            })
+        });
+        let mut next = 0u64;
+        g.bench_with_input(BenchmarkId::from_parameter(peers), &peers, |b, _| {
+            b.iter_custom(|iters| {
+                sys.block_on(async {
+                    let t0 = Instant::now();
+                    for _ in 0..iters {
+                        let requests = (0..BATCH)
+                            .map(|i| {
+                                next += 1;
+                                KvRequest {
+                                    req_id: format!("r{next}"),
+                                    transfer_id: Some(format!("t{next}")),
+                                    remote_engine_id: Some("e0".into()),
+                                    remote_bootstrap_addr: Some("http://b".into()),
+                                    block_ids: vec![vec![i as u32]],
+                                }
+                            })
+                            .collect();
+                        coord.receiver.send(LoadKv { requests }).await.unwrap();
+                        let mut released = 0;
+                        while released < BATCH {
+                            if let Some(KvEvent::Released { .. }) = events.recv().await {
+                                released += 1;
+                            }
+                        }
+                        coord.drain().await.unwrap();
+                    }
+                    t0.elapsed()
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

@@ -186,10 +186,21 @@ impl KvRecvConfig {
         };
         cfg.policy = k.policy.unwrap_or_default();
         cfg.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", cfg.pull_timeout)?;
-        cfg.quarantine_deadline =
-            ms(k.quarantine_deadline_ms, "quarantine_deadline_ms", cfg.quarantine_deadline)?;
-        cfg.peer_backoff_base = ms(k.peer_backoff_base_ms, "peer_backoff_base_ms", cfg.peer_backoff_base)?;
-        cfg.peer_backoff_max = ms(k.peer_backoff_max_ms, "peer_backoff_max_ms", cfg.peer_backoff_max)?;
+        cfg.quarantine_deadline = ms(
+            k.quarantine_deadline_ms,
+            "quarantine_deadline_ms",
+            cfg.quarantine_deadline,
+        )?;
+        cfg.peer_backoff_base = ms(
+            k.peer_backoff_base_ms,
+            "peer_backoff_base_ms",
+            cfg.peer_backoff_base,
+        )?;
+        cfg.peer_backoff_max = ms(
+            k.peer_backoff_max_ms,
+            "peer_backoff_max_ms",
+            cfg.peer_backoff_max,
+        )?;
         cfg.d_rank = DRank {
             tp_size: k.tp_size.unwrap_or(1),
             tp_rank: k.tp_rank.unwrap_or(0),
@@ -197,7 +208,9 @@ impl KvRecvConfig {
             pp_rank: k.pp_rank.unwrap_or(0),
         };
         if cfg.d_rank.tp_size == 0 || cfg.d_rank.pp_size == 0 {
-            return Err(ConfigError::Zero { key: "tp_size/pp_size" });
+            return Err(ConfigError::Zero {
+                key: "tp_size/pp_size",
+            });
         }
         if let Some(l) = k.layout {
             cfg.layout = l;
@@ -210,7 +223,9 @@ impl KvRecvConfig {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let l = &self.layout;
         if l.regions.is_empty() || l.num_blocks == 0 || l.num_groups == 0 {
-            return Err(ConfigError::Layout("need at least one region, block and group".into()));
+            return Err(ConfigError::Layout(
+                "need at least one region, block and group".into(),
+            ));
         }
         for r in &l.regions {
             if r.block_len == 0 || r.kv_block_len == 0 || r.kv_block_len > r.block_len {
@@ -226,7 +241,8 @@ impl KvRecvConfig {
                 )));
             }
         }
-        if self.d_rank.tp_rank >= self.d_rank.tp_size || self.d_rank.pp_rank >= self.d_rank.pp_size {
+        if self.d_rank.tp_rank >= self.d_rank.tp_size || self.d_rank.pp_rank >= self.d_rank.pp_size
+        {
             return Err(ConfigError::Layout("rank outside its world size".into()));
         }
         Ok(())

@@ -56,7 +56,10 @@ impl KvLayout {
 
     /// Bytes of all regions.
     pub fn total_bytes(&self) -> u64 {
-        self.regions.iter().map(|r| r.block_len * u64::from(self.num_blocks)).sum()
+        self.regions
+            .iter()
+            .map(|r| r.block_len * u64::from(self.num_blocks))
+            .sum()
     }
 }
 

@@ -3,7 +3,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "kvrecv", version, about = "Decode-side KV-cache receive coordinator (vLLM MooncakeConnector compatible)")]
+#[command(
+    name = "kvrecv",
+    version,
+    about = "Decode-side KV-cache receive coordinator (vLLM MooncakeConnector compatible)"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -21,15 +25,17 @@ enum Cmd {
 fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Config { json } => match kvrecv::config::KvRecvConfig::from_kv_transfer_config(&json) {
-            Ok(c) => {
-                println!("{c:#?}");
-                std::process::ExitCode::SUCCESS
+        Cmd::Config { json } => {
+            match kvrecv::config::KvRecvConfig::from_kv_transfer_config(&json) {
+                Ok(c) => {
+                    println!("{c:#?}");
+                    std::process::ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    std::process::ExitCode::from(2)
+                }
             }
-            Err(e) => {
-                eprintln!("error: {e}");
-                std::process::ExitCode::from(2)
-            }
-        },
+        }
     }
 }

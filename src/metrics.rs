@@ -28,21 +28,41 @@ pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
 pub fn describe() {
     describe_counter!(PULLS, "Pulls sent to prefill peers");
     describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
-    describe_counter!(STALE_SETTLES, "Reply ids not pending for that pull (unknown, duplicate, late)");
+    describe_counter!(
+        STALE_SETTLES,
+        "Reply ids not pending for that pull (unknown, duplicate, late)"
+    );
     describe_counter!(MALFORMED_REPLIES, "Undecodable or multi-frame replies");
     describe_counter!(DEADLINE_EXPIRIES, "Pulls abandoned at the D-side deadline");
     describe_counter!(PEER_RESTARTS, "Supervised restarts of a peer actor");
     describe_counter!(FIRST_FAILURES, "Requests whose first failure was reported");
     describe_counter!(COMPLETIONS, "Completions, by outcome");
-    describe_counter!(TOPOLOGY_FAILURES, "Batches failed because the P topology was unavailable");
+    describe_counter!(
+        TOPOLOGY_FAILURES,
+        "Batches failed because the P topology was unavailable"
+    );
     describe_gauge!(QUARANTINED_BLOCKS, "Destination blocks held until a fence");
-    describe_counter!(QUARANTINE_FORCED, "Quarantines released by the last-resort deadline");
-    describe_histogram!(FENCE_LATENCY, Unit::Seconds, "Completion to fence confirmation");
+    describe_counter!(
+        QUARANTINE_FORCED,
+        "Quarantines released by the last-resort deadline"
+    );
+    describe_histogram!(
+        FENCE_LATENCY,
+        Unit::Seconds,
+        "Completion to fence confirmation"
+    );
     describe_histogram!(PULL_LATENCY, Unit::Seconds, "Pull sent to its last reply");
     describe_histogram!(COMPLETION_LATENCY, Unit::Seconds, "load_kv to completion");
-    describe_counter!(BYTES_LANDED, Unit::Bytes, "Bytes written into destination memory");
+    describe_counter!(
+        BYTES_LANDED,
+        Unit::Bytes,
+        "Bytes written into destination memory"
+    );
     describe_counter!(WRITES_LANDED, "Writes landed in destination memory");
-    describe_counter!(WRITES_REJECTED, "Writes refused by the data plane, by reason");
+    describe_counter!(
+        WRITES_REJECTED,
+        "Writes refused by the data plane, by reason"
+    );
     describe_gauge!(LIVE_PERMITS, "Open landing permits");
 }
 

@@ -23,9 +23,12 @@ fn settled_outcome(h: &Harness, peer: &PeerId, id: &str) -> Vec<SettleOutcome> {
         .borrow()
         .iter()
         .filter_map(|e| match e {
-            KvEvent::Settled { peer: p, req_id, outcome, .. } if p == peer && &**req_id == id => {
-                Some(outcome.clone())
-            }
+            KvEvent::Settled {
+                peer: p,
+                req_id,
+                outcome,
+                ..
+            } if p == peer && &**req_id == id => Some(outcome.clone()),
             _ => None,
         })
         .collect()
@@ -41,13 +44,24 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
     a.respond(Error, &[], &[], Some("boom"));
     h.wait_for("first failure", is_first_failure("r1")).await;
     let step = h.coord.drain().await.unwrap();
-    assert!(step.finished_recving.is_empty(), "no completion while B may still write");
-    assert_eq!(step.invalid_block_ids, vec![1, 2], "failure signalled at once, block-level");
+    assert!(
+        step.finished_recving.is_empty(),
+        "no completion while B may still write"
+    );
+    assert_eq!(
+        step.invalid_block_ids,
+        vec![1, 2],
+        "failure signalled at once, block-level"
+    );
     assert!(b.is_open());
     b.respond(Finish, &["r1"], &[], None);
     let c = h.wait_for("completion", is_completion("r1")).await;
     match c {
-        KvEvent::Completion { outcome: Outcome::Failed { peer: p, reason }, uncertain_peers, .. } => {
+        KvEvent::Completion {
+            outcome: Outcome::Failed { peer: p, reason },
+            uncertain_peers,
+            ..
+        } => {
             assert_eq!(p, Some(peer(0, 0)));
             assert!(reason.contains("boom"));
             assert_eq!(uncertain_peers, vec![peer(0, 0)]);
@@ -55,7 +69,10 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
         other => panic!("unexpected {other:?}"),
     }
     h.wait_for("release", is_released("r1")).await;
-    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(
+        h.coord.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("r1")]
+    );
     assert_eq!(h.count(is_first_failure("r1")), 1);
     assert_eq!(h.count(is_completion("r1")), 1);
 }
@@ -63,13 +80,18 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
 /// Rule 4 (deadline) + §6: a silent peer is settled Uncertain at the D-side deadline.
 #[actix::test]
 async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
-    let mut h = Harness::start(Setup { pull_timeout: Duration::from_millis(150), ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        pull_timeout: Duration::from_millis(150),
+        ..Setup::default()
+    });
     h.load(vec![req("r1", &[3])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     // B answers CONTINUE (nothing settled) and keeps answering; A stays silent.
     b.respond(Continue, &[], &[], None);
     h.wait_for("A uncertain", is_settled(&a.peer, "r1")).await;
-    assert!(matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("deadline")));
+    assert!(
+        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("deadline"))
+    );
     assert!(!a.is_open(), "the abandoned pull's channel is closed");
     assert_eq!(h.count(is_completion("r1")), 0);
     b.respond(Finish, &["r1"], &[], None);
@@ -82,13 +104,20 @@ async fn err_reqs_in_continue_fails_the_request_for_that_peer_only() {
     let mut h = Harness::start(Setup::default());
     h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
-    a.respond(Continue, &[], &["r1"], Some("Mooncake transfer engine returned -1"));
+    a.respond(
+        Continue,
+        &[],
+        &["r1"],
+        Some("Mooncake transfer engine returned -1"),
+    );
     h.wait_for("first failure", is_first_failure("r1")).await;
     a.respond(Finish, &["r2"], &[], None);
     b.respond(Finish, &["r1", "r2"], &[], None);
     h.wait_for("r1 completion", is_completion("r1")).await;
     h.wait_for("r2 completion", is_completion("r2")).await;
-    assert!(matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Failed(m)] if m.contains("returned -1")));
+    assert!(
+        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Failed(m)] if m.contains("returned -1"))
+    );
     assert_eq!(h.count(is_first_failure("r2")), 0);
 }
 
@@ -103,10 +132,19 @@ async fn continue_ok_then_error_keeps_ok_and_makes_the_rest_uncertain() {
     a.respond(Error, &[], &[], Some("exception while serving"));
     h.wait_for("r2 failure", is_first_failure("r2")).await;
     assert_eq!(settled_outcome(&h, &a.peer, "r1"), vec![SettleOutcome::Ok]);
-    assert!(matches!(&settled_outcome(&h, &a.peer, "r2")[..], [SettleOutcome::Uncertain(_)]));
+    assert!(matches!(
+        &settled_outcome(&h, &a.peer, "r2")[..],
+        [SettleOutcome::Uncertain(_)]
+    ));
     b.respond(Finish, &["r1", "r2"], &[], None);
     let c1 = h.wait_for("r1", is_completion("r1")).await;
-    assert!(matches!(c1, KvEvent::Completion { outcome: Outcome::Ok, .. }));
+    assert!(matches!(
+        c1,
+        KvEvent::Completion {
+            outcome: Outcome::Ok,
+            ..
+        }
+    ));
     h.wait_for("r2", is_completion("r2")).await;
     assert_eq!(h.count(is_first_failure("r1")), 0);
 }
@@ -120,7 +158,10 @@ async fn finish_omitting_a_request_fails_it_for_that_peer() {
     a.respond(Finish, &["r1"], &[], None);
     b.respond(Finish, &["r1", "r2"], &[], None);
     h.wait_for("r2 completion", is_completion("r2")).await;
-    assert_eq!(settled_outcome(&h, &a.peer, "r2"), vec![SettleOutcome::Failed(OMITTED.into())]);
+    assert_eq!(
+        settled_outcome(&h, &a.peer, "r2"),
+        vec![SettleOutcome::Failed(OMITTED.into())]
+    );
     assert_eq!(h.count(is_first_failure("r2")), 1);
 }
 
@@ -131,15 +172,26 @@ async fn duplicate_unknown_and_late_ids_are_stale() {
     h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Continue, &["r1", "r1", "nobody"], &["r1"], None);
-    h.wait_for("stale nobody", |e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "nobody")).await;
+    h.wait_for(
+        "stale nobody",
+        |e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "nobody"),
+    )
+    .await;
     b.respond(Finish, &["r1"], &[], None);
     h.wait_for("r1 completion", is_completion("r1")).await;
     a.respond(Finish, &["r2", "r1"], &[], None);
     h.wait_for("a's FINISH", is_settled(&a.peer, "r2")).await;
     // r1 twice in ok_reqs, once more in err_reqs, once more after it was settled: 3 stale.
-    assert_eq!(h.count(|e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "r1")), 3);
+    assert_eq!(
+        h.count(|e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "r1")),
+        3
+    );
     assert_eq!(h.count(is_completion("r1")), 1);
-    assert_eq!(h.count(is_first_failure("r1")), 0, "duplicate err for an ok'd id is stale");
+    assert_eq!(
+        h.count(is_first_failure("r1")),
+        0,
+        "duplicate err for an ok'd id is stale"
+    );
     assert!(!b.is_open());
 }
 
@@ -152,14 +204,22 @@ async fn empty_pull_asks_every_peer_and_publishes_nothing() {
     let pulls = h.pulls(2).await;
     for p in &pulls {
         let md = p.metadata();
-        assert_eq!(md.req_blocks["gone"], ("t-gone".to_string(), vec![]), "empty outer list, as vLLM");
+        assert_eq!(
+            md.req_blocks["gone"],
+            ("t-gone".to_string(), vec![]),
+            "empty outer list, as vLLM"
+        );
         assert_eq!(md.req_blocks["r1"].1, vec![vec![5]]);
     }
     pulls[0].respond(Finish, &[], &[], None); // omits both
     pulls[1].respond(Finish, &["gone", "r1"], &[], None);
     h.wait_for("r1 completion", is_completion("r1")).await;
-    h.wait_for("gone settled", is_settled(&pulls[0].peer, "gone")).await;
-    assert_eq!(h.count(is_first_failure("gone")) + h.count(is_completion("gone")), 0);
+    h.wait_for("gone settled", is_settled(&pulls[0].peer, "gone"))
+        .await;
+    assert_eq!(
+        h.count(is_first_failure("gone")) + h.count(is_completion("gone")),
+        0
+    );
     let step = h.coord.drain().await.unwrap();
     assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
 }
@@ -174,13 +234,22 @@ async fn topology_failure_fails_awaiting_requests_once() {
     empty.remote_engine_id = Some("nope".into());
     h.load(vec![r, empty]).await;
     let c = h.wait_for("completion", is_completion("r1")).await;
-    assert!(matches!(c, KvEvent::Completion { outcome: Outcome::Failed { peer: None, .. }, .. }));
+    assert!(matches!(
+        c,
+        KvEvent::Completion {
+            outcome: Outcome::Failed { peer: None, .. },
+            ..
+        }
+    ));
     h.wait_for("release", is_released("r1")).await;
     let step = h.coord.drain().await.unwrap();
     assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
     assert_eq!(step.invalid_block_ids, vec![1]);
     assert_eq!(h.count(is_first_failure("r1")), 1);
-    assert_eq!(h.count(is_completion("e1")) + h.count(is_first_failure("e1")), 0);
+    assert_eq!(
+        h.count(is_completion("e1")) + h.count(is_first_failure("e1")),
+        0
+    );
     assert!(h.opened.try_recv().is_err(), "no pull without a topology");
 }
 
@@ -188,18 +257,26 @@ async fn topology_failure_fails_awaiting_requests_once() {
 /// the restarted peer serves the next pull.
 #[actix::test]
 async fn restart_mid_pull_settles_once_and_next_pull_works() {
-    let mut h = Harness::start(Setup { p_tp: 1, ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        p_tp: 1,
+        ..Setup::default()
+    });
     h.load(vec![req("r1", &[1])]).await;
     h.load(vec![req("r2", &[2])]).await;
     let p1 = h.next_pull().await;
     let p2 = h.next_pull().await;
     p1.fail("socket error");
-    h.wait_for("restart", |e| matches!(e, KvEvent::PeerRestarted { .. })).await;
+    h.wait_for("restart", |e| matches!(e, KvEvent::PeerRestarted { .. }))
+        .await;
     h.wait_for("r1", is_completion("r1")).await;
     h.wait_for("r2", is_completion("r2")).await;
     let me = peer(0, 0);
-    assert!(matches!(&settled_outcome(&h, &me, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("socket error")));
-    assert!(matches!(&settled_outcome(&h, &me, "r2")[..], [SettleOutcome::Uncertain(r)] if r.contains("restarted")));
+    assert!(
+        matches!(&settled_outcome(&h, &me, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("socket error"))
+    );
+    assert!(
+        matches!(&settled_outcome(&h, &me, "r2")[..], [SettleOutcome::Uncertain(r)] if r.contains("restarted"))
+    );
     assert!(!p2.is_open(), "the old incarnation's channels are closed");
     // The same peer serves the next batch.
     h.load(vec![req("r3", &[3])]).await;
@@ -207,7 +284,13 @@ async fn restart_mid_pull_settles_once_and_next_pull_works() {
     assert_eq!(p3.peer, me);
     p3.respond(Finish, &["r3"], &[], None);
     let c = h.wait_for("r3", is_completion("r3")).await;
-    assert!(matches!(c, KvEvent::Completion { outcome: Outcome::Ok, .. }));
+    assert!(matches!(
+        c,
+        KvEvent::Completion {
+            outcome: Outcome::Ok,
+            ..
+        }
+    ));
     assert_eq!(h.count(is_completion("r1")), 1);
     assert_eq!(h.count(is_completion("r2")), 1);
 }
@@ -216,20 +299,42 @@ async fn restart_mid_pull_settles_once_and_next_pull_works() {
 /// data plane confirms the fence.
 #[actix::test]
 async fn quarantine_is_held_until_the_fence_is_confirmed() {
-    let mut h = Harness::start(Setup { landing: ManualLanding::default(), p_tp: 1, ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        landing: ManualLanding::default(),
+        p_tp: 1,
+        ..Setup::default()
+    });
     h.load(vec![req("r1", &[7, 8])]).await;
     let a = h.next_pull().await;
     a.respond(Error, &[], &[], Some("x"));
-    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. })).await;
-    assert_eq!(h.landing.revoked.lock().unwrap().as_slice(), ["r1"], "permits revoked first");
+    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. }))
+        .await;
+    assert_eq!(
+        h.landing.revoked.lock().unwrap().as_slice(),
+        ["r1"],
+        "permits revoked first"
+    );
     let stats = h.coord.block_manager.send(GetLedgerStats).await.unwrap();
     assert_eq!(stats.quarantined_blocks, 2);
-    assert!(h.coord.drain().await.unwrap().finished_recving.is_empty(), "held: no completion to the host");
+    assert!(
+        h.coord.drain().await.unwrap().finished_recving.is_empty(),
+        "held: no completion to the host"
+    );
     assert_eq!(h.landing.pending_fences(), vec![vec![peer(0, 0)]]);
     assert_eq!(h.landing.confirm_fences(), 1);
     let rel = h.wait_for("release", is_released("r1")).await;
-    assert!(matches!(rel, KvEvent::Released { fenced: true, forced: false, .. }));
-    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+    assert!(matches!(
+        rel,
+        KvEvent::Released {
+            fenced: true,
+            forced: false,
+            ..
+        }
+    ));
+    assert_eq!(
+        h.coord.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("r1")]
+    );
 }
 
 /// §5: a quarantine nobody can fence is released at the last-resort deadline, flagged forced.
@@ -243,17 +348,35 @@ async fn quarantine_without_fence_is_released_at_the_deadline() {
     });
     h.load(vec![req("r1", &[7])]).await;
     h.next_pull().await.respond(Error, &[], &[], None);
-    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. })).await;
+    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. }))
+        .await;
     let rel = h.wait_for("forced release", is_released("r1")).await;
-    assert!(matches!(rel, KvEvent::Released { fenced: false, forced: true, .. }));
-    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
-    assert_eq!(h.landing.confirm_fences(), 1, "the fence was asked for; confirming late is harmless");
+    assert!(matches!(
+        rel,
+        KvEvent::Released {
+            fenced: false,
+            forced: true,
+            ..
+        }
+    ));
+    assert_eq!(
+        h.coord.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("r1")]
+    );
+    assert_eq!(
+        h.landing.confirm_fences(),
+        1,
+        "the fence was asked for; confirming late is harmless"
+    );
 }
 
 /// §5: a clean completion (no uncertain peer) is released at once, permits revoked first.
 #[actix::test]
 async fn ok_completion_revokes_then_releases() {
-    let mut h = Harness::start(Setup { landing: ManualLanding::default(), ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        landing: ManualLanding::default(),
+        ..Setup::default()
+    });
     h.load(vec![req("r1", &[1])]).await;
     for p in h.pulls(2).await {
         p.respond(Finish, &["r1"], &[], None);
@@ -264,13 +387,24 @@ async fn ok_completion_revokes_then_releases() {
 }
 
 async fn fan_out(p_tp: u32, p_pp: u32, d: DRank, expect: &[PeerId]) {
-    let mut h = Harness::start(Setup { p_tp, p_pp, d, ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        p_tp,
+        p_pp,
+        d,
+        ..Setup::default()
+    });
     h.load(vec![req("r1", &[1])]).await;
     let pulls = h.pulls(expect.len()).await;
-    assert_eq!(pulls.iter().map(|p| p.peer.clone()).collect::<Vec<_>>(), expect);
+    assert_eq!(
+        pulls.iter().map(|p| p.peer.clone()).collect::<Vec<_>>(),
+        expect
+    );
     for p in &pulls {
         let md = p.metadata();
-        assert_eq!((md.remote_tp_size, md.remote_tp_rank, md.remote_pp_size), (d.tp_size, d.tp_rank, d.pp_size));
+        assert_eq!(
+            (md.remote_tp_size, md.remote_tp_rank, md.remote_pp_size),
+            (d.tp_size, d.tp_rank, d.pp_size)
+        );
     }
     let (last, rest) = pulls.split_last().unwrap();
     for p in rest {
@@ -281,7 +415,11 @@ async fn fan_out(p_tp: u32, p_pp: u32, d: DRank, expect: &[PeerId]) {
     // system, FIFO wake-ups); a premature completion would show up here.
     assert!(h.coord.drain().await.unwrap().finished_recving.is_empty());
     h.soak_events();
-    assert_eq!(h.count(is_completion("r1")), 0, "no completion before every peer settled");
+    assert_eq!(
+        h.count(is_completion("r1")),
+        0,
+        "no completion before every peer settled"
+    );
     last.respond(Finish, &["r1"], &[], None);
     h.wait_for("completion", is_completion("r1")).await;
     // Peers publish Settled before the aggregator can see the settle, so in the event order the
@@ -290,7 +428,11 @@ async fn fan_out(p_tp: u32, p_pp: u32, d: DRank, expect: &[PeerId]) {
     let done = seen.iter().position(is_completion("r1")).unwrap();
     for p in &pulls {
         let s = seen.iter().position(is_settled(&p.peer, "r1"));
-        assert!(s.is_some_and(|s| s < done), "completion before {} settled", p.peer);
+        assert!(
+            s.is_some_and(|s| s < done),
+            "completion before {} settled",
+            p.peer
+        );
     }
     drop(seen);
     assert!(h.opened.try_recv().is_err(), "no extra peer asked");
@@ -303,42 +445,81 @@ async fn fan_out_p_tp2_to_d_tp1() {
 
 #[actix::test]
 async fn fan_out_p_tp4_to_d_tp2() {
-    let d = DRank { tp_size: 2, tp_rank: 1, pp_size: 1, pp_rank: 0 };
+    let d = DRank {
+        tp_size: 2,
+        tp_rank: 1,
+        pp_size: 1,
+        pp_rank: 0,
+    };
     fan_out(4, 1, d, &[peer(2, 0), peer(3, 0)]).await;
 }
 
 #[actix::test]
 async fn fan_out_p_tp2_pp2_to_d_tp1_pp1() {
-    fan_out(2, 2, DRank::default(), &[peer(0, 0), peer(0, 1), peer(1, 0), peer(1, 1)]).await;
+    fan_out(
+        2,
+        2,
+        DRank::default(),
+        &[peer(0, 0), peer(0, 1), peer(1, 0), peer(1, 1)],
+    )
+    .await;
 }
 
 /// Rule 9: `naive` completes on the first failure, naming the peer that can still write.
 #[actix::test]
 async fn naive_policy_completes_on_first_failure() {
-    let mut h = Harness::start(Setup { policy: Policy::Naive, ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        policy: Policy::Naive,
+        ..Setup::default()
+    });
     h.load(vec![req("r1", &[1])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Finish, &[], &["r1"], Some("fail"));
     let c = h.wait_for("completion", is_completion("r1")).await;
-    assert!(matches!(c, KvEvent::Completion { ref unsettled_peers, .. } if *unsettled_peers == vec![b.peer.clone()]));
+    assert!(
+        matches!(c, KvEvent::Completion { ref unsettled_peers, .. } if *unsettled_peers == vec![b.peer.clone()])
+    );
     h.wait_for("release", is_released("r1")).await;
-    assert_eq!(h.coord.drain().await.unwrap().finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(
+        h.coord.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("r1")]
+    );
     b.respond(Finish, &["r1"], &[], None);
-    h.wait_for("b settles into nothing", is_settled(&b.peer, "r1")).await;
+    h.wait_for("b settles into nothing", is_settled(&b.peer, "r1"))
+        .await;
     assert_eq!(h.count(is_completion("r1")), 1);
 }
 
 /// PROTOCOL.md §4: a request missing one of the three keys is refused at load_kv; the rest go on.
 #[actix::test]
 async fn load_kv_refuses_incomplete_requests_and_keeps_the_rest() {
-    let mut h = Harness::start(Setup { p_tp: 1, ..Setup::default() });
+    let mut h = Harness::start(Setup {
+        p_tp: 1,
+        ..Setup::default()
+    });
     let mut bad = req("bad", &[1]);
     bad.transfer_id = None;
-    let reply = h.load(vec![bad, req("ok", &[2]), req("ok", &[3]), req("far", &[999])]).await;
+    let reply = h
+        .load(vec![
+            bad,
+            req("ok", &[2]),
+            req("ok", &[3]),
+            req("far", &[999]),
+        ])
+        .await;
     assert_eq!(reply.accepted, 1);
     assert_eq!(reply.rejected.len(), 3);
-    assert!(matches!(&reply.rejected[0], BatchError::MissingField { field: "transfer_id", .. }));
+    assert!(matches!(
+        &reply.rejected[0],
+        BatchError::MissingField {
+            field: "transfer_id",
+            ..
+        }
+    ));
     assert!(matches!(&reply.rejected[1], BatchError::Duplicate { .. }));
-    assert!(matches!(&reply.rejected[2], BatchError::BlockOutOfRange { block: 999, .. }));
+    assert!(matches!(
+        &reply.rejected[2],
+        BatchError::BlockOutOfRange { block: 999, .. }
+    ));
     assert_eq!(h.next_pull().await.req_ids(), vec!["ok".to_string()]);
 }

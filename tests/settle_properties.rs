@@ -22,14 +22,32 @@ use kvrecv::rdma::Revocation;
 #[derive(Debug, Clone)]
 enum Ev {
     /// CONTINUE or FINISH from a peer with ok/err subsets (indexes into the batch, may repeat).
-    Reply { peer: usize, finish: bool, ok: Vec<usize>, err: Vec<usize> },
-    Error { peer: usize, err: Vec<usize> },
-    Deadline { peer: usize },
-    Restart { peer: usize },
-    Garbage { peer: usize },
-    Unknown { peer: usize },
+    Reply {
+        peer: usize,
+        finish: bool,
+        ok: Vec<usize>,
+        err: Vec<usize>,
+    },
+    Error {
+        peer: usize,
+        err: Vec<usize>,
+    },
+    Deadline {
+        peer: usize,
+    },
+    Restart {
+        peer: usize,
+    },
+    Garbage {
+        peer: usize,
+    },
+    Unknown {
+        peer: usize,
+    },
     /// The data plane confirms one pending fence.
-    Fence { pick: usize },
+    Fence {
+        pick: usize,
+    },
     /// Time passes beyond the quarantine deadline.
     QuarantineDeadline,
     Drain,
@@ -62,7 +80,12 @@ struct Case {
 }
 
 fn case() -> impl Strategy<Value = Case> {
-    (1..5usize, prop::collection::vec(0..3usize, 1..6), any::<bool>(), prop_oneof![4 => Just(Policy::Settle), 1 => Just(Policy::Naive)])
+    (
+        1..5usize,
+        prop::collection::vec(0..3usize, 1..6),
+        any::<bool>(),
+        prop_oneof![4 => Just(Policy::Settle), 1 => Just(Policy::Naive)],
+    )
         .prop_flat_map(|(n_peers, blocks, exact, policy)| {
             let n = blocks.len();
             prop::collection::vec(ev(n_peers, n), 0..40).prop_map(move |events| Case {
@@ -97,7 +120,11 @@ struct World {
 }
 
 fn resp(finish: bool, ok: Vec<String>, err: Vec<String>) -> Vec<Vec<u8>> {
-    let mut r = MooncakeXferResponse::new(if finish { XferStatus::Finish } else { XferStatus::Continue });
+    let mut r = MooncakeXferResponse::new(if finish {
+        XferStatus::Finish
+    } else {
+        XferStatus::Continue
+    });
     r.ok_reqs = (!ok.is_empty()).then_some(ok);
     r.err_reqs = (!err.is_empty()).then_some(err);
     vec![r.encode().unwrap()]
@@ -112,7 +139,11 @@ impl World {
             .enumerate()
             .map(|(i, &n)| {
                 let id: ReqId = format!("r{i}").into();
-                let blocks = if n == 0 { vec![] } else { pool.allocate(&id, 1, n).unwrap() };
+                let blocks = if n == 0 {
+                    vec![]
+                } else {
+                    pool.allocate(&id, 1, n).unwrap()
+                };
                 Arc::new(RequestMeta {
                     req_id: id,
                     transfer_id: format!("t{i}"),
@@ -122,7 +153,9 @@ impl World {
                 })
             })
             .collect();
-        let peer_ids: Vec<PeerId> = (0..c.n_peers).map(|i| PeerId::new(format!("tcp://p{i}"))).collect();
+        let peer_ids: Vec<PeerId> = (0..c.n_peers)
+            .map(|i| PeerId::new(format!("tcp://p{i}")))
+            .collect();
         let mut peers = Vec::new();
         let mut pull_of = Vec::new();
         for (i, pid) in peer_ids.iter().enumerate() {
@@ -130,7 +163,13 @@ impl World {
             let pull = Pull {
                 pull_id: i as u64 + 1,
                 payload: vec![],
-                requests: reqs.iter().map(|m| PullRequest { meta: m.clone(), aggregator: None }).collect(),
+                requests: reqs
+                    .iter()
+                    .map(|m| PullRequest {
+                        meta: m.clone(),
+                        aggregator: None,
+                    })
+                    .collect(),
             };
             st.start(&pull);
             peers.push(st);
@@ -139,7 +178,12 @@ impl World {
         let aggs = reqs
             .iter()
             .filter(|r| r.is_awaiting())
-            .map(|r| (r.req_id.clone(), AggregatorState::new(r.clone(), peer_ids.clone(), c.policy)))
+            .map(|r| {
+                (
+                    r.req_id.clone(),
+                    AggregatorState::new(r.clone(), peer_ids.clone(), c.policy),
+                )
+            })
             .collect();
         World {
             policy: c.policy,
@@ -169,24 +213,48 @@ impl World {
     fn route(&mut self, peer: usize, fx: Effects) {
         for (_, s) in fx.settles {
             *self.settled.entry((peer, s.req_id.clone())).or_default() += 1;
-            assert_eq!(self.settled[&(peer, s.req_id.clone())], 1, "a peer settled {} twice", s.req_id);
-            let Some(agg) = self.aggs.get_mut(&s.req_id) else { continue };
+            assert_eq!(
+                self.settled[&(peer, s.req_id.clone())],
+                1,
+                "a peer settled {} twice",
+                s.req_id
+            );
+            let Some(agg) = self.aggs.get_mut(&s.req_id) else {
+                continue;
+            };
             let afx = agg.on_settle(&s);
             if let Some(ff) = afx.first_failure {
-                assert!(!self.completions.contains_key(&ff.req.req_id), "first failure after completion");
-                *self.first_failures.entry(ff.req.req_id.clone()).or_default() += 1;
+                assert!(
+                    !self.completions.contains_key(&ff.req.req_id),
+                    "first failure after completion"
+                );
+                *self
+                    .first_failures
+                    .entry(ff.req.req_id.clone())
+                    .or_default() += 1;
                 self.ledger.on_first_failure(&ff);
             }
             if let Some(c) = afx.completion {
                 let id = c.req.req_id.clone();
                 if self.policy == Policy::Settle {
                     for p in 0..self.peers.len() {
-                        assert!(self.settled.contains_key(&(p, id.clone())), "{id} completed before peer {p} settled");
+                        assert!(
+                            self.settled.contains_key(&(p, id.clone())),
+                            "{id} completed before peer {p} settled"
+                        );
                     }
                 }
                 *self.completions.entry(id.clone()).or_default() += 1;
-                let rev = if self.exact { Revocation::Exact } else { Revocation::NotExact };
-                let fence = if self.policy == Policy::Settle { peers_to_fence(&c, rev) } else { vec![] };
+                let rev = if self.exact {
+                    Revocation::Exact
+                } else {
+                    Revocation::NotExact
+                };
+                let fence = if self.policy == Policy::Settle {
+                    peers_to_fence(&c, rev)
+                } else {
+                    vec![]
+                };
                 self.uncertain_at_completion.insert(id, fence.clone());
                 match self.ledger.on_completion(&c, fence.clone(), self.now) {
                     Disposition::Released { .. } => assert!(fence.is_empty()),
@@ -198,17 +266,26 @@ impl World {
 
     fn drain(&mut self) {
         let out = self.ledger.drain();
-        self.drained_failed_reqs.extend(out.failed_recving.iter().cloned());
-        self.drained_invalid_blocks.extend(out.invalid_block_ids.iter().copied());
+        self.drained_failed_reqs
+            .extend(out.failed_recving.iter().cloned());
+        self.drained_invalid_blocks
+            .extend(out.invalid_block_ids.iter().copied());
         for id in out.finished_recving {
             // A failure signal is never drained after its completion.
             let req = self.reqs.iter().find(|r| r.req_id == id).unwrap();
             if self.first_failures.contains_key(&id) {
-                assert!(req.all_blocks().all(|b| self.drained_invalid_blocks.contains(&b)), "{id}: completion before its failure signal");
+                assert!(
+                    req.all_blocks()
+                        .all(|b| self.drained_invalid_blocks.contains(&b)),
+                    "{id}: completion before its failure signal"
+                );
             }
             // Never out of quarantine before its fence or deadline.
             if !self.uncertain_at_completion[&id].is_empty() {
-                assert!(self.fenced.contains(&id) || self.deadline_passed, "{id} released before fence");
+                assert!(
+                    self.fenced.contains(&id) || self.deadline_passed,
+                    "{id} released before fence"
+                );
             }
             self.drained_finished.push(id);
         }
@@ -216,7 +293,12 @@ impl World {
 
     fn step(&mut self, e: &Ev) {
         match e.clone() {
-            Ev::Reply { peer, finish, ok, err } => {
+            Ev::Reply {
+                peer,
+                finish,
+                ok,
+                err,
+            } => {
                 let ok = ok.into_iter().map(|i| self.id(i)).collect();
                 let err = err.into_iter().map(|i| self.id(i)).collect();
                 let fx = self.peers[peer].on_reply(self.pull_of[peer], resp(finish, ok, err));

@@ -55,12 +55,19 @@ impl AggregatorState {
     /// No writer can exist (topology failure, rule 7): fail and complete at once.
     pub fn fail_now(&mut self, reason: String) -> AggEffects {
         if self.completed {
-            return AggEffects { stale: true, ..Default::default() };
+            return AggEffects {
+                stale: true,
+                ..Default::default()
+            };
         }
         self.first_failure = Some((None, reason.clone()));
         self.completed = true;
         AggEffects {
-            first_failure: Some(FirstFailure { req: self.req.clone(), peer: None, reason: reason.clone() }),
+            first_failure: Some(FirstFailure {
+                req: self.req.clone(),
+                peer: None,
+                reason: reason.clone(),
+            }),
             completion: Some(Completion {
                 req: self.req.clone(),
                 outcome: Outcome::Failed { peer: None, reason },
@@ -77,7 +84,11 @@ impl AggregatorState {
             fx.stale = true;
             return fx;
         }
-        let Some(slot) = self.settled.iter_mut().find(|(p, o)| *p == s.peer && o.is_none()) else {
+        let Some(slot) = self
+            .settled
+            .iter_mut()
+            .find(|(p, o)| *p == s.peer && o.is_none())
+        else {
             fx.stale = true;
             return fx;
         };
@@ -104,7 +115,10 @@ impl AggregatorState {
         self.completed = true;
         let outcome = match &self.first_failure {
             None => Outcome::Ok,
-            Some((peer, reason)) => Outcome::Failed { peer: peer.clone(), reason: reason.clone() },
+            Some((peer, reason)) => Outcome::Failed {
+                peer: peer.clone(),
+                reason: reason.clone(),
+            },
         };
         let uncertain_peers = self
             .settled
@@ -112,9 +126,18 @@ impl AggregatorState {
             .filter(|(_, o)| matches!(o, Some(SettleOutcome::Uncertain(_))))
             .map(|(p, _)| p.clone())
             .collect();
-        let unsettled_peers =
-            self.settled.iter().filter(|(_, o)| o.is_none()).map(|(p, _)| p.clone()).collect();
-        Completion { req: self.req.clone(), outcome, uncertain_peers, unsettled_peers }
+        let unsettled_peers = self
+            .settled
+            .iter()
+            .filter(|(_, o)| o.is_none())
+            .map(|(p, _)| p.clone())
+            .collect();
+        Completion {
+            req: self.req.clone(),
+            outcome,
+            uncertain_peers,
+            unsettled_peers,
+        }
     }
 }
 
@@ -136,12 +159,21 @@ mod tests {
     }
 
     fn settle(peer: &str, outcome: SettleOutcome) -> Settle {
-        Settle { peer: PeerId::new(peer), pull_id: 1, req_id: "r".into(), outcome }
+        Settle {
+            peer: PeerId::new(peer),
+            pull_id: 1,
+            req_id: "r".into(),
+            outcome,
+        }
     }
 
     #[test]
     fn failure_is_reported_at_once_and_completion_waits_for_every_peer() {
-        let mut a = AggregatorState::new(req(), vec![PeerId::new("a"), PeerId::new("b")], Policy::Settle);
+        let mut a = AggregatorState::new(
+            req(),
+            vec![PeerId::new("a"), PeerId::new("b")],
+            Policy::Settle,
+        );
         let fx = a.on_settle(&settle("a", SettleOutcome::Uncertain("x".into())));
         assert!(fx.first_failure.is_some() && fx.completion.is_none());
         let fx = a.on_settle(&settle("a", SettleOutcome::Ok));
@@ -156,7 +188,11 @@ mod tests {
 
     #[test]
     fn naive_completes_on_first_failure_and_names_the_peers_still_writing() {
-        let mut a = AggregatorState::new(req(), vec![PeerId::new("a"), PeerId::new("b")], Policy::Naive);
+        let mut a = AggregatorState::new(
+            req(),
+            vec![PeerId::new("a"), PeerId::new("b")],
+            Policy::Naive,
+        );
         let fx = a.on_settle(&settle("a", SettleOutcome::Failed("x".into())));
         let c = fx.completion.unwrap();
         assert_eq!(c.unsettled_peers, vec![PeerId::new("b")]);
@@ -167,7 +203,13 @@ mod tests {
     fn a_peer_listed_twice_must_settle_twice() {
         let p = PeerId::new("a");
         let mut a = AggregatorState::new(req(), vec![p.clone(), p], Policy::Settle);
-        assert!(a.on_settle(&settle("a", SettleOutcome::Ok)).completion.is_none());
-        assert!(a.on_settle(&settle("a", SettleOutcome::Ok)).completion.is_some());
+        assert!(a
+            .on_settle(&settle("a", SettleOutcome::Ok))
+            .completion
+            .is_none());
+        assert!(a
+            .on_settle(&settle("a", SettleOutcome::Ok))
+            .completion
+            .is_some());
     }
 }

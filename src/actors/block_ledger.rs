@@ -16,7 +16,11 @@ pub enum Disposition {
     /// Released now.
     Released { blocks: Vec<u32> },
     /// Held until `peers` are fenced or the deadline passes.
-    Quarantined { blocks: Vec<u32>, peers: Vec<PeerId>, deadline: Instant },
+    Quarantined {
+        blocks: Vec<u32>,
+        peers: Vec<PeerId>,
+        deadline: Instant,
+    },
 }
 
 struct Held {
@@ -111,9 +115,18 @@ impl BlockLedger {
         let deadline = now + self.quarantine_deadline;
         self.held.insert(
             c.req.req_id.clone(),
-            Held { req: c.req.clone(), peers: fence_needed_for.clone(), since: now, deadline },
+            Held {
+                req: c.req.clone(),
+                peers: fence_needed_for.clone(),
+                since: now,
+                deadline,
+            },
         );
-        Disposition::Quarantined { blocks, peers: fence_needed_for, deadline }
+        Disposition::Quarantined {
+            blocks,
+            peers: fence_needed_for,
+            deadline,
+        }
     }
 
     fn release_now(&mut self, req: &SharedRequest) {
@@ -137,8 +150,12 @@ impl BlockLedger {
 
     /// Quarantines whose last-resort deadline has passed.
     pub fn expired(&self, now: Instant) -> Vec<ReqId> {
-        let mut v: Vec<ReqId> =
-            self.held.iter().filter(|(_, h)| h.deadline <= now).map(|(r, _)| r.clone()).collect();
+        let mut v: Vec<ReqId> = self
+            .held
+            .iter()
+            .filter(|(_, h)| h.deadline <= now)
+            .map(|(r, _)| r.clone())
+            .collect();
         v.sort();
         v
     }
@@ -184,7 +201,10 @@ mod tests {
         Completion {
             req: r.clone(),
             outcome: if failed {
-                Outcome::Failed { peer: None, reason: "x".into() }
+                Outcome::Failed {
+                    peer: None,
+                    reason: "x".into(),
+                }
             } else {
                 Outcome::Ok
             },
@@ -197,14 +217,21 @@ mod tests {
     fn failure_signal_is_drained_no_later_than_its_completion() {
         let mut l = BlockLedger::new(Duration::from_secs(1), None);
         let r = req("r", vec![vec![3, 4]]);
-        l.on_first_failure(&FirstFailure { req: r.clone(), peer: None, reason: "x".into() });
+        l.on_first_failure(&FirstFailure {
+            req: r.clone(),
+            peer: None,
+            reason: "x".into(),
+        });
         let first = l.drain();
         assert_eq!(first.invalid_block_ids, vec![3, 4]);
         assert!(first.finished_recving.is_empty());
         l.on_completion(&completion(&r, true, &[]), vec![], Instant::now());
         let second = l.drain();
         assert_eq!(second.finished_recving, vec![ReqId::from("r")]);
-        assert!(second.invalid_block_ids.is_empty(), "failure signalled once");
+        assert!(
+            second.invalid_block_ids.is_empty(),
+            "failure signalled once"
+        );
     }
 
     #[test]
@@ -225,11 +252,22 @@ mod tests {
         let r = req("r", vec![vec![]]);
         let c = completion(&r, true, &["p1"]);
         let fence = peers_to_fence(&c, Revocation::NotExact);
-        assert!(matches!(l.on_completion(&c, fence, t0), Disposition::Quarantined { .. }));
-        assert!(l.drain().finished_recving.is_empty(), "no completion while quarantined");
+        assert!(matches!(
+            l.on_completion(&c, fence, t0),
+            Disposition::Quarantined { .. }
+        ));
+        assert!(
+            l.drain().finished_recving.is_empty(),
+            "no completion while quarantined"
+        );
         assert!(l.expired(t0 + Duration::from_secs(9)).is_empty());
-        assert_eq!(l.expired(t0 + Duration::from_secs(10)), vec![ReqId::from("r")]);
-        let rel = l.end_quarantine(&"r".into(), t0 + Duration::from_secs(10)).unwrap();
+        assert_eq!(
+            l.expired(t0 + Duration::from_secs(10)),
+            vec![ReqId::from("r")]
+        );
+        let rel = l
+            .end_quarantine(&"r".into(), t0 + Duration::from_secs(10))
+            .unwrap();
         assert_eq!(rel.held_for, Duration::from_secs(10));
         assert_eq!(l.drain().finished_recving, vec![ReqId::from("r")]);
         assert!(l.end_quarantine(&"r".into(), t0).is_none(), "released once");

@@ -5,9 +5,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use actix::{
-    Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult, WrapFuture,
-};
+use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult, WrapFuture};
 
 use crate::config::Policy;
 use crate::messages::{
@@ -28,8 +26,18 @@ pub struct BlockManager {
 }
 
 impl BlockManager {
-    pub fn new(ledger: BlockLedger, landing: Arc<dyn Landing>, policy: Policy, events: EventSink) -> Self {
-        BlockManager { ledger, landing, policy, events }
+    pub fn new(
+        ledger: BlockLedger,
+        landing: Arc<dyn Landing>,
+        policy: Policy,
+        events: EventSink,
+    ) -> Self {
+        BlockManager {
+            ledger,
+            landing,
+            policy,
+            events,
+        }
     }
 
     /// The built-in pool's ownership table (for the data plane's audit), if there is a pool.
@@ -39,7 +47,9 @@ impl BlockManager {
 
     fn end_quarantine(&mut self, req_id: &ReqId, fenced: bool) {
         let now = Instant::now();
-        let Some(rel) = self.ledger.end_quarantine(req_id, now) else { return };
+        let Some(rel) = self.ledger.end_quarantine(req_id, now) else {
+            return;
+        };
         if fenced {
             metrics::histogram!(m::FENCE_LATENCY).record(rel.held_for.as_secs_f64());
             tracing::info!(req_id = %req_id, held_ms = rel.held_for.as_millis() as u64, "fenced, released");
@@ -84,12 +94,25 @@ impl Handler<Completion> for BlockManager {
         let req_id = c.req.req_id.clone();
         match self.ledger.on_completion(&c, fence, Instant::now()) {
             Disposition::Released { blocks } => {
-                self.events.emit(KvEvent::Released { req_id, blocks, fenced: false, forced: false });
+                self.events.emit(KvEvent::Released {
+                    req_id,
+                    blocks,
+                    fenced: false,
+                    forced: false,
+                });
             }
-            Disposition::Quarantined { blocks, peers, deadline } => {
+            Disposition::Quarantined {
+                blocks,
+                peers,
+                deadline,
+            } => {
                 tracing::info!(req_id = %req_id, blocks = blocks.len(), peers = ?peers, "quarantined until fenced");
                 metrics::gauge!(m::QUARANTINED_BLOCKS).set(self.ledger.quarantined_blocks() as f64);
-                self.events.emit(KvEvent::Quarantined { req_id: req_id.clone(), blocks, peers: peers.clone() });
+                self.events.emit(KvEvent::Quarantined {
+                    req_id: req_id.clone(),
+                    blocks,
+                    peers: peers.clone(),
+                });
                 let r = req_id.clone();
                 ctx.spawn(self.landing.fence(&peers).into_actor(self).map(move |res, act, _ctx| {
                     match res {
@@ -118,7 +141,10 @@ impl Handler<Allocate> for BlockManager {
     fn handle(&mut self, a: Allocate, _ctx: &mut Context<Self>) -> Self::Result {
         match self.ledger.pool_mut() {
             Some(p) => p.allocate(&a.req_id, a.owner_tag, a.n),
-            None => Err(PoolError::Exhausted { wanted: a.n, free: 0 }),
+            None => Err(PoolError::Exhausted {
+                wanted: a.n,
+                free: 0,
+            }),
         }
     }
 }
@@ -130,7 +156,10 @@ impl Handler<Free> for BlockManager {
         if self.ledger.is_quarantined(&f.req_id) {
             return vec![]; // still fenced off; the quarantine releases it
         }
-        self.ledger.pool_mut().map(|p| p.release(&f.req_id)).unwrap_or_default()
+        self.ledger
+            .pool_mut()
+            .map(|p| p.release(&f.req_id))
+            .unwrap_or_default()
     }
 }
 

@@ -25,7 +25,9 @@ pub enum PoolError {
 /// ```
 pub fn owner_tag(transfer_id: &str) -> u32 {
     // FNV-1a: stable across processes and languages, so a writer can compute it too.
-    let h = transfer_id.bytes().fold(0x811c_9dc5u32, |h, b| (h ^ u32::from(b)).wrapping_mul(0x0100_0193));
+    let h = transfer_id.bytes().fold(0x811c_9dc5u32, |h, b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    });
     h.max(1)
 }
 
@@ -46,17 +48,25 @@ pub struct BlockState {
 
 impl BlockOwnership {
     pub fn new(num_blocks: u32) -> Self {
-        BlockOwnership { slots: (0..num_blocks).map(|_| AtomicU64::new(0)).collect() }
+        BlockOwnership {
+            slots: (0..num_blocks).map(|_| AtomicU64::new(0)).collect(),
+        }
     }
 
     pub fn get(&self, block: u32) -> Option<BlockState> {
         let v = self.slots.get(block as usize)?.load(Ordering::Acquire);
         let tag = v as u32;
-        Some(BlockState { generation: (v >> 32) as u32, owner_tag: (tag != 0).then_some(tag) })
+        Some(BlockState {
+            generation: (v >> 32) as u32,
+            owner_tag: (tag != 0).then_some(tag),
+        })
     }
 
     fn set(&self, block: u32, generation: u32, tag: u32) {
-        self.slots[block as usize].store((u64::from(generation) << 32) | u64::from(tag), Ordering::Release);
+        self.slots[block as usize].store(
+            (u64::from(generation) << 32) | u64::from(tag),
+            Ordering::Release,
+        );
     }
 
     pub fn len(&self) -> u32 {
@@ -105,7 +115,10 @@ impl BlockPool {
             return Err(PoolError::AlreadyAllocated(req.clone()));
         }
         if n > self.free.len() {
-            return Err(PoolError::Exhausted { wanted: n, free: self.free.len() });
+            return Err(PoolError::Exhausted {
+                wanted: n,
+                free: self.free.len(),
+            });
         }
         let blocks = self.free.split_off(self.free.len() - n);
         for &b in &blocks {
@@ -143,13 +156,28 @@ mod tests {
         let b: ReqId = "b".into();
         let blocks = p.allocate(&a, 7, 2).unwrap();
         let t = p.ownership();
-        assert_eq!(t.get(blocks[0]).unwrap(), BlockState { generation: 1, owner_tag: Some(7) });
+        assert_eq!(
+            t.get(blocks[0]).unwrap(),
+            BlockState {
+                generation: 1,
+                owner_tag: Some(7)
+            }
+        );
         assert_eq!(p.release(&a), blocks);
         assert_eq!(t.get(blocks[0]).unwrap().owner_tag, None);
         let again = p.allocate(&b, 9, 2).unwrap();
-        assert_eq!(again.iter().collect::<std::collections::BTreeSet<_>>(), blocks.iter().collect());
+        assert_eq!(
+            again.iter().collect::<std::collections::BTreeSet<_>>(),
+            blocks.iter().collect()
+        );
         assert_eq!(t.get(again[0]).unwrap().generation, 2);
-        assert!(matches!(p.allocate(&a, 1, 3), Err(PoolError::Exhausted { .. })));
-        assert!(matches!(p.allocate(&b, 1, 1), Err(PoolError::AlreadyAllocated(_))));
+        assert!(matches!(
+            p.allocate(&a, 1, 3),
+            Err(PoolError::Exhausted { .. })
+        ));
+        assert!(matches!(
+            p.allocate(&b, 1, 1),
+            Err(PoolError::AlreadyAllocated(_))
+        ));
     }
 }

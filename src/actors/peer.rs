@@ -6,7 +6,9 @@ use std::collections::{HashMap, VecDeque};
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
-use actix::{Actor, ActorContext, AsyncContext, Context, Handler, SpawnHandle, StreamHandler, Supervised};
+use actix::{
+    Actor, ActorContext, AsyncContext, Context, Handler, SpawnHandle, StreamHandler, Supervised,
+};
 use futures::StreamExt;
 
 use crate::messages::{KvEvent, PeerId, Pull, PullId};
@@ -38,7 +40,9 @@ impl PeerConfig {
     /// ```
     pub fn backoff(&self, n: u32) -> Duration {
         let factor = 1u32.checked_shl(n.saturating_sub(1)).unwrap_or(u32::MAX);
-        self.backoff_base.saturating_mul(factor).min(self.backoff_max)
+        self.backoff_base
+            .saturating_mul(factor)
+            .min(self.backoff_max)
     }
 }
 
@@ -75,7 +79,12 @@ pub struct Peer {
 }
 
 impl Peer {
-    pub fn new(id: PeerId, transport: Rc<dyn PeerTransport>, cfg: PeerConfig, events: EventSink) -> Self {
+    pub fn new(
+        id: PeerId,
+        transport: Rc<dyn PeerTransport>,
+        cfg: PeerConfig,
+        events: EventSink,
+    ) -> Self {
         Peer {
             state: PeerState::new(id),
             transport,
@@ -95,7 +104,8 @@ impl Peer {
 
     fn start_pull(&mut self, pull: Pull, ctx: &mut Context<Self>) {
         let pull_id = pull.pull_id;
-        let span = tracing::info_span!("pull", peer = %self.id(), pull_id, requests = pull.requests.len());
+        let span =
+            tracing::info_span!("pull", peer = %self.id(), pull_id, requests = pull.requests.len());
         span.in_scope(|| tracing::debug!("sending pull"));
         metrics::counter!(m::PULLS).increment(1);
         self.state.start(&pull);
@@ -108,24 +118,44 @@ impl Peer {
                     Err(e) => ChannelEvent::Failed(e),
                 },
             })
-            .chain(futures::stream::once(async move { PullEvent { pull_id, event: ChannelEvent::Ended } }));
+            .chain(futures::stream::once(async move {
+                PullEvent {
+                    pull_id,
+                    event: ChannelEvent::Ended,
+                }
+            }));
         let stream = ctx.add_stream(stream);
         let deadline = self.arm_deadline(pull_id, ctx);
-        self.live.insert(pull_id, Live { stream, deadline, started: Instant::now(), span });
+        self.live.insert(
+            pull_id,
+            Live {
+                stream,
+                deadline,
+                started: Instant::now(),
+                span,
+            },
+        );
     }
 
     fn arm_deadline(&self, pull_id: PullId, ctx: &mut Context<Self>) -> SpawnHandle {
         let timeout = self.cfg.pull_timeout;
         ctx.run_later(timeout, move |act, ctx| {
             metrics::counter!(m::DEADLINE_EXPIRIES).increment(1);
-            let fx = act.state.abandon(pull_id, format!("no reply within the {timeout:?} pull deadline"));
+            let fx = act.state.abandon(
+                pull_id,
+                format!("no reply within the {timeout:?} pull deadline"),
+            );
             act.apply(pull_id, fx, ctx);
         })
     }
 
     /// Send settles, count, and close the pull's channel when it is over.
     fn apply(&mut self, pull_id: PullId, fx: Effects, ctx: &mut Context<Self>) {
-        let span = self.live.get(&pull_id).map(|l| l.span.clone()).unwrap_or_else(tracing::Span::none);
+        let span = self
+            .live
+            .get(&pull_id)
+            .map(|l| l.span.clone())
+            .unwrap_or_else(tracing::Span::none);
         let _g = span.enter();
         if let Some(reason) = &fx.malformed {
             metrics::counter!(m::MALFORMED_REPLIES).increment(1);
@@ -134,7 +164,11 @@ impl Peer {
         for req_id in fx.stale {
             metrics::counter!(m::STALE_SETTLES).increment(1);
             tracing::debug!(%req_id, "stale id in reply");
-            self.events.emit(KvEvent::Stale { peer: self.id().clone(), pull_id, req_id });
+            self.events.emit(KvEvent::Stale {
+                peer: self.id().clone(),
+                pull_id,
+                req_id,
+            });
         }
         for (to, s) in fx.settles {
             metrics::counter!(m::SETTLES, "outcome" => s.outcome.label()).increment(1);
@@ -178,7 +212,10 @@ impl Actor for Peer {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         if let Some(until) = self.backoff_until {
-            ctx.run_later(until.saturating_duration_since(Instant::now()), |act, ctx| act.flush_parked(ctx));
+            ctx.run_later(
+                until.saturating_duration_since(Instant::now()),
+                |act, ctx| act.flush_parked(ctx),
+            );
         }
     }
 }
@@ -203,7 +240,10 @@ impl Supervised for Peer {
         self.backoff_until = Some(Instant::now() + backoff);
         metrics::counter!(m::PEER_RESTARTS).increment(1);
         tracing::warn!(peer = %self.id(), restarts = self.restarts, backoff_ms = backoff.as_millis() as u64, "peer restarted");
-        self.events.emit(KvEvent::PeerRestarted { peer: self.id().clone(), restarts: self.restarts });
+        self.events.emit(KvEvent::PeerRestarted {
+            peer: self.id().clone(),
+            restarts: self.restarts,
+        });
     }
 }
 
@@ -250,7 +290,9 @@ impl StreamHandler<PullEvent> for Peer {
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
             }
             ChannelEvent::Ended => {
-                let fx = self.state.abandon(pull_id, "channel closed before FINISH".into());
+                let fx = self
+                    .state
+                    .abandon(pull_id, "channel closed before FINISH".into());
                 self.apply(pull_id, fx, ctx);
             }
         }

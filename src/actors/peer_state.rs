@@ -40,7 +40,10 @@ pub struct PeerState {
 
 impl PeerState {
     pub fn new(peer: PeerId) -> Self {
-        PeerState { peer, pulls: HashMap::new() }
+        PeerState {
+            peer,
+            pulls: HashMap::new(),
+        }
     }
 
     pub fn peer(&self) -> &PeerId {
@@ -62,16 +65,27 @@ impl PeerState {
 
     /// Track a new pull. A request listed twice in one pull is tracked once.
     pub fn start(&mut self, pull: &Pull) {
-        let pending = pull.requests.iter().map(|r| (r.meta.req_id.clone(), r.clone())).collect();
+        let pending = pull
+            .requests
+            .iter()
+            .map(|r| (r.meta.req_id.clone(), r.clone()))
+            .collect();
         self.pulls.insert(pull.pull_id, InFlight { pending });
     }
 
     fn settle(&mut self, fx: &mut Effects, pull_id: PullId, req_id: &str, outcome: SettleOutcome) {
-        let Some(pull) = self.pulls.get_mut(&pull_id) else { return };
+        let Some(pull) = self.pulls.get_mut(&pull_id) else {
+            return;
+        };
         match pull.pending.remove(req_id) {
             Some(req) => fx.settles.push((
                 req.aggregator,
-                Settle { peer: self.peer.clone(), pull_id, req_id: req.meta.req_id.clone(), outcome },
+                Settle {
+                    peer: self.peer.clone(),
+                    pull_id,
+                    req_id: req.meta.req_id.clone(),
+                    outcome,
+                },
             )),
             None => fx.stale.push(ReqId::from(req_id)),
         }
@@ -119,9 +133,17 @@ impl PeerState {
         for id in resp.ok() {
             self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
         }
-        let err_reason = resp.err_msg.clone().unwrap_or_else(|| "peer reported failure".into());
+        let err_reason = resp
+            .err_msg
+            .clone()
+            .unwrap_or_else(|| "peer reported failure".into());
         for id in resp.err() {
-            self.settle(&mut fx, pull_id, id, SettleOutcome::Failed(err_reason.clone()));
+            self.settle(
+                &mut fx,
+                pull_id,
+                id,
+                SettleOutcome::Failed(err_reason.clone()),
+            );
         }
         match resp.status {
             // More subsets follow; the channel stays open until FINISH, ERROR or the deadline.

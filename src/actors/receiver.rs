@@ -97,8 +97,13 @@ impl Receiver {
             self.topology.invalidate(&r.bootstrap_addr, &r.engine_id);
         }
         for req in group.into_iter().filter(|r| r.is_awaiting()) {
-            RequestAggregator::failed(req, err.to_string(), self.block_manager.clone(), self.events.clone())
-                .start();
+            RequestAggregator::failed(
+                req,
+                err.to_string(),
+                self.block_manager.clone(),
+                self.events.clone(),
+            )
+            .start();
         }
     }
 
@@ -125,13 +130,17 @@ impl Receiver {
                 }),
             })
             .collect();
-        let awaiting: Vec<SharedRequest> = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+        let awaiting: Vec<SharedRequest> =
+            group.iter().filter(|r| r.is_awaiting()).cloned().collect();
         let (host, port) = self.landing.endpoint();
         for peer in &peers {
             let pull_id = self.next_pull;
             self.next_pull += 1;
-            let bases =
-                self.landing.open_pull(&PullWindow { pull_id, peer, requests: &awaiting });
+            let bases = self.landing.open_pull(&PullWindow {
+                pull_id,
+                peer,
+                requests: &awaiting,
+            });
             let payload = self.metadata(&host, port, &group, bases).encode();
             let payload = match payload {
                 Ok(p) => p,
@@ -141,11 +150,21 @@ impl Receiver {
                     continue;
                 }
             };
-            self.peer(peer).do_send(Pull { pull_id, payload, requests: requests.clone() });
+            self.peer(peer).do_send(Pull {
+                pull_id,
+                payload,
+                requests: requests.clone(),
+            });
         }
     }
 
-    fn metadata(&self, host: &str, port: u32, group: &[SharedRequest], bases: Vec<u64>) -> MooncakeXferMetadata {
+    fn metadata(
+        &self,
+        host: &str,
+        port: u32,
+        group: &[SharedRequest],
+        bases: Vec<u64>,
+    ) -> MooncakeXferMetadata {
         let l = &self.cfg.layout;
         let d = self.cfg.d_rank;
         let mut md = MooncakeXferMetadata::minimal(host, port, d.tp_size, d.tp_rank);
@@ -153,11 +172,15 @@ impl Receiver {
         for r in group {
             // Cleanup pulls and full prefix hits send an empty outer list, as vLLM does.
             let blocks = if r.is_awaiting() {
-                r.block_ids.iter().map(|g| g.iter().map(|&b| u64::from(b)).collect()).collect()
+                r.block_ids
+                    .iter()
+                    .map(|g| g.iter().map(|&b| u64::from(b)).collect())
+                    .collect()
             } else {
                 vec![]
             };
-            md.req_blocks.insert(r.req_id.to_string(), (r.transfer_id.clone(), blocks));
+            md.req_blocks
+                .insert(r.req_id.to_string(), (r.transfer_id.clone(), blocks));
         }
         md.kv_caches_base_addr = bases;
         md.block_lens = l.regions.iter().map(|r| r.block_len).collect();
@@ -190,7 +213,9 @@ impl Handler<LoadKv> for Receiver {
                 }
             };
             if !seen.insert(meta.req_id.clone()) {
-                reply.rejected.push(BatchError::Duplicate { req_id: meta.req_id.to_string() });
+                reply.rejected.push(BatchError::Duplicate {
+                    req_id: meta.req_id.to_string(),
+                });
                 continue;
             }
             reply.accepted += 1;
@@ -207,7 +232,11 @@ impl Handler<LoadKv> for Receiver {
         }
         for ((bootstrap, engine), group) in groups {
             let lookup = self.topology.lookup(&bootstrap, &engine);
-            ctx.spawn(lookup.into_actor(self).map(move |topo, act, _ctx| act.dispatch(group, topo)));
+            ctx.spawn(
+                lookup
+                    .into_actor(self)
+                    .map(move |topo, act, _ctx| act.dispatch(group, topo)),
+            );
         }
         reply
     }

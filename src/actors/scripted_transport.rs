@@ -56,7 +56,10 @@ impl OpenedPull {
 
     /// A channel failure (socket error).
     pub fn fail(&self, reason: &str) {
-        self.push(Err(TransportError::Recv { peer: self.peer.clone(), reason: reason.into() }));
+        self.push(Err(TransportError::Recv {
+            peer: self.peer.clone(),
+            reason: reason.into(),
+        }));
     }
 
     /// The other side closes the channel.
@@ -66,7 +69,10 @@ impl OpenedPull {
 
     /// Whether D still listens on this pull's channel (false once D closed it).
     pub fn is_open(&self) -> bool {
-        self.replies.borrow().as_ref().is_some_and(|tx| !tx.is_closed())
+        self.replies
+            .borrow()
+            .as_ref()
+            .is_some_and(|tx| !tx.is_closed())
     }
 }
 
@@ -85,7 +91,11 @@ impl ScriptedTransport {
 impl PeerTransport for ScriptedTransport {
     fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream {
         let (tx, mut rx) = unbounded_channel();
-        let _ = self.opened.send(OpenedPull { peer: peer.clone(), request, replies: RefCell::new(Some(tx)) });
+        let _ = self.opened.send(OpenedPull {
+            peer: peer.clone(),
+            request,
+            replies: RefCell::new(Some(tx)),
+        });
         Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
     }
 }

@@ -42,11 +42,18 @@ impl Coordinator {
     /// Start on the current arbiter (inside an actix `System`).
     pub fn start(parts: CoordinatorParts) -> Coordinator {
         let cfg = parts.config;
-        let pool = parts.builtin_pool.then(|| BlockPool::new(cfg.layout.num_blocks));
+        let pool = parts
+            .builtin_pool
+            .then(|| BlockPool::new(cfg.layout.num_blocks));
         let ownership = pool.as_ref().map(|p| p.ownership());
         let ledger = BlockLedger::new(cfg.quarantine_deadline, pool);
-        let block_manager =
-            BlockManager::new(ledger, parts.landing.clone(), cfg.policy, parts.events.clone()).start();
+        let block_manager = BlockManager::new(
+            ledger,
+            parts.landing.clone(),
+            cfg.policy,
+            parts.events.clone(),
+        )
+        .start();
         let receiver = Receiver::new(
             cfg,
             parts.topology,
@@ -56,7 +63,11 @@ impl Coordinator {
             parts.events,
         )
         .start();
-        Coordinator { receiver, block_manager, ownership }
+        Coordinator {
+            receiver,
+            block_manager,
+            ownership,
+        }
     }
 
     /// `load_kv`: hand a batch over. Rejected requests come back in the reply.

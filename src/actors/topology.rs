@@ -30,14 +30,22 @@ pub struct DRank {
 
 impl Default for DRank {
     fn default() -> Self {
-        DRank { tp_size: 1, tp_rank: 0, pp_size: 1, pp_rank: 0 }
+        DRank {
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+        }
     }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum TopologyError {
     #[error("engine {engine_id} is not registered at {bootstrap}")]
-    UnknownEngine { engine_id: String, bootstrap: String },
+    UnknownEngine {
+        engine_id: String,
+        bootstrap: String,
+    },
     #[error("bootstrap {bootstrap} failed: {reason}")]
     Bootstrap { bootstrap: String, reason: String },
     #[error("engine {engine_id} topology incomplete: {reason}")]
@@ -57,11 +65,17 @@ impl EngineTopology {
         engine_id: &str,
         query: &QueryResponse,
     ) -> Result<Self, TopologyError> {
-        let entry = query.values().find(|e| e.engine_id == engine_id).ok_or_else(|| {
-            TopologyError::UnknownEngine { engine_id: engine_id.into(), bootstrap: bootstrap.into() }
-        })?;
-        let incomplete =
-            |reason: String| TopologyError::Incomplete { engine_id: engine_id.into(), reason };
+        let entry = query
+            .values()
+            .find(|e| e.engine_id == engine_id)
+            .ok_or_else(|| TopologyError::UnknownEngine {
+                engine_id: engine_id.into(),
+                bootstrap: bootstrap.into(),
+            })?;
+        let incomplete = |reason: String| TopologyError::Incomplete {
+            engine_id: engine_id.into(),
+            reason,
+        };
         let tp: BTreeMap<u32, &BTreeMap<String, String>> = entry
             .worker_addr
             .iter()
@@ -70,11 +84,16 @@ impl EngineTopology {
             .map_err(|_| incomplete("non-integer TP rank key".into()))?;
         let tp_size = tp.len() as u32;
         if tp_size == 0 || tp.keys().copied().ne(0..tp_size) {
-            return Err(incomplete(format!("TP ranks {:?} are not 0..{tp_size}", tp.keys())));
+            return Err(incomplete(format!(
+                "TP ranks {:?} are not 0..{tp_size}",
+                tp.keys()
+            )));
         }
         if let Some(expected) = entry.tp_size {
             if expected != tp_size {
-                return Err(incomplete(format!("{tp_size} of {expected} TP ranks registered")));
+                return Err(incomplete(format!(
+                    "{tp_size} of {expected} TP ranks registered"
+                )));
             }
         }
         let mut workers = Vec::with_capacity(tp.len());
@@ -87,20 +106,32 @@ impl EngineTopology {
                 .map_err(|_| incomplete("non-integer PP rank key".into()))?;
             let n = pp.len() as u32;
             if n == 0 || pp.keys().copied().ne(0..n) {
-                return Err(incomplete(format!("TP rank {rank}: PP stages {:?}", pp.keys())));
+                return Err(incomplete(format!(
+                    "TP rank {rank}: PP stages {:?}",
+                    pp.keys()
+                )));
             }
             if *pp_size.get_or_insert(n) != n {
-                return Err(incomplete(format!("TP rank {rank} has {n} PP stages, others differ")));
+                return Err(incomplete(format!(
+                    "TP rank {rank} has {n} PP stages, others differ"
+                )));
             }
             workers.push(pp.values().map(|a| PeerId::new(a.as_str())).collect());
         }
         let pp_size = pp_size.unwrap_or(1);
         if let Some(expected) = entry.pp_size {
             if expected != pp_size {
-                return Err(incomplete(format!("{pp_size} of {expected} PP stages registered")));
+                return Err(incomplete(format!(
+                    "{pp_size} of {expected} PP stages registered"
+                )));
             }
         }
-        Ok(EngineTopology { engine_id: engine_id.into(), tp_size, pp_size, workers })
+        Ok(EngineTopology {
+            engine_id: engine_id.into(),
+            tp_size,
+            pp_size,
+            workers,
+        })
     }
 
     /// The peers of one D worker, in protocol order (PROTOCOL.md §3 rules 1-3).
@@ -116,7 +147,10 @@ impl EngineTopology {
     /// ```
     pub fn peers_for(&self, d: DRank) -> Result<Vec<PeerId>, TopologyError> {
         let p_tp = self.tp_size;
-        let ratio_err = TopologyError::TpRatio { p_tp, d_tp: d.tp_size };
+        let ratio_err = TopologyError::TpRatio {
+            p_tp,
+            d_tp: d.tp_size,
+        };
         if p_tp == 0 || d.tp_size == 0 || d.tp_rank >= d.tp_size {
             return Err(ratio_err);
         }
@@ -137,7 +171,9 @@ impl EngineTopology {
             let stages = self
                 .workers
                 .get(t as usize)
-                .ok_or_else(|| TopologyError::NoPeers { engine_id: self.engine_id.clone() })?;
+                .ok_or_else(|| TopologyError::NoPeers {
+                    engine_id: self.engine_id.clone(),
+                })?;
             if d.pp_size as usize == stages.len() && (d.pp_rank as usize) < stages.len() {
                 peers.push(stages[d.pp_rank as usize].clone());
             } else {
@@ -145,7 +181,9 @@ impl EngineTopology {
             }
         }
         if peers.is_empty() {
-            return Err(TopologyError::NoPeers { engine_id: self.engine_id.clone() });
+            return Err(TopologyError::NoPeers {
+                engine_id: self.engine_id.clone(),
+            });
         }
         Ok(peers)
     }
@@ -173,7 +211,12 @@ pub struct StaticTopology {
 
 impl StaticTopology {
     pub fn new(engines: impl IntoIterator<Item = EngineTopology>) -> Self {
-        StaticTopology { engines: engines.into_iter().map(|e| (e.engine_id.clone(), e)).collect() }
+        StaticTopology {
+            engines: engines
+                .into_iter()
+                .map(|e| (e.engine_id.clone(), e))
+                .collect(),
+        }
     }
 
     /// An engine of `tp` x `pp` workers at `tcp://<prefix>-<tp>-<pp>` (for scripted transports).
@@ -183,7 +226,11 @@ impl StaticTopology {
             tp_size: tp,
             pp_size: pp,
             workers: (0..tp)
-                .map(|t| (0..pp).map(|p| PeerId::new(format!("tcp://{engine_id}-{t}-{p}"))).collect())
+                .map(|t| {
+                    (0..pp)
+                        .map(|p| PeerId::new(format!("tcp://{engine_id}-{t}-{p}")))
+                        .collect()
+                })
                 .collect(),
         }
     }
@@ -195,10 +242,14 @@ impl TopologySource for StaticTopology {
         bootstrap: &str,
         engine_id: &str,
     ) -> LocalBoxFuture<'static, Result<EngineTopology, TopologyError>> {
-        let r = self.engines.get(engine_id).cloned().ok_or_else(|| TopologyError::UnknownEngine {
-            engine_id: engine_id.into(),
-            bootstrap: bootstrap.into(),
-        });
+        let r = self
+            .engines
+            .get(engine_id)
+            .cloned()
+            .ok_or_else(|| TopologyError::UnknownEngine {
+                engine_id: engine_id.into(),
+                bootstrap: bootstrap.into(),
+            });
         Box::pin(async move { r })
     }
 
@@ -211,28 +262,59 @@ mod tests {
     use crate::messages::bootstrap::DpEntry;
 
     fn d(tp_size: u32, tp_rank: u32, pp_size: u32, pp_rank: u32) -> DRank {
-        DRank { tp_size, tp_rank, pp_size, pp_rank }
+        DRank {
+            tp_size,
+            tp_rank,
+            pp_size,
+            pp_rank,
+        }
     }
 
     fn names(p: Vec<PeerId>) -> Vec<String> {
-        p.iter().map(|p| p.addr().trim_start_matches("tcp://e-").to_string()).collect()
+        p.iter()
+            .map(|p| p.addr().trim_start_matches("tcp://e-").to_string())
+            .collect()
     }
 
     #[test]
     fn fan_out_table_of_protocol_section_3() {
         let g = StaticTopology::grid;
-        assert_eq!(names(g("e", 2, 1).peers_for(d(1, 0, 1, 0)).unwrap()), ["0-0", "1-0"]);
-        assert_eq!(names(g("e", 4, 1).peers_for(d(2, 1, 1, 0)).unwrap()), ["2-0", "3-0"]);
-        assert_eq!(names(g("e", 2, 1).peers_for(d(2, 1, 1, 0)).unwrap()), ["1-0"]);
-        assert_eq!(names(g("e", 1, 1).peers_for(d(2, 1, 1, 0)).unwrap()), ["0-0"]);
-        assert_eq!(names(g("e", 2, 1).peers_for(d(4, 3, 1, 0)).unwrap()), ["1-0"]);
-        assert_eq!(names(g("e", 1, 2).peers_for(d(1, 0, 1, 0)).unwrap()), ["0-0", "0-1"]);
+        assert_eq!(
+            names(g("e", 2, 1).peers_for(d(1, 0, 1, 0)).unwrap()),
+            ["0-0", "1-0"]
+        );
+        assert_eq!(
+            names(g("e", 4, 1).peers_for(d(2, 1, 1, 0)).unwrap()),
+            ["2-0", "3-0"]
+        );
+        assert_eq!(
+            names(g("e", 2, 1).peers_for(d(2, 1, 1, 0)).unwrap()),
+            ["1-0"]
+        );
+        assert_eq!(
+            names(g("e", 1, 1).peers_for(d(2, 1, 1, 0)).unwrap()),
+            ["0-0"]
+        );
+        assert_eq!(
+            names(g("e", 2, 1).peers_for(d(4, 3, 1, 0)).unwrap()),
+            ["1-0"]
+        );
+        assert_eq!(
+            names(g("e", 1, 2).peers_for(d(1, 0, 1, 0)).unwrap()),
+            ["0-0", "0-1"]
+        );
         assert_eq!(
             names(g("e", 2, 2).peers_for(d(1, 0, 1, 0)).unwrap()),
             ["0-0", "0-1", "1-0", "1-1"]
         );
-        assert_eq!(names(g("e", 2, 2).peers_for(d(2, 1, 2, 1)).unwrap()), ["1-1"]);
-        assert_eq!(names(g("e", 1, 1).peers_for(d(1, 0, 2, 1)).unwrap()), ["0-0"]);
+        assert_eq!(
+            names(g("e", 2, 2).peers_for(d(2, 1, 2, 1)).unwrap()),
+            ["1-1"]
+        );
+        assert_eq!(
+            names(g("e", 1, 1).peers_for(d(1, 0, 2, 1)).unwrap()),
+            ["0-0"]
+        );
         assert!(g("e", 3, 1).peers_for(d(2, 0, 1, 0)).is_err());
     }
 
@@ -240,17 +322,31 @@ mod tests {
         let worker_addr = tp
             .iter()
             .map(|(t, pps)| {
-                (t.to_string(), pps.iter().map(|p| (p.to_string(), format!("tcp://x:{t}{p}"))).collect())
+                (
+                    t.to_string(),
+                    pps.iter()
+                        .map(|p| (p.to_string(), format!("tcp://x:{t}{p}")))
+                        .collect(),
+                )
             })
             .collect();
-        [("0".to_string(), DpEntry { engine_id: "e0".into(), worker_addr, tp_size, pp_size: None })]
-            .into_iter()
-            .collect()
+        [(
+            "0".to_string(),
+            DpEntry {
+                engine_id: "e0".into(),
+                worker_addr,
+                tp_size,
+                pp_size: None,
+            },
+        )]
+        .into_iter()
+        .collect()
     }
 
     #[test]
     fn partial_topologies_are_refused() {
-        let ok = EngineTopology::from_query("b", "e0", &entry(&[("0", &["0"]), ("1", &["0"])], None));
+        let ok =
+            EngineTopology::from_query("b", "e0", &entry(&[("0", &["0"]), ("1", &["0"])], None));
         assert_eq!(ok.unwrap().tp_size, 2);
         // only rank 1 registered
         assert!(EngineTopology::from_query("b", "e0", &entry(&[("1", &["0"])], None)).is_err());
@@ -260,7 +356,12 @@ mod tests {
             Err(TopologyError::Incomplete { .. })
         ));
         // PP stage missing on rank 1
-        assert!(EngineTopology::from_query("b", "e0", &entry(&[("0", &["0", "1"]), ("1", &["0"])], None)).is_err());
+        assert!(EngineTopology::from_query(
+            "b",
+            "e0",
+            &entry(&[("0", &["0", "1"]), ("1", &["0"])], None)
+        )
+        .is_err());
         assert!(matches!(
             EngineTopology::from_query("b", "e9", &entry(&[("0", &["0"])], None)),
             Err(TopologyError::UnknownEngine { .. })

@@ -33,16 +33,26 @@ pub struct KvRequest {
 /// A request of `load_kv` that cannot be pulled.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum BatchError {
-    #[error("request {req_id}: missing `{field}` in kv_transfer_params; no pull can be started for it")]
+    #[error(
+        "request {req_id}: missing `{field}` in kv_transfer_params; no pull can be started for it"
+    )]
     MissingField { req_id: String, field: &'static str },
     #[error("request {req_id}: `{field}` is empty")]
     EmptyField { req_id: String, field: &'static str },
     #[error("request {req_id} appears twice in the batch")]
     Duplicate { req_id: String },
     #[error("request {req_id}: block id {block} is outside the pool of {num_blocks} blocks")]
-    BlockOutOfRange { req_id: String, block: u32, num_blocks: u32 },
+    BlockOutOfRange {
+        req_id: String,
+        block: u32,
+        num_blocks: u32,
+    },
     #[error("request {req_id}: {groups} KV-cache groups, the layout has {expected}")]
-    GroupCount { req_id: String, groups: usize, expected: usize },
+    GroupCount {
+        req_id: String,
+        groups: usize,
+        expected: usize,
+    },
 }
 
 /// A validated request, shared (`Arc`) by every actor that needs it.
@@ -77,13 +87,22 @@ impl KvRequest {
             name: &'static str,
         ) -> Result<&'a str, BatchError> {
             match v.as_deref() {
-                None => Err(BatchError::MissingField { req_id: req.req_id.clone(), field: name }),
-                Some("") => Err(BatchError::EmptyField { req_id: req.req_id.clone(), field: name }),
+                None => Err(BatchError::MissingField {
+                    req_id: req.req_id.clone(),
+                    field: name,
+                }),
+                Some("") => Err(BatchError::EmptyField {
+                    req_id: req.req_id.clone(),
+                    field: name,
+                }),
                 Some(s) => Ok(s),
             }
         }
         if self.req_id.is_empty() {
-            return Err(BatchError::EmptyField { req_id: String::new(), field: "req_id" });
+            return Err(BatchError::EmptyField {
+                req_id: String::new(),
+                field: "req_id",
+            });
         }
         let transfer_id = field(self, &self.transfer_id, "transfer_id")?;
         let engine_id = field(self, &self.remote_engine_id, "remote_engine_id")?;
@@ -134,12 +153,36 @@ mod tests {
     #[test]
     fn missing_keys_are_refused_with_the_key_name() {
         for (field, mut r) in [
-            ("transfer_id", KvRequest { transfer_id: None, ..req() }),
-            ("remote_engine_id", KvRequest { remote_engine_id: None, ..req() }),
-            ("remote_bootstrap_addr", KvRequest { remote_bootstrap_addr: None, ..req() }),
+            (
+                "transfer_id",
+                KvRequest {
+                    transfer_id: None,
+                    ..req()
+                },
+            ),
+            (
+                "remote_engine_id",
+                KvRequest {
+                    remote_engine_id: None,
+                    ..req()
+                },
+            ),
+            (
+                "remote_bootstrap_addr",
+                KvRequest {
+                    remote_bootstrap_addr: None,
+                    ..req()
+                },
+            ),
         ] {
             let err = r.validate().unwrap_err();
-            assert_eq!(err, BatchError::MissingField { req_id: "d-1".into(), field });
+            assert_eq!(
+                err,
+                BatchError::MissingField {
+                    req_id: "d-1".into(),
+                    field
+                }
+            );
             r.req_id.clear();
         }
     }
@@ -149,7 +192,12 @@ mod tests {
         let m = req().validate().unwrap();
         assert_eq!(m.bootstrap_addr, "http://127.0.0.1:8998");
         assert!(m.is_awaiting());
-        let empty = KvRequest { block_ids: vec![vec![], vec![]], ..req() }.validate().unwrap();
+        let empty = KvRequest {
+            block_ids: vec![vec![], vec![]],
+            ..req()
+        }
+        .validate()
+        .unwrap();
         assert!(!empty.is_awaiting());
     }
 }

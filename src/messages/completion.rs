@@ -23,7 +23,10 @@ pub struct FirstFailure {
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Outcome {
     Ok,
-    Failed { peer: Option<PeerId>, reason: String },
+    Failed {
+        peer: Option<PeerId>,
+        reason: String,
+    },
 }
 
 impl Outcome {

@@ -10,10 +10,23 @@ use super::settle::SettleOutcome;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum KvEvent {
-    Settled { peer: PeerId, pull_id: PullId, req_id: ReqId, outcome: SettleOutcome },
+    Settled {
+        peer: PeerId,
+        pull_id: PullId,
+        req_id: ReqId,
+        outcome: SettleOutcome,
+    },
     /// A reply named a request that is not pending for that pull (unknown, duplicate, late).
-    Stale { peer: PeerId, pull_id: PullId, req_id: ReqId },
-    FirstFailure { req_id: ReqId, peer: Option<PeerId>, reason: String },
+    Stale {
+        peer: PeerId,
+        pull_id: PullId,
+        req_id: ReqId,
+    },
+    FirstFailure {
+        req_id: ReqId,
+        peer: Option<PeerId>,
+        reason: String,
+    },
     Completion {
         req_id: ReqId,
         #[serde(flatten)]
@@ -22,8 +35,20 @@ pub enum KvEvent {
         unsettled_peers: Vec<PeerId>,
     },
     /// Blocks held until the data plane fences the uncertain peers.
-    Quarantined { req_id: ReqId, blocks: Vec<u32>, peers: Vec<PeerId> },
+    Quarantined {
+        req_id: ReqId,
+        blocks: Vec<u32>,
+        peers: Vec<PeerId>,
+    },
     /// Blocks given back (the request appears in `finished_recving`).
-    Released { req_id: ReqId, blocks: Vec<u32>, fenced: bool, forced: bool },
-    PeerRestarted { peer: PeerId, restarts: u32 },
+    Released {
+        req_id: ReqId,
+        blocks: Vec<u32>,
+        fenced: bool,
+        forced: bool,
+    },
+    PeerRestarted {
+        peer: PeerId,
+        restarts: u32,
+    },
 }

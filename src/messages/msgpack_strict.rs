@@ -56,7 +56,9 @@ fn take(buf: &[u8], pos: &mut usize, n: usize) -> Result<(), StrictError> {
 fn be_len(buf: &[u8], pos: &mut usize, n: usize) -> Result<usize, StrictError> {
     let start = *pos;
     take(buf, pos, n)?;
-    Ok(buf[start..*pos].iter().fold(0usize, |acc, b| (acc << 8) | usize::from(*b)))
+    Ok(buf[start..*pos]
+        .iter()
+        .fold(0usize, |acc, b| (acc << 8) | usize::from(*b)))
 }
 
 fn skip_value(buf: &[u8], pos: &mut usize, depth: usize) -> Result<(), StrictError> {
@@ -102,10 +104,17 @@ fn skip_value(buf: &[u8], pos: &mut usize, depth: usize) -> Result<(), StrictErr
         | Marker::Ext8
         | Marker::Ext16
         | Marker::Ext32 => return Err(StrictError::Unsupported { kind: "ext", at }),
-        Marker::Reserved => return Err(StrictError::Unsupported { kind: "reserved", at }),
+        Marker::Reserved => {
+            return Err(StrictError::Unsupported {
+                kind: "reserved",
+                at,
+            })
+        }
     };
     // Every element takes at least one byte: a count larger than what is left is a lie.
-    let elems = items.checked_mul(per_item).ok_or(StrictError::Truncated(at))?;
+    let elems = items
+        .checked_mul(per_item)
+        .ok_or(StrictError::Truncated(at))?;
     if elems > buf.len() - *pos {
         return Err(StrictError::Truncated(at));
     }
@@ -122,8 +131,14 @@ mod tests {
     #[test]
     fn accepts_a_plain_map_and_rejects_array_form() {
         assert_eq!(check_map_document(&[0x81, 0xa1, b'a', 0x01]), Ok(()));
-        assert_eq!(check_map_document(&[0x91, 0x01]), Err(StrictError::NotAMap("array")));
-        assert_eq!(check_map_document(&[0xc0]), Err(StrictError::NotAMap("scalar")));
+        assert_eq!(
+            check_map_document(&[0x91, 0x01]),
+            Err(StrictError::NotAMap("array"))
+        );
+        assert_eq!(
+            check_map_document(&[0xc0]),
+            Err(StrictError::NotAMap("scalar"))
+        );
     }
 
     #[test]
@@ -137,7 +152,10 @@ mod tests {
             check_map_document(&[0xdf, 0xff, 0xff, 0xff, 0xff, 0x00]),
             Err(StrictError::Truncated(_))
         ));
-        assert_eq!(check_map_document(&[0x81, 0xa1, b'a', 0x01, 0x00]), Err(StrictError::Trailing(1)));
+        assert_eq!(
+            check_map_document(&[0x81, 0xa1, b'a', 0x01, 0x00]),
+            Err(StrictError::Trailing(1))
+        );
         assert_eq!(check_map_document(&[]), Err(StrictError::Truncated(0)));
     }
 

@@ -30,7 +30,14 @@ impl std::fmt::Debug for Pull {
         f.debug_struct("Pull")
             .field("pull_id", &self.pull_id)
             .field("payload_len", &self.payload.len())
-            .field("requests", &self.requests.iter().map(|r| &*r.meta.req_id).collect::<Vec<_>>())
+            .field(
+                "requests",
+                &self
+                    .requests
+                    .iter()
+                    .map(|r| &*r.meta.req_id)
+                    .collect::<Vec<_>>(),
+            )
             .finish()
     }
 }

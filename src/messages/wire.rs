@@ -124,7 +124,12 @@ impl MooncakeXferMetadata {
 
 impl MooncakeXferResponse {
     pub fn new(status: XferStatus) -> Self {
-        MooncakeXferResponse { status, ok_reqs: None, err_reqs: None, err_msg: None }
+        MooncakeXferResponse {
+            status,
+            ok_reqs: None,
+            err_reqs: None,
+            err_msg: None,
+        }
     }
 
     pub fn encode(&self) -> Result<Vec<u8>, WireError> {
@@ -152,7 +157,9 @@ mod tests {
     use super::*;
 
     fn hex(s: &str) -> Vec<u8> {
-        s.split_whitespace().map(|b| u8::from_str_radix(b, 16).unwrap()).collect()
+        s.split_whitespace()
+            .map(|b| u8::from_str_radix(b, 16).unwrap())
+            .collect()
     }
 
     #[test]
@@ -164,7 +171,12 @@ mod tests {
         assert_eq!(r.encode().unwrap(), finish_ok);
 
         let cont = hex("81 a6 73 74 61 74 75 73 01");
-        assert_eq!(MooncakeXferResponse::new(XferStatus::Continue).encode().unwrap(), cont);
+        assert_eq!(
+            MooncakeXferResponse::new(XferStatus::Continue)
+                .encode()
+                .unwrap(),
+            cont
+        );
 
         let err = hex("82 a6 73 74 61 74 75 73 02 a7 65 72 72 5f 6d 73 67 a1 78");
         let mut e = MooncakeXferResponse::new(XferStatus::Error);
@@ -176,7 +188,8 @@ mod tests {
     #[test]
     fn realistic_metadata_is_the_269_byte_reference() {
         let mut m = MooncakeXferMetadata::minimal("10.0.0.7", 15000, 1, 0);
-        m.req_blocks.insert("d-1".into(), ("t-1".into(), vec![vec![5, 6]]));
+        m.req_blocks
+            .insert("d-1".into(), ("t-1".into(), vec![vec![5, 6]]));
         m.kv_caches_base_addr = vec![0x7e00_0000_0000];
         m.block_lens = vec![4096];
         m.kv_block_lens = vec![4096];
@@ -186,7 +199,10 @@ mod tests {
         let b = m.encode().unwrap();
         assert_eq!(b.len(), 269);
         assert_eq!(b[0], 0x8b);
-        let addr = hex("b3").into_iter().chain(b"kv_caches_base_addr".iter().copied()).collect::<Vec<_>>();
+        let addr = hex("b3")
+            .into_iter()
+            .chain(b"kv_caches_base_addr".iter().copied())
+            .collect::<Vec<_>>();
         let at = b.windows(addr.len()).position(|w| w == addr).unwrap() + addr.len();
         assert_eq!(&b[at..at + 10], &hex("91 cf 00 00 7e 00 00 00 00 00")[..]);
         let mut pp2 = m.clone();
@@ -207,7 +223,10 @@ mod tests {
         // bool for the status int
         assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 c3")).is_err());
         // bin where a str is expected
-        assert!(MooncakeXferResponse::decode(&hex("82 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 91 c4 02 72 31")).is_err());
+        assert!(MooncakeXferResponse::decode(&hex(
+            "82 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 91 c4 02 72 31"
+        ))
+        .is_err());
         // missing status
         assert!(MooncakeXferResponse::decode(&hex("80")).is_err());
         // garbage
@@ -217,7 +236,9 @@ mod tests {
     #[test]
     fn nil_empty_and_absent_lists_are_the_same_and_unknown_keys_are_ignored() {
         // {"status":0,"ok_reqs":nil,"err_reqs":[],"zzz":{"a":1}}
-        let mut b = hex("84 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 c0 a8 65 72 72 5f 72 65 71 73 90");
+        let mut b = hex(
+            "84 a6 73 74 61 74 75 73 00 a7 6f 6b 5f 72 65 71 73 c0 a8 65 72 72 5f 72 65 71 73 90",
+        );
         b.extend(hex("a3 7a 7a 7a 81 a1 61 01"));
         let r = MooncakeXferResponse::decode(&b).unwrap();
         assert!(r.ok().is_empty() && r.err().is_empty());
@@ -230,7 +251,10 @@ mod tests {
         let good = m.encode().unwrap();
         assert!(MooncakeXferMetadata::decode(&good).is_ok());
         // ("t", [[1]]) -> ("t", [1]): a flat block list
-        let flat = good.windows(4).position(|w| w == [0xa1, b't', 0x91, 0x91]).unwrap();
+        let flat = good
+            .windows(4)
+            .position(|w| w == [0xa1, b't', 0x91, 0x91])
+            .unwrap();
         let mut bad = good.clone();
         bad.remove(flat + 2);
         bad.truncate(bad.len());

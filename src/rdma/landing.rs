@@ -69,7 +69,11 @@ pub struct StaticLanding {
 
 impl StaticLanding {
     pub fn new(host: &str, port: u32, bases: Vec<u64>) -> Self {
-        StaticLanding { host: host.to_owned(), port, bases }
+        StaticLanding {
+            host: host.to_owned(),
+            port,
+            bases,
+        }
     }
 }
 

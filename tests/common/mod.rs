@@ -11,8 +11,10 @@ use futures::future::LocalBoxFuture;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::oneshot;
 
-use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink, OpenedPull, ScriptedTransport, StaticTopology};
 use kvrecv::actors::topology::{DRank, EngineTopology};
+use kvrecv::actors::{
+    Coordinator, CoordinatorParts, EventSink, OpenedPull, ScriptedTransport, StaticTopology,
+};
 use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv, PeerId, RequestMeta};
@@ -21,18 +23,23 @@ use kvrecv::rdma::{FenceError, Landing, PullWindow, Revocation};
 /// Safety net only: every wait below ends on an event long before this.
 pub const PATIENCE: Duration = Duration::from_secs(10);
 
+type PendingFence = (Vec<PeerId>, oneshot::Sender<Result<(), FenceError>>);
+
 /// A landing whose revocation result is chosen by the test and whose fences complete when the
 /// test says so.
 #[derive(Default)]
 pub struct ManualLanding {
     pub exact: bool,
     pub revoked: Mutex<Vec<String>>,
-    fences: Mutex<Vec<(Vec<PeerId>, oneshot::Sender<Result<(), FenceError>>)>>,
+    fences: Mutex<Vec<PendingFence>>,
 }
 
 impl ManualLanding {
     pub fn exact() -> Self {
-        ManualLanding { exact: true, ..Default::default() }
+        ManualLanding {
+            exact: true,
+            ..Default::default()
+        }
     }
 
     /// Complete every fence requested so far.
@@ -46,7 +53,12 @@ impl ManualLanding {
     }
 
     pub fn pending_fences(&self) -> Vec<Vec<PeerId>> {
-        self.fences.lock().unwrap().iter().map(|(p, _)| p.clone()).collect()
+        self.fences
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(p, _)| p.clone())
+            .collect()
     }
 }
 
@@ -71,7 +83,10 @@ impl Landing for ManualLanding {
     fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
         let (tx, rx) = oneshot::channel();
         self.fences.lock().unwrap().push((peers.to_vec(), tx));
-        Box::pin(async move { rx.await.unwrap_or(Err(FenceError::Unavailable("dropped".into()))) })
+        Box::pin(async move {
+            rx.await
+                .unwrap_or(Err(FenceError::Unavailable("dropped".into())))
+        })
     }
 }
 
@@ -134,16 +149,28 @@ impl Harness {
             events: events_tx,
             builtin_pool: true,
         });
-        Harness { coord, opened, events, seen: Default::default(), landing }
+        Harness {
+            coord,
+            opened,
+            events,
+            seen: Default::default(),
+            landing,
+        }
     }
 
     pub async fn load(&self, reqs: Vec<KvRequest>) -> kvrecv::messages::LoadKvReply {
-        self.coord.load_kv(LoadKv { requests: reqs }).await.expect("receiver alive")
+        self.coord
+            .load_kv(LoadKv { requests: reqs })
+            .await
+            .expect("receiver alive")
     }
 
     /// The next pull any peer opened, in order.
     pub async fn next_pull(&mut self) -> OpenedPull {
-        tokio::time::timeout(PATIENCE, self.opened.recv()).await.expect("a pull was opened").expect("open")
+        tokio::time::timeout(PATIENCE, self.opened.recv())
+            .await
+            .expect("a pull was opened")
+            .expect("open")
     }
 
     /// `n` pulls, sorted by peer address.
@@ -173,7 +200,10 @@ impl Harness {
         };
         match tokio::time::timeout(PATIENCE, fut).await {
             Ok(ev) => ev,
-            Err(_) => panic!("timed out waiting for {what}; saw {:#?}", self.seen.borrow()),
+            Err(_) => panic!(
+                "timed out waiting for {what}; saw {:#?}",
+                self.seen.borrow()
+            ),
         }
     }
 

@@ -1,0 +1,116 @@
+"""msgspec side of the msgpack conformance test (PROTOCOL.md §2.3-§2.5).
+
+Struct definitions are written from PROTOCOL.md, as vLLM's connector declares them
+(omit_defaults=True, map form). Reads a JSON object on stdin:
+  {"rust": [{"kind": "metadata"|"response", "hex": "..."}]}
+and prints one JSON object:
+  {"rust": [{"ok": bool, "error": str|null, "reencoded": hex|null}],
+   "python": [{"kind": ..., "hex": ..., "valid": bool, "what": str}]}
+"""
+import enum
+import json
+import sys
+from typing import Any, Optional, Union
+
+import msgspec
+
+
+class MooncakeXferMetadata(msgspec.Struct, omit_defaults=True):
+    remote_hostname: str
+    remote_port: int
+    remote_tp_size: int
+    remote_tp_rank: int
+    req_blocks: dict[str, tuple[str, list[list[int]]]]
+    kv_caches_base_addr: list[int]
+    block_lens: list[int]
+    kv_block_lens: list[int]
+    registered_layer_names: list[str] = []
+    registered_layer_indices: list[int] = []
+    registered_group_indices: list[int] = []
+    remote_pp_size: int = 1
+    prefix_replay_protocol: int = 0
+    prefix_replay_layout: Optional[str] = None
+    prefix_replay_checkpoints: dict[str, tuple[int, int, str]] = {}
+
+
+class Status(enum.IntEnum):
+    FINISH = 0
+    CONTINUE = 1
+    ERROR = 2
+
+
+class MooncakeXferResponse(msgspec.Struct, omit_defaults=True):
+    status: Status
+    ok_reqs: Optional[list[str]] = None
+    err_reqs: Optional[list[str]] = None
+    err_msg: Optional[str] = None
+    prefix_replay_checkpoints: Optional[dict[str, tuple[int, str]]] = None
+
+
+TYPES = {"metadata": MooncakeXferMetadata, "response": MooncakeXferResponse}
+enc = msgspec.msgpack.Encoder()
+raw = msgspec.msgpack.Encoder()  # for hand-built (possibly invalid) documents
+
+
+def check_rust(item):
+    t = TYPES[item["kind"]]
+    data = bytes.fromhex(item["hex"])
+    try:
+        obj = msgspec.msgpack.decode(data, type=t)
+    except msgspec.ValidationError as e:
+        return {"ok": False, "error": str(e), "reencoded": None}
+    except msgspec.DecodeError as e:
+        return {"ok": False, "error": str(e), "reencoded": None}
+    return {"ok": True, "error": None, "reencoded": enc.encode(obj).hex()}
+
+
+def python_vectors():
+    out = []
+
+    def add(kind, data, valid, what):
+        out.append({"kind": kind, "hex": data.hex(), "valid": valid, "what": what})
+
+    R = MooncakeXferResponse
+    add("response", enc.encode(R(status=Status.FINISH, ok_reqs=["r1"])), True, "finish ok")
+    add("response", enc.encode(R(status=Status.CONTINUE)), True, "continue")
+    add("response", enc.encode(R(status=Status.ERROR, err_msg="x")), True, "error")
+    add("response", enc.encode(R(status=Status.FINISH, err_reqs=["d-1"], err_msg="Timeout waiting for P side ready.")), True, "readiness timeout")
+    add("response", enc.encode(R(status=Status.CONTINUE, ok_reqs=["a", "b"], err_reqs=["c"], err_msg="Mooncake transfer engine returned -1", prefix_replay_checkpoints={"a": (1, "x")})), True, "with replay checkpoints")
+    add("response", raw.encode({"status": 0, "ok_reqs": None, "err_reqs": [], "zzz": 1}), True, "nil, empty, unknown key")
+    add("response", raw.encode([0, ["r1"]]), False, "array form")
+    add("response", raw.encode({"status": None}), False, "nil for int")
+    add("response", raw.encode({"status": 3}), False, "status 3")
+    add("response", raw.encode({"status": True}), False, "bool for int")
+    add("response", raw.encode({"status": 0.0}), False, "float for int")
+    add("response", raw.encode({"status": 0, "ok_reqs": [b"r1"]}), False, "bin for str")
+    add("response", raw.encode({"ok_reqs": ["r1"]}), False, "missing status")
+    M = MooncakeXferMetadata
+    md = M(remote_hostname="10.0.0.7", remote_port=15000, remote_tp_size=1, remote_tp_rank=0,
+           req_blocks={"d-1": ("t-1", [[5, 6]])}, kv_caches_base_addr=[0x7E0000000000],
+           block_lens=[4096], kv_block_lens=[4096],
+           registered_layer_names=["model.layers.0.self_attn.attn"],
+           registered_layer_indices=[0], registered_group_indices=[0])
+    add("metadata", enc.encode(md), True, "realistic 269 bytes")
+    add("metadata", enc.encode(M(remote_hostname="h", remote_port=1, remote_tp_size=1, remote_tp_rank=0, req_blocks={}, kv_caches_base_addr=[], block_lens=[], kv_block_lens=[], remote_pp_size=2)), True, "pp2")
+    good = msgspec.to_builtins(md)
+    bad = dict(good); bad["remote_port"] = True
+    add("metadata", raw.encode(bad), False, "bool for int")
+    bad = dict(good); bad["remote_hostname"] = b"10.0.0.7"
+    add("metadata", raw.encode(bad), False, "bin for str")
+    bad = dict(good); bad["req_blocks"] = {"d-1": ["t-1", [[5]], 1]}
+    add("metadata", raw.encode(bad), False, "tuple of wrong length")
+    bad = dict(good); bad["req_blocks"] = {"d-1": ["t-1", [5, 6]]}
+    add("metadata", raw.encode(bad), False, "flat block list")
+    bad = dict(good); bad["remote_pp_size"] = None
+    add("metadata", raw.encode(bad), False, "nil for remote_pp_size")
+    add("metadata", raw.encode(list(good.values())), False, "array form")
+    return out
+
+
+def main():
+    req = json.load(sys.stdin)
+    json.dump({"rust": [check_rust(i) for i in req["rust"]], "python": python_vectors()}, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
