@@ -14,7 +14,9 @@ use kvrecv::actors::topology::StaticTopology;
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink, PeerTransport, ReplyStream};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvEvent, KvRequest, LoadKv, MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus};
+use kvrecv::messages::{
+    KvEvent, KvRequest, LoadKv, MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus,
+};
 use kvrecv::rdma::StaticLanding;
 
 /// A peer that has everything ready: one FINISH naming every request.
@@ -40,7 +42,10 @@ fn bench(c: &mut Criterion) {
         let (sink, mut events) = EventSink::channel();
         let coord = sys.block_on(async {
             Coordinator::start(CoordinatorParts {
-                config: KvRecvConfig { layout: KvLayout::uniform(2, 64, 1024), ..Default::default() },
+                config: KvRecvConfig {
+                    layout: KvLayout::uniform(2, 64, 1024),
+                    ..Default::default()
+                },
                 topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
                 transport: Rc::new(InstantPeer),
                 landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000, 0x100_0000])),

@@ -10,8 +10,10 @@
 pub mod actors;
 pub mod config;
 pub mod control;
+pub mod embed;
 pub mod layout;
 pub mod messages;
 pub mod metrics;
 pub mod rdma;
+pub mod repro;
 pub mod sim;

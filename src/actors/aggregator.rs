@@ -30,8 +30,21 @@ impl RequestAggregator {
         block_manager: Addr<BlockManager>,
         events: EventSink,
     ) -> Self {
+        Self::with_state(
+            AggregatorState::new(req, peers, policy),
+            block_manager,
+            events,
+        )
+    }
+
+    /// An aggregator around a configured state machine.
+    pub fn with_state(
+        state: AggregatorState,
+        block_manager: Addr<BlockManager>,
+        events: EventSink,
+    ) -> Self {
         RequestAggregator {
-            state: AggregatorState::new(req, peers, policy),
+            state,
             block_manager,
             events,
             fail_on_start: None,

@@ -24,7 +24,11 @@ pub struct AggregatorState {
     outstanding: usize,
     first_failure: Option<(Option<PeerId>, String)>,
     completed: bool,
+    transport_failures_uncertain: bool,
 }
+
+/// How P reports a transfer-engine failure in `err_reqs` (PROTOCOL.md §2.6).
+pub const TE_FAILURE: &str = "Mooncake transfer engine returned";
 
 impl AggregatorState {
     /// `outstanding` starts at the number of peers.
@@ -37,7 +41,16 @@ impl AggregatorState {
             outstanding,
             first_failure: None,
             completed: false,
+            transport_failures_uncertain: false,
         }
+    }
+
+    /// On RDMA nothing can be revoked per request, and a TE failure does not prove the
+    /// transport stopped touching D's memory (PROTOCOL.md §5.3): treat such a Failed settle as
+    /// Uncertain when deciding what to fence (DESIGN.md §5).
+    pub fn transport_failures_uncertain(mut self, yes: bool) -> Self {
+        self.transport_failures_uncertain = yes;
+        self
     }
 
     pub fn req(&self) -> &SharedRequest {
@@ -120,10 +133,15 @@ impl AggregatorState {
                 reason: reason.clone(),
             },
         };
+        let te_uncertain = self.transport_failures_uncertain;
         let uncertain_peers = self
             .settled
             .iter()
-            .filter(|(_, o)| matches!(o, Some(SettleOutcome::Uncertain(_))))
+            .filter(|(_, o)| match o {
+                Some(SettleOutcome::Uncertain(_)) => true,
+                Some(SettleOutcome::Failed(r)) => te_uncertain && r.contains(TE_FAILURE),
+                _ => false,
+            })
             .map(|(p, _)| p.clone())
             .collect();
         let unsettled_peers = self
@@ -197,6 +215,33 @@ mod tests {
         let c = fx.completion.unwrap();
         assert_eq!(c.unsettled_peers, vec![PeerId::new("b")]);
         assert!(a.on_settle(&settle("b", SettleOutcome::Ok)).stale);
+    }
+
+    #[test]
+    fn te_failures_count_as_uncertain_only_when_asked() {
+        let te = || settle("a", SettleOutcome::Failed(format!("{TE_FAILURE} -1")));
+        let mut plain = AggregatorState::new(req(), vec![PeerId::new("a")], Policy::Settle);
+        assert!(plain
+            .on_settle(&te())
+            .completion
+            .unwrap()
+            .uncertain_peers
+            .is_empty());
+        let mut rdma = AggregatorState::new(req(), vec![PeerId::new("a")], Policy::Settle)
+            .transport_failures_uncertain(true);
+        assert_eq!(
+            rdma.on_settle(&te()).completion.unwrap().uncertain_peers,
+            vec![PeerId::new("a")]
+        );
+        let mut other = AggregatorState::new(req(), vec![PeerId::new("a")], Policy::Settle)
+            .transport_failures_uncertain(true);
+        let f = settle("a", SettleOutcome::Failed("KV group count mismatch".into()));
+        assert!(other
+            .on_settle(&f)
+            .completion
+            .unwrap()
+            .uncertain_peers
+            .is_empty());
     }
 
     #[test]

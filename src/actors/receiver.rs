@@ -16,6 +16,7 @@ use crate::metrics as m;
 use crate::rdma::{Landing, PullWindow};
 
 use super::aggregator::RequestAggregator;
+use super::aggregator_state::AggregatorState;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 use super::peer::{Peer, PeerConfig};
@@ -118,10 +119,10 @@ impl Receiver {
             .map(|req| PullRequest {
                 meta: req.clone(),
                 aggregator: req.is_awaiting().then(|| {
-                    RequestAggregator::new(
-                        req.clone(),
-                        peers.clone(),
-                        self.cfg.policy,
+                    let state = AggregatorState::new(req.clone(), peers.clone(), self.cfg.policy)
+                        .transport_failures_uncertain(self.cfg.mooncake_protocol == "rdma");
+                    RequestAggregator::with_state(
+                        state,
                         self.block_manager.clone(),
                         self.events.clone(),
                     )
