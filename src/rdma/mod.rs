@@ -3,5 +3,6 @@
 //! target.
 
 pub mod landing;
+pub mod verbs;
 
 pub use landing::{FenceError, Landing, PullWindow, Revocation, StaticLanding};

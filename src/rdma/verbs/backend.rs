@@ -1,0 +1,97 @@
+//! The narrow trait every verbs call goes through. The handshake and fence logic only ever talk
+//! to this trait, so they are tested with `FakeVerbs` and run with `IbvDevices` (feature `rdma`).
+
+use thiserror::Error;
+
+use super::nic::LocalNic;
+use super::qp_attrs::{QpState, QpTransition};
+
+/// A queue pair: QP numbers are unique per device only, so the device index is part of the id.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct QpId {
+    /// Index into [`VerbsBackend::nics`].
+    pub nic: usize,
+    pub qp_num: u32,
+}
+
+/// Access rights of a memory registration. P only writes into D (PROTOCOL.md §6), so remote
+/// write is the default and remote read is opt-in; remote atomics are never granted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MrAccess {
+    /// Also allow one-sided READs (interop tests that read back; vLLM never reads from D).
+    pub remote_read: bool,
+}
+
+/// The keys of one region on one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MrKeys {
+    pub lkey: u32,
+    pub rkey: u32,
+}
+
+/// Why a verbs operation failed. Carries errno (not `io::Error`) so errors compare in tests.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum VerbsError {
+    /// libibverbs is present but reports no RDMA device (or none passed the configured filter).
+    #[error("no RDMA device found{0}")]
+    NoDevice(String),
+    /// The kernel side is missing (no `ib_uverbs`, no provider library): the device list itself
+    /// could not be read.
+    #[error("RDMA is not available on this host: {0}")]
+    Unavailable(String),
+    /// A configured device name is not present.
+    #[error("RDMA device {0:?} not found")]
+    UnknownDevice(String),
+    #[error("RDMA device {nic}: port {port} is not active (state {state})")]
+    PortNotActive { nic: String, port: u8, state: u32 },
+    #[error("RDMA device {nic}: no usable GID on port {port}{detail}")]
+    NoGid {
+        nic: String,
+        port: u8,
+        detail: String,
+    },
+    #[error("no such queue pair {0:?}")]
+    UnknownQp(QpId),
+    #[error("no memory registration at address {0:#x}")]
+    UnknownRegion(u64),
+    #[error("cannot register an empty region at {0:#x}")]
+    EmptyRegion(u64),
+    /// A verbs call returned an error.
+    #[error("{op} failed: {}", std::io::Error::from_raw_os_error(*errno))]
+    Os { op: &'static str, errno: i32 },
+}
+
+/// The verbs operations D needs. Implementations: `FakeVerbs` (tests), `IbvDevices` (feature
+/// `rdma`). Every method is a short synchronous syscall, so callers may hold a lock across it.
+pub trait VerbsBackend: Send {
+    /// The opened devices, in descriptor order (the order of every lkey/rkey array).
+    fn nics(&self) -> &[LocalNic];
+
+    /// Create `count` RC queue pairs on device `nic` (state RESET).
+    fn create_rc_qps(&mut self, nic: usize, count: usize) -> Result<Vec<QpId>, VerbsError>;
+
+    /// One `ibv_modify_qp`.
+    fn modify_qp(&mut self, qp: QpId, transition: &QpTransition) -> Result<(), VerbsError>;
+
+    /// `ibv_query_qp` for the state only: how a fence is confirmed.
+    fn query_qp_state(&self, qp: QpId) -> Result<QpState, VerbsError>;
+
+    /// Destroy a queue pair (after which its number is invalid).
+    fn destroy_qp(&mut self, qp: QpId) -> Result<(), VerbsError>;
+
+    /// Register `[addr, addr + length)` on every device; keys come back in device order.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that stays mapped until
+    /// [`deregister_memory`](Self::deregister_memory) returns, and nothing else may rely on its
+    /// contents while registered: any peer holding an rkey can write to it at any time.
+    unsafe fn register_memory(
+        &mut self,
+        addr: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError>;
+
+    /// Drop the registration made at `addr` on every device.
+    fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError>;
+}

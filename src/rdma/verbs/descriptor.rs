@@ -1,0 +1,278 @@
+//! The RDMA segment descriptor D serves for Metadata (type 1) requests (PROTOCOL.md §5.1, §6).
+//!
+//! Fields are declared in alphabetical order (serde writes declaration order) so the encoding
+//! is compact JSON with alphabetical keys, like the TCP descriptor and like jsoncpp on the
+//! Mooncake side.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+
+use super::backend::MrKeys;
+use super::nic::LocalNic;
+
+/// `devices[]`: one per opened NIC, in key-array order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDesc {
+    pub gid: String,
+    pub lid: u16,
+    pub name: String,
+}
+
+/// `buffers[]`: one registered region.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaBufferDesc {
+    /// Registered (virtual) address: on RDMA the NIC resolves P's addresses through the
+    /// registration, so this is the real address, not a synthetic window (PROTOCOL.md §5.4).
+    pub addr: u64,
+    pub length: u64,
+    /// One per device, in `devices` order.
+    pub lkey: Vec<u32>,
+    /// Location (`cpu:0`, `cuda:0`): the key into `priority_matrix`.
+    pub name: String,
+    /// One per device, in `devices` order.
+    pub rkey: Vec<u32>,
+}
+
+/// The whole descriptor.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RdmaSegmentDesc {
+    pub buffers: Vec<RdmaBufferDesc>,
+    pub devices: Vec<DeviceDesc>,
+    /// Segment name, `host:port` of D's handshake daemon.
+    pub name: String,
+    /// location → [preferred device names, other available device names].
+    pub priority_matrix: BTreeMap<String, [Vec<String>; 2]>,
+    pub protocol: String,
+    /// Only for dual-NIC setups; the wheel emits it empty (PROTOCOL.md §5.1).
+    pub rdma_server_name: String,
+    /// Unused with protocol "rdma"; emitted because Mooncake always emits it.
+    pub tcp_data_port: u16,
+    pub tcp_proto_version: u32,
+    pub timestamp: String,
+}
+
+/// One registered region as the descriptor needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RegisteredRegion {
+    /// `cpu:<numa node>` or `cuda:<ordinal>`.
+    pub location: String,
+    pub addr: u64,
+    pub length: u64,
+    /// Keys in device order, as `VerbsBackend::register_memory` returns them.
+    pub keys: Vec<MrKeys>,
+}
+
+/// A descriptor P would discard (PROTOCOL.md §5.1, §6): kvrecv refuses to build it instead.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum DescriptorError {
+    #[error("the segment name is empty")]
+    EmptyName,
+    #[error("no RDMA device: an RDMA descriptor needs at least one")]
+    NoDevices,
+    #[error("no registered buffer")]
+    NoBuffers,
+    #[error("buffer {index} has an empty location, a zero address or a zero length")]
+    BadBuffer { index: usize },
+    #[error("buffer {index} has {keys} key pairs for {devices} devices")]
+    KeyCountMismatch {
+        index: usize,
+        keys: usize,
+        devices: usize,
+    },
+}
+
+impl RdmaSegmentDesc {
+    /// Build the descriptor for `nics` (device order) and `regions`. Every device is listed as
+    /// preferred for every location: without a PCIe/NUMA topology D has no better ranking, and
+    /// P then spreads its writes over all of D's NICs.
+    pub fn build(
+        segment_name: &str,
+        nics: &[LocalNic],
+        regions: &[RegisteredRegion],
+        timestamp: String,
+    ) -> Result<RdmaSegmentDesc, DescriptorError> {
+        if segment_name.is_empty() {
+            return Err(DescriptorError::EmptyName);
+        }
+        if nics.is_empty() {
+            return Err(DescriptorError::NoDevices);
+        }
+        if regions.is_empty() {
+            return Err(DescriptorError::NoBuffers);
+        }
+        let mut buffers = Vec::with_capacity(regions.len());
+        let mut priority_matrix = BTreeMap::new();
+        let all: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+        for (index, r) in regions.iter().enumerate() {
+            if r.location.is_empty() || r.addr == 0 || r.length == 0 {
+                return Err(DescriptorError::BadBuffer { index });
+            }
+            if r.keys.len() != nics.len() {
+                return Err(DescriptorError::KeyCountMismatch {
+                    index,
+                    keys: r.keys.len(),
+                    devices: nics.len(),
+                });
+            }
+            buffers.push(RdmaBufferDesc {
+                addr: r.addr,
+                length: r.length,
+                lkey: r.keys.iter().map(|k| k.lkey).collect(),
+                name: r.location.clone(),
+                rkey: r.keys.iter().map(|k| k.rkey).collect(),
+            });
+            priority_matrix
+                .entry(r.location.clone())
+                .or_insert_with(|| [all.clone(), Vec::new()]);
+        }
+        Ok(RdmaSegmentDesc {
+            buffers,
+            devices: nics
+                .iter()
+                .map(|n| DeviceDesc {
+                    gid: n.gid.to_string(),
+                    lid: n.lid,
+                    name: n.name.clone(),
+                })
+                .collect(),
+            name: segment_name.to_owned(),
+            priority_matrix,
+            protocol: "rdma".to_owned(),
+            rdma_server_name: String::new(),
+            tcp_data_port: 0,
+            tcp_proto_version: 2,
+            timestamp,
+        })
+    }
+
+    /// Encode for a reply frame: compact, alphabetical keys, terminated by `\n`.
+    pub fn to_json_line(&self) -> Vec<u8> {
+        // Only strings, integers, arrays and string-keyed maps: serialization cannot fail.
+        let mut out = serde_json::to_vec(self).unwrap_or_default();
+        out.push(b'\n');
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::verbs::qp_attrs::Mtu;
+
+    fn nic(name: &str, gid: &str) -> LocalNic {
+        LocalNic {
+            name: name.into(),
+            port: 1,
+            lid: 0,
+            gid: gid.parse().unwrap(),
+            gid_index: 3,
+            active_mtu: Mtu::Mtu4096,
+        }
+    }
+
+    fn nics() -> Vec<LocalNic> {
+        vec![
+            nic("mlx5_0", "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07"),
+            nic("mlx5_1", "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:01:07"),
+        ]
+    }
+
+    fn region(addr: u64, keys: &[(u32, u32)]) -> RegisteredRegion {
+        RegisteredRegion {
+            location: "cpu:0".into(),
+            addr,
+            length: 4096,
+            keys: keys
+                .iter()
+                .map(|&(lkey, rkey)| MrKeys { lkey, rkey })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn encodes_the_protocol_shape() {
+        let d = RdmaSegmentDesc::build(
+            "10.0.0.7:15000",
+            &nics(),
+            &[region(0x7f00_0000_0000, &[(1, 2), (3, 4)])],
+            "1767225600.123456".into(),
+        )
+        .unwrap();
+        let line = String::from_utf8(d.to_json_line()).unwrap();
+        assert_eq!(
+            line,
+            concat!(
+                r#"{"buffers":[{"addr":139637976727552,"length":4096,"lkey":[1,3],"name":"cpu:0","rkey":[2,4]}],"#,
+                r#""devices":[{"gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07","lid":0,"name":"mlx5_0"},"#,
+                r#"{"gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:01:07","lid":0,"name":"mlx5_1"}],"#,
+                r#""name":"10.0.0.7:15000","priority_matrix":{"cpu:0":[["mlx5_0","mlx5_1"],[]]},"#,
+                r#""protocol":"rdma","rdma_server_name":"","tcp_data_port":0,"tcp_proto_version":2,"#,
+                r#""timestamp":"1767225600.123456"}"#,
+                "\n"
+            )
+        );
+        let back: RdmaSegmentDesc = serde_json::from_str(&line).unwrap();
+        assert_eq!(back, d);
+    }
+
+    #[test]
+    fn keys_are_alphabetical_at_every_level() {
+        let d = RdmaSegmentDesc::build("h:1", &nics(), &[region(1, &[(1, 2), (3, 4)])], "t".into())
+            .unwrap();
+        let line = d.to_json_line();
+        // serde_json's Map is a BTreeMap (no preserve_order): re-encoding a Value sorts keys.
+        let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
+        let mut sorted = serde_json::to_vec(&v).unwrap();
+        sorted.push(b'\n');
+        assert_eq!(line, sorted);
+    }
+
+    #[test]
+    fn refuses_descriptors_p_would_discard() {
+        let n = nics();
+        let ok = region(1, &[(1, 2), (3, 4)]);
+        let t = || "t".to_string();
+        assert_eq!(
+            RdmaSegmentDesc::build("", &n, std::slice::from_ref(&ok), t()),
+            Err(DescriptorError::EmptyName)
+        );
+        assert_eq!(
+            RdmaSegmentDesc::build("h:1", &[], std::slice::from_ref(&ok), t()),
+            Err(DescriptorError::NoDevices)
+        );
+        assert_eq!(
+            RdmaSegmentDesc::build("h:1", &n, &[], t()),
+            Err(DescriptorError::NoBuffers)
+        );
+        let short = region(1, &[(1, 2)]);
+        assert_eq!(
+            RdmaSegmentDesc::build("h:1", &n, &[ok.clone(), short], t()),
+            Err(DescriptorError::KeyCountMismatch {
+                index: 1,
+                keys: 1,
+                devices: 2
+            })
+        );
+        for bad in [
+            RegisteredRegion {
+                addr: 0,
+                ..ok.clone()
+            },
+            RegisteredRegion {
+                length: 0,
+                ..ok.clone()
+            },
+            RegisteredRegion {
+                location: String::new(),
+                ..ok.clone()
+            },
+        ] {
+            assert_eq!(
+                RdmaSegmentDesc::build("h:1", &n, &[bad], t()),
+                Err(DescriptorError::BadBuffer { index: 0 })
+            );
+        }
+    }
+}

@@ -1,0 +1,205 @@
+//! The fence as the core asks for it (`Landing::fence(&[PeerId])`, DESIGN.md §5): map each peer
+//! (its ZMQ side-channel address) to the Mooncake segment(s) its TE connects from, and move the
+//! QPs of those segments' endpoints to ERR.
+//!
+//! The binding peer → segment is registered by whoever learns it (the control plane knows the
+//! peer, the handshake knows the segment; they meet in the wiring). A peer with no binding
+//! cannot be fenced: its blocks stay quarantined until the last-resort deadline, which is the
+//! safe answer when D cannot tell which queue pairs are its.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use futures::future::LocalBoxFuture;
+
+use super::backend::VerbsBackend;
+use super::passive::PassiveHandshake;
+use crate::messages::PeerId;
+use crate::rdma::FenceError;
+
+/// The handshake handler, shared between the handshake daemon and the fence.
+pub type SharedHandshake<B> = Arc<Mutex<PassiveHandshake<B>>>;
+
+/// Fences peers on RDMA. Cheap to clone; clones share bindings and endpoints.
+pub struct RdmaFence<B> {
+    target: SharedHandshake<B>,
+    bindings: Arc<Mutex<BTreeMap<PeerId, BTreeSet<String>>>>,
+}
+
+impl<B> Clone for RdmaFence<B> {
+    fn clone(&self) -> Self {
+        RdmaFence {
+            target: Arc::clone(&self.target),
+            bindings: Arc::clone(&self.bindings),
+        }
+    }
+}
+
+/// Lock even if another thread panicked while holding the lock: the fence must still run (a
+/// stale endpoint table only means a QP is fenced that need not be).
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl<B: VerbsBackend + 'static> RdmaFence<B> {
+    pub fn new(target: SharedHandshake<B>) -> Self {
+        RdmaFence {
+            target,
+            bindings: Arc::new(Mutex::new(BTreeMap::new())),
+        }
+    }
+
+    /// Record that `peer` writes from Mooncake segment `segment` (`host:port`, the server part
+    /// of its NIC paths). A peer may have several (one per TE it runs).
+    pub fn bind_peer(&self, peer: PeerId, segment: impl Into<String>) {
+        lock(&self.bindings)
+            .entry(peer)
+            .or_default()
+            .insert(segment.into());
+    }
+
+    /// Forget a peer's bindings (peer gone for good).
+    pub fn unbind_peer(&self, peer: &PeerId) {
+        lock(&self.bindings).remove(peer);
+    }
+
+    /// Fence now, synchronously: every QP of every endpoint of every bound segment goes to ERR
+    /// and is confirmed. Stops at the first peer that cannot be fenced.
+    pub fn fence_now(&self, peers: &[PeerId]) -> Result<(), FenceError> {
+        for peer in peers {
+            let segments = lock(&self.bindings).get(peer).cloned().unwrap_or_default();
+            if segments.is_empty() {
+                return Err(FenceError::Failed {
+                    peer: peer.clone(),
+                    reason: "no Mooncake segment bound to this peer: its queue pairs are unknown"
+                        .into(),
+                });
+            }
+            let mut target = lock(&self.target);
+            for segment in &segments {
+                target
+                    .fence_server(segment)
+                    .map_err(|failures| FenceError::Failed {
+                        peer: peer.clone(),
+                        reason: failures
+                            .iter()
+                            .map(|f| format!("{}: {}", f.peer_path, f.reason))
+                            .collect::<Vec<_>>()
+                            .join("; "),
+                    })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The same, shaped like `Landing::fence`. The verbs calls are short syscalls, so the work
+    /// is done before the future is returned; the future only carries the result.
+    pub fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
+        let result = self.fence_now(peers);
+        Box::pin(async move { result })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::verbs::endpoint::EndpointState;
+    use crate::rdma::verbs::fake::FakeVerbs;
+    use crate::rdma::verbs::handshake_desc::HandShakeDesc;
+    use crate::rdma::verbs::nic::LocalNic;
+    use crate::rdma::verbs::passive::HandshakeConfig;
+    use crate::rdma::verbs::qp_attrs::{Mtu, QpState};
+
+    fn shared() -> SharedHandshake<FakeVerbs> {
+        let nic = LocalNic {
+            name: "mlx5_0".into(),
+            port: 1,
+            lid: 0,
+            gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07"
+                .parse()
+                .unwrap(),
+            gid_index: 3,
+            active_mtu: Mtu::Mtu4096,
+        };
+        let t = PassiveHandshake::new(
+            FakeVerbs::new(vec![nic]),
+            "10.0.0.7:15000",
+            HandshakeConfig::default(),
+        );
+        Arc::new(Mutex::new(t))
+    }
+
+    fn connect(t: &SharedHandshake<FakeVerbs>, p_path: &str) {
+        let req = HandShakeDesc {
+            local_gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05".into(),
+            local_nic_path: p_path.into(),
+            peer_nic_path: "10.0.0.7:15000@mlx5_0".into(),
+            qp_num: vec![1, 2],
+            ..HandShakeDesc::default()
+        };
+        lock(t).on_connection_request(req).unwrap();
+    }
+
+    #[test]
+    fn fences_the_bound_segment_only() {
+        let t = shared();
+        connect(&t, "10.0.0.5:16001@mlx5_0");
+        connect(&t, "10.0.0.5:16002@mlx5_0");
+        let fence = RdmaFence::new(Arc::clone(&t));
+        let p0 = PeerId::new("tcp://10.0.0.5:41233");
+        fence.bind_peer(p0.clone(), "10.0.0.5:16001");
+        futures::executor::block_on(fence.fence(std::slice::from_ref(&p0))).unwrap();
+        let g = lock(&t);
+        let fenced = g.endpoint("10.0.0.5:16001@mlx5_0").unwrap();
+        assert_eq!(fenced.state, EndpointState::Fenced);
+        for qp in &fenced.local_qps {
+            assert_eq!(g.backend().state(*qp), Some(QpState::Err));
+        }
+        assert_eq!(
+            g.endpoint("10.0.0.5:16002@mlx5_0").unwrap().state,
+            EndpointState::Connected
+        );
+    }
+
+    #[test]
+    fn unbound_peer_is_a_fence_failure_not_a_silent_success() {
+        let t = shared();
+        connect(&t, "10.0.0.5:16001@mlx5_0");
+        let fence = RdmaFence::new(Arc::clone(&t));
+        let p = PeerId::new("tcp://10.0.0.5:41233");
+        let err = fence.fence_now(std::slice::from_ref(&p)).unwrap_err();
+        assert!(matches!(err, FenceError::Failed { ref peer, .. } if *peer == p));
+        fence.bind_peer(p.clone(), "10.0.0.5:16001");
+        fence.clone().unbind_peer(&p);
+        assert!(fence.fence_now(&[p]).is_err(), "clones share bindings");
+        assert_eq!(
+            lock(&t).endpoint("10.0.0.5:16001@mlx5_0").unwrap().state,
+            EndpointState::Connected
+        );
+    }
+
+    #[test]
+    fn failure_to_fence_is_reported_with_the_endpoint() {
+        let t = shared();
+        connect(&t, "10.0.0.5:16001@mlx5_0");
+        {
+            let mut g = lock(&t);
+            g.backend_mut().fail_modify_to = Some((QpState::Err, 5));
+        }
+        // Destroy is the fallback; make it fail too by destroying the QP behind the table's back.
+        {
+            let mut g = lock(&t);
+            let qp = g.endpoint("10.0.0.5:16001@mlx5_0").unwrap().local_qps[0];
+            use crate::rdma::verbs::backend::VerbsBackend as _;
+            g.backend_mut().destroy_qp(qp).unwrap();
+        }
+        let fence = RdmaFence::new(Arc::clone(&t));
+        let p = PeerId::new("tcp://10.0.0.5:41233");
+        fence.bind_peer(p.clone(), "10.0.0.5:16001");
+        let err = fence.fence_now(&[p]).unwrap_err();
+        let FenceError::Failed { reason, .. } = err else {
+            panic!("{err:?}")
+        };
+        assert!(reason.contains("10.0.0.5:16001@mlx5_0"), "{reason}");
+    }
+}

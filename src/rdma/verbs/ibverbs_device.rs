@@ -1,0 +1,599 @@
+//! The real [`VerbsBackend`], on libibverbs through `ibverbs-sys` (feature `rdma`).
+//!
+//! Raw bindings rather than the `ibverbs` crate's safe API: that API cannot register caller-owned
+//! memory, choose access flags, set Mooncake's RTR attributes (hop limit 16, port, MTU) nor move
+//! a QP to ERR, and its pointers are private, so the two cannot be mixed.
+//!
+//! A binary built with this feature is dynamically linked to `libibverbs.so.1` and does not start
+//! without it; "no RDMA here" at run time therefore means no device ([`VerbsError::NoDevice`])
+//! or no kernel support ([`VerbsError::Unavailable`]).
+
+use std::collections::BTreeMap;
+use std::ffi::CStr;
+use std::ptr;
+
+use ibverbs_sys as ffi;
+
+use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
+use super::gid::Gid;
+use super::nic::{select_gid, GidEntryInfo, GidKind, LocalNic};
+use super::qp_attrs::{Mtu, QpState, QpTransition};
+
+/// Which devices to open and how (Mooncake's `MC_*` knobs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeviceConfig {
+    /// Device names to use, in this order; `None` = every device in libibverbs' order.
+    pub devices: Option<Vec<String>>,
+    /// Port number (`MC_IB_PORT`, default 1).
+    pub port: u8,
+    /// GID index (`MC_GID_INDEX`); `None` = pick one (see `select_gid`).
+    pub gid_index: Option<u8>,
+    /// Completion queue size. D posts no work requests; the CQ exists because a QP needs one.
+    pub cq_entries: i32,
+}
+
+impl Default for DeviceConfig {
+    fn default() -> Self {
+        DeviceConfig {
+            devices: None,
+            port: 1,
+            gid_index: None,
+            cq_entries: 16,
+        }
+    }
+}
+
+/// Per-device resources: context, protection domain, one CQ shared by its QPs.
+struct DeviceResources {
+    ctx: *mut ffi::ibv_context,
+    pd: *mut ffi::ibv_pd,
+    cq: *mut ffi::ibv_cq,
+}
+
+/// Opened RDMA devices and everything created on them.
+pub struct IbvDevices {
+    nics: Vec<LocalNic>,
+    devices: Vec<DeviceResources>,
+    qps: BTreeMap<QpId, *mut ffi::ibv_qp>,
+    /// Registration address → one MR per device.
+    mrs: BTreeMap<u64, Vec<*mut ffi::ibv_mr>>,
+}
+
+// SAFETY: libibverbs objects may be used from any thread (verbs are thread-safe); the raw
+// pointers are owned by this struct and only reached through `&mut self` or `&self` calls.
+unsafe impl Send for IbvDevices {}
+
+impl std::fmt::Debug for IbvDevices {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IbvDevices")
+            .field("nics", &self.nics)
+            .field("qps", &self.qps.len())
+            .finish()
+    }
+}
+
+fn last_errno() -> i32 {
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+fn os(op: &'static str, errno: i32) -> VerbsError {
+    VerbsError::Os { op, errno }
+}
+
+impl IbvDevices {
+    /// Open the configured devices, query port and GID, allocate a PD and a CQ on each.
+    pub fn open(config: &DeviceConfig) -> Result<IbvDevices, VerbsError> {
+        let mut num = 0;
+        // SAFETY: plain libibverbs call; the list is freed below.
+        let list = unsafe { ffi::ibv_get_device_list(&mut num) };
+        if list.is_null() {
+            return Err(VerbsError::Unavailable(
+                std::io::Error::last_os_error().to_string(),
+            ));
+        }
+        // SAFETY: `list` holds `num` valid device pointers until freed.
+        let all: Vec<(String, *mut ffi::ibv_device)> = (0..num.max(0) as usize)
+            .map(|i| unsafe {
+                let dev = *list.add(i);
+                let name = CStr::from_ptr(ffi::ibv_get_device_name(dev))
+                    .to_string_lossy()
+                    .into_owned();
+                (name, dev)
+            })
+            .collect();
+        let result = Self::open_from(config, &all);
+        // SAFETY: contexts opened from the list stay valid after the list is freed.
+        unsafe { ffi::ibv_free_device_list(list) };
+        result
+    }
+
+    fn open_from(
+        config: &DeviceConfig,
+        all: &[(String, *mut ffi::ibv_device)],
+    ) -> Result<IbvDevices, VerbsError> {
+        let chosen: Vec<(String, *mut ffi::ibv_device)> = match &config.devices {
+            None => all.to_vec(),
+            Some(names) => names
+                .iter()
+                .map(|n| {
+                    all.iter()
+                        .find(|(name, _)| name == n)
+                        .cloned()
+                        .ok_or_else(|| VerbsError::UnknownDevice(n.clone()))
+                })
+                .collect::<Result<_, _>>()?,
+        };
+        if chosen.is_empty() {
+            return Err(VerbsError::NoDevice(String::new()));
+        }
+        let mut me = IbvDevices {
+            nics: Vec::new(),
+            devices: Vec::new(),
+            qps: BTreeMap::new(),
+            mrs: BTreeMap::new(),
+        };
+        for (name, dev) in chosen {
+            // On error `me` is dropped and releases what was opened so far.
+            let (nic, res) = Self::open_one(config, &name, dev)?;
+            me.nics.push(nic);
+            me.devices.push(res);
+        }
+        Ok(me)
+    }
+
+    fn open_one(
+        config: &DeviceConfig,
+        name: &str,
+        dev: *mut ffi::ibv_device,
+    ) -> Result<(LocalNic, DeviceResources), VerbsError> {
+        // SAFETY: `dev` comes from a live device list.
+        let ctx = unsafe { ffi::ibv_open_device(dev) };
+        if ctx.is_null() {
+            return Err(os("ibv_open_device", last_errno()));
+        }
+        let mut res = DeviceResources {
+            ctx,
+            pd: ptr::null_mut(),
+            cq: ptr::null_mut(),
+        };
+        let nic = match Self::describe(config, name, ctx) {
+            Ok(nic) => nic,
+            Err(e) => {
+                release(&res);
+                return Err(e);
+            }
+        };
+        // SAFETY: `ctx` is open.
+        res.pd = unsafe { ffi::ibv_alloc_pd(ctx) };
+        if res.pd.is_null() {
+            let e = os("ibv_alloc_pd", last_errno());
+            release(&res);
+            return Err(e);
+        }
+        // SAFETY: `ctx` is open; no completion channel, vector 0.
+        res.cq = unsafe {
+            ffi::ibv_create_cq(ctx, config.cq_entries, ptr::null_mut(), ptr::null_mut(), 0)
+        };
+        if res.cq.is_null() {
+            let e = os("ibv_create_cq", last_errno());
+            release(&res);
+            return Err(e);
+        }
+        Ok((nic, res))
+    }
+
+    /// Port state, LID, MTU and the GID to publish.
+    fn describe(
+        config: &DeviceConfig,
+        name: &str,
+        ctx: *mut ffi::ibv_context,
+    ) -> Result<LocalNic, VerbsError> {
+        let mut attr = ffi::ibv_port_attr::default();
+        // SAFETY: `ctx` is open; `attr` is a valid out-parameter.
+        let rc = unsafe { ffi::ibv_query_port(ctx, config.port, &mut attr as *mut _ as *mut _) };
+        if rc != 0 {
+            return Err(os("ibv_query_port", rc));
+        }
+        if attr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
+            return Err(VerbsError::PortNotActive {
+                nic: name.to_owned(),
+                port: config.port,
+                state: attr.state,
+            });
+        }
+        let len = attr.gid_tbl_len.max(0) as usize;
+        // SAFETY: all-zero is a valid `ibv_gid_entry` (plain integers and a byte union).
+        let mut table: Vec<ffi::ibv_gid_entry> = vec![unsafe { std::mem::zeroed() }; len];
+        // SAFETY: `table` has room for `len` entries of the size passed.
+        let n = unsafe {
+            ffi::_ibv_query_gid_table(
+                ctx,
+                table.as_mut_ptr(),
+                len,
+                0,
+                std::mem::size_of::<ffi::ibv_gid_entry>(),
+            )
+        };
+        if n < 0 {
+            return Err(os("ibv_query_gid_table", (-n) as i32));
+        }
+        let entries: Vec<GidEntryInfo> = table[..n as usize]
+            .iter()
+            .filter(|e| e.port_num == u32::from(config.port) && e.gid_index <= u32::from(u8::MAX))
+            .map(|e| GidEntryInfo {
+                index: e.gid_index as u8,
+                // SAFETY: every bit pattern of the union is a valid byte array.
+                gid: Gid(unsafe { e.gid.raw }),
+                kind: if e.gid_type == ffi::IBV_GID_TYPE_ROCE_V2 {
+                    GidKind::RoceV2
+                } else {
+                    GidKind::IbOrRoceV1
+                },
+            })
+            .collect();
+        let chosen = select_gid(&entries, config.gid_index).ok_or_else(|| VerbsError::NoGid {
+            nic: name.to_owned(),
+            port: config.port,
+            detail: match config.gid_index {
+                Some(i) => format!(" (configured index {i} not in the table)"),
+                None => String::new(),
+            },
+        })?;
+        Ok(LocalNic {
+            name: name.to_owned(),
+            port: config.port,
+            lid: attr.lid,
+            gid: chosen.gid,
+            gid_index: chosen.index,
+            active_mtu: Mtu::from_code(attr.active_mtu).unwrap_or(Mtu::Mtu1024),
+        })
+    }
+
+    fn qp(&self, qp: QpId) -> Result<*mut ffi::ibv_qp, VerbsError> {
+        self.qps.get(&qp).copied().ok_or(VerbsError::UnknownQp(qp))
+    }
+}
+
+/// Destroy CQ, PD and context (whichever exist). Errors are logged: nothing else can be done.
+fn release(res: &DeviceResources) {
+    // SAFETY: each pointer is either null or a live object created on `res.ctx`, destroyed once,
+    // children before parents.
+    unsafe {
+        if !res.cq.is_null() && ffi::ibv_destroy_cq(res.cq) != 0 {
+            tracing::warn!("ibv_destroy_cq failed");
+        }
+        if !res.pd.is_null() && ffi::ibv_dealloc_pd(res.pd) != 0 {
+            tracing::warn!("ibv_dealloc_pd failed");
+        }
+        if !res.ctx.is_null() && ffi::ibv_close_device(res.ctx) != 0 {
+            tracing::warn!("ibv_close_device failed");
+        }
+    }
+}
+
+impl Drop for IbvDevices {
+    fn drop(&mut self) {
+        for (_, qp) in std::mem::take(&mut self.qps) {
+            // SAFETY: live QP owned by us.
+            unsafe { ffi::ibv_destroy_qp(qp) };
+        }
+        for (_, mrs) in std::mem::take(&mut self.mrs) {
+            for mr in mrs {
+                // SAFETY: live MR owned by us.
+                unsafe { ffi::ibv_dereg_mr(mr) };
+            }
+        }
+        for res in &self.devices {
+            release(res);
+        }
+    }
+}
+
+fn access_bits(local_write: bool, remote_read: bool, remote_write: bool, atomic: bool) -> u32 {
+    let mut a = 0;
+    if local_write {
+        a |= ffi::ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0;
+    }
+    if remote_read {
+        a |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+    }
+    if remote_write {
+        a |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0;
+    }
+    if atomic {
+        a |= ffi::ibv_access_flags::IBV_ACCESS_REMOTE_ATOMIC.0;
+    }
+    a
+}
+
+/// The `ibv_qp_attr` and mask of one transition (masks as in Mooncake's `doSetupConnection`).
+fn qp_attr(t: &QpTransition) -> (ffi::ibv_qp_attr, u32) {
+    use ffi::ibv_qp_attr_mask as m;
+    use ffi::ibv_qp_state as s;
+    let mut a = ffi::ibv_qp_attr::default();
+    let mask = match t {
+        QpTransition::ToReset => {
+            a.qp_state = s::IBV_QPS_RESET;
+            m::IBV_QP_STATE
+        }
+        QpTransition::ToErr => {
+            a.qp_state = s::IBV_QPS_ERR;
+            m::IBV_QP_STATE
+        }
+        QpTransition::ToInit(i) => {
+            a.qp_state = s::IBV_QPS_INIT;
+            a.port_num = i.port;
+            a.pkey_index = i.pkey_index;
+            a.qp_access_flags = access_bits(
+                i.access.local_write,
+                i.access.remote_read,
+                i.access.remote_write,
+                i.access.remote_atomic,
+            );
+            m::IBV_QP_STATE | m::IBV_QP_PKEY_INDEX | m::IBV_QP_PORT | m::IBV_QP_ACCESS_FLAGS
+        }
+        QpTransition::ToRtr(r) => {
+            a.qp_state = s::IBV_QPS_RTR;
+            a.path_mtu = r.path_mtu.code();
+            a.dest_qp_num = r.dest_qp_num;
+            a.rq_psn = r.rq_psn;
+            a.max_dest_rd_atomic = r.max_dest_rd_atomic;
+            a.min_rnr_timer = r.min_rnr_timer;
+            a.ah_attr.is_global = 1;
+            a.ah_attr.dlid = r.dlid;
+            a.ah_attr.sl = r.sl;
+            a.ah_attr.port_num = r.port;
+            a.ah_attr.grh.dgid.raw = r.dgid.0;
+            a.ah_attr.grh.sgid_index = r.sgid_index;
+            a.ah_attr.grh.hop_limit = r.hop_limit;
+            m::IBV_QP_STATE
+                | m::IBV_QP_PATH_MTU
+                | m::IBV_QP_MIN_RNR_TIMER
+                | m::IBV_QP_AV
+                | m::IBV_QP_MAX_DEST_RD_ATOMIC
+                | m::IBV_QP_DEST_QPN
+                | m::IBV_QP_RQ_PSN
+        }
+        QpTransition::ToRts(r) => {
+            a.qp_state = s::IBV_QPS_RTS;
+            a.timeout = r.timeout;
+            a.retry_cnt = r.retry_cnt;
+            a.rnr_retry = r.rnr_retry;
+            a.sq_psn = r.sq_psn;
+            a.max_rd_atomic = r.max_rd_atomic;
+            m::IBV_QP_STATE
+                | m::IBV_QP_TIMEOUT
+                | m::IBV_QP_RETRY_CNT
+                | m::IBV_QP_RNR_RETRY
+                | m::IBV_QP_SQ_PSN
+                | m::IBV_QP_MAX_QP_RD_ATOMIC
+        }
+    };
+    (a, mask.0)
+}
+
+impl VerbsBackend for IbvDevices {
+    fn nics(&self) -> &[LocalNic] {
+        &self.nics
+    }
+
+    fn create_rc_qps(&mut self, nic: usize, count: usize) -> Result<Vec<QpId>, VerbsError> {
+        let res = self
+            .devices
+            .get(nic)
+            .ok_or_else(|| VerbsError::UnknownDevice(format!("#{nic}")))?;
+        let (pd, cq) = (res.pd, res.cq);
+        let mut created = Vec::with_capacity(count);
+        for _ in 0..count {
+            let mut init = ffi::ibv_qp_init_attr {
+                qp_context: ptr::null_mut(),
+                send_cq: cq,
+                recv_cq: cq,
+                srq: ptr::null_mut(),
+                // D never posts: the smallest queues every device accepts.
+                cap: ffi::ibv_qp_cap {
+                    max_send_wr: 1,
+                    max_recv_wr: 1,
+                    max_send_sge: 1,
+                    max_recv_sge: 1,
+                    max_inline_data: 0,
+                },
+                qp_type: ffi::ibv_qp_type::IBV_QPT_RC,
+                sq_sig_all: 0,
+            };
+            // SAFETY: `pd` and `cq` are live objects of device `nic`.
+            let qp = unsafe { ffi::ibv_create_qp(pd, &mut init) };
+            if qp.is_null() {
+                let e = os("ibv_create_qp", last_errno());
+                for id in created {
+                    let _ = self.destroy_qp(id);
+                }
+                return Err(e);
+            }
+            // SAFETY: `qp` is live.
+            let id = QpId {
+                nic,
+                qp_num: unsafe { (*qp).qp_num },
+            };
+            self.qps.insert(id, qp);
+            created.push(id);
+        }
+        Ok(created)
+    }
+
+    fn modify_qp(&mut self, qp: QpId, transition: &QpTransition) -> Result<(), VerbsError> {
+        let raw = self.qp(qp)?;
+        let (mut attr, mask) = qp_attr(transition);
+        // SAFETY: `raw` is live; `attr` is fully initialised for the bits in `mask`.
+        let rc = unsafe { ffi::ibv_modify_qp(raw, &mut attr, mask as i32) };
+        if rc != 0 {
+            return Err(os("ibv_modify_qp", rc));
+        }
+        Ok(())
+    }
+
+    fn query_qp_state(&self, qp: QpId) -> Result<QpState, VerbsError> {
+        let raw = self.qp(qp)?;
+        let mut attr = ffi::ibv_qp_attr::default();
+        // SAFETY: all-zero is a valid `ibv_qp_init_attr` (integers and null pointers).
+        let mut init: ffi::ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+        let mask = ffi::ibv_qp_attr_mask::IBV_QP_STATE.0 as i32;
+        // SAFETY: `raw` is live; both out-parameters are valid.
+        let rc = unsafe { ffi::ibv_query_qp(raw, &mut attr, mask, &mut init) };
+        if rc != 0 {
+            return Err(os("ibv_query_qp", rc));
+        }
+        use ffi::ibv_qp_state as s;
+        Ok(match attr.qp_state {
+            s::IBV_QPS_RESET => QpState::Reset,
+            s::IBV_QPS_INIT => QpState::Init,
+            s::IBV_QPS_RTR => QpState::Rtr,
+            s::IBV_QPS_RTS => QpState::Rts,
+            s::IBV_QPS_ERR => QpState::Err,
+            other => QpState::Other(other),
+        })
+    }
+
+    fn destroy_qp(&mut self, qp: QpId) -> Result<(), VerbsError> {
+        let raw = self.qp(qp)?;
+        // SAFETY: `raw` is live and removed from the table only on success.
+        let rc = unsafe { ffi::ibv_destroy_qp(raw) };
+        if rc != 0 {
+            return Err(os("ibv_destroy_qp", rc));
+        }
+        self.qps.remove(&qp);
+        Ok(())
+    }
+
+    unsafe fn register_memory(
+        &mut self,
+        addr: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        if length == 0 {
+            return Err(VerbsError::EmptyRegion(addr));
+        }
+        // REMOTE_WRITE requires LOCAL_WRITE (verbs rule); never REMOTE_ATOMIC.
+        let bits = access_bits(true, access.remote_read, true, false);
+        let mut mrs = Vec::with_capacity(self.devices.len());
+        for res in &self.devices {
+            // SAFETY: the caller guarantees the range stays mapped while registered.
+            let mr =
+                unsafe { ffi::ibv_reg_mr(res.pd, addr as *mut _, length as usize, bits as i32) };
+            if mr.is_null() {
+                let e = os("ibv_reg_mr", last_errno());
+                for mr in mrs {
+                    // SAFETY: registered just above.
+                    unsafe { ffi::ibv_dereg_mr(mr) };
+                }
+                return Err(e);
+            }
+            mrs.push(mr);
+        }
+        // SAFETY: every `mr` is live.
+        let keys = mrs
+            .iter()
+            .map(|&mr| unsafe {
+                MrKeys {
+                    lkey: (*mr).lkey,
+                    rkey: (*mr).rkey,
+                }
+            })
+            .collect();
+        self.mrs.insert(addr, mrs);
+        Ok(keys)
+    }
+
+    fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {
+        let mrs = self
+            .mrs
+            .remove(&addr)
+            .ok_or(VerbsError::UnknownRegion(addr))?;
+        let mut first = None;
+        for mr in mrs {
+            // SAFETY: live MR owned by us, deregistered once.
+            let rc = unsafe { ffi::ibv_dereg_mr(mr) };
+            if rc != 0 {
+                first.get_or_insert(os("ibv_dereg_mr", rc));
+            }
+        }
+        first.map_or(Ok(()), Err)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs everywhere: with no RDMA device (this CI) opening must fail with a typed error, never
+    /// panic; on an RDMA host it must list at least one NIC with a GID.
+    #[test]
+    fn open_returns_devices_or_a_typed_error() {
+        match IbvDevices::open(&DeviceConfig::default()) {
+            Ok(devs) => {
+                assert!(!devs.nics().is_empty());
+                assert!(devs.nics().iter().all(|n| !n.gid.is_zero()));
+            }
+            Err(e) => {
+                eprintln!("no usable RDMA device here: {e}");
+                assert!(
+                    matches!(
+                        e,
+                        VerbsError::NoDevice(_)
+                            | VerbsError::Unavailable(_)
+                            | VerbsError::PortNotActive { .. }
+                            | VerbsError::NoGid { .. }
+                    ),
+                    "{e:?}"
+                )
+            }
+        }
+        let named = DeviceConfig {
+            devices: Some(vec!["no_such_dev".into()]),
+            ..DeviceConfig::default()
+        };
+        assert!(matches!(
+            IbvDevices::open(&named),
+            Err(VerbsError::UnknownDevice(_) | VerbsError::Unavailable(_))
+        ));
+    }
+
+    #[test]
+    fn transitions_map_to_mooncake_masks() {
+        use super::super::qp_attrs::{connect_sequence, LocalPort, RemoteQp};
+        use ffi::ibv_qp_attr_mask as m;
+        let seq = connect_sequence(
+            LocalPort {
+                port: 1,
+                gid_index: 3,
+                active_mtu: Mtu::Mtu4096,
+            },
+            Mtu::Mtu4096,
+            RemoteQp {
+                lid: 5,
+                gid: Gid([7; 16]),
+                qp_num: 0x99,
+            },
+        );
+        let (a, mask) = qp_attr(&seq[2]);
+        assert_eq!(a.qp_state, ffi::ibv_qp_state::IBV_QPS_RTR);
+        assert_eq!(
+            (a.dest_qp_num, a.path_mtu, a.ah_attr.grh.hop_limit),
+            (0x99, 5, 16)
+        );
+        // SAFETY: reading the byte view of the union.
+        assert_eq!(unsafe { a.ah_attr.grh.dgid.raw }, [7; 16]);
+        assert_eq!(mask & m::IBV_QP_AV.0, m::IBV_QP_AV.0);
+        let (a, mask) = qp_attr(&QpTransition::ToErr);
+        assert_eq!(
+            (a.qp_state, mask),
+            (ffi::ibv_qp_state::IBV_QPS_ERR, m::IBV_QP_STATE.0)
+        );
+        let (a, _) = qp_attr(&seq[1]);
+        assert_eq!(
+            a.qp_access_flags, 0b1111,
+            "LOCAL_WRITE|REMOTE_WRITE|REMOTE_READ|REMOTE_ATOMIC"
+        );
+    }
+}

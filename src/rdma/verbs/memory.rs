@@ -1,0 +1,141 @@
+//! Host memory registered for P's one-sided writes. The registry owns the buffers it registers,
+//! which is what makes registration safe: a buffer cannot be freed while a NIC may write to it.
+
+use super::backend::{MrAccess, VerbsBackend, VerbsError};
+use super::descriptor::RegisteredRegion;
+
+/// Owned host buffers and their registrations, in registration order (descriptor order).
+#[derive(Debug, Default)]
+pub struct RegisteredMemory {
+    entries: Vec<(Box<[u8]>, RegisteredRegion)>,
+}
+
+impl RegisteredMemory {
+    pub fn new() -> Self {
+        RegisteredMemory::default()
+    }
+
+    /// Register `buf` on every device of `backend` (REMOTE_WRITE, plus REMOTE_READ if asked)
+    /// and keep it. `location` is the descriptor buffer name, `cpu:<numa node>`.
+    pub fn register_host<B: VerbsBackend>(
+        &mut self,
+        backend: &mut B,
+        location: impl Into<String>,
+        mut buf: Box<[u8]>,
+        access: MrAccess,
+    ) -> Result<&RegisteredRegion, VerbsError> {
+        let addr = buf.as_mut_ptr() as u64;
+        let length = buf.len() as u64;
+        // SAFETY: `buf` is owned by `self` from here until `deregister_all` has deregistered
+        // it (or forever, see Drop), so the range stays mapped while registered.
+        let keys = unsafe { backend.register_memory(addr, length, access)? };
+        let region = RegisteredRegion {
+            location: location.into(),
+            addr,
+            length,
+            keys,
+        };
+        self.entries.push((buf, region));
+        Ok(&self.entries[self.entries.len() - 1].1)
+    }
+
+    /// The regions, for `RdmaSegmentDesc::build`.
+    pub fn regions(&self) -> Vec<RegisteredRegion> {
+        self.entries.iter().map(|(_, r)| r.clone()).collect()
+    }
+
+    /// Read access to a registered buffer's bytes (what P wrote).
+    pub fn bytes(&self, index: usize) -> Option<&[u8]> {
+        self.entries.get(index).map(|(b, _)| &**b)
+    }
+
+    /// Deregister every buffer and free it. A buffer whose deregistration fails is leaked, not
+    /// freed, since the NIC may still write to it.
+    pub fn deregister_all<B: VerbsBackend>(&mut self, backend: &mut B) -> Result<(), VerbsError> {
+        let mut first_err = None;
+        for (buf, region) in self.entries.drain(..) {
+            if let Err(e) = backend.deregister_memory(region.addr) {
+                std::mem::forget(buf);
+                first_err.get_or_insert(e);
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl Drop for RegisteredMemory {
+    /// Dropped while still registered (no backend at hand to deregister): leak the buffers
+    /// rather than hand memory a NIC can write to back to the allocator.
+    fn drop(&mut self) {
+        for (buf, _) in self.entries.drain(..) {
+            std::mem::forget(buf);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::verbs::fake::{FakeVerbs, VerbsCall};
+    use crate::rdma::verbs::nic::LocalNic;
+    use crate::rdma::verbs::qp_attrs::Mtu;
+
+    fn fake(n: usize) -> FakeVerbs {
+        let nic = |i: usize| LocalNic {
+            name: format!("mlx5_{i}"),
+            port: 1,
+            lid: 0,
+            gid: Default::default(),
+            gid_index: 0,
+            active_mtu: Mtu::Mtu4096,
+        };
+        FakeVerbs::new((0..n).map(nic).collect())
+    }
+
+    #[test]
+    fn registers_write_only_by_default_with_one_key_pair_per_device() {
+        let mut b = fake(2);
+        let mut mem = RegisteredMemory::new();
+        let r = mem
+            .register_host(
+                &mut b,
+                "cpu:0",
+                vec![0u8; 4096].into_boxed_slice(),
+                MrAccess::default(),
+            )
+            .unwrap()
+            .clone();
+        assert_eq!(
+            (r.location.as_str(), r.length, r.keys.len()),
+            ("cpu:0", 4096, 2)
+        );
+        assert_ne!(r.addr, 0);
+        assert_eq!(
+            b.calls,
+            vec![VerbsCall::Register {
+                addr: r.addr,
+                length: 4096,
+                access: MrAccess { remote_read: false }
+            }]
+        );
+        assert_eq!(mem.regions(), vec![r.clone()]);
+        assert_eq!(mem.bytes(0).map(<[u8]>::len), Some(4096));
+        mem.deregister_all(&mut b).unwrap();
+        assert_eq!(
+            b.calls.last(),
+            Some(&VerbsCall::Deregister { addr: r.addr })
+        );
+        assert!(mem.regions().is_empty());
+    }
+
+    #[test]
+    fn empty_buffer_is_a_typed_error() {
+        let mut b = fake(1);
+        let mut mem = RegisteredMemory::new();
+        let err = mem
+            .register_host(&mut b, "cpu:0", Box::new([]), MrAccess::default())
+            .unwrap_err();
+        assert!(matches!(err, VerbsError::EmptyRegion(_)));
+        assert!(mem.regions().is_empty());
+    }
+}

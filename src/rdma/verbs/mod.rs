@@ -1,0 +1,35 @@
+//! kvrecv as a Mooncake RDMA target (PROTOCOL.md §6): device discovery and memory registration,
+//! the RDMA segment descriptor, the passive side of the endpoint handshake (type-0 frames), and
+//! the fence (queue pairs to ERR, DESIGN.md §5).
+//!
+//! Every verbs call goes through [`VerbsBackend`]. The logic here compiles and is tested without
+//! the `rdma` feature against [`FakeVerbs`]; only [`ibverbs_device`] (feature `rdma`) links
+//! libibverbs.
+
+pub mod backend;
+pub mod descriptor;
+pub mod endpoint;
+pub mod fake;
+pub mod fence;
+pub mod gid;
+pub mod handshake_desc;
+#[cfg(feature = "rdma")]
+pub mod ibverbs_device;
+pub mod memory;
+pub mod nic;
+pub mod nic_path;
+pub mod passive;
+pub mod qp_attrs;
+
+pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
+pub use descriptor::{DescriptorError, RdmaSegmentDesc, RegisteredRegion};
+pub use endpoint::{Endpoint, EndpointState};
+pub use fake::FakeVerbs;
+pub use fence::{RdmaFence, SharedHandshake};
+pub use gid::Gid;
+pub use handshake_desc::{HandShakeDesc, HandShakeDescError};
+#[cfg(feature = "rdma")]
+pub use ibverbs_device::{DeviceConfig, IbvDevices};
+pub use memory::RegisteredMemory;
+pub use nic::LocalNic;
+pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};

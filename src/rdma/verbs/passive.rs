@@ -1,0 +1,592 @@
+//! The passive side of Mooncake's RDMA endpoint handshake (type-0 frames, PROTOCOL.md §6), as a
+//! plain struct the handshake daemon calls: validate what P sent, connect the endpoint, build the
+//! reply. No I/O here besides the verbs calls behind [`VerbsBackend`].
+
+use thiserror::Error;
+
+use super::backend::{VerbsBackend, VerbsError};
+use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
+use super::gid::{Gid, GidParseError};
+use super::handshake_desc::HandShakeDesc;
+use super::nic_path::NicPath;
+use super::qp_attrs::Mtu;
+
+/// Mooncake's defaults: `MC_NUM_QP_PER_EP` and `MC_MTU`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HandshakeConfig {
+    /// QPs per endpoint; P must send exactly this many QP numbers. Default 2.
+    pub qps_per_endpoint: usize,
+    /// Upper bound of the path MTU. Default 4096.
+    pub mtu_cap: Mtu,
+}
+
+impl Default for HandshakeConfig {
+    fn default() -> Self {
+        HandshakeConfig {
+            qps_per_endpoint: 2,
+            mtu_cap: Mtu::Mtu4096,
+        }
+    }
+}
+
+/// Why a Connection request is refused. `Display` is the `reply_msg` P logs, so it says what to
+/// fix.
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum HandshakeReject {
+    #[error("malformed handshake request: {0}")]
+    Malformed(String),
+    #[error("invalid {field} {path:?}: expected \"server@nic\"")]
+    BadNicPath { field: &'static str, path: String },
+    #[error(
+        "Invalid argument: peer nic path inconsistency, expect server {expected}, got {got:?}"
+    )]
+    WrongServer { expected: String, got: String },
+    #[error("no local RDMA NIC named {0:?}")]
+    UnknownNic(String),
+    #[error(
+        "QP count mismatch in peer and local endpoints: got {got}, expected {expected} \
+         (MC_NUM_QP_PER_EP must match on both sides)"
+    )]
+    QpCountMismatch { got: usize, expected: usize },
+    #[error("peer GID missing: kvrecv needs local_gid in the handshake (it does not fetch the initiator's descriptor)")]
+    MissingPeerGid,
+    #[error("invalid peer GID: {0}")]
+    BadPeerGid(GidParseError),
+    #[error("ready_ack confirmation for {0:?}, which has no connected endpoint")]
+    NothingToConfirm(String),
+    #[error("ready_ack confirmation QP numbers {got:?} differ from the handshake's {expected:?}")]
+    ConfirmationMismatch { expected: Vec<u32>, got: Vec<u32> },
+    #[error("RDMA endpoint setup failed: {0}")]
+    Verbs(VerbsError),
+}
+
+/// The passive handshake handler and the endpoints it created.
+#[derive(Debug)]
+pub struct PassiveHandshake<B> {
+    segment_name: String,
+    table: EndpointTable<B>,
+}
+
+impl<B: VerbsBackend> PassiveHandshake<B> {
+    /// `segment_name` is D's `host:port`, the server part P puts in the NIC paths it asks for.
+    pub fn new(backend: B, segment_name: impl Into<String>, config: HandshakeConfig) -> Self {
+        PassiveHandshake {
+            segment_name: segment_name.into(),
+            table: EndpointTable::new(backend, config.qps_per_endpoint, config.mtu_cap),
+        }
+    }
+
+    pub fn segment_name(&self) -> &str {
+        &self.segment_name
+    }
+
+    pub fn backend(&self) -> &B {
+        self.table.backend()
+    }
+
+    /// For memory registration, which shares the devices.
+    pub fn backend_mut(&mut self) -> &mut B {
+        self.table.backend_mut()
+    }
+
+    /// The endpoint keyed by P's NIC path, if any.
+    pub fn endpoint(&self, peer_nic_path: &str) -> Option<&Endpoint> {
+        self.table.get(peer_nic_path)
+    }
+
+    /// Handle one type-0 frame body and return the reply body (JSON line). Every failure,
+    /// malformed JSON included, becomes a HandShakeDesc with a non-empty `reply_msg`, which is
+    /// how a Mooncake initiator learns it was refused.
+    pub fn on_connection_frame(&mut self, body: &[u8]) -> Vec<u8> {
+        let reply = HandShakeDesc::from_json(body)
+            .map_err(|e| HandshakeReject::Malformed(e.to_string()))
+            .and_then(|req| self.on_connection_request(req));
+        match reply {
+            Ok(desc) => desc.to_json_line(),
+            Err(reject) => {
+                tracing::warn!(%reject, "RDMA handshake refused");
+                HandShakeDesc::rejection(reject.to_string()).to_json_line()
+            }
+        }
+    }
+
+    /// Handle one decoded Connection request.
+    pub fn on_connection_request(
+        &mut self,
+        req: HandShakeDesc,
+    ) -> Result<HandShakeDesc, HandshakeReject> {
+        let wanted =
+            NicPath::parse(&req.peer_nic_path).map_err(|_| HandshakeReject::BadNicPath {
+                field: "peer_nic_path",
+                path: req.peer_nic_path.clone(),
+            })?;
+        if NicPath::parse(&req.local_nic_path).is_err() {
+            return Err(HandshakeReject::BadNicPath {
+                field: "local_nic_path",
+                path: req.local_nic_path.clone(),
+            });
+        }
+        if wanted.server != self.segment_name {
+            return Err(HandshakeReject::WrongServer {
+                expected: self.segment_name.clone(),
+                got: wanted.server,
+            });
+        }
+        let nic = self
+            .table
+            .backend()
+            .nics()
+            .iter()
+            .position(|n| n.name == wanted.nic)
+            .ok_or_else(|| HandshakeReject::UnknownNic(wanted.nic.clone()))?;
+        let expected = self.table.qps_per_endpoint();
+        if req.qp_num.len() != expected {
+            return Err(HandshakeReject::QpCountMismatch {
+                got: req.qp_num.len(),
+                expected,
+            });
+        }
+        if req.ready_ack == Some(true) {
+            return self.confirm(&req);
+        }
+        if req.local_gid.is_empty() {
+            return Err(HandshakeReject::MissingPeerGid);
+        }
+        let peer_gid: Gid = req.local_gid.parse().map_err(HandshakeReject::BadPeerGid)?;
+        // Offered round (`ready_ack: false`): wait for the confirmation. Not offered: done.
+        let then = match req.ready_ack {
+            Some(_) => EndpointState::AwaitingConfirmation,
+            None => EndpointState::Connected,
+        };
+        let (kind, ep) = self
+            .table
+            .connect(
+                &req.local_nic_path,
+                nic,
+                req.local_lid,
+                peer_gid,
+                &req.qp_num,
+                then,
+            )
+            .map_err(HandshakeReject::Verbs)?;
+        let local_qps = ep.local_qp_nums();
+        let local = &self.table.backend().nics()[nic];
+        tracing::info!(peer = %req.local_nic_path, ?kind, qps = ?local_qps, "RDMA endpoint connected");
+        Ok(HandShakeDesc {
+            local_gid: local.gid.to_string(),
+            local_lid: local.lid,
+            // The path P asked for, which is ours (server and NIC were checked above): P
+            // rejects a reply whose local_nic_path differs from what it asked.
+            local_nic_path: req.peer_nic_path,
+            peer_nic_path: req.local_nic_path,
+            qp_num: local_qps,
+            ready_ack: req.ready_ack.map(|_| false),
+            ..HandShakeDesc::default()
+        })
+    }
+
+    /// The `ready_ack: true` round: same QP numbers as the handshake, answered with an empty
+    /// descriptor.
+    fn confirm(&mut self, req: &HandShakeDesc) -> Result<HandShakeDesc, HandshakeReject> {
+        let ep = self
+            .table
+            .get(&req.local_nic_path)
+            .filter(|ep| {
+                matches!(
+                    ep.state,
+                    EndpointState::AwaitingConfirmation | EndpointState::Connected
+                )
+            })
+            .ok_or_else(|| HandshakeReject::NothingToConfirm(req.local_nic_path.clone()))?;
+        if ep.peer_qps != req.qp_num {
+            return Err(HandshakeReject::ConfirmationMismatch {
+                expected: ep.peer_qps.clone(),
+                got: req.qp_num.clone(),
+            });
+        }
+        self.table
+            .set_state(&req.local_nic_path, EndpointState::Connected);
+        Ok(HandShakeDesc::default())
+    }
+
+    /// Fence every endpoint of P segment `server` (QPs to ERR, confirmed). `Ok(n)`: `n`
+    /// endpoints are fenced (0 if the segment never connected).
+    pub fn fence_server(&mut self, server: &str) -> Result<usize, Vec<FenceFailure>> {
+        let r = self.table.fence_server(server);
+        tracing::info!(server, result = ?r, "RDMA fence");
+        r
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::rdma::verbs::backend::QpId;
+    use crate::rdma::verbs::fake::{FakeVerbs, VerbsCall};
+    use crate::rdma::verbs::nic::LocalNic;
+    use crate::rdma::verbs::qp_attrs::{
+        connect_sequence, LocalPort, QpState, QpTransition, RemoteQp,
+    };
+
+    const D: &str = "10.0.0.7:15000";
+    const P_PATH: &str = "10.0.0.5:16001@mlx5_3";
+    const P_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05";
+    const D_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07";
+
+    fn nic(name: &str, mtu: Mtu) -> LocalNic {
+        LocalNic {
+            name: name.into(),
+            port: 1,
+            lid: 9,
+            gid: D_GID.parse().unwrap(),
+            gid_index: 3,
+            active_mtu: mtu,
+        }
+    }
+
+    fn target() -> PassiveHandshake<FakeVerbs> {
+        let fake = FakeVerbs::new(vec![
+            nic("mlx5_0", Mtu::Mtu4096),
+            nic("mlx5_1", Mtu::Mtu1024),
+        ]);
+        PassiveHandshake::new(fake, D, HandshakeConfig::default())
+    }
+
+    fn request(qps: &[u32], ready_ack: Option<bool>) -> HandShakeDesc {
+        HandShakeDesc {
+            local_gid: P_GID.into(),
+            local_lid: 4,
+            local_nic_path: P_PATH.into(),
+            peer_nic_path: format!("{D}@mlx5_1"),
+            qp_num: qps.to_vec(),
+            ready_ack,
+            ..HandShakeDesc::default()
+        }
+    }
+
+    fn reject_msg(t: &mut PassiveHandshake<FakeVerbs>, req: &HandShakeDesc) -> String {
+        let reply = t.on_connection_frame(&req.to_json_line());
+        HandShakeDesc::from_json(&reply).unwrap().reply_msg
+    }
+
+    #[test]
+    fn handshake_creates_qps_drives_them_to_rts_and_replies() {
+        let mut t = target();
+        let reply = t
+            .on_connection_request(request(&[0x51, 0x52], Some(false)))
+            .unwrap();
+        let ep = t.endpoint(P_PATH).unwrap().clone();
+        assert_eq!(ep.nic, 1);
+        assert_eq!(ep.state, EndpointState::AwaitingConfirmation);
+        assert_eq!(
+            reply,
+            HandShakeDesc {
+                local_gid: D_GID.into(),
+                local_lid: 9,
+                local_nic_path: format!("{D}@mlx5_1"),
+                peer_nic_path: P_PATH.into(),
+                qp_num: ep.local_qp_nums(),
+                ready_ack: Some(false),
+                reply_msg: String::new(),
+                ..HandShakeDesc::default()
+            }
+        );
+        let fake = t.backend();
+        assert_eq!(
+            fake.calls[0],
+            VerbsCall::Create {
+                nic: 1,
+                qps: ep.local_qps.clone()
+            }
+        );
+        let local = LocalPort {
+            port: 1,
+            gid_index: 3,
+            active_mtu: Mtu::Mtu1024,
+        };
+        for (qp, peer) in ep.local_qps.iter().zip([0x51, 0x52]) {
+            let remote = RemoteQp {
+                lid: 4,
+                gid: P_GID.parse().unwrap(),
+                qp_num: peer,
+            };
+            assert_eq!(
+                fake.transitions_of(*qp),
+                connect_sequence(local, Mtu::Mtu4096, remote).to_vec(),
+                "QP {qp:?} must be connected to P QP {peer:#x} with the §6 attributes"
+            );
+            assert_eq!(fake.state(*qp), Some(QpState::Rts));
+        }
+    }
+
+    #[test]
+    fn confirmation_round_with_same_qps_gets_an_empty_descriptor() {
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        let calls = t.backend().calls.len();
+        let reply = t.on_connection_frame(&request(&[1, 2], Some(true)).to_json_line());
+        assert_eq!(
+            HandShakeDesc::from_json(&reply).unwrap(),
+            HandShakeDesc::default()
+        );
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+        assert_eq!(t.backend().calls.len(), calls, "confirmation touches no QP");
+    }
+
+    #[test]
+    fn confirmation_with_other_qps_or_without_endpoint_is_rejected() {
+        let mut t = target();
+        assert_eq!(
+            t.on_connection_request(request(&[1, 2], Some(true))),
+            Err(HandshakeReject::NothingToConfirm(P_PATH.into()))
+        );
+        t.on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        assert_eq!(
+            t.on_connection_request(request(&[1, 3], Some(true))),
+            Err(HandshakeReject::ConfirmationMismatch {
+                expected: vec![1, 2],
+                got: vec![1, 3]
+            })
+        );
+        assert!(reject_msg(&mut t, &request(&[2, 1], Some(true))).contains("differ"));
+        assert_eq!(
+            t.endpoint(P_PATH).unwrap().state,
+            EndpointState::AwaitingConfirmation
+        );
+    }
+
+    #[test]
+    fn legacy_initiator_without_ready_ack_gets_none_back() {
+        let mut t = target();
+        let reply = t.on_connection_request(request(&[1, 2], None)).unwrap();
+        assert_eq!(reply.ready_ack, None);
+        assert!(!String::from_utf8(reply.to_json_line())
+            .unwrap()
+            .contains("ready_ack"));
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+    }
+
+    #[test]
+    fn rehandshake_with_same_qps_reuses_and_with_new_qps_resets() {
+        let mut t = target();
+        let first = t
+            .on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        t.backend_mut().clear_calls();
+        let again = t
+            .on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        assert_eq!(again.qp_num, first.qp_num);
+        assert!(t.backend().calls.is_empty(), "reuse must not touch the QPs");
+
+        let reset = t
+            .on_connection_request(request(&[7, 8], Some(false)))
+            .unwrap();
+        assert_eq!(
+            reset.qp_num, first.qp_num,
+            "the same local QPs are reset, not replaced"
+        );
+        let fake = t.backend();
+        assert!(!fake
+            .calls
+            .iter()
+            .any(|c| matches!(c, VerbsCall::Create { .. })));
+        let qp = t.endpoint(P_PATH).unwrap().local_qps[1];
+        let seq = fake.transitions_of(qp);
+        assert_eq!(seq.len(), 4);
+        assert_eq!(seq[0], QpTransition::ToReset);
+        assert!(matches!(&seq[2], QpTransition::ToRtr(r) if r.dest_qp_num == 8));
+        assert_eq!(t.endpoint(P_PATH).unwrap().peer_qps, vec![7, 8]);
+        assert_eq!(fake.live_qps(), 2);
+    }
+
+    #[test]
+    fn rehandshake_to_another_local_nic_replaces_the_qps() {
+        let mut t = target();
+        let first = t.on_connection_request(request(&[1, 2], None)).unwrap();
+        let mut other = request(&[1, 2], None);
+        other.peer_nic_path = format!("{D}@mlx5_0");
+        let second = t.on_connection_request(other).unwrap();
+        assert_ne!(first.qp_num, second.qp_num);
+        assert_eq!(t.endpoint(P_PATH).unwrap().nic, 0);
+        assert_eq!(t.backend().live_qps(), 2, "old QPs destroyed");
+    }
+
+    #[test]
+    fn unknown_nic_wrong_server_and_bad_paths_are_rejected_without_verbs_calls() {
+        let mut t = target();
+        let mut r = request(&[1, 2], None);
+        r.peer_nic_path = format!("{D}@mlx5_9");
+        assert_eq!(
+            t.on_connection_request(r.clone()),
+            Err(HandshakeReject::UnknownNic("mlx5_9".into()))
+        );
+        assert!(reject_msg(&mut t, &r).contains("mlx5_9"));
+        r.peer_nic_path = "10.9.9.9:1@mlx5_0".into();
+        assert!(matches!(
+            t.on_connection_request(r.clone()),
+            Err(HandshakeReject::WrongServer { .. })
+        ));
+        r.peer_nic_path = "mlx5_0".into();
+        assert!(matches!(
+            t.on_connection_request(r.clone()),
+            Err(HandshakeReject::BadNicPath {
+                field: "peer_nic_path",
+                ..
+            })
+        ));
+        let mut r = request(&[1, 2], None);
+        r.local_nic_path = String::new();
+        assert!(matches!(
+            t.on_connection_request(r),
+            Err(HandshakeReject::BadNicPath {
+                field: "local_nic_path",
+                ..
+            })
+        ));
+        assert!(t.backend().calls.is_empty());
+    }
+
+    #[test]
+    fn qp_count_mismatch_is_rejected_with_a_message() {
+        let mut t = target();
+        for qps in [&[][..], &[1], &[1, 2, 3]] {
+            let req = request(qps, Some(false));
+            assert_eq!(
+                t.on_connection_request(req.clone()),
+                Err(HandshakeReject::QpCountMismatch {
+                    got: qps.len(),
+                    expected: 2
+                })
+            );
+            assert!(reject_msg(&mut t, &req).starts_with("QP count mismatch"));
+        }
+        assert!(t.backend().calls.is_empty());
+        assert!(t.endpoint(P_PATH).is_none());
+    }
+
+    #[test]
+    fn malformed_json_gets_a_rejection_reply() {
+        let mut t = target();
+        for body in [&b"{not json"[..], b"", br#"{"qp_num":"x"}"#, b"\x00\x01"] {
+            let reply = HandShakeDesc::from_json(&t.on_connection_frame(body)).unwrap();
+            assert!(
+                reply.reply_msg.starts_with("malformed handshake request"),
+                "{reply:?}"
+            );
+            assert!(reply.qp_num.is_empty());
+        }
+        assert!(t.backend().calls.is_empty());
+    }
+
+    #[test]
+    fn missing_or_bad_peer_gid_is_rejected() {
+        let mut t = target();
+        let mut r = request(&[1, 2], None);
+        r.local_gid = String::new();
+        assert_eq!(
+            t.on_connection_request(r.clone()),
+            Err(HandshakeReject::MissingPeerGid)
+        );
+        r.local_gid = "fe80::1".into();
+        assert!(matches!(
+            t.on_connection_request(r),
+            Err(HandshakeReject::BadPeerGid(_))
+        ));
+        assert!(t.backend().calls.is_empty());
+    }
+
+    #[test]
+    fn failed_transition_sends_every_qp_to_err_and_rejects() {
+        let mut t = target();
+        t.backend_mut().fail_modify_to = Some((QpState::Rts, 110));
+        let err = t.on_connection_request(request(&[1, 2], None)).unwrap_err();
+        assert_eq!(
+            err,
+            HandshakeReject::Verbs(VerbsError::Os {
+                op: "ibv_modify_qp",
+                errno: 110
+            })
+        );
+        let ep = t.endpoint(P_PATH).unwrap().clone();
+        assert_eq!(ep.state, EndpointState::Broken);
+        for qp in &ep.local_qps {
+            assert_eq!(
+                t.backend().state(*qp),
+                Some(QpState::Err),
+                "no QP may stay in RTR"
+            );
+        }
+        // The next attempt resets the same QPs and succeeds.
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+    }
+
+    fn qps(t: &PassiveHandshake<FakeVerbs>) -> Vec<QpId> {
+        t.endpoint(P_PATH).unwrap().local_qps.clone()
+    }
+
+    #[test]
+    fn fence_moves_the_segments_qps_to_err_and_peer_can_rehandshake() {
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        t.on_connection_request(request(&[1, 2], Some(true)))
+            .unwrap();
+        let mut other = request(&[5, 6], None);
+        other.local_nic_path = "10.0.0.6:16001@mlx5_0".into();
+        t.on_connection_request(other).unwrap();
+
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(1));
+        for qp in qps(&t) {
+            assert_eq!(t.backend().state(qp), Some(QpState::Err));
+        }
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Fenced);
+        let bystander = t.endpoint("10.0.0.6:16001@mlx5_0").unwrap();
+        assert_eq!(
+            bystander.state,
+            EndpointState::Connected,
+            "other segments are untouched"
+        );
+
+        // A confirmation on a fenced endpoint is refused; a re-handshake, even with the same
+        // peer QP numbers, resets the fenced QPs and connects again.
+        assert!(t
+            .on_connection_request(request(&[1, 2], Some(true)))
+            .is_err());
+        t.backend_mut().clear_calls();
+        t.on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        for qp in qps(&t) {
+            assert_eq!(t.backend().transitions_of(qp)[0], QpTransition::ToReset);
+            assert_eq!(t.backend().state(qp), Some(QpState::Rts));
+        }
+        assert_eq!(
+            t.fence_server("10.9.9.9:1"),
+            Ok(0),
+            "nothing connected, nothing to fence"
+        );
+    }
+
+    #[test]
+    fn fence_destroys_a_qp_that_refuses_err_or_reports_failure() {
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        let before = qps(&t);
+        t.backend_mut().fail_modify_to = Some((QpState::Err, 5));
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(1));
+        assert_eq!(t.backend().state(before[0]), None, "destroyed instead");
+        assert_eq!(t.backend().state(before[1]), Some(QpState::Err));
+        // Next handshake rebuilds a full set of QPs.
+        t.on_connection_request(request(&[3, 4], None)).unwrap();
+        assert_eq!(qps(&t).len(), 2);
+        assert_eq!(t.backend().live_qps(), 2);
+
+        // A NIC that does not report ERR after the call: the QP is destroyed as well.
+        t.backend_mut().query_override = Some(QpState::Rts);
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(1));
+        assert_eq!(t.backend().live_qps(), 0);
+    }
+}
