@@ -15,7 +15,7 @@ use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink, PeerTransport, Re
 use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{
-    KvEvent, KvRequest, LoadKv, MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus,
+    KvRequest, LoadKv, MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus,
 };
 use kvrecv::rdma::StaticLanding;
 

@@ -1,5 +1,7 @@
 //! `kvrecv`: the decode-side KV receive coordinator's command-line tool.
 
+mod cli;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -20,6 +22,10 @@ enum Cmd {
         /// The JSON, as given to vLLM's --kv-transfer-config.
         json: String,
     },
+    /// Run a D receiver driven by JSON lines on stdin; events as JSON lines on stdout.
+    Serve(cli::serve::ServeArgs),
+    /// Run a simulated vLLM prefill engine (bootstrap server + one ROUTER per worker).
+    PrefillSim(cli::prefill_sim::PrefillSimArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -37,5 +43,7 @@ fn main() -> std::process::ExitCode {
                 }
             }
         }
+        Cmd::Serve(args) => cli::serve::run(args),
+        Cmd::PrefillSim(args) => cli::prefill_sim::run(args),
     }
 }

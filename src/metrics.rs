@@ -23,6 +23,10 @@ pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
 pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total"; // label reason
 pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
+pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
+pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
+pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
+pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
@@ -64,6 +68,19 @@ pub fn describe() {
         "Writes refused by the data plane, by reason"
     );
     describe_gauge!(LIVE_PERMITS, "Open landing permits");
+    describe_counter!(
+        TRANSPORT_ERRORS,
+        "Side-channel failures (connect, send, recv, closed)"
+    );
+    describe_counter!(
+        BOOTSTRAP_LOOKUPS,
+        "Topology lookups, by result (cached, queried, joined, failed)"
+    );
+    describe_counter!(
+        BOOTSTRAP_QUERIES,
+        "GET /query requests sent, by result (ok, error)"
+    );
+    describe_histogram!(BOOTSTRAP_LATENCY, Unit::Seconds, "GET /query round trip");
 }
 
 /// Install the global Prometheus recorder and serve `/metrics` on `addr`. Needs a tokio runtime.

@@ -1,1 +1,10 @@
 //! The control plane on real sockets: the ZMQ peer transport and the HTTP bootstrap client.
+
+pub mod async_socket;
+pub mod bootstrap_client;
+pub mod http;
+pub mod zmq_transport;
+
+pub use async_socket::{AsyncSocket, SocketError};
+pub use bootstrap_client::{BootstrapConfig, HttpTopology};
+pub use zmq_transport::{ZmqTransport, ZmqTransportConfig};

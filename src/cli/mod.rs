@@ -1,0 +1,5 @@
+//! Subcommands of the `kvrecv` binary, one module each; `main.rs` only dispatches.
+
+pub mod logging;
+pub mod prefill_sim;
+pub mod serve;

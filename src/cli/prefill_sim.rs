@@ -1,0 +1,153 @@
+//! `kvrecv prefill-sim`: a simulated vLLM prefill engine (bootstrap server + one ROUTER per
+//! worker) for demos and manual tests. Prints one `ready` JSON line, then reads JSON commands on
+//! stdin: `{"op":"ready","transfer_ids":[..]}`, `{"op":"ready_all"}`,
+//! `{"op":"faults","tp":0,"pp":0,"faults":{..}}`, `{"op":"crash","tp":0,"pp":0}`,
+//! `{"op":"restart","tp":0,"pp":0}`, `{"op":"stats"}`, `{"op":"shutdown"}`.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use kvrecv::sim::{Faults, PrefillSim, SimConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct PrefillSimArgs {
+    #[arg(long, default_value = "prefill-0")]
+    pub engine_id: String,
+    #[arg(long, default_value_t = 1)]
+    pub tp: u32,
+    #[arg(long, default_value_t = 1)]
+    pub pp: u32,
+    /// Interface to bind (ROUTERs and the bootstrap server).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: String,
+    /// Bootstrap port (vLLM default 8998; 0 for any).
+    #[arg(long, default_value_t = 8998)]
+    pub bootstrap_port: u16,
+    /// Requests become ready only when marked on stdin (default: at once).
+    #[arg(long)]
+    pub wait_ready: bool,
+    /// P's readiness wait, ms (vLLM: 480000).
+    #[arg(long, default_value_t = 480_000)]
+    pub readiness_timeout_ms: u64,
+    /// Pulls served at once per worker (vLLM: 2 x num_workers = 20).
+    #[arg(long, default_value_t = 20)]
+    pub serving_tasks: usize,
+    /// Faults of every worker, JSON (see `kvrecv::sim::Faults`).
+    #[arg(long)]
+    pub faults: Option<String>,
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Op {
+    Ready { transfer_ids: Vec<String> },
+    ReadyAll,
+    Faults { tp: u32, pp: u32, faults: Faults },
+    Crash { tp: u32, pp: u32 },
+    Restart { tp: u32, pp: u32 },
+    Stats,
+    Shutdown,
+}
+
+pub fn run(args: PrefillSimArgs) -> ExitCode {
+    super::logging::init(&args.log_level);
+    let faults = match args.faults.as_deref().map(Faults::from_json).transpose() {
+        Ok(f) => f.unwrap_or_default(),
+        Err(e) => {
+            println!(
+                "{}",
+                json!({"event": "error", "error": format!("--faults: {e}")})
+            );
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            println!("{}", json!({"event": "error", "error": e.to_string()}));
+            return ExitCode::from(1);
+        }
+    };
+    rt.block_on(async move {
+        let cfg = SimConfig {
+            engine_id: args.engine_id.clone(),
+            tp_size: args.tp,
+            pp_size: args.pp,
+            host: args.host.clone(),
+            bootstrap_port: args.bootstrap_port,
+            serving_tasks: args.serving_tasks,
+            readiness_timeout: Duration::from_millis(args.readiness_timeout_ms),
+            ready_immediately: !args.wait_ready,
+            faults,
+            seed: args.seed,
+            ..SimConfig::default()
+        };
+        let mut sim = match PrefillSim::start(cfg).await {
+            Ok(s) => s,
+            Err(e) => {
+                println!("{}", json!({"event": "error", "error": e.to_string()}));
+                return ExitCode::from(1);
+            }
+        };
+        let workers: Vec<_> = sim
+            .workers()
+            .iter()
+            .map(|w| json!({"tp": w.rank().tp_rank, "pp": w.rank().pp_rank, "addr": w.addr()}))
+            .collect();
+        println!(
+            "{}",
+            json!({"event": "ready", "engine_id": sim.engine_id(), "bootstrap": sim.bootstrap_url(), "workers": workers})
+        );
+        let in_range = |s: &PrefillSim, tp: u32, pp: u32| tp < s.config().tp_size && pp < s.config().pp_size;
+        let mut lines = BufReader::new(tokio::io::stdin()).lines();
+        while let Ok(Some(line)) = lines.next_line().await {
+            if line.trim().is_empty() {
+                continue;
+            }
+            let reply = match serde_json::from_str::<Op>(&line) {
+                Err(e) => json!({"event": "error", "error": e.to_string()}),
+                Ok(Op::Shutdown) => break,
+                Ok(Op::Ready { transfer_ids }) => {
+                    transfer_ids.iter().for_each(|t| sim.mark_ready(t));
+                    json!({"event": "ok"})
+                }
+                Ok(Op::ReadyAll) => {
+                    sim.readiness().set_all(true);
+                    json!({"event": "ok"})
+                }
+                Ok(Op::Stats) => json!({"event": "stats", "pulls_received": sim.pulls_received(),
+                                         "bootstrap_queries": sim.bootstrap().query_count()}),
+                Ok(Op::Faults { tp, pp, .. } | Op::Crash { tp, pp } | Op::Restart { tp, pp }) if !in_range(&sim, tp, pp) => {
+                    json!({"event": "error", "error": format!("no worker tp={tp} pp={pp}")})
+                }
+                Ok(Op::Faults { tp, pp, faults }) => {
+                    sim.set_faults(tp, pp, faults);
+                    json!({"event": "ok"})
+                }
+                Ok(Op::Crash { tp, pp }) => {
+                    sim.crash_worker(tp, pp).await;
+                    json!({"event": "ok"})
+                }
+                Ok(Op::Restart { tp, pp }) => match sim.restart_worker(tp, pp).await {
+                    Ok(()) => json!({"event": "ok"}),
+                    Err(e) => json!({"event": "error", "error": e.to_string()}),
+                },
+            };
+            println!("{reply}");
+        }
+        println!("{}", json!({"event": "shutdown"}));
+        ExitCode::SUCCESS
+    })
+}

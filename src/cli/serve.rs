@@ -1,0 +1,309 @@
+//! `kvrecv serve`: a D receiver driven by a host scheduler over a pipe.
+//!
+//! stdout carries one JSON object per line: `ready` once, then the answer to every input line
+//! (`load_kv`, `drain`, `error`, `shutdown`) and every coordinator event ([`KvEvent`], tagged
+//! `event`). stdin carries one JSON command per line:
+//! `{"op":"load_kv","requests":[{"req_id","transfer_id","remote_engine_id","remote_bootstrap_addr","block_ids":[[..]]}]}`,
+//! `{"op":"drain"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad line gets an
+//! `error` line and the process keeps running. Logs go to stderr.
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+
+use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
+use kvrecv::config::{KvRecvConfig, Policy};
+use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use kvrecv::layout::KvLayout;
+use kvrecv::messages::{KvRequest, LoadKv};
+use kvrecv::rdma::StaticLanding;
+
+/// Flags of `kvrecv serve`. Flags given explicitly override `--kv-transfer-config`.
+#[derive(clap::Args, Debug)]
+pub struct ServeArgs {
+    /// vLLM's `--kv-transfer-config` JSON (kv_role kv_consumer; kvrecv keys under
+    /// kv_connector_extra_config.kvrecv, layout included).
+    #[arg(long)]
+    pub kv_transfer_config: Option<String>,
+    /// Number of layers (one region each, named model.layers.N.self_attn.attn).
+    #[arg(long)]
+    pub layers: Option<u32>,
+    /// Block stride in bytes.
+    #[arg(long)]
+    pub block_len: Option<u64>,
+    /// Bytes transferred per block (default: block_len).
+    #[arg(long)]
+    pub kv_block_len: Option<u64>,
+    /// Blocks per region.
+    #[arg(long)]
+    pub num_blocks: Option<u32>,
+    #[arg(long)]
+    pub tp_size: Option<u32>,
+    #[arg(long)]
+    pub tp_rank: Option<u32>,
+    #[arg(long)]
+    pub pp_size: Option<u32>,
+    #[arg(long)]
+    pub pp_rank: Option<u32>,
+    /// D-side per-pull deadline (longest silence from a peer), ms.
+    #[arg(long)]
+    pub pull_timeout_ms: Option<u64>,
+    #[arg(long, value_enum)]
+    pub policy: Option<Policy>,
+    /// `remote_hostname` advertised to P (where P's TE finds D's handshake daemon).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub advertise_host: String,
+    /// `remote_port` advertised to P (D's TE handshake port).
+    #[arg(long, default_value_t = 15000)]
+    pub advertise_port: u32,
+    /// Advertised base address of region 0 (hex or decimal); regions follow contiguously.
+    #[arg(long, default_value = "0x7e0000000000")]
+    pub base_addr: String,
+    /// P's TP size, when known: a /query view with fewer ranks is refused.
+    #[arg(long)]
+    pub expect_p_tp: Option<u32>,
+    /// P's PP size, when known (with --expect-p-tp).
+    #[arg(long)]
+    pub expect_p_pp: Option<u32>,
+    /// Bootstrap `GET /query` timeout, ms.
+    #[arg(long, default_value_t = 5000)]
+    pub bootstrap_timeout_ms: u64,
+    /// Largest control-plane message accepted from a peer, bytes.
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    pub max_msg_size: i64,
+    /// Serve Prometheus text on this address (`/metrics`).
+    #[arg(long)]
+    pub metrics: Option<SocketAddr>,
+    /// Log filter when RUST_LOG is unset.
+    #[arg(long, default_value = "info")]
+    pub log_level: String,
+}
+
+fn parse_u64(s: &str) -> Result<u64, String> {
+    let r = match s.strip_prefix("0x").or_else(|| s.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => s.parse(),
+    };
+    r.map_err(|e| format!("bad number {s:?}: {e}"))
+}
+
+impl ServeArgs {
+    /// The effective configuration.
+    pub fn config(&self) -> Result<KvRecvConfig, String> {
+        let mut cfg = match &self.kv_transfer_config {
+            Some(j) => KvRecvConfig::from_kv_transfer_config(j).map_err(|e| e.to_string())?,
+            None => KvRecvConfig::default(),
+        };
+        if self.layers.is_some() || self.block_len.is_some() || self.num_blocks.is_some() {
+            let base = &cfg.layout;
+            let layers = self.layers.unwrap_or(base.regions.len() as u32);
+            let block_len = self
+                .block_len
+                .unwrap_or(base.regions.first().map_or(16 * 1024, |r| r.block_len));
+            cfg.layout = KvLayout::uniform(
+                layers,
+                block_len,
+                self.num_blocks.unwrap_or(base.num_blocks),
+            );
+        }
+        if let Some(k) = self.kv_block_len {
+            cfg.layout
+                .regions
+                .iter_mut()
+                .for_each(|r| r.kv_block_len = k);
+        }
+        let d = &mut cfg.d_rank;
+        d.tp_size = self.tp_size.unwrap_or(d.tp_size);
+        d.tp_rank = self.tp_rank.unwrap_or(d.tp_rank);
+        d.pp_size = self.pp_size.unwrap_or(d.pp_size);
+        d.pp_rank = self.pp_rank.unwrap_or(d.pp_rank);
+        if let Some(ms) = self.pull_timeout_ms {
+            cfg.pull_timeout = Duration::from_millis(ms.max(1));
+        }
+        if let Some(p) = self.policy {
+            cfg.policy = p;
+        }
+        cfg.validate().map_err(|e| e.to_string())?;
+        Ok(cfg)
+    }
+
+    /// Advertised base address of every region.
+    fn bases(&self, layout: &KvLayout) -> Result<Vec<u64>, String> {
+        let mut at = parse_u64(&self.base_addr)?;
+        let mut out = vec![];
+        for r in &layout.regions {
+            out.push(at);
+            let len = r
+                .block_len
+                .checked_mul(u64::from(layout.num_blocks))
+                .ok_or("region size overflows")?;
+            at = at.checked_add(len).ok_or("advertised addresses overflow")?;
+        }
+        Ok(out)
+    }
+}
+
+/// One input line.
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Op {
+    LoadKv { requests: Vec<KvRequest> },
+    Drain,
+    Shutdown,
+}
+
+fn emit(out: &UnboundedSender<String>, v: serde_json::Value) {
+    let _ = out.send(v.to_string());
+}
+
+/// Run until `shutdown` or end of input.
+pub fn run(args: ServeArgs) -> ExitCode {
+    super::logging::init(&args.log_level);
+    let fail = |e: String| {
+        println!("{}", json!({"event": "error", "error": e}));
+        ExitCode::from(2)
+    };
+    let cfg = match args.config() {
+        Ok(c) => c,
+        Err(e) => return fail(e),
+    };
+    let bases = match args.bases(&cfg.layout) {
+        Ok(b) => b,
+        Err(e) => return fail(e),
+    };
+    let rt = || {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("a tokio runtime (threads, epoll) can be built")
+    };
+    let sys = actix_rt::System::with_tokio_rt(rt);
+    sys.block_on(serve(args, cfg, bases))
+}
+
+async fn serve(args: ServeArgs, cfg: KvRecvConfig, bases: Vec<u64>) -> ExitCode {
+    let (out, mut out_rx) = unbounded_channel::<String>();
+    // stdout is written by its own task so a slow reader never stalls the actors' thread.
+    let writer = tokio::spawn(async move {
+        let mut stdout = tokio::io::stdout();
+        while let Some(line) = out_rx.recv().await {
+            if stdout
+                .write_all(format!("{line}\n").as_bytes())
+                .await
+                .is_err()
+                || stdout.flush().await.is_err()
+            {
+                break;
+            }
+        }
+    });
+    if let Some(addr) = args.metrics {
+        if let Err(e) = kvrecv::metrics::serve_prometheus(addr) {
+            emit(
+                &out,
+                json!({"event": "error", "error": format!("metrics: {e}")}),
+            );
+        }
+    }
+    let (events, mut event_rx) = EventSink::channel();
+    let bootstrap = BootstrapConfig {
+        timeout: Duration::from_millis(args.bootstrap_timeout_ms.max(1)),
+        expected_p_sizes: args.expect_p_tp.map(|t| (t, args.expect_p_pp.unwrap_or(1))),
+        ..BootstrapConfig::default()
+    };
+    let landing = StaticLanding::new(&args.advertise_host, args.advertise_port, bases.clone());
+    let coord = Coordinator::start(CoordinatorParts {
+        config: cfg.clone(),
+        topology: Rc::new(HttpTopology::new(bootstrap)),
+        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig {
+            max_msg_size: args.max_msg_size,
+            ..ZmqTransportConfig::default()
+        })),
+        landing: Arc::new(landing),
+        events,
+        builtin_pool: false,
+    });
+    let regions: Vec<_> = cfg
+        .layout
+        .regions
+        .iter()
+        .zip(&bases)
+        .map(|(r, b)| {
+            json!({"layer_name": r.layer_name, "layer_index": r.layer_index, "group_index": r.group_index,
+                   "block_len": r.block_len, "kv_block_len": r.kv_block_len, "base_addr": b})
+        })
+        .collect();
+    let d = cfg.d_rank;
+    emit(
+        &out,
+        json!({
+            "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
+            "endpoint": {"host": args.advertise_host, "port": args.advertise_port},
+            "metrics": args.metrics.map(|a| a.to_string()),
+            "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
+            "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
+            "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
+        }),
+    );
+    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let mut n = 0u64;
+    loop {
+        tokio::select! {
+            ev = event_rx.recv() => {
+                if let Some(ev) = ev {
+                    match serde_json::to_value(&ev) {
+                        Ok(v) => emit(&out, v),
+                        Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
+                    }
+                }
+            }
+            line = lines.next_line() => {
+                let line = match line {
+                    Ok(Some(l)) => l,
+                    Ok(None) => break,
+                    Err(e) => {
+                        emit(&out, json!({"event": "error", "error": format!("stdin: {e}")}));
+                        break;
+                    }
+                };
+                n += 1;
+                if line.trim().is_empty() {
+                    continue;
+                }
+                match serde_json::from_str::<Op>(&line) {
+                    Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
+                    Ok(Op::Shutdown) => break,
+                    Ok(Op::Drain) => match coord.drain().await {
+                        Ok(s) => emit(&out, json!({"event": "drain", "line": n, "finished_recving": s.finished_recving,
+                                                   "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids})),
+                        Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
+                    },
+                    Ok(Op::LoadKv { requests }) => match coord.load_kv(LoadKv { requests }).await {
+                        Ok(r) => emit(&out, json!({"event": "load_kv", "line": n, "accepted": r.accepted, "awaiting": r.awaiting,
+                                                   "rejected": r.rejected.iter().map(|e| e.to_string()).collect::<Vec<_>>()})),
+                        Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
+                    },
+                }
+            }
+        }
+    }
+    // Events already produced are printed before the shutdown line.
+    while let Ok(ev) = event_rx.try_recv() {
+        if let Ok(v) = serde_json::to_value(&ev) {
+            emit(&out, v);
+        }
+    }
+    emit(&out, json!({"event": "shutdown"}));
+    drop(out);
+    let _ = writer.await;
+    actix_rt::System::current().stop();
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,136 @@
+//! A libzmq socket driven by tokio without blocking: `AsyncFd` on the socket's `ZMQ_FD`.
+//!
+//! Rules (DEPENDENCIES.md, "ZeroMQ from async Rust"): the fd is registered for READABLE only (it
+//! signals *any* change of the socket's state and is edge-triggered; it is never read); every
+//! operation is tried with `DONTWAIT` first; on `EAGAIN` we await the fd, then ask `ZMQ_EVENTS`
+//! (the truth, and reading it re-arms the edge) and clear tokio's readiness only when the event we
+//! want is absent. Clearing it while the event is present would lose the edge and hang the task.
+
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::task::{Context, Poll};
+
+use futures::future::poll_fn;
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
+
+/// The signalling fd of a libzmq socket. libzmq owns it: dropping this closes nothing.
+struct ZmqFd(RawFd);
+
+impl AsRawFd for ZmqFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// Why an operation on an [`AsyncSocket`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SocketError {
+    #[error("zmq: {0}")]
+    Zmq(#[from] zmq::Error),
+    #[error("reactor: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// A `zmq::Socket` usable from async code on any tokio runtime (current-thread included).
+/// Methods take `&mut self` because `zmq::Socket` is `Send` but not `Sync`.
+pub struct AsyncSocket {
+    // Declared first so it is dropped first: the fd is deregistered from the reactor before
+    // `zmq_close` closes it.
+    fd: AsyncFd<ZmqFd>,
+    sock: zmq::Socket,
+}
+
+impl AsyncSocket {
+    /// Wrap a configured socket. Needs a tokio reactor (call inside a runtime).
+    pub fn new(sock: zmq::Socket) -> Result<Self, SocketError> {
+        let raw = ZmqFd(sock.get_fd()?);
+        // SAFETY: `ZMQ_FD` is libzmq's signaler fd, open until `zmq_close`; `fd` is declared
+        // before `sock`, so the registration is dropped before the socket closes the fd.
+        let fd = unsafe { AsyncFd::register_with_interest(raw, Interest::READABLE) }
+            .map_err(|e| e.into_parts().1)?;
+        Ok(AsyncSocket { fd, sock })
+    }
+
+    /// The underlying socket (options, bind, connect).
+    pub fn socket(&self) -> &zmq::Socket {
+        &self.sock
+    }
+
+    /// Wait until `ZMQ_EVENTS` contains `wanted`, following the rules above.
+    fn poll_event(
+        &mut self,
+        cx: &mut Context<'_>,
+        wanted: zmq::PollEvents,
+    ) -> Poll<Result<(), SocketError>> {
+        loop {
+            let mut guard = match self.fd.poll_read_ready(cx) {
+                Poll::Ready(Ok(g)) => g,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                Poll::Pending => return Poll::Pending,
+            };
+            let events = self.sock.get_events()?;
+            if events.contains(wanted) {
+                // Keep tokio's readiness: the edge was consumed by ZMQ_EVENTS, and the caller
+                // is about to perform the operation.
+                return Poll::Ready(Ok(()));
+            }
+            guard.clear_ready();
+        }
+    }
+
+    /// Receive one whole multi-part message (every frame), without blocking the thread.
+    pub fn poll_recv_multipart(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Vec<Vec<u8>>, SocketError>> {
+        loop {
+            // Parts of a multi-part message arrive atomically: once the first is readable the
+            // rest are too, so DONTWAIT on every part is correct.
+            match self.sock.recv_multipart(zmq::DONTWAIT) {
+                Ok(frames) => return Poll::Ready(Ok(frames)),
+                Err(zmq::Error::EAGAIN) => {}
+                Err(e) => return Poll::Ready(Err(e.into())),
+            }
+            match self.poll_event(cx, zmq::POLLIN) {
+                Poll::Ready(Ok(())) => continue,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
+    }
+
+    /// Receive one whole message.
+    pub async fn recv_multipart(&mut self) -> Result<Vec<Vec<u8>>, SocketError> {
+        poll_fn(|cx| self.poll_recv_multipart(cx)).await
+    }
+
+    /// Receive a message if one is queued right now.
+    pub fn try_recv_multipart(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
+        match self.sock.recv_multipart(zmq::DONTWAIT) {
+            Ok(f) => Ok(Some(f)),
+            Err(zmq::Error::EAGAIN) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Send one message (`frames` as its parts), waiting while the socket is mute (HWM).
+    pub async fn send_multipart(&mut self, frames: &[&[u8]]) -> Result<(), SocketError> {
+        poll_fn(|cx| loop {
+            match self
+                .sock
+                .send_multipart(frames.iter().copied(), zmq::DONTWAIT)
+            {
+                Ok(()) => return Poll::Ready(Ok(())),
+                Err(zmq::Error::EAGAIN) => {}
+                Err(e) => return Poll::Ready(Err(e.into())),
+            }
+            match self.poll_event(cx, zmq::POLLOUT) {
+                Poll::Ready(Ok(())) => continue,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
+            }
+        })
+        .await
+    }
+}

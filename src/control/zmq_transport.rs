@@ -1,0 +1,287 @@
+//! [`PeerTransport`] on libzmq (the `zmq` crate, the same engine as pyzmq on the P side).
+//!
+//! One DEALER per pull, connected (never bound), `LINGER=0`, the request sent as one frame, every
+//! reply delivered whole (all its frames, so the Peer can call a multi-frame reply malformed),
+//! inbound messages capped with `ZMQ_MAXMSGSIZE`. Never REQ, never reused: the socket is closed
+//! when the Peer drops the stream (PROTOCOL.md §2.1).
+//!
+//! ZMQ hides the TCP connection: a refused connect is retried forever and a peer that dies just
+//! goes quiet. So every pull's DEALER carries a socket monitor (an inproc PAIR) and the stream
+//! turns connection events into [`TransportError`]s, which make the Peer settle Uncertain and
+//! restart with backoff:
+//! - `CONNECT_RETRIED` before the ZMTP handshake succeeded: connection refused/unreachable;
+//! - `HANDSHAKE_FAILED_*`: whatever listens there is not a ZMQ peer;
+//! - `DISCONNECTED`: the peer's process exited or closed its ROUTER, a heartbeat timed out (a
+//!   vanished host), or the peer sent a message over the size cap (libzmq drops the connection).
+//!
+//! Replies that were already queued when the connection dropped are delivered first. A peer that
+//! is alive but never answers is left to the Peer's deadline.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::task::Poll;
+use std::time::Duration;
+
+use futures::future::poll_fn;
+use futures::stream;
+use futures::StreamExt;
+
+use crate::actors::transport::{Frames, PeerTransport, ReplyStream, TransportError};
+use crate::messages::PeerId;
+use crate::metrics as m;
+
+use super::async_socket::{AsyncSocket, SocketError};
+
+/// Knobs of the ZMQ side channel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ZmqTransportConfig {
+    /// `ZMQ_MAXMSGSIZE`: an inbound frame larger than this drops the connection.
+    pub max_msg_size: i64,
+    /// `ZMQ_CONNECT_TIMEOUT`: a TCP connect that takes longer counts as refused.
+    pub connect_timeout: Duration,
+    /// `ZMQ_HEARTBEAT_IVL` / `ZMQ_HEARTBEAT_TIMEOUT` (ZMTP 3.1 PING/PONG, answered by P's libzmq
+    /// I/O thread even while P's Python code is busy): detects a host that vanished without
+    /// closing TCP. Zero disables.
+    pub heartbeat_ivl: Duration,
+    pub heartbeat_timeout: Duration,
+}
+
+impl Default for ZmqTransportConfig {
+    fn default() -> Self {
+        ZmqTransportConfig {
+            max_msg_size: 16 * 1024 * 1024,
+            connect_timeout: Duration::from_secs(5),
+            heartbeat_ivl: Duration::from_secs(10),
+            heartbeat_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// Opens one DEALER per pull on a shared `zmq::Context`.
+pub struct ZmqTransport {
+    ctx: zmq::Context,
+    cfg: ZmqTransportConfig,
+}
+
+static MONITOR_SEQ: AtomicU64 = AtomicU64::new(0);
+
+const MONITORED: i32 = (zmq_sys_events::CONNECT_RETRIED
+    | zmq_sys_events::DISCONNECTED
+    | zmq_sys_events::HANDSHAKE_SUCCEEDED
+    | zmq_sys_events::HANDSHAKE_FAILED_NO_DETAIL
+    | zmq_sys_events::HANDSHAKE_FAILED_PROTOCOL
+    | zmq_sys_events::HANDSHAKE_FAILED_AUTH) as i32;
+
+/// libzmq 4.3 monitor event ids (`ZMQ_EVENT_*`), as the first two bytes of an event message.
+mod zmq_sys_events {
+    pub const CONNECT_RETRIED: u16 = 0x0004;
+    pub const DISCONNECTED: u16 = 0x0200;
+    pub const HANDSHAKE_FAILED_NO_DETAIL: u16 = 0x0800;
+    pub const HANDSHAKE_SUCCEEDED: u16 = 0x1000;
+    pub const HANDSHAKE_FAILED_PROTOCOL: u16 = 0x2000;
+    pub const HANDSHAKE_FAILED_AUTH: u16 = 0x4000;
+}
+
+impl ZmqTransport {
+    pub fn new(cfg: ZmqTransportConfig) -> Self {
+        ZmqTransport {
+            ctx: zmq::Context::new(),
+            cfg,
+        }
+    }
+
+    /// The context (the simulator can share it for inproc tests).
+    pub fn context(&self) -> &zmq::Context {
+        &self.ctx
+    }
+
+    fn open(&self, peer: &PeerId) -> Result<Channel, SocketError> {
+        let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX);
+        let dealer = self.ctx.socket(zmq::DEALER)?;
+        dealer.set_linger(0)?;
+        dealer.set_maxmsgsize(self.cfg.max_msg_size)?;
+        dealer.set_connect_timeout(ms(self.cfg.connect_timeout))?;
+        if !self.cfg.heartbeat_ivl.is_zero() {
+            dealer.set_heartbeat_ivl(ms(self.cfg.heartbeat_ivl))?;
+            dealer.set_heartbeat_timeout(ms(self.cfg.heartbeat_timeout))?;
+        }
+        // The monitor must exist before connect, or the first events are lost.
+        let endpoint = format!(
+            "inproc://kvrecv-monitor-{}",
+            MONITOR_SEQ.fetch_add(1, Ordering::Relaxed)
+        );
+        dealer.monitor(&endpoint, MONITORED)?;
+        let monitor = self.ctx.socket(zmq::PAIR)?;
+        monitor.set_linger(0)?;
+        monitor.connect(&endpoint)?;
+        dealer.connect(peer.addr())?;
+        Ok(Channel {
+            peer: peer.clone(),
+            // Wrap the monitor first: declared after `dealer`, it is dropped after it, so the
+            // DEALER's close (which stops the monitor) never waits on a closed reader.
+            dealer: AsyncSocket::new(dealer)?,
+            monitor: AsyncSocket::new(monitor)?,
+            handshaken: false,
+            broken: None,
+            max_msg_size: self.cfg.max_msg_size,
+        })
+    }
+}
+
+impl Default for ZmqTransport {
+    fn default() -> Self {
+        ZmqTransport::new(ZmqTransportConfig::default())
+    }
+}
+
+/// One pull's DEALER and its connection monitor.
+struct Channel {
+    peer: PeerId,
+    dealer: AsyncSocket,
+    monitor: AsyncSocket,
+    handshaken: bool,
+    /// The connection failed; reported once the replies queued before it are delivered.
+    broken: Option<TransportError>,
+    max_msg_size: i64,
+}
+
+enum Step {
+    Reply(Frames),
+    Fail(TransportError),
+}
+
+impl Channel {
+    fn recv_err(&self, e: SocketError) -> TransportError {
+        TransportError::Recv {
+            peer: self.peer.clone(),
+            reason: e.to_string(),
+        }
+    }
+
+    /// A monitor event, turned into a channel failure when it is one.
+    fn on_event(&mut self, frames: &[Vec<u8>]) -> Option<TransportError> {
+        let id = frames
+            .first()
+            .filter(|f| f.len() >= 2)
+            .map(|f| u16::from_ne_bytes([f[0], f[1]]))?;
+        let peer = self.peer.clone();
+        match id {
+            zmq_sys_events::HANDSHAKE_SUCCEEDED => {
+                self.handshaken = true;
+                None
+            }
+            zmq_sys_events::CONNECT_RETRIED if !self.handshaken => Some(TransportError::Connect {
+                peer,
+                reason: "connection refused or unreachable".into(),
+            }),
+            zmq_sys_events::DISCONNECTED => Some(TransportError::Recv {
+                peer,
+                reason: format!(
+                    "connection lost (peer exited or closed its socket, heartbeat timeout, or a \
+                     reply over the {}-byte cap)",
+                    self.max_msg_size
+                ),
+            }),
+            zmq_sys_events::HANDSHAKE_FAILED_NO_DETAIL
+            | zmq_sys_events::HANDSHAKE_FAILED_PROTOCOL
+            | zmq_sys_events::HANDSHAKE_FAILED_AUTH => Some(TransportError::Connect {
+                peer,
+                reason: "ZMTP handshake failed (not a ZMQ peer?)".into(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// After a connection failure: deliver what arrived before it, then report it.
+    fn drain_broken(&mut self) -> Step {
+        let Some(err) = self.broken.take() else {
+            return Step::Fail(TransportError::Closed {
+                peer: self.peer.clone(),
+            });
+        };
+        match self.dealer.try_recv_multipart() {
+            Ok(Some(f)) => {
+                self.broken = Some(err);
+                Step::Reply(f)
+            }
+            Ok(None) => Step::Fail(err),
+            Err(e) => Step::Fail(self.recv_err(e)),
+        }
+    }
+
+    async fn next(&mut self) -> Step {
+        if self.broken.is_some() {
+            return self.drain_broken();
+        }
+        poll_fn(|cx| {
+            // Data first: a reply queued before a disconnect must not be lost to it.
+            match self.dealer.poll_recv_multipart(cx) {
+                Poll::Ready(Ok(f)) => return Poll::Ready(Step::Reply(f)),
+                Poll::Ready(Err(e)) => return Poll::Ready(Step::Fail(self.recv_err(e))),
+                Poll::Pending => {}
+            }
+            loop {
+                match self.monitor.poll_recv_multipart(cx) {
+                    Poll::Ready(Ok(ev)) => {
+                        if let Some(err) = self.on_event(&ev) {
+                            self.broken = Some(err);
+                            return Poll::Ready(self.drain_broken());
+                        }
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Step::Fail(self.recv_err(e))),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+        })
+        .await
+    }
+}
+
+fn count(e: &TransportError) {
+    let kind = match e {
+        TransportError::Connect { .. } => "connect",
+        TransportError::Send { .. } => "send",
+        TransportError::Recv { .. } => "recv",
+        TransportError::Closed { .. } => "closed",
+    };
+    metrics::counter!(m::TRANSPORT_ERRORS, "kind" => kind).increment(1);
+    tracing::warn!(error = %e, "side channel failed");
+}
+
+impl PeerTransport for ZmqTransport {
+    fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream {
+        let ch = match self.open(peer) {
+            Ok(ch) => ch,
+            Err(e) => {
+                let err = TransportError::Connect {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                };
+                count(&err);
+                return stream::once(async move { Err(err) }).boxed_local();
+            }
+        };
+        // State: the channel and the request still to send; `None` once failed (the stream ends
+        // after its error item).
+        stream::unfold(Some((ch, Some(request))), |st| async move {
+            let (mut ch, request) = st?;
+            if let Some(req) = request {
+                if let Err(e) = ch.dealer.send_multipart(&[&req]).await {
+                    let err = TransportError::Send {
+                        peer: ch.peer.clone(),
+                        reason: e.to_string(),
+                    };
+                    count(&err);
+                    return Some((Err(err), None));
+                }
+            }
+            match ch.next().await {
+                Step::Reply(f) => Some((Ok(f), Some((ch, None)))),
+                Step::Fail(e) => {
+                    count(&e);
+                    Some((Err(e), None))
+                }
+            }
+        })
+        .boxed_local()
+    }
+}

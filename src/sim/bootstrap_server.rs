@@ -1,0 +1,194 @@
+//! The bootstrap server of a simulated P engine group (PROTOCOL.md §3): `POST /register` and
+//! `GET /query`, with vLLM's status codes (the idempotent-re-registration revision).
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::{Bytes, Incoming};
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::messages::bootstrap::{DpEntry, QueryResponse, RegisterWorker};
+
+/// Registered workers, shared by the server's connections.
+#[derive(Default)]
+struct Registry {
+    /// dp_rank -> entry.
+    engines: BTreeMap<u32, DpEntry>,
+}
+
+#[derive(Default)]
+struct State {
+    registry: Mutex<Registry>,
+    queries: AtomicUsize,
+    /// Add `tp_size`/`pp_size` to `/query` entries (some vLLM branches do).
+    sizes: Mutex<BTreeMap<u32, (u32, u32)>>,
+}
+
+/// A running bootstrap server. Dropping the handle stops it.
+pub struct BootstrapServer {
+    addr: SocketAddr,
+    state: Arc<State>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for BootstrapServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl BootstrapServer {
+    /// Bind `addr` (port 0 for any) and serve on the current tokio runtime.
+    pub async fn start(addr: SocketAddr) -> std::io::Result<Self> {
+        let listener = TcpListener::bind(addr).await?;
+        let addr = listener.local_addr()?;
+        let state = Arc::new(State::default());
+        let st = state.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let st = st.clone();
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req| handle(req, st.clone()));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Ok(BootstrapServer { addr, state, task })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// `http://ip:port`, what D receives as `remote_bootstrap_addr`.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many `GET /query` were served.
+    pub fn query_count(&self) -> usize {
+        self.state.queries.load(Ordering::SeqCst)
+    }
+
+    /// Advertise `tp_size`/`pp_size` for a DP rank in `/query`.
+    pub fn advertise_sizes(&self, dp_rank: u32, tp_size: u32, pp_size: u32) {
+        lock(&self.state.sizes).insert(dp_rank, (tp_size, pp_size));
+    }
+
+    /// Register a worker directly (same rules as `POST /register`).
+    pub fn register(&self, w: &RegisterWorker) -> Result<(), String> {
+        register(&self.state, w)
+    }
+
+    /// Forget a worker (a P worker that left).
+    pub fn unregister(&self, dp_rank: u32, tp_rank: u32, pp_rank: u32) {
+        let mut reg = lock(&self.state.registry);
+        if let Some(e) = reg.engines.get_mut(&dp_rank) {
+            if let Some(t) = e.worker_addr.get_mut(&tp_rank.to_string()) {
+                t.remove(&pp_rank.to_string());
+                if t.is_empty() {
+                    e.worker_addr.remove(&tp_rank.to_string());
+                }
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn register(state: &State, w: &RegisterWorker) -> Result<(), String> {
+    let mut reg = lock(&state.registry);
+    let entry = reg.engines.entry(w.dp_rank).or_insert_with(|| DpEntry {
+        engine_id: w.engine_id.clone(),
+        worker_addr: BTreeMap::new(),
+        tp_size: None,
+        pp_size: None,
+    });
+    if entry.engine_id != w.engine_id {
+        return Err(format!("Engine ID mismatch for dp_rank={}", w.dp_rank));
+    }
+    let stages = entry.worker_addr.entry(w.tp_rank.to_string()).or_default();
+    match stages.get(&w.pp_rank.to_string()) {
+        Some(a) if *a != w.addr => Err(format!(
+            "Worker with dp_rank={}, tp_rank={}, pp_rank={} is already registered at {a}",
+            w.dp_rank, w.tp_rank, w.pp_rank
+        )),
+        _ => {
+            stages.insert(w.pp_rank.to_string(), w.addr.clone());
+            Ok(())
+        }
+    }
+}
+
+fn reply(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
+    let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
+    *r.status_mut() = status;
+    r.headers_mut().insert(
+        hyper::header::CONTENT_TYPE,
+        hyper::header::HeaderValue::from_static("application/json"),
+    );
+    r
+}
+
+async fn handle(
+    req: Request<Incoming>,
+    state: Arc<State>,
+) -> Result<Response<Full<Bytes>>, Infallible> {
+    Ok(match (req.method(), req.uri().path()) {
+        (&Method::GET, "/query") => {
+            state.queries.fetch_add(1, Ordering::SeqCst);
+            let sizes = lock(&state.sizes).clone();
+            let q: QueryResponse = lock(&state.registry)
+                .engines
+                .iter()
+                .map(|(dp, e)| {
+                    let mut e = e.clone();
+                    if let Some((t, p)) = sizes.get(dp) {
+                        e.tp_size = Some(*t);
+                        e.pp_size = Some(*p);
+                    }
+                    (dp.to_string(), e)
+                })
+                .collect();
+            reply(StatusCode::OK, serde_json::to_value(q).unwrap_or_default())
+        }
+        (&Method::POST, "/register") => {
+            let body = match Limited::new(req.into_body(), 1 << 20).collect().await {
+                Ok(b) => b.to_bytes(),
+                Err(e) => {
+                    return Ok(reply(
+                        StatusCode::UNPROCESSABLE_ENTITY,
+                        json!({"detail": e.to_string()}),
+                    ))
+                }
+            };
+            match serde_json::from_slice::<RegisterWorker>(&body) {
+                Err(e) => reply(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    json!({"detail": e.to_string()}),
+                ),
+                Ok(w) => match register(&state, &w) {
+                    Ok(()) => reply(StatusCode::OK, json!({"status": "ok"})),
+                    Err(detail) => reply(StatusCode::BAD_REQUEST, json!({"detail": detail})),
+                },
+            }
+        }
+        _ => reply(StatusCode::NOT_FOUND, json!({"detail": "Not Found"})),
+    })
+}

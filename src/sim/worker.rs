@@ -1,0 +1,489 @@
+//! One simulated P worker (one TP x PP rank): a ROUTER on its own task, and one task per pull,
+//! bounded like P's serving pool (PROTOCOL.md §2.2: a pull holds its task for its whole life;
+//! beyond the pool, pulls wait in the queue without any reply).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::task::{JoinHandle, JoinSet};
+
+use crate::control::AsyncSocket;
+use crate::messages::{MooncakeXferMetadata, MooncakeXferResponse, XferStatus};
+
+use super::faults::{FaultRng, Faults, Malformed};
+use super::readiness::Readiness;
+use super::writer::{SharedWriter, WorkerRank, WriteJob};
+use super::SimError;
+
+/// P's readiness-timeout message (PROTOCOL.md §2.5 reference vector).
+pub const READINESS_TIMEOUT_MSG: &str = "Timeout waiting for P side ready.";
+
+/// Static settings of a worker.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub rank: WorkerRank,
+    /// Pulls served at once (P: `2 x num_workers`, default 20).
+    pub serving_tasks: usize,
+    /// P's readiness wait, restarted after each ready subset (vLLM: 480 s).
+    pub readiness_timeout: Duration,
+    /// KV-cache groups P holds per request (`None`: not checked).
+    pub num_groups: Option<usize>,
+    /// P's layer names (`None`: not checked). P answers ERROR when one has no match in D's.
+    pub layer_names: Option<Vec<String>>,
+}
+
+/// State shared by a worker's incarnations and its pull tasks.
+pub struct WorkerShared {
+    pub cfg: WorkerConfig,
+    faults: Mutex<Faults>,
+    rng: Mutex<FaultRng>,
+    readiness: Arc<Readiness>,
+    writer: SharedWriter,
+    pulls: AtomicUsize,
+    ctx: zmq::Context,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl WorkerShared {
+    pub fn new(
+        cfg: WorkerConfig,
+        faults: Faults,
+        seed: u64,
+        readiness: Arc<Readiness>,
+        writer: SharedWriter,
+        ctx: zmq::Context,
+    ) -> Self {
+        WorkerShared {
+            cfg,
+            faults: Mutex::new(faults),
+            rng: Mutex::new(FaultRng::new(seed)),
+            readiness,
+            writer,
+            pulls: AtomicUsize::new(0),
+            ctx,
+        }
+    }
+}
+
+enum Out {
+    Send(Vec<Vec<u8>>),
+    Crash,
+}
+
+/// A running (or crashed) worker.
+pub struct Worker {
+    shared: Arc<WorkerShared>,
+    addr: String,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Bind a ROUTER on `bind` (`tcp://ip:port`, port 0 for any) and serve.
+    pub async fn start(shared: Arc<WorkerShared>, bind: &str) -> Result<Worker, SimError> {
+        let mut w = Worker {
+            shared,
+            addr: bind.to_owned(),
+            stop: None,
+            task: None,
+        };
+        w.spawn(bind).await?;
+        Ok(w)
+    }
+
+    async fn spawn(&mut self, bind: &str) -> Result<(), SimError> {
+        let zerr = |e: zmq::Error| SimError::Zmq(e.to_string());
+        let router = self.shared.ctx.socket(zmq::ROUTER).map_err(zerr)?;
+        router.set_linger(0).map_err(zerr)?;
+        // A restarted worker rebinds its old port; the previous listener closes asynchronously
+        // in libzmq's I/O thread, so EADDRINUSE is retried for a moment.
+        let mut tries = 0;
+        loop {
+            match router.bind(bind) {
+                Ok(()) => break,
+                Err(zmq::Error::EADDRINUSE) if tries < 100 => {
+                    tries += 1;
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Err(e) => return Err(zerr(e)),
+            }
+        }
+        self.addr = router
+            .get_last_endpoint()
+            .map_err(zerr)?
+            .map_err(|_| SimError::Zmq("endpoint is not UTF-8".into()))?;
+        let router = AsyncSocket::new(router).map_err(|e| SimError::Zmq(e.to_string()))?;
+        let (stop_tx, stop_rx) = oneshot::channel();
+        self.stop = Some(stop_tx);
+        self.task = Some(tokio::spawn(run(router, self.shared.clone(), stop_rx)));
+        Ok(())
+    }
+
+    /// The side-channel address (`tcp://ip:port`), what the worker registers.
+    pub fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    pub fn rank(&self) -> &WorkerRank {
+        &self.shared.cfg.rank
+    }
+
+    /// Pulls received since start (all incarnations).
+    pub fn pulls_received(&self) -> usize {
+        self.shared.pulls.load(Ordering::SeqCst)
+    }
+
+    pub fn set_faults(&self, f: Faults) {
+        *lock(&self.shared.faults) = f;
+    }
+
+    pub fn faults(&self) -> Faults {
+        lock(&self.shared.faults).clone()
+    }
+
+    /// Whether the ROUTER is open (false after a crash or `stop`).
+    pub fn is_running(&self) -> bool {
+        self.task.as_ref().is_some_and(|t| !t.is_finished())
+    }
+
+    /// Close the ROUTER and abandon every pull in progress (the process died).
+    pub async fn stop(&mut self) {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+
+    /// Come back on the same address (a restarted P worker).
+    pub async fn restart(&mut self) -> Result<(), SimError> {
+        self.stop().await;
+        let addr = self.addr.clone();
+        self.spawn(&addr).await
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}
+
+async fn run(mut router: AsyncSocket, shared: Arc<WorkerShared>, mut stop: oneshot::Receiver<()>) {
+    let (out_tx, mut out_rx) = mpsc::unbounded_channel::<Out>();
+    // Dropping the set when the loop ends aborts every pull in progress, hung ones included.
+    let mut tasks = JoinSet::new();
+    let pool = Arc::new(Semaphore::new(shared.cfg.serving_tasks.max(1)));
+    let rank = shared.cfg.rank.clone();
+    loop {
+        tokio::select! {
+            _ = &mut stop => break,
+            Some(out) = out_rx.recv() => match out {
+                Out::Send(frames) => {
+                    // ROUTER never blocks: an unroutable identity (D closed its DEALER) is
+                    // dropped silently, as on P (no ROUTER_MANDATORY).
+                    let _ = router.socket().send_multipart(frames, zmq::DONTWAIT);
+                }
+                Out::Crash => {
+                    tracing::warn!(?rank, "simulated crash: closing the ROUTER");
+                    break;
+                }
+            },
+            msg = router.recv_multipart() => match msg {
+                Ok(mut frames) if frames.len() == 2 => {
+                    shared.pulls.fetch_add(1, Ordering::SeqCst);
+                    let payload = frames.pop().unwrap_or_default();
+                    let identity = frames.pop().unwrap_or_default();
+                    let (sh, out, pool) = (shared.clone(), out_tx.clone(), pool.clone());
+                    tasks.spawn(async move {
+                        let Ok(_permit) = pool.acquire_owned().await else { return };
+                        serve_pull(&sh, identity, payload, &out).await;
+                    });
+                }
+                Ok(frames) => {
+                    // vLLM's sender thread unpacks exactly two frames; anything else raises and
+                    // the thread exits: the side channel stops for every client (PROTOCOL §2.1).
+                    tracing::error!(?rank, frames = frames.len(), "Error in Mooncake sender thread; exiting");
+                    break;
+                }
+                Err(e) => {
+                    tracing::error!(?rank, error = %e, "ROUTER failed");
+                    break;
+                }
+            },
+            Some(_) = tasks.join_next(), if !tasks.is_empty() => {}
+        }
+    }
+}
+
+fn response(
+    status: XferStatus,
+    ok: Vec<String>,
+    err: Vec<String>,
+    msg: Option<String>,
+) -> MooncakeXferResponse {
+    MooncakeXferResponse {
+        status,
+        ok_reqs: (!ok.is_empty()).then_some(ok),
+        err_reqs: (!err.is_empty()).then_some(err),
+        err_msg: msg,
+    }
+}
+
+/// Whether D rank `d_rank` of `d_tp` pulls from P rank `p_rank` of `p_tp` (PROTOCOL.md §3).
+fn paired(d_tp: u32, d_rank: u32, p_tp: u32, p_rank: u32) -> bool {
+    if d_tp == 0 || p_tp == 0 {
+        return false;
+    }
+    if d_tp >= p_tp {
+        d_tp % p_tp == 0 && d_rank / (d_tp / p_tp) == p_rank
+    } else {
+        p_tp % d_tp == 0 && p_rank / (p_tp / d_tp) == d_rank
+    }
+}
+
+/// The pull-wide checks of PROTOCOL.md §2.6 step 1.
+fn validate(cfg: &WorkerConfig, md: &MooncakeXferMetadata) -> Result<(), String> {
+    let r = &cfg.rank;
+    if !paired(md.remote_tp_size, md.remote_tp_rank, r.tp_size, r.tp_rank) {
+        return Err(format!(
+            "This D tp_rank {} is not paired with P tp_rank {}",
+            md.remote_tp_rank, r.tp_rank
+        ));
+    }
+    let n = md.kv_caches_base_addr.len();
+    let lens = [
+        md.block_lens.len(),
+        md.kv_block_lens.len(),
+        md.registered_layer_names.len(),
+        md.registered_layer_indices.len(),
+    ];
+    if lens.iter().any(|&l| l != n)
+        || (!md.registered_group_indices.is_empty() && md.registered_group_indices.len() != n)
+    {
+        return Err("AssertionError: region lists of different lengths".into());
+    }
+    if let Some(names) = &cfg.layer_names {
+        let skip_unlisted = md.remote_pp_size > 1 && md.remote_pp_size != r.pp_size;
+        for name in names {
+            if !md.registered_layer_names.contains(name) && !skip_unlisted {
+                return Err(format!("P region {name} has no matching region on D"));
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn serve_pull(
+    sh: &WorkerShared,
+    identity: Vec<u8>,
+    payload: Vec<u8>,
+    out: &mpsc::UnboundedSender<Out>,
+) {
+    let faults = lock(&sh.faults).clone();
+    let send = |r: &MooncakeXferResponse| {
+        let body = match &faults.malformed {
+            None => r.encode().unwrap_or_default(),
+            Some(Malformed::Garbage) => b"\xc1 this is not msgpack".to_vec(),
+            Some(Malformed::BadStatus) => {
+                vec![0x81, 0xa6, b's', b't', b'a', b't', b'u', b's', 0x03]
+            }
+            Some(Malformed::Oversized(n)) => vec![0xc0; *n],
+            Some(Malformed::MultiFrame) => {
+                let _ = out.send(Out::Send(vec![
+                    identity.clone(),
+                    r.encode().unwrap_or_default(),
+                    b"extra".to_vec(),
+                ]));
+                return;
+            }
+        };
+        let _ = out.send(Out::Send(vec![identity.clone(), body]));
+    };
+    if faults.hang {
+        std::future::pending::<()>().await;
+    }
+    if faults.crash_after_subsets == Some(0) {
+        let _ = out.send(Out::Crash);
+        return;
+    }
+    let md = match MooncakeXferMetadata::decode(&payload) {
+        Ok(md) => Arc::new(md),
+        Err(e) => {
+            return send(&response(
+                XferStatus::Error,
+                vec![],
+                vec![],
+                Some(e.to_string()),
+            ))
+        }
+    };
+    if let Some(msg) = &faults.reject_pulls {
+        return send(&response(
+            XferStatus::Error,
+            vec![],
+            vec![],
+            Some(msg.clone()),
+        ));
+    }
+    if let Err(msg) = validate(&sh.cfg, &md) {
+        return send(&response(XferStatus::Error, vec![], vec![], Some(msg)));
+    }
+    let mut pending: Vec<(String, String)> = md
+        .req_blocks
+        .iter()
+        .map(|(req, (tid, _))| (req.clone(), tid.clone()))
+        .collect();
+    let mut answered = 0u32;
+    let mut previous_ok: Vec<String> = vec![];
+    loop {
+        // Subscribe before looking, so a mark between the look and the wait is not missed.
+        let mut changed = sh.readiness.subscribe();
+        let (ready, rest): (Vec<_>, Vec<_>) = pending
+            .into_iter()
+            .partition(|(_, tid)| sh.readiness.is_ready(tid));
+        pending = rest;
+        if ready.is_empty() {
+            if pending.is_empty() {
+                return send(&response(XferStatus::Finish, vec![], vec![], None));
+            }
+            match tokio::time::timeout(sh.cfg.readiness_timeout, changed.changed()).await {
+                Ok(_) => continue,
+                Err(_) => {
+                    let err = pending.into_iter().map(|(r, _)| r).collect();
+                    let msg = Some(READINESS_TIMEOUT_MSG.to_owned());
+                    return send(&response(XferStatus::Finish, vec![], err, msg));
+                }
+            }
+        }
+        let subset: Vec<String> = ready.into_iter().map(|(r, _)| r).collect();
+        if faults.crash_after_subsets == Some(answered) {
+            let _ = out.send(Out::Crash);
+            return;
+        }
+        if faults.error_after_subsets == Some(answered) {
+            let err = if faults.error_names_subset {
+                subset
+            } else {
+                vec![]
+            };
+            let msg = Some("simulated exception while serving the pull".to_owned());
+            return send(&response(XferStatus::Error, vec![], err, msg));
+        }
+        let (ok, err, reasons) = write_subset(sh, &faults, &md, subset).await;
+        let status = if pending.is_empty() {
+            XferStatus::Finish
+        } else {
+            XferStatus::Continue
+        };
+        let mut ok_list = ok.clone();
+        if faults.duplicate_ids {
+            ok_list.extend(ok.iter().cloned());
+            ok_list.extend(previous_ok.iter().cloned());
+        }
+        if faults.unknown_ids {
+            ok_list.push("never-asked-for".to_owned());
+        }
+        previous_ok = ok;
+        let msg = (!reasons.is_empty()).then(|| reasons.join("; "));
+        send(&response(status, ok_list, err, msg));
+        answered += 1;
+        if status == XferStatus::Finish {
+            return;
+        }
+    }
+}
+
+/// One ready subset: omissions, checks, one write, injected failures. Returns (ok, err, reasons).
+async fn write_subset(
+    sh: &WorkerShared,
+    faults: &Faults,
+    md: &Arc<MooncakeXferMetadata>,
+    subset: Vec<String>,
+) -> (Vec<String>, Vec<String>, Vec<String>) {
+    let (mut ok, mut err, mut reasons) = (vec![], vec![], vec![]);
+    let mut to_write = vec![];
+    let delay;
+    {
+        let mut rng = lock(&sh.rng);
+        delay = rng.delay(faults.write_delay_ms);
+        for req in subset {
+            if rng.chance(faults.omission_rate) {
+                tracing::debug!(%req, "expired before sending on P side (simulated omission)");
+                continue;
+            }
+            let groups = md
+                .req_blocks
+                .get(&req)
+                .map(|(_, g)| g.as_slice())
+                .unwrap_or(&[]);
+            if groups.iter().all(|g| g.is_empty()) {
+                ok.push(req); // nothing to write
+            } else if sh.cfg.num_groups.is_some_and(|n| n != groups.len()) {
+                err.push(req);
+                if !reasons.iter().any(|r| r == "KV group count mismatch") {
+                    reasons.push("KV group count mismatch".to_owned());
+                }
+            } else {
+                to_write.push(req);
+            }
+        }
+    }
+    if to_write.is_empty() {
+        return (ok, err, reasons);
+    }
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let job = WriteJob {
+        rank: sh.cfg.rank.clone(),
+        metadata: md.clone(),
+        req_ids: to_write.clone(),
+    };
+    match sh.writer.write(job).await {
+        Err(e) => {
+            err.extend(to_write);
+            reasons.push(e);
+        }
+        Ok(()) => {
+            let mut rng = lock(&sh.rng);
+            for req in to_write {
+                // The bytes are written; P still reports a failure (e.g. a TE timeout).
+                if rng.chance(faults.failure_rate) {
+                    err.push(req);
+                    if !reasons
+                        .iter()
+                        .any(|r| r.starts_with("Mooncake transfer engine"))
+                    {
+                        reasons.push("Mooncake transfer engine returned -1".to_owned());
+                    }
+                } else {
+                    ok.push(req);
+                }
+            }
+        }
+    }
+    (ok, err, reasons)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::paired;
+
+    #[test]
+    fn pairing_follows_the_tp_ratio() {
+        assert!(paired(1, 0, 2, 0) && paired(1, 0, 2, 1)); // P TP2 -> D TP1
+        assert!(paired(2, 1, 1, 0)); // P TP1 -> D TP2
+        assert!(paired(4, 3, 2, 1) && !paired(4, 3, 2, 0));
+        assert!(!paired(2, 0, 4, 2) && paired(2, 1, 4, 2));
+        assert!(!paired(3, 0, 2, 0));
+    }
+}

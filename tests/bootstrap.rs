@@ -1,0 +1,262 @@
+//! The HTTP bootstrap client against the simulator's bootstrap server (and two broken servers):
+//! caching, refusal of partial topologies, de-duplication, refresh after failure, timeouts, caps,
+//! and the server's status codes (PROTOCOL.md §3).
+
+use std::time::Duration;
+
+use futures::future::join_all;
+use hyper::{Method, StatusCode};
+use kvrecv::actors::{TopologyError, TopologySource};
+use kvrecv::control::http::{request, BaseUrl};
+use kvrecv::control::{BootstrapConfig, HttpTopology};
+use kvrecv::messages::bootstrap::RegisterWorker;
+use kvrecv::sim::{PrefillSim, SimConfig};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+fn w(engine: &str, dp: u32, tp: u32, pp: u32, addr: &str) -> RegisterWorker {
+    RegisterWorker {
+        engine_id: engine.into(),
+        dp_rank: dp,
+        tp_rank: tp,
+        pp_rank: pp,
+        addr: addr.into(),
+    }
+}
+
+#[tokio::test]
+async fn topology_is_fetched_once_and_cached_until_invalidated() {
+    let s = PrefillSim::start(SimConfig {
+        tp_size: 2,
+        pp_size: 2,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let t = HttpTopology::new(BootstrapConfig::default());
+    let url = s.bootstrap_url();
+    let topo = t.lookup(&url, s.engine_id()).await.unwrap();
+    assert_eq!((topo.tp_size, topo.pp_size), (2, 2));
+    assert_eq!(topo.workers[1][0].addr(), s.worker(1, 0).addr());
+    t.lookup(&url, s.engine_id()).await.unwrap();
+    assert_eq!(
+        s.bootstrap().query_count(),
+        1,
+        "second lookup served from the cache"
+    );
+    t.invalidate(&url, s.engine_id());
+    t.lookup(&url, s.engine_id()).await.unwrap();
+    assert_eq!(s.bootstrap().query_count(), 2);
+}
+
+#[tokio::test]
+async fn concurrent_lookups_share_one_query() {
+    let s = PrefillSim::start(SimConfig::default()).await.unwrap();
+    let t = HttpTopology::new(BootstrapConfig::default());
+    let url = s.bootstrap_url();
+    let all = join_all((0..8).map(|_| t.lookup(&url, s.engine_id()))).await;
+    assert!(all.iter().all(|r| r.is_ok()));
+    assert_eq!(s.bootstrap().query_count(), 1);
+}
+
+#[tokio::test]
+async fn partial_topology_is_refused_not_cached_and_accepted_once_complete() {
+    let s = PrefillSim::start(SimConfig {
+        tp_size: 2,
+        register: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let t = HttpTopology::new(BootstrapConfig::default());
+    let url = s.bootstrap_url();
+    // A query racing P's startup: only TP rank 0 registered.
+    s.register(s.worker(0, 0).rank(), s.worker(0, 0).addr())
+        .await
+        .unwrap();
+    // Without sizes, a lone rank 0 looks like TP1 (PROTOCOL.md §3 hazard); configured sizes
+    // refuse it, and so do sizes in /query.
+    let known = HttpTopology::new(BootstrapConfig {
+        expected_p_sizes: Some((2, 1)),
+        ..BootstrapConfig::default()
+    });
+    let e = known.lookup(&url, s.engine_id()).await.unwrap_err();
+    assert!(matches!(e, TopologyError::Incomplete { .. }), "{e:?}");
+    assert!(!known.is_cached(&url, s.engine_id()));
+    s.bootstrap().advertise_sizes(0, 2, 1);
+    let e = t.lookup(&url, s.engine_id()).await.unwrap_err();
+    assert!(matches!(e, TopologyError::Incomplete { .. }), "{e:?}");
+    assert!(!t.is_cached(&url, s.engine_id()));
+    s.register(s.worker(1, 0).rank(), s.worker(1, 0).addr())
+        .await
+        .unwrap();
+    let topo = t.lookup(&url, s.engine_id()).await.unwrap();
+    assert_eq!(topo.tp_size, 2);
+    assert!(t.is_cached(&url, s.engine_id()));
+    assert_eq!(known.lookup(&url, s.engine_id()).await.unwrap().tp_size, 2);
+}
+
+#[tokio::test]
+async fn missing_rank_zero_is_refused() {
+    let s = PrefillSim::start(SimConfig {
+        tp_size: 2,
+        register: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    s.register(s.worker(1, 0).rank(), s.worker(1, 0).addr())
+        .await
+        .unwrap();
+    let t = HttpTopology::new(BootstrapConfig::default());
+    let e = t
+        .lookup(&s.bootstrap_url(), s.engine_id())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, TopologyError::Incomplete { .. }), "{e:?}");
+}
+
+#[tokio::test]
+async fn unreachable_bootstrap_fails_and_is_asked_again() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("http://127.0.0.1:{port}");
+    let t = HttpTopology::new(BootstrapConfig::default());
+    let e = t.lookup(&url, "e").await.unwrap_err();
+    assert!(matches!(e, TopologyError::Bootstrap { .. }), "{e:?}");
+    // The server comes up on that port: the next lookup asks again and succeeds.
+    let s = PrefillSim::start(SimConfig {
+        bootstrap_port: port,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    assert!(t.lookup(&url, s.engine_id()).await.is_ok());
+    assert!(matches!(
+        t.lookup("https://x:1", "e").await,
+        Err(TopologyError::Bootstrap { .. })
+    ));
+}
+
+/// A server that accepts and then does `f` with the connection.
+async fn raw_server<F, Fut>(f: F) -> String
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((s, _)) = l.accept().await {
+            f(s).await;
+        }
+    });
+    url
+}
+
+#[tokio::test]
+async fn silent_server_times_out_and_oversized_body_is_refused() {
+    let silent = raw_server(|s| async move {
+        tokio::spawn(async move {
+            let _keep = s;
+            std::future::pending::<()>().await;
+        });
+    })
+    .await;
+    let t = HttpTopology::new(BootstrapConfig {
+        timeout: Duration::from_millis(200),
+        max_body: 1024,
+        ..BootstrapConfig::default()
+    });
+    let e = t.lookup(&silent, "e").await.unwrap_err();
+    assert!(e.to_string().contains("no answer within"), "{e}");
+
+    let big = raw_server(|mut s| async move {
+        let mut buf = [0u8; 4096];
+        let _ = s.read(&mut buf).await;
+        let body = format!(
+            "{{\"0\":{{\"engine_id\":\"{}\",\"worker_addr\":{{}}}}}}",
+            "e".repeat(4000)
+        );
+        let resp = format!(
+            "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        );
+        let _ = s.write_all(resp.as_bytes()).await;
+    })
+    .await;
+    let e = t.lookup(&big, "e").await.unwrap_err();
+    assert!(e.to_string().contains("cap"), "{e}");
+
+    let bad = raw_server(|mut s| async move {
+        let mut buf = [0u8; 4096];
+        let _ = s.read(&mut buf).await;
+        let _ = s
+            .write_all(b"HTTP/1.1 500 Internal Server Error\r\ncontent-length: 0\r\n\r\n")
+            .await;
+    })
+    .await;
+    let e = t.lookup(&bad, "e").await.unwrap_err();
+    assert!(e.to_string().contains("500"), "{e}");
+}
+
+#[tokio::test]
+async fn register_status_codes_follow_vllm() {
+    let s = PrefillSim::start(SimConfig {
+        register: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let base = BaseUrl::parse(&s.bootstrap_url()).unwrap();
+    let post = |body: Vec<u8>| {
+        let base = base.clone();
+        async move {
+            request(
+                Method::POST,
+                &base,
+                "/register",
+                Some(body),
+                Duration::from_secs(5),
+                1 << 16,
+            )
+            .await
+            .unwrap()
+        }
+    };
+    let j = |r: &RegisterWorker| serde_json::to_vec(r).unwrap();
+    assert_eq!(
+        post(j(&w("e0", 0, 0, 0, "tcp://1.2.3.4:1"))).await.0,
+        StatusCode::OK
+    );
+    assert_eq!(
+        post(j(&w("e0", 0, 0, 0, "tcp://1.2.3.4:1"))).await.0,
+        StatusCode::OK,
+        "idempotent"
+    );
+    let (st, body) = post(j(&w("e0", 0, 0, 0, "tcp://1.2.3.4:2"))).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&body).contains("already registered at tcp://1.2.3.4:1"));
+    let (st, body) = post(j(&w("e1", 0, 1, 0, "tcp://1.2.3.4:3"))).await;
+    assert_eq!(st, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&body).contains("Engine ID mismatch for dp_rank=0"));
+    assert_eq!(
+        post(b"{\"engine_id\": 5}".to_vec()).await.0,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    let (st, body) = request(
+        Method::GET,
+        &base,
+        "/query",
+        None,
+        Duration::from_secs(5),
+        1 << 16,
+    )
+    .await
+    .unwrap();
+    assert_eq!(st, StatusCode::OK);
+    let q: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(q["0"]["worker_addr"]["0"]["0"], "tcp://1.2.3.4:1");
+}

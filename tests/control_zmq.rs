@@ -1,0 +1,475 @@
+//! kvrecv's D (Coordinator + ZmqTransport + HTTP bootstrap client) against the in-process
+//! prefill simulator over real loopback sockets: every way a peer can misbehave (issue 3, item 2)
+//! ends in the settle DESIGN.md §4 prescribes, with exactly one completion per request.
+
+#[path = "net/mod.rs"]
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+use kvrecv::actors::peer_state::OMITTED;
+use kvrecv::control::ZmqTransportConfig;
+use kvrecv::messages::{KvEvent, Outcome, SettleOutcome};
+use kvrecv::sim::{Faults, Malformed, PrefillSim, SimConfig, READINESS_TIMEOUT_MSG};
+
+const LONG: Duration = Duration::from_secs(60);
+
+async fn sim(tp: u32, ready_immediately: bool) -> PrefillSim {
+    PrefillSim::start(SimConfig {
+        tp_size: tp,
+        ready_immediately,
+        ..SimConfig::default()
+    })
+    .await
+    .expect("simulator")
+}
+
+fn addrs(s: &PrefillSim) -> Vec<String> {
+    s.workers().iter().map(|w| w.addr().to_owned()).collect()
+}
+
+#[actix::test]
+async fn tp2_to_tp1_healthy_pull_completes_ok_from_both_peers() {
+    let s = sim(2, true).await;
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[1, 2, 3],
+    )])
+    .await;
+    let (outcome, uncertain) = h.completion("d-1").await;
+    assert_eq!(outcome, Outcome::Ok);
+    assert!(uncertain.is_empty());
+    for a in addrs(&s) {
+        assert_eq!(h.settle("d-1", &a).await, SettleOutcome::Ok);
+    }
+    let out = h.coord.drain().await.unwrap();
+    assert_eq!(&*out.finished_recving[0], "d-1");
+    assert!(out.invalid_block_ids.is_empty());
+}
+
+#[actix::test]
+async fn err_reqs_from_one_peer_fail_the_request_after_both_settle() {
+    let s = sim(2, true).await;
+    s.set_faults(
+        1,
+        0,
+        Faults {
+            failure_rate: 1.0,
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[4, 5],
+    )])
+    .await;
+    let (outcome, uncertain) = h.completion("d-1").await;
+    let a = addrs(&s);
+    assert!(
+        matches!(&outcome, Outcome::Failed { reason, .. } if reason.contains("transfer engine")),
+        "{outcome:?}"
+    );
+    assert!(
+        uncertain.is_empty(),
+        "err_reqs is an answer, not uncertainty"
+    );
+    assert_eq!(h.settle("d-1", &a[0]).await, SettleOutcome::Ok);
+    assert!(matches!(
+        h.settle("d-1", &a[1]).await,
+        SettleOutcome::Failed(_)
+    ));
+    h.wait_for("first failure", |e| {
+        matches!(e, KvEvent::FirstFailure { .. })
+    })
+    .await;
+    let out = h.coord.drain().await.unwrap();
+    assert_eq!(out.invalid_block_ids, vec![4, 5]);
+    assert_eq!(h.completions_seen("d-1"), 1);
+}
+
+#[actix::test]
+async fn peer_wide_error_without_err_reqs_is_uncertain() {
+    let s = sim(1, true).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            reject_pulls: Some("This D tp_rank 0 is not paired".into()),
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![
+        req("d-1", "t-1", s.engine_id(), &s.bootstrap_url(), &[1]),
+        req("d-2", "t-2", s.engine_id(), &s.bootstrap_url(), &[2]),
+    ])
+    .await;
+    let a = &addrs(&s)[0];
+    for r in ["d-1", "d-2"] {
+        let st = h.settle(r, a).await;
+        assert!(
+            is_uncertain(&st) && reason(&st).contains("not paired"),
+            "{st:?}"
+        );
+        let (outcome, uncertain) = h.completion(r).await;
+        assert!(!outcome.is_ok());
+        assert_eq!(uncertain.len(), 1);
+    }
+}
+
+#[actix::test]
+async fn error_naming_the_subset_fails_those_and_leaves_the_rest_uncertain() {
+    let s = sim(1, false).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            error_after_subsets: Some(0),
+            error_names_subset: true,
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![
+        req("d-1", "t-1", s.engine_id(), &s.bootstrap_url(), &[1]),
+        req("d-2", "t-2", s.engine_id(), &s.bootstrap_url(), &[2]),
+    ])
+    .await;
+    // Only t-1 becomes ready: the ERROR names d-1 and never answers d-2.
+    s.mark_ready("t-1");
+    let a = &addrs(&s)[0];
+    assert!(matches!(h.settle("d-1", a).await, SettleOutcome::Failed(_)));
+    assert!(is_uncertain(&h.settle("d-2", a).await));
+}
+
+#[actix::test]
+async fn error_after_continue_keeps_earlier_outcomes() {
+    let s = sim(1, false).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            error_after_subsets: Some(1),
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![
+        req("d-1", "t-1", s.engine_id(), &s.bootstrap_url(), &[1]),
+        req("d-2", "t-2", s.engine_id(), &s.bootstrap_url(), &[2]),
+    ])
+    .await;
+    let a = &addrs(&s)[0];
+    s.mark_ready("t-1");
+    assert_eq!(h.settle("d-1", a).await, SettleOutcome::Ok); // CONTINUE ok_reqs=[d-1]
+    assert_eq!(h.completion("d-1").await.0, Outcome::Ok);
+    s.mark_ready("t-2");
+    let st = h.settle("d-2", a).await;
+    assert!(
+        is_uncertain(&st) && reason(&st).contains("simulated exception"),
+        "{st:?}"
+    );
+    assert!(!h.completion("d-2").await.0.is_ok());
+    assert_eq!(h.completions_seen("d-1"), 1);
+}
+
+#[actix::test]
+async fn finish_omitting_a_request_settles_it_failed() {
+    let s = sim(1, true).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            omission_rate: 1.0,
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[1],
+    )])
+    .await;
+    assert_eq!(
+        h.settle("d-1", &addrs(&s)[0]).await,
+        SettleOutcome::Failed(OMITTED.into())
+    );
+    let (outcome, uncertain) = h.completion("d-1").await;
+    assert!(!outcome.is_ok() && uncertain.is_empty());
+}
+
+#[actix::test]
+async fn readiness_timeout_finish_fails_the_pending_requests() {
+    let s = PrefillSim::start(SimConfig {
+        ready_immediately: false,
+        readiness_timeout: Duration::from_millis(100),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[1],
+    )])
+    .await;
+    assert_eq!(
+        h.settle("d-1", &addrs(&s)[0]).await,
+        SettleOutcome::Failed(READINESS_TIMEOUT_MSG.into())
+    );
+}
+
+#[actix::test]
+async fn unknown_and_duplicate_ids_are_stale_and_change_nothing() {
+    let s = sim(1, false).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            unknown_ids: true,
+            duplicate_ids: true,
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![
+        req("d-1", "t-1", s.engine_id(), &s.bootstrap_url(), &[1]),
+        req("d-2", "t-2", s.engine_id(), &s.bootstrap_url(), &[2]),
+    ])
+    .await;
+    s.mark_ready("t-1");
+    assert_eq!(h.completion("d-1").await.0, Outcome::Ok);
+    s.mark_ready("t-2");
+    assert_eq!(h.completion("d-2").await.0, Outcome::Ok);
+    // The second answer repeats d-1 (duplicate) and both name an id never asked for.
+    h.wait_for("stale duplicate", |e| matches!(e, KvEvent::Stale { req_id, pull_id, .. } if &**req_id == "d-1" && *pull_id > 0)).await;
+    h.wait_for(
+        "stale unknown",
+        |e| matches!(e, KvEvent::Stale { req_id, .. } if &**req_id == "never-asked-for"),
+    )
+    .await;
+    assert_eq!(h.completions_seen("d-1"), 1);
+    assert_eq!(h.completions_seen("d-2"), 1);
+}
+
+async fn malformed_case(
+    m: Malformed,
+    zmq: ZmqTransportConfig,
+) -> (SettleOutcome, Harness, PrefillSim) {
+    let s = sim(1, true).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            malformed: Some(m),
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start_with(config(LONG), zmq);
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[1],
+    )])
+    .await;
+    let st = h.settle("d-1", &addrs(&s)[0]).await;
+    let (outcome, uncertain) = h.completion("d-1").await;
+    assert!(!outcome.is_ok());
+    assert_eq!(
+        uncertain.len(),
+        1,
+        "a malformed reply says nothing about the peer's writes"
+    );
+    (st, h, s)
+}
+
+#[actix::test]
+async fn garbage_multi_frame_and_bad_status_replies_are_malformed() {
+    for m in [
+        Malformed::Garbage,
+        Malformed::MultiFrame,
+        Malformed::BadStatus,
+    ] {
+        let (st, _h, _s) = malformed_case(m.clone(), ZmqTransportConfig::default()).await;
+        assert!(
+            is_uncertain(&st) && reason(&st).contains("malformed reply"),
+            "{m:?}: {st:?}"
+        );
+    }
+}
+
+#[actix::test]
+async fn oversized_reply_drops_the_connection_and_restarts_the_peer() {
+    let zmq = ZmqTransportConfig {
+        max_msg_size: 64 * 1024,
+        ..ZmqTransportConfig::default()
+    };
+    let (st, mut h, s) = malformed_case(Malformed::Oversized(256 * 1024), zmq).await;
+    assert!(
+        is_uncertain(&st) && reason(&st).contains("connection lost"),
+        "{st:?}"
+    );
+    h.restarted(&addrs(&s)[0]).await;
+}
+
+#[actix::test]
+async fn silent_peer_hits_the_deadline() {
+    let s = sim(2, true).await;
+    s.set_faults(
+        1,
+        0,
+        Faults {
+            hang: true,
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(Duration::from_millis(300)));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[1],
+    )])
+    .await;
+    let a = addrs(&s);
+    assert_eq!(h.settle("d-1", &a[0]).await, SettleOutcome::Ok);
+    let st = h.settle("d-1", &a[1]).await;
+    assert!(
+        is_uncertain(&st) && reason(&st).contains("deadline"),
+        "{st:?}"
+    );
+    let (_, uncertain) = h.completion("d-1").await;
+    assert_eq!(
+        uncertain
+            .iter()
+            .map(|p| p.addr().to_owned())
+            .collect::<Vec<_>>(),
+        vec![a[1].clone()]
+    );
+}
+
+#[actix::test]
+async fn peer_dying_mid_pull_is_uncertain_then_restart_and_next_pull_works() {
+    let mut s = sim(1, false).await;
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            crash_after_subsets: Some(1),
+            ..Faults::default()
+        },
+    );
+    let mut h = Harness::start(config(LONG));
+    let url = s.bootstrap_url();
+    h.load(vec![
+        req("d-1", "t-1", s.engine_id(), &url, &[1]),
+        req("d-2", "t-2", s.engine_id(), &url, &[2]),
+    ])
+    .await;
+    let a = addrs(&s)[0].clone();
+    s.mark_ready("t-1");
+    assert_eq!(h.settle("d-1", &a).await, SettleOutcome::Ok);
+    s.mark_ready("t-2"); // the worker dies instead of answering this subset
+    let st = h.settle("d-2", &a).await;
+    assert!(
+        is_uncertain(&st) && reason(&st).contains("connection lost"),
+        "{st:?}"
+    );
+    h.restarted(&a).await;
+    assert!(!s.worker(0, 0).is_running());
+    // P comes back on the same address; the restarted Peer's next pull goes through.
+    s.set_faults(0, 0, Faults::default());
+    s.restart_worker(0, 0).await.unwrap();
+    s.readiness().set_all(true);
+    h.load(vec![req("d-3", "t-3", s.engine_id(), &url, &[3])])
+        .await;
+    assert_eq!(h.completion("d-3").await.0, Outcome::Ok);
+}
+
+#[actix::test]
+async fn connection_refused_is_uncertain_and_restarts_the_peer() {
+    let s = PrefillSim::start(SimConfig {
+        register: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    // Register an address nobody listens on (a port just released).
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("tcp://{}", l.local_addr().unwrap())
+    };
+    s.register(s.worker(0, 0).rank(), &dead).await.unwrap();
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        s.engine_id(),
+        &s.bootstrap_url(),
+        &[1],
+    )])
+    .await;
+    let st = h.settle("d-1", &dead).await;
+    assert!(
+        is_uncertain(&st) && reason(&st).contains("refused"),
+        "{st:?}"
+    );
+    h.restarted(&dead).await;
+}
+
+#[actix::test]
+async fn empty_pull_is_sent_and_settled_but_never_completes() {
+    let s = sim(1, true).await;
+    let mut h = Harness::start(config(LONG));
+    let url = s.bootstrap_url();
+    h.load(vec![req("d-0", "t-0", s.engine_id(), &url, &[])])
+        .await;
+    assert_eq!(h.settle("d-0", &addrs(&s)[0]).await, SettleOutcome::Ok);
+    h.load(vec![req("d-1", "t-1", s.engine_id(), &url, &[1])])
+        .await;
+    assert_eq!(h.completion("d-1").await.0, Outcome::Ok);
+    assert_eq!(h.completions_seen("d-0"), 0);
+    assert!(!h
+        .seen
+        .iter()
+        .any(|e| matches!(e, KvEvent::FirstFailure { .. })));
+    assert_eq!(s.pulls_received(), 2);
+}
+
+#[actix::test]
+async fn unknown_engine_fails_the_batch_at_once() {
+    let s = sim(1, true).await;
+    let mut h = Harness::start(config(LONG));
+    h.load(vec![req(
+        "d-1",
+        "t-1",
+        "no-such-engine",
+        &s.bootstrap_url(),
+        &[1],
+    )])
+    .await;
+    let (outcome, _) = h.completion("d-1").await;
+    assert!(
+        matches!(&outcome, Outcome::Failed { peer: None, reason } if reason.contains("not registered")),
+        "{outcome:?}"
+    );
+    assert_eq!(s.pulls_received(), 0);
+}
