@@ -1,0 +1,212 @@
+//! The P2P handshake daemon (PROTOCOL.md §5.1): one request per connection, framed as a u64 LE
+//! length (type byte + JSON incl. its `\n`), a type byte (0 Connection, 1 Metadata, 2 Notify,
+//! 3 Probe) and compact JSON; a payload starting with a byte > 3 is the legacy untyped
+//! Connection frame. The daemon replies without waiting for EOF, half-closes, waits a bounded
+//! time for the client to close, and serves connections concurrently.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
+
+/// Largest accepted frame (`MC_HANDSHAKE_MAX_LENGTH`).
+pub const MAX_FRAME: u64 = 1 << 20;
+/// Receive timeout for the request frame.
+pub const RECV_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long to wait for the client's close after the half-close.
+pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
+/// Frame types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum FrameType {
+    Connection = 0,
+    Metadata = 1,
+    Notify = 2,
+    Probe = 3,
+}
+
+impl FrameType {
+    fn from_byte(b: u8) -> Option<Self> {
+        match b {
+            0 => Some(FrameType::Connection),
+            1 => Some(FrameType::Metadata),
+            2 => Some(FrameType::Notify),
+            3 => Some(FrameType::Probe),
+            _ => None,
+        }
+    }
+}
+
+/// Counters of the daemon.
+#[derive(Debug, Default)]
+pub struct HandshakeStats {
+    pub metadata: AtomicU64,
+    pub notify: AtomicU64,
+    pub probe: AtomicU64,
+    pub connection: AtomicU64,
+    /// Frames refused (bad length, timeout, I/O error).
+    pub refused: AtomicU64,
+}
+
+#[derive(Debug, Error)]
+enum HsError {
+    #[error("frame length {0} is 0 or above the cap")]
+    Length(u64),
+    #[error("timed out waiting for the request")]
+    Timeout,
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// What the daemon serves.
+#[derive(Debug)]
+pub struct Daemon {
+    descriptor: Vec<u8>,
+    pub stats: Arc<HandshakeStats>,
+}
+
+impl Daemon {
+    pub fn new(descriptor: &SegmentDescriptor) -> Self {
+        Daemon {
+            descriptor: descriptor.to_wire(),
+            stats: Arc::default(),
+        }
+    }
+
+    /// The reply body (JSON incl. `\n`) for a request of type `t` with body `body`.
+    fn reply(&self, t: FrameType, body: &[u8]) -> Vec<u8> {
+        let json = |v: serde_json::Result<Vec<u8>>| {
+            let mut v = v.unwrap_or_else(|_| b"{}".to_vec());
+            v.push(b'\n');
+            v
+        };
+        match t {
+            FrameType::Metadata => {
+                self.stats.metadata.fetch_add(1, Ordering::Relaxed);
+                self.descriptor.clone()
+            }
+            FrameType::Notify => {
+                self.stats.notify.fetch_add(1, Ordering::Relaxed);
+                json(serde_json::to_vec(&NotifyMsg {
+                    name: String::new(),
+                    notify_msg: "success".into(),
+                }))
+            }
+            FrameType::Probe => {
+                self.stats.probe.fetch_add(1, Ordering::Relaxed);
+                json(serde_json::to_vec(&ProbeReply {
+                    status: "success".into(),
+                }))
+            }
+            FrameType::Connection => {
+                self.stats.connection.fetch_add(1, Ordering::Relaxed);
+                // Unknown keys and a malformed body are tolerated: the answer is a refusal anyway.
+                let req: HandShakeDesc = serde_json::from_slice(body).unwrap_or_default();
+                json(serde_json::to_vec(&HandShakeDesc {
+                    peer_nic_path: req.local_nic_path,
+                    reply_msg: "kvrecv: TCP-only target, no RDMA endpoint".into(),
+                    ..Default::default()
+                }))
+            }
+        }
+    }
+
+    async fn handle(&self, stream: &mut TcpStream) -> Result<(), HsError> {
+        let (typed, ty, body) = tokio::time::timeout(RECV_TIMEOUT, async {
+            let len = stream.read_u64_le().await?;
+            if len == 0 || len > MAX_FRAME {
+                return Err(HsError::Length(len));
+            }
+            let mut payload = vec![0u8; len as usize];
+            stream.read_exact(&mut payload).await?;
+            Ok(match FrameType::from_byte(payload[0]) {
+                Some(t) => (true, t, payload.split_off(1)),
+                None => (false, FrameType::Connection, payload),
+            })
+        })
+        .await
+        .map_err(|_| HsError::Timeout)??;
+        let reply = self.reply(ty, &body);
+        let mut frame = Vec::with_capacity(reply.len() + 9);
+        let len = reply.len() as u64 + u64::from(typed);
+        frame.extend_from_slice(&len.to_le_bytes());
+        if typed {
+            frame.push(ty as u8);
+        }
+        frame.extend_from_slice(&reply);
+        stream.write_all(&frame).await?;
+        stream.shutdown().await?;
+        // Wait (bounded) for the client to read and close, discarding anything it still sends.
+        let _ = tokio::time::timeout(CLOSE_WAIT, async {
+            let mut sink = [0u8; 512];
+            while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+        })
+        .await;
+        Ok(())
+    }
+}
+
+/// Serve handshake connections forever, concurrently.
+pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
+    loop {
+        let (mut stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "handshake accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let d = daemon.clone();
+        tokio::spawn(async move {
+            if let Err(e) = d.handle(&mut stream).await {
+                d.stats.refused.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%peer, error = %e, "handshake request refused");
+            }
+        });
+    }
+}
+
+/// Client side of one handshake exchange (used by the initiator and tests): send `body` as a
+/// frame of type `ty` (`None`: legacy untyped) to `addr`, return (type byte if any, reply body).
+pub async fn request(
+    addr: std::net::SocketAddr,
+    ty: Option<FrameType>,
+    body: &[u8],
+    timeout: Duration,
+) -> io::Result<(Option<u8>, Vec<u8>)> {
+    tokio::time::timeout(timeout, async {
+        let mut s = TcpStream::connect(addr).await?;
+        let mut frame = Vec::with_capacity(body.len() + 9);
+        frame.extend_from_slice(&(body.len() as u64 + u64::from(ty.is_some())).to_le_bytes());
+        if let Some(t) = ty {
+            frame.push(t as u8);
+        }
+        frame.extend_from_slice(body);
+        s.write_all(&frame).await?;
+        let len = s.read_u64_le().await?;
+        if len == 0 || len > MAX_FRAME {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("reply length {len}"),
+            ));
+        }
+        let mut payload = vec![0u8; len as usize];
+        s.read_exact(&mut payload).await?;
+        if ty.is_some() {
+            let t = payload.remove(0);
+            Ok((Some(t), payload))
+        } else {
+            Ok((None, payload))
+        }
+    })
+    .await
+    .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "handshake timed out"))?
+}

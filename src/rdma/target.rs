@@ -1,0 +1,228 @@
+//! kvrecv as a Mooncake TE target: registered memory, the advertised windows, landing permits,
+//! the handshake daemon and the TCP data server, started together on a tokio runtime.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::actors::block_pool::BlockOwnership;
+use crate::layout::KvLayout;
+use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
+
+use super::audit::AuditCounters;
+use super::handshake_daemon::{self, Daemon, HandshakeStats};
+use super::memory::{MemoryError, MemoryKind, RegisteredMemory};
+use super::permits::{PermitTable, TcpLanding};
+use super::tcp_server::{self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT};
+use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
+
+/// Default number of landing windows (pulls in flight at once, plus the reserved one).
+pub const DEFAULT_WINDOWS: u32 = 256;
+
+/// How to start a target.
+#[derive(Debug, Clone)]
+pub struct TargetConfig {
+    pub layout: KvLayout,
+    /// Handshake daemon listen address (port 0: any).
+    pub handshake_bind: SocketAddr,
+    /// Data server listen address (port 0: any).
+    pub data_bind: SocketAddr,
+    /// Host P must use to reach both listeners (segment name and `tcp_data_host`).
+    pub advertise_host: String,
+    /// Landing permits on (kvrecv) or off (upstream behaviour, for the detector tests).
+    pub permits: bool,
+    /// Landing windows, including the reserved one (ignored with permits off: one window).
+    pub windows: u32,
+    pub base_addr: u64,
+    pub idle_timeout: Duration,
+    pub memory: MemoryKind,
+}
+
+impl TargetConfig {
+    /// Loopback listeners on ephemeral ports, permits on, host memory.
+    pub fn loopback(layout: KvLayout) -> Self {
+        let lo: SocketAddr = ([127, 0, 0, 1], 0).into();
+        TargetConfig {
+            layout,
+            handshake_bind: lo,
+            data_bind: lo,
+            advertise_host: "127.0.0.1".into(),
+            permits: true,
+            windows: DEFAULT_WINDOWS,
+            base_addr: DEFAULT_BASE,
+            idle_timeout: DEFAULT_IDLE_TIMEOUT,
+            memory: MemoryKind::Host,
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum TargetError {
+    #[error("address windows: {0}")]
+    Windows(#[from] WindowError),
+    #[error("destination memory: {0}")]
+    Memory(#[from] MemoryError),
+    #[error("cannot bind {what} on {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap; use fewer windows")]
+    DescriptorTooLarge(usize),
+}
+
+/// A running target. Dropping it stops accepting connections.
+pub struct TcpTarget {
+    plane: Arc<DataPlane>,
+    landing: Arc<TcpLanding>,
+    daemon: Arc<Daemon>,
+    descriptor: SegmentDescriptor,
+    handshake_addr: SocketAddr,
+    data_addr: SocketAddr,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for TcpTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TcpTarget")
+            .field("handshake_addr", &self.handshake_addr)
+            .field("data_addr", &self.data_addr)
+            .finish()
+    }
+}
+
+impl TcpTarget {
+    /// Allocate memory, bind both listeners and start serving (needs a tokio runtime).
+    pub async fn start(cfg: TargetConfig) -> Result<Self, TargetError> {
+        let windows = if cfg.permits { cfg.windows.max(2) } else { 1 };
+        let map = Arc::new(WindowMap::new(&cfg.layout, cfg.base_addr, windows)?);
+        let memory = Arc::new(RegisteredMemory::new(cfg.memory, map.span())?);
+        let permits = Arc::new(PermitTable::new(map.clone(), cfg.permits));
+        let hs = TcpListener::bind(cfg.handshake_bind)
+            .await
+            .map_err(|source| TargetError::Bind {
+                what: "handshake daemon",
+                addr: cfg.handshake_bind,
+                source,
+            })?;
+        let data = TcpListener::bind(cfg.data_bind)
+            .await
+            .map_err(|source| TargetError::Bind {
+                what: "data server",
+                addr: cfg.data_bind,
+                source,
+            })?;
+        let bind_err = |what, addr| move |source| TargetError::Bind { what, addr, source };
+        let handshake_addr = hs
+            .local_addr()
+            .map_err(bind_err("handshake daemon", cfg.handshake_bind))?;
+        let data_addr = data
+            .local_addr()
+            .map_err(bind_err("data server", cfg.data_bind))?;
+        let name = format!("{}:{}", cfg.advertise_host, handshake_addr.port());
+        let descriptor = SegmentDescriptor {
+            buffers: map
+                .buffers()
+                .map(|(addr, length)| BufferDesc {
+                    addr,
+                    length,
+                    name: name.clone(),
+                })
+                .collect(),
+            name,
+            protocol: "tcp".into(),
+            rdma_server_name: String::new(),
+            tcp_data_host: Some(cfg.advertise_host.clone()),
+            tcp_data_port: data_addr.port(),
+            tcp_proto_version: 2,
+            timestamp: format!(
+                "{:.6}",
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_secs_f64()
+            ),
+        };
+        let wire_len = descriptor.to_wire().len();
+        if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
+            return Err(TargetError::DescriptorTooLarge(wire_len));
+        }
+        let daemon = Arc::new(Daemon::new(&descriptor));
+        let plane = Arc::new(DataPlane::new(permits.clone(), memory, cfg.idle_timeout));
+        let landing = Arc::new(TcpLanding::new(
+            permits,
+            &cfg.advertise_host,
+            handshake_addr.port(),
+        ));
+        let tasks = vec![
+            tokio::spawn(handshake_daemon::serve(hs, daemon.clone())),
+            tokio::spawn(tcp_server::serve(data, plane.clone())),
+        ];
+        tracing::info!(%handshake_addr, %data_addr, permits = cfg.permits, windows, "TE target listening");
+        Ok(TcpTarget {
+            plane,
+            landing,
+            daemon,
+            descriptor,
+            handshake_addr,
+            data_addr,
+            tasks,
+        })
+    }
+
+    /// The core's view (pass to the BlockManager and Receiver).
+    pub fn landing(&self) -> Arc<TcpLanding> {
+        self.landing.clone()
+    }
+
+    /// Memory, windows, permits and counters.
+    pub fn plane(&self) -> &Arc<DataPlane> {
+        &self.plane
+    }
+
+    /// Data server counters.
+    pub fn stats(&self) -> &Arc<DataStats> {
+        &self.plane.stats
+    }
+
+    /// Handshake daemon counters.
+    pub fn handshake_stats(&self) -> &Arc<HandshakeStats> {
+        &self.daemon.stats
+    }
+
+    /// Turn audit mode on.
+    pub fn install_audit(&self, ownership: Arc<BlockOwnership>) -> Arc<AuditCounters> {
+        self.plane.install_audit(ownership)
+    }
+
+    /// The descriptor served to Metadata requests.
+    pub fn descriptor(&self) -> &SegmentDescriptor {
+        &self.descriptor
+    }
+
+    /// Segment name P uses (`host:port` of the handshake daemon).
+    pub fn segment_name(&self) -> &str {
+        &self.descriptor.name
+    }
+
+    pub fn handshake_addr(&self) -> SocketAddr {
+        self.handshake_addr
+    }
+
+    pub fn data_addr(&self) -> SocketAddr {
+        self.data_addr
+    }
+}
+
+impl Drop for TcpTarget {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}

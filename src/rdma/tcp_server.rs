@@ -1,0 +1,321 @@
+//! The TCP data server (PROTOCOL.md §5.2): many concurrent connections, each a loop of
+//! sequential requests until EOF; v1 and v2 framing per request; WRITE payloads are read
+//! straight from the socket into destination memory (no per-request buffer) inside the landing
+//! permit's gate; the v2 OK frame goes out only once the last byte is in destination memory.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use thiserror::Error;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use crate::actors::block_pool::BlockOwnership;
+use crate::metrics as m;
+
+use super::audit::{AuditCounters, Auditor};
+use super::memory::{MemoryError, RegisteredMemory};
+use super::permits::{Admitted, PermitTable, RejectReason};
+use super::tcp_wire::{
+    Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT,
+};
+use super::windows::{Resolved, WindowMap};
+
+/// Default per-connection idle (and payload-progress) timeout. P's own status timeout is 30 s.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Counters of the data server, readable while it runs.
+#[derive(Debug, Default)]
+pub struct DataStats {
+    pub connections: AtomicU64,
+    pub bytes_landed: AtomicU64,
+    pub writes_landed: AtomicU64,
+    pub reads_served: AtomicU64,
+    pub rejected_out_of_range: AtomicU64,
+    pub rejected_bad_opcode: AtomicU64,
+    pub rejected_no_permit: AtomicU64,
+    /// Late writes: refused at the header, or cut off mid-payload, because the request was revoked.
+    pub rejected_revoked: AtomicU64,
+    pub idle_timeouts: AtomicU64,
+    /// Requests in v1 framing (no status frames: unsafe, but accepted, PROTOCOL.md §5.2).
+    pub v1_requests: AtomicU64,
+    /// Connections that ended on an I/O error or EOF inside a request.
+    pub broken: AtomicU64,
+}
+
+impl DataStats {
+    /// Counter of rejections for `reason`.
+    pub fn rejected(&self, reason: RejectReason) -> &AtomicU64 {
+        match reason {
+            RejectReason::OutOfRange => &self.rejected_out_of_range,
+            RejectReason::BadOpcode => &self.rejected_bad_opcode,
+            RejectReason::NoPermit => &self.rejected_no_permit,
+            RejectReason::Revoked => &self.rejected_revoked,
+        }
+    }
+
+    /// All rejections.
+    pub fn rejected_total(&self) -> u64 {
+        [
+            RejectReason::OutOfRange,
+            RejectReason::BadOpcode,
+            RejectReason::NoPermit,
+            RejectReason::Revoked,
+        ]
+        .iter()
+        .map(|&r| self.rejected(r).load(Ordering::Relaxed))
+        .sum()
+    }
+}
+
+/// Everything the connections share.
+pub struct DataPlane {
+    pub map: Arc<WindowMap>,
+    pub permits: Arc<PermitTable>,
+    pub memory: Arc<RegisteredMemory>,
+    pub stats: Arc<DataStats>,
+    pub idle_timeout: Duration,
+    audit: OnceLock<Auditor>,
+}
+
+impl std::fmt::Debug for DataPlane {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DataPlane")
+            .field("permits", &self.permits)
+            .field("memory", &self.memory)
+            .finish()
+    }
+}
+
+impl DataPlane {
+    pub fn new(
+        permits: Arc<PermitTable>,
+        memory: Arc<RegisteredMemory>,
+        idle_timeout: Duration,
+    ) -> Self {
+        DataPlane {
+            map: permits.map().clone(),
+            permits,
+            memory,
+            stats: Arc::default(),
+            idle_timeout,
+            audit: OnceLock::new(),
+        }
+    }
+
+    /// Turn audit mode on against `ownership` (once; later calls return the existing counters).
+    pub fn install_audit(&self, ownership: Arc<BlockOwnership>) -> Arc<AuditCounters> {
+        self.audit
+            .get_or_init(|| Auditor::new(ownership))
+            .counters()
+    }
+
+    /// Audit counters, if audit mode is on.
+    pub fn audit(&self) -> Option<Arc<AuditCounters>> {
+        self.audit.get().map(|a| a.counters())
+    }
+}
+
+/// Why a connection ended other than by a clean EOF between requests.
+#[derive(Debug, Error)]
+enum ConnEnd {
+    #[error("request rejected ({0:?})")]
+    Rejected(RejectReason),
+    #[error("idle for longer than the timeout")]
+    Idle,
+    #[error("peer closed inside a request")]
+    Eof,
+    #[error("i/o: {0}")]
+    Io(#[from] io::Error),
+    #[error("memory: {0}")]
+    Memory(#[from] MemoryError),
+}
+
+/// Accept connections forever, each served on its own task.
+pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
+    loop {
+        let (stream, peer) = match listener.accept().await {
+            Ok(c) => c,
+            Err(e) => {
+                // Out of descriptors and friends: back off briefly instead of spinning.
+                tracing::warn!(error = %e, "data server accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Status frames are 8 bytes: Nagle would hold them back.
+        let _ = stream.set_nodelay(true);
+        plane.stats.connections.fetch_add(1, Ordering::Relaxed);
+        let plane = plane.clone();
+        tokio::spawn(async move {
+            let mut stream = stream;
+            // The stream outlives the accounting below, so a client that saw the close also
+            // sees the counters.
+            match connection(&mut stream, &plane).await {
+                Ok(()) => {}
+                Err(ConnEnd::Rejected(_)) => {}
+                Err(ConnEnd::Idle) => {
+                    plane.stats.idle_timeouts.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, "data connection idle, closed");
+                }
+                Err(e) => {
+                    plane.stats.broken.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, error = %e, "data connection ended");
+                }
+            }
+        });
+    }
+}
+
+/// Read a header; `Ok(false)` on a clean EOF before its first byte.
+async fn read_header(stream: &mut TcpStream, buf: &mut [u8; HEADER_LEN]) -> Result<bool, ConnEnd> {
+    let mut got = 0;
+    while got < HEADER_LEN {
+        let n = stream.read(&mut buf[got..]).await?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(false)
+            } else {
+                Err(ConnEnd::Eof)
+            };
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
+async fn reject(
+    stream: &mut TcpStream,
+    plane: &DataPlane,
+    h: &Header,
+    reason: RejectReason,
+) -> ConnEnd {
+    plane.stats.rejected(reason).fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(m::WRITES_REJECTED, "reason" => reason.label()).increment(1);
+    tracing::debug!(
+        addr = h.addr,
+        size = h.size,
+        opcode = h.opcode,
+        reason = reason.label(),
+        "request rejected"
+    );
+    if h.version() == ProtoVersion::V2 {
+        // Best effort: the connection closes either way, which is what P acts on.
+        let _ = stream.write_all(&STATUS_REJECT.to_le_bytes()).await;
+    }
+    let _ = stream.shutdown().await;
+    ConnEnd::Rejected(reason)
+}
+
+async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), ConnEnd> {
+    let mut hb = [0u8; HEADER_LEN];
+    loop {
+        match tokio::time::timeout(plane.idle_timeout, read_header(stream, &mut hb)).await {
+            Err(_) => return Err(ConnEnd::Idle),
+            Ok(Ok(false)) => return Ok(()),
+            Ok(Ok(true)) => {}
+            Ok(Err(e)) => return Err(e),
+        }
+        let h = Header::decode(&hb);
+        if h.version() == ProtoVersion::V1 {
+            plane.stats.v1_requests.fetch_add(1, Ordering::Relaxed);
+        }
+        let op = h.op();
+        if op != OP_READ && op != OP_WRITE {
+            return Err(reject(stream, plane, &h, RejectReason::BadOpcode).await);
+        }
+        let Some(r) = plane.map.resolve(h.addr, h.size) else {
+            return Err(reject(stream, plane, &h, RejectReason::OutOfRange).await);
+        };
+        let admitted = match plane.permits.admit(&r, h.size) {
+            Ok(a) => a,
+            Err(reason) => return Err(reject(stream, plane, &h, reason).await),
+        };
+        if op == OP_WRITE {
+            land(stream, plane, &h, &r, &admitted).await?;
+            if h.version() == ProtoVersion::V2 {
+                stream.write_all(&STATUS_OK.to_le_bytes()).await?;
+            }
+        } else {
+            serve_read(stream, plane, &h, &r).await?;
+        }
+    }
+}
+
+/// Read the payload of an admitted WRITE into destination memory, then commit and audit it,
+/// all inside the permit's gate so a revocation either precedes every copied byte of a read
+/// or waits for it.
+async fn land(
+    stream: &mut TcpStream,
+    plane: &DataPlane,
+    h: &Header,
+    r: &Resolved,
+    admitted: &Admitted,
+) -> Result<(), ConnEnd> {
+    let size = h.size;
+    let mut pos = 0u64;
+    loop {
+        {
+            let Some(_gate) = admitted.enter() else {
+                return Err(reject(stream, plane, h, RejectReason::Revoked).await);
+            };
+            // SAFETY: `r` was resolved inside one region, so the range is in bounds; the slice
+            // lives only for this non-blocking read (DMA-like contract of `RegisteredMemory`).
+            let dst = unsafe { plane.memory.landing_slice(r.mem_offset + pos, size - pos)? };
+            match stream.try_read(dst) {
+                Ok(0) => return Err(ConnEnd::Eof),
+                Ok(n) => {
+                    pos += n as u64;
+                    if pos == size {
+                        plane.memory.commit(r.mem_offset, size)?;
+                        if let Some(a) = plane.audit.get() {
+                            // SAFETY: as above; read-only view of what just landed.
+                            let landed = unsafe { plane.memory.landed(r.mem_offset, size)? };
+                            a.check(landed, r.offset, plane.map.block_len(r.region));
+                        }
+                        break;
+                    }
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
+            Err(_) => return Err(ConnEnd::Idle),
+            Ok(r) => r?,
+        }
+    }
+    admitted.landed(size);
+    plane.stats.bytes_landed.fetch_add(size, Ordering::Relaxed);
+    plane.stats.writes_landed.fetch_add(1, Ordering::Relaxed);
+    metrics::counter!(m::BYTES_LANDED).increment(size);
+    metrics::counter!(m::WRITES_LANDED).increment(1);
+    Ok(())
+}
+
+/// READ (interop tests; vLLM never reads from D): v2 OK, then the bytes.
+async fn serve_read(
+    stream: &mut TcpStream,
+    plane: &DataPlane,
+    h: &Header,
+    r: &Resolved,
+) -> Result<(), ConnEnd> {
+    if h.version() == ProtoVersion::V2 {
+        stream.write_all(&STATUS_OK.to_le_bytes()).await?;
+    }
+    // Chunked so a large READ does not allocate its whole size.
+    const CHUNK: u64 = 1 << 20;
+    let mut buf = vec![0u8; h.size.min(CHUNK) as usize];
+    let mut pos = 0u64;
+    while pos < h.size {
+        let n = (h.size - pos).min(CHUNK) as usize;
+        plane.memory.read(r.mem_offset + pos, &mut buf[..n])?;
+        stream.write_all(&buf[..n]).await?;
+        pos += n as u64;
+    }
+    plane.stats.reads_served.fetch_add(1, Ordering::Relaxed);
+    Ok(())
+}

@@ -1,0 +1,63 @@
+//! Shared fixtures for the data-plane tests.
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use kvrecv::layout::KvLayout;
+use kvrecv::messages::{PeerId, RequestMeta};
+use kvrecv::rdma::{Landing, PullWindow, TargetConfig, TcpTarget};
+
+pub const BLOCK: u64 = 4096;
+pub const BLOCKS: u32 = 16;
+pub const LAYERS: u32 = 2;
+
+pub fn layout() -> KvLayout {
+    KvLayout::uniform(LAYERS, BLOCK, BLOCKS)
+}
+
+pub async fn target(permits: bool) -> TcpTarget {
+    let mut cfg = TargetConfig::loopback(layout());
+    cfg.permits = permits;
+    cfg.windows = 8;
+    TcpTarget::start(cfg).await.expect("target starts")
+}
+
+pub fn req(id: &str, blocks: &[u32]) -> Arc<RequestMeta> {
+    Arc::new(RequestMeta {
+        req_id: id.into(),
+        transfer_id: format!("xfer-{id}"),
+        engine_id: "engine".into(),
+        bootstrap_addr: "http://127.0.0.1:1".into(),
+        block_ids: vec![blocks.to_vec()],
+    })
+}
+
+pub fn peer() -> PeerId {
+    PeerId::new("tcp://127.0.0.1:5555")
+}
+
+/// Open a pull for `reqs`; returns the advertised base of every region.
+pub fn open(t: &TcpTarget, pull_id: u64, reqs: &[Arc<RequestMeta>]) -> Vec<u64> {
+    let p = peer();
+    t.landing().open_pull(&PullWindow {
+        pull_id,
+        peer: &p,
+        requests: reqs,
+    })
+}
+
+/// Deterministic, position-dependent bytes.
+pub fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            seed.wrapping_mul(31)
+                .wrapping_add((i % 251) as u8)
+                .wrapping_add((i / 251) as u8)
+        })
+        .collect()
+}
+
+/// Offset in registered memory of (region, block).
+pub fn mem_off(region: usize, block: u32) -> u64 {
+    region as u64 * BLOCK * u64::from(BLOCKS) + u64::from(block) * BLOCK
+}

@@ -1,0 +1,270 @@
+//! The TCP data server (PROTOCOL.md §5.2) driven by raw sockets and by the Rust initiator.
+
+#[path = "common/data_plane.rs"]
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use common::{mem_off, open, pattern, req, target, BLOCK};
+use kvrecv::rdma::initiator::{InitiatorConfig, TeInitiator, WriteError};
+use kvrecv::rdma::tcp_wire::{Header, ProtoVersion, STATUS_OK, STATUS_REJECT};
+use kvrecv::rdma::{TargetConfig, TcpTarget};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const T: Duration = Duration::from_secs(10);
+
+async fn raw(t: &TcpTarget) -> TcpStream {
+    let s = TcpStream::connect(t.data_addr()).await.unwrap();
+    s.set_nodelay(true).unwrap();
+    s
+}
+
+async fn status(s: &mut TcpStream) -> u64 {
+    tokio::time::timeout(T, s.read_u64_le())
+        .await
+        .expect("status frame")
+        .unwrap()
+}
+
+/// The connection is closed by the server: EOF or reset, no more bytes.
+async fn closed(s: &mut TcpStream) {
+    let mut b = [0u8; 8];
+    match tokio::time::timeout(T, s.read(&mut b))
+        .await
+        .expect("server closes")
+    {
+        Ok(0) | Err(_) => {}
+        Ok(n) => panic!("unexpected {n} bytes after a rejection"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn v1_and_v2_writes_on_one_connection_land_and_v2_acks_after_the_bytes() {
+    let t = target(true).await;
+    let bases = open(&t, 1, &[req("a", &[3, 4])]);
+    let mut s = raw(&t).await;
+    let p1 = pattern(1, BLOCK as usize);
+    let p2 = pattern(2, BLOCK as usize);
+    // v1 write of block 3 region 0, then a v2 write of block 4 region 1 on the same lane.
+    s.write_all(&Header::new(true, bases[0] + 3 * BLOCK, BLOCK, ProtoVersion::V1).encode())
+        .await
+        .unwrap();
+    s.write_all(&p1).await.unwrap();
+    s.write_all(&Header::new(true, bases[1] + 4 * BLOCK, BLOCK, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    s.write_all(&p2).await.unwrap();
+    assert_eq!(status(&mut s).await, STATUS_OK);
+    // Requests on a lane are sequential, so the v2 ack proves both landed.
+    let m = &t.plane().memory;
+    assert_eq!(m.snapshot(mem_off(0, 3), BLOCK).unwrap(), p1);
+    assert_eq!(m.snapshot(mem_off(1, 4), BLOCK).unwrap(), p2);
+    assert_eq!(
+        m.snapshot(mem_off(0, 4), BLOCK).unwrap(),
+        vec![0; BLOCK as usize]
+    );
+    // READ v2: OK, then the bytes; the connection stays usable.
+    s.write_all(&Header::new(false, bases[1] + 4 * BLOCK + 100, 50, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    assert_eq!(status(&mut s).await, STATUS_OK);
+    let mut back = vec![0u8; 50];
+    s.read_exact(&mut back).await.unwrap();
+    assert_eq!(back, p2[100..150]);
+    // READ v1: only the bytes.
+    s.write_all(&Header::new(false, bases[0] + 3 * BLOCK, 8, ProtoVersion::V1).encode())
+        .await
+        .unwrap();
+    let mut back = [0u8; 8];
+    s.read_exact(&mut back).await.unwrap();
+    assert_eq!(back, p1[..8]);
+    drop(s);
+    let st = t.stats();
+    assert_eq!(st.writes_landed.load(Ordering::Relaxed), 2);
+    assert_eq!(st.bytes_landed.load(Ordering::Relaxed), 2 * BLOCK);
+    assert_eq!(st.reads_served.load(Ordering::Relaxed), 2);
+    let pb = t.landing().permits().pull_bytes(1).unwrap();
+    assert_eq!(
+        (pb.bytes_landed, pb.writes_landed, pb.open),
+        (2 * BLOCK, 2, true)
+    );
+}
+
+#[tokio::test]
+async fn invalid_requests_get_a_reject_frame_and_a_close_and_land_nothing() {
+    let t = target(true).await;
+    let bases = open(&t, 1, &[req("a", &[0, 1])]);
+    let region_end = bases[0] + u64::from(common::BLOCKS) * BLOCK;
+    let cases: Vec<(&str, Header)> = vec![
+        ("size 0", Header::new(true, bases[0], 0, ProtoVersion::V2)),
+        (
+            "below base",
+            Header::new(true, bases[0] - 4096, 16, ProtoVersion::V2),
+        ),
+        (
+            "overflow",
+            Header::new(true, u64::MAX - 8, 16, ProtoVersion::V2),
+        ),
+        (
+            "across regions",
+            Header::new(true, region_end - 8, 16, ProtoVersion::V2),
+        ),
+        (
+            "past every window",
+            Header::new(true, bases[0] + (1 << 40), 16, ProtoVersion::V2),
+        ),
+        (
+            "block not in the pull",
+            Header::new(true, bases[0] + 5 * BLOCK, 16, ProtoVersion::V2),
+        ),
+        (
+            "window without a pull",
+            Header::new(true, bases[0] + (1 << 21), 16, ProtoVersion::V2),
+        ),
+        (
+            "opcode 2",
+            Header {
+                size: 16,
+                addr: bases[0],
+                opcode: 0x82,
+            },
+        ),
+        (
+            "opcode 0x7f",
+            Header {
+                size: 16,
+                addr: bases[0],
+                opcode: 0xff,
+            },
+        ),
+    ];
+    for (what, h) in &cases {
+        let mut s = raw(&t).await;
+        s.write_all(&h.encode()).await.unwrap();
+        // The payload is not read; sending it may fail once the server has closed.
+        let _ = s.write_all(&[0xAB; 16]).await;
+        assert_eq!(status(&mut s).await, STATUS_REJECT, "{what}");
+        closed(&mut s).await;
+    }
+    // v1: no frame, just the close.
+    let mut s = raw(&t).await;
+    s.write_all(&Header::new(true, bases[0] + 5 * BLOCK, 16, ProtoVersion::V1).encode())
+        .await
+        .unwrap();
+    closed(&mut s).await;
+    let st = t.stats();
+    assert_eq!(st.rejected_out_of_range.load(Ordering::Relaxed), 5);
+    assert_eq!(st.rejected_no_permit.load(Ordering::Relaxed), 3);
+    assert_eq!(st.rejected_bad_opcode.load(Ordering::Relaxed), 2);
+    assert_eq!(st.writes_landed.load(Ordering::Relaxed), 0);
+    let m = &t.plane().memory;
+    assert!(
+        m.snapshot(0, m.len()).unwrap().iter().all(|&b| b == 0),
+        "a rejected write landed bytes"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_lanes_and_initiators_land_every_byte() {
+    let t = target(true).await;
+    let blocks: Vec<u32> = (0..common::BLOCKS).collect();
+    let bases = open(&t, 7, &[req("all", &blocks)]);
+    let mut tasks = Vec::new();
+    for i in 0..4u8 {
+        let hs = t.handshake_addr();
+        let bases = bases.clone();
+        tasks.push(tokio::spawn(async move {
+            let cfg = InitiatorConfig {
+                lanes: 4,
+                ..Default::default()
+            };
+            let ini = TeInitiator::connect(hs, cfg).await.unwrap();
+            assert_eq!(ini.version(), ProtoVersion::V2);
+            // Initiator i writes blocks i, i+4, ... of both regions, each in two head slices.
+            let mut writes = Vec::new();
+            for b in (u32::from(i)..common::BLOCKS).step_by(4) {
+                for (r, base) in bases.iter().enumerate() {
+                    for half in 0..2u64 {
+                        let addr = base + u64::from(b) * BLOCK + half * BLOCK / 2;
+                        let seed = (b as u8).wrapping_mul(7) ^ (r as u8) ^ (half as u8 * 3);
+                        writes.push((addr, pattern(seed, (BLOCK / 2) as usize)));
+                    }
+                }
+            }
+            let refs: Vec<(u64, &[u8])> = writes.iter().map(|(a, d)| (*a, d.as_slice())).collect();
+            for r in ini.write_batch(&refs).await {
+                r.unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let m = &t.plane().memory;
+    for b in 0..common::BLOCKS {
+        for r in 0..2usize {
+            for half in 0..2u64 {
+                let seed = (b as u8).wrapping_mul(7) ^ (r as u8) ^ (half as u8 * 3);
+                let got = m
+                    .snapshot(mem_off(r, b) + half * BLOCK / 2, BLOCK / 2)
+                    .unwrap();
+                assert_eq!(
+                    got,
+                    pattern(seed, (BLOCK / 2) as usize),
+                    "block {b} region {r} half {half}"
+                );
+            }
+        }
+    }
+    let total = u64::from(common::BLOCKS) * 2 * BLOCK;
+    assert_eq!(t.stats().bytes_landed.load(Ordering::Relaxed), total);
+    assert_eq!(
+        t.landing().permits().pull_bytes(7).unwrap().bytes_landed,
+        total
+    );
+}
+
+#[tokio::test]
+async fn initiator_sees_rejections_and_recovers_on_a_new_lane() {
+    let t = target(true).await;
+    let bases = open(&t, 1, &[req("a", &[2])]);
+    let ini = TeInitiator::connect(
+        t.handshake_addr(),
+        InitiatorConfig {
+            lanes: 1,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    assert!(matches!(
+        ini.write(bases[0] + 9 * BLOCK, &[1; 32]).await,
+        Err(WriteError::Rejected)
+    ));
+    ini.write(bases[0] + 2 * BLOCK, &[7; 32]).await.unwrap();
+    assert_eq!(
+        ini.read(bases[0] + 2 * BLOCK, 32).await.unwrap(),
+        vec![7; 32]
+    );
+}
+
+#[tokio::test]
+async fn idle_connections_are_closed() {
+    let mut cfg = TargetConfig::loopback(common::layout());
+    cfg.idle_timeout = Duration::from_millis(100);
+    let t = TcpTarget::start(cfg).await.unwrap();
+    let mut s = raw(&t).await;
+    closed(&mut s).await;
+    // Idle inside a payload too.
+    let bases = open(&t, 1, &[req("a", &[0])]);
+    let mut s = raw(&t).await;
+    s.write_all(&Header::new(true, bases[0], 64, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    s.write_all(&[1; 10]).await.unwrap();
+    closed(&mut s).await;
+    assert_eq!(t.stats().idle_timeouts.load(Ordering::Relaxed), 2);
+    assert_eq!(t.stats().writes_landed.load(Ordering::Relaxed), 0);
+}
