@@ -3,6 +3,10 @@
 //! 3 Probe) and compact JSON; a payload starting with a byte > 3 is the legacy untyped
 //! Connection frame. The daemon replies without waiting for EOF, half-closes, waits a bounded
 //! time for the client to close, and serves connections concurrently.
+//!
+//! What it answers to Metadata and Connection frames is a [`HandshakeService`]: [`TcpService`]
+//! (TCP descriptor, Connection refused) or [`RdmaService`] (RDMA descriptor, Connection handed to
+//! the passive endpoint handshake, PROTOCOL.md §6).
 
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -14,6 +18,8 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
+
+use super::verbs::{RdmaSegmentDesc, SharedHandshake, VerbsBackend};
 
 /// Largest accepted frame (`MC_HANDSHAKE_MAX_LENGTH`).
 pub const MAX_FRAME: u64 = 1 << 20;
@@ -65,55 +71,162 @@ enum HsError {
     Io(#[from] io::Error),
 }
 
-/// What the daemon serves.
-#[derive(Debug)]
-pub struct Daemon {
+/// What the daemon answers to the frames that depend on the data plane: Metadata (type 1) and
+/// Connection (type 0, and the legacy untyped form). Notify and Probe are answered by the daemon
+/// itself. Implementations must not panic on any body: it comes from the network.
+pub trait HandshakeService: Send + Sync + 'static {
+    /// `"tcp"` or `"rdma"` (logs and `Debug`).
+    fn protocol(&self) -> &'static str;
+
+    /// Reply body (JSON incl. its `\n`) to a Metadata request: the segment descriptor.
+    fn metadata(&self, body: &[u8]) -> Vec<u8>;
+
+    /// Reply body (a HandShakeDesc JSON line) to a Connection request.
+    fn connection(&self, body: &[u8]) -> Vec<u8>;
+}
+
+/// TCP mode: serve the TCP descriptor and refuse every RDMA endpoint handshake.
+#[derive(Debug, Clone)]
+pub struct TcpService {
     descriptor: Vec<u8>,
+}
+
+impl TcpService {
+    pub fn new(descriptor: &SegmentDescriptor) -> Self {
+        TcpService {
+            descriptor: descriptor.to_wire(),
+        }
+    }
+}
+
+impl HandshakeService for TcpService {
+    fn protocol(&self) -> &'static str {
+        "tcp"
+    }
+
+    fn metadata(&self, _body: &[u8]) -> Vec<u8> {
+        self.descriptor.clone()
+    }
+
+    fn connection(&self, body: &[u8]) -> Vec<u8> {
+        // Unknown keys and a malformed body are tolerated: the answer is a refusal anyway.
+        let req: HandShakeDesc = serde_json::from_slice(body).unwrap_or_default();
+        json_line(serde_json::to_vec(&HandShakeDesc {
+            peer_nic_path: req.local_nic_path,
+            reply_msg: "kvrecv: TCP-only target, no RDMA endpoint".into(),
+            ..Default::default()
+        }))
+    }
+}
+
+/// RDMA mode: serve the RDMA segment descriptor (PROTOCOL.md §6) and hand Connection frames to
+/// the passive endpoint handshake, which shares its endpoints with the fence.
+pub struct RdmaService<B> {
+    descriptor: Vec<u8>,
+    handshake: SharedHandshake<B>,
+}
+
+impl<B> RdmaService<B> {
+    pub fn new(descriptor: &RdmaSegmentDesc, handshake: SharedHandshake<B>) -> Self {
+        RdmaService {
+            descriptor: descriptor.to_json_line(),
+            handshake,
+        }
+    }
+}
+
+impl<B: VerbsBackend + 'static> HandshakeService for RdmaService<B> {
+    fn protocol(&self) -> &'static str {
+        "rdma"
+    }
+
+    fn metadata(&self, _body: &[u8]) -> Vec<u8> {
+        self.descriptor.clone()
+    }
+
+    fn connection(&self, body: &[u8]) -> Vec<u8> {
+        // A poisoned lock only means another handshake panicked half-way; the endpoint table
+        // is still the truth about the QPs, so keep serving (as the fence does).
+        let mut hs = self
+            .handshake
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        // Short synchronous verbs calls (create / modify QP): fine to run on the reactor.
+        hs.on_connection_frame(body)
+    }
+}
+
+fn json_line(v: serde_json::Result<Vec<u8>>) -> Vec<u8> {
+    let mut v = v.unwrap_or_else(|_| b"{}".to_vec());
+    v.push(b'\n');
+    v
+}
+
+/// The daemon: Notify and Probe, plus whatever its [`HandshakeService`] answers.
+pub struct Daemon {
+    service: Arc<dyn HandshakeService>,
     pub stats: Arc<HandshakeStats>,
 }
 
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Daemon")
+            .field("protocol", &self.service.protocol())
+            .field("stats", &self.stats)
+            .finish()
+    }
+}
+
 impl Daemon {
+    /// TCP mode (serves `descriptor`, refuses RDMA endpoint handshakes).
     pub fn new(descriptor: &SegmentDescriptor) -> Self {
+        Daemon::with_service(Arc::new(TcpService::new(descriptor)))
+    }
+
+    /// RDMA mode: serve `descriptor` and route Connection frames to `handshake`.
+    pub fn rdma<B: VerbsBackend + 'static>(
+        descriptor: &RdmaSegmentDesc,
+        handshake: SharedHandshake<B>,
+    ) -> Self {
+        Daemon::with_service(Arc::new(RdmaService::new(descriptor, handshake)))
+    }
+
+    /// Any service.
+    pub fn with_service(service: Arc<dyn HandshakeService>) -> Self {
         Daemon {
-            descriptor: descriptor.to_wire(),
+            service,
             stats: Arc::default(),
         }
     }
 
+    /// `"tcp"` or `"rdma"`.
+    pub fn protocol(&self) -> &'static str {
+        self.service.protocol()
+    }
+
     /// The reply body (JSON incl. `\n`) for a request of type `t` with body `body`.
     fn reply(&self, t: FrameType, body: &[u8]) -> Vec<u8> {
-        let json = |v: serde_json::Result<Vec<u8>>| {
-            let mut v = v.unwrap_or_else(|_| b"{}".to_vec());
-            v.push(b'\n');
-            v
-        };
         match t {
             FrameType::Metadata => {
                 self.stats.metadata.fetch_add(1, Ordering::Relaxed);
-                self.descriptor.clone()
+                self.service.metadata(body)
             }
             FrameType::Notify => {
                 self.stats.notify.fetch_add(1, Ordering::Relaxed);
-                json(serde_json::to_vec(&NotifyMsg {
+                json_line(serde_json::to_vec(&NotifyMsg {
                     name: String::new(),
                     notify_msg: "success".into(),
                 }))
             }
             FrameType::Probe => {
                 self.stats.probe.fetch_add(1, Ordering::Relaxed);
-                json(serde_json::to_vec(&ProbeReply {
+                json_line(serde_json::to_vec(&ProbeReply {
                     status: "success".into(),
                 }))
             }
             FrameType::Connection => {
                 self.stats.connection.fetch_add(1, Ordering::Relaxed);
-                // Unknown keys and a malformed body are tolerated: the answer is a refusal anyway.
-                let req: HandShakeDesc = serde_json::from_slice(body).unwrap_or_default();
-                json(serde_json::to_vec(&HandShakeDesc {
-                    peer_nic_path: req.local_nic_path,
-                    reply_msg: "kvrecv: TCP-only target, no RDMA endpoint".into(),
-                    ..Default::default()
-                }))
+                self.service.connection(body)
             }
         }
     }

@@ -1,6 +1,8 @@
 //! kvrecv as a Mooncake RDMA target (PROTOCOL.md §6): device discovery and memory registration,
 //! the RDMA segment descriptor, the passive side of the endpoint handshake (type-0 frames), and
-//! the fence (queue pairs to ERR, DESIGN.md §5).
+//! the fence (queue pairs to ERR, DESIGN.md §5), and [`RdmaLanding`], the core's view of it.
+//! The handshake daemon serves this target in RDMA mode
+//! ([`crate::rdma::handshake_daemon::RdmaService`]).
 //!
 //! Every verbs call goes through [`VerbsBackend`]. The logic here compiles and is tested without
 //! the `rdma` feature against [`FakeVerbs`]; only [`ibverbs_device`] (feature `rdma`) links
@@ -20,6 +22,8 @@ pub mod nic;
 pub mod nic_path;
 pub mod passive;
 pub mod qp_attrs;
+pub mod rdma_landing;
+pub mod rdma_target;
 
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 pub use descriptor::{DescriptorError, RdmaSegmentDesc, RegisteredRegion};
@@ -33,3 +37,5 @@ pub use ibverbs_device::{DeviceConfig, IbvDevices};
 pub use memory::RegisteredMemory;
 pub use nic::LocalNic;
 pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};
+pub use rdma_landing::{RdmaLanding, RdmaLandingError};
+pub use rdma_target::{RdmaTarget, RdmaTargetConfig, RdmaTargetError};

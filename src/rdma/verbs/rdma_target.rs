@@ -1,0 +1,210 @@
+//! kvrecv as a Mooncake RDMA target, assembled: the handshake daemon in RDMA mode, host memory
+//! registered for the KV layout, the RDMA segment descriptor, and the [`RdmaLanding`] the core
+//! uses. Generic over the verbs backend, so the whole wiring runs against `FakeVerbs` in tests.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use thiserror::Error;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use super::backend::{MrAccess, VerbsBackend, VerbsError};
+use super::descriptor::{DescriptorError, RdmaSegmentDesc};
+use super::fence::{RdmaFence, SharedHandshake};
+use super::memory::RegisteredMemory;
+use super::passive::{HandshakeConfig, PassiveHandshake};
+use super::rdma_landing::{RdmaLanding, RdmaLandingError};
+use crate::layout::KvLayout;
+use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
+
+/// How to start an RDMA target.
+#[derive(Debug, Clone)]
+pub struct RdmaTargetConfig {
+    pub layout: KvLayout,
+    /// Handshake daemon listen address (port 0: any).
+    pub handshake_bind: SocketAddr,
+    /// Host P must use to reach the daemon (the host part of the segment name).
+    pub advertise_host: String,
+    pub handshake: HandshakeConfig,
+    /// Descriptor buffer name of the host memory (`cpu:<numa node>`).
+    pub location: String,
+    pub access: MrAccess,
+}
+
+impl RdmaTargetConfig {
+    /// Loopback daemon on an ephemeral port, Mooncake's defaults, host memory on `cpu:0`.
+    pub fn loopback(layout: KvLayout) -> Self {
+        RdmaTargetConfig {
+            layout,
+            handshake_bind: ([127, 0, 0, 1], 0).into(),
+            advertise_host: "127.0.0.1".into(),
+            handshake: HandshakeConfig::default(),
+            location: "cpu:0".into(),
+            access: MrAccess::default(),
+        }
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum RdmaTargetError {
+    #[error("cannot bind the handshake daemon on {addr}: {source}")]
+    Bind {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("the KV layout needs more bytes than this host can address")]
+    LayoutTooLarge,
+    #[error("memory registration: {0}")]
+    Register(#[from] VerbsError),
+    #[error("RDMA descriptor: {0}")]
+    Descriptor(#[from] DescriptorError),
+    #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap")]
+    DescriptorTooLarge(usize),
+    #[error("landing: {0}")]
+    Landing(#[from] RdmaLandingError),
+}
+
+/// A running RDMA target. Dropping it stops the daemon and deregisters the memory (a buffer
+/// whose deregistration fails is leaked, never freed).
+pub struct RdmaTarget<B: VerbsBackend + 'static> {
+    handshake: SharedHandshake<B>,
+    memory: RegisteredMemory,
+    landing: Arc<RdmaLanding<B>>,
+    daemon: Arc<Daemon>,
+    descriptor: RdmaSegmentDesc,
+    handshake_addr: SocketAddr,
+    task: JoinHandle<()>,
+}
+
+impl<B: VerbsBackend + 'static> std::fmt::Debug for RdmaTarget<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaTarget")
+            .field("handshake_addr", &self.handshake_addr)
+            .field("segment", &self.descriptor.name)
+            .finish()
+    }
+}
+
+impl<B: VerbsBackend + 'static> RdmaTarget<B> {
+    /// Bind the daemon, register one host buffer holding every layout region back to back on
+    /// every device of `backend`, build the descriptor and start serving (needs a tokio
+    /// runtime).
+    pub async fn start(backend: B, cfg: RdmaTargetConfig) -> Result<Self, RdmaTargetError> {
+        let listener = TcpListener::bind(cfg.handshake_bind)
+            .await
+            .map_err(|source| RdmaTargetError::Bind {
+                addr: cfg.handshake_bind,
+                source,
+            })?;
+        let handshake_addr = listener
+            .local_addr()
+            .map_err(|source| RdmaTargetError::Bind {
+                addr: cfg.handshake_bind,
+                source,
+            })?;
+        let name = format!("{}:{}", cfg.advertise_host, handshake_addr.port());
+        let handshake: SharedHandshake<B> = Arc::new(Mutex::new(PassiveHandshake::new(
+            backend,
+            name.clone(),
+            cfg.handshake.clone(),
+        )));
+        let len = layout_bytes(&cfg.layout).ok_or(RdmaTargetError::LayoutTooLarge)?;
+        let mut memory = RegisteredMemory::new();
+        let (nics, regions) = {
+            let mut hs = handshake.lock().unwrap_or_else(|p| p.into_inner());
+            memory.register_host(
+                hs.backend_mut(),
+                cfg.location.clone(),
+                vec![0u8; len].into_boxed_slice(),
+                cfg.access,
+            )?;
+            (hs.backend().nics().to_vec(), memory.regions())
+        };
+        let descriptor = RdmaSegmentDesc::build(&name, &nics, &regions, timestamp())?;
+        let wire_len = descriptor.to_json_line().len();
+        if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
+            return Err(RdmaTargetError::DescriptorTooLarge(wire_len));
+        }
+        let landing = Arc::new(RdmaLanding::new(
+            cfg.advertise_host.clone(),
+            handshake_addr.port(),
+            &cfg.layout,
+            &regions,
+            RdmaFence::new(Arc::clone(&handshake)),
+        )?);
+        let daemon = Arc::new(Daemon::rdma(&descriptor, Arc::clone(&handshake)));
+        let task = tokio::spawn(handshake_daemon::serve(listener, Arc::clone(&daemon)));
+        tracing::info!(%handshake_addr, segment = %name, devices = nics.len(), "RDMA target listening");
+        Ok(RdmaTarget {
+            handshake,
+            memory,
+            landing,
+            daemon,
+            descriptor,
+            handshake_addr,
+            task,
+        })
+    }
+
+    /// The core's view (pass to the coordinator as its `Landing`).
+    pub fn landing(&self) -> Arc<RdmaLanding<B>> {
+        Arc::clone(&self.landing)
+    }
+
+    /// The passive handshake and its endpoints (shared with the daemon and the fence).
+    pub fn handshake(&self) -> &SharedHandshake<B> {
+        &self.handshake
+    }
+
+    /// The descriptor served to Metadata requests.
+    pub fn descriptor(&self) -> &RdmaSegmentDesc {
+        &self.descriptor
+    }
+
+    /// Segment name P uses (`host:port` of the handshake daemon).
+    pub fn segment_name(&self) -> &str {
+        &self.descriptor.name
+    }
+
+    pub fn handshake_addr(&self) -> SocketAddr {
+        self.handshake_addr
+    }
+
+    pub fn handshake_stats(&self) -> &Arc<HandshakeStats> {
+        &self.daemon.stats
+    }
+
+    /// What P wrote into the registered host buffer.
+    pub fn bytes(&self) -> Option<&[u8]> {
+        self.memory.bytes(0)
+    }
+}
+
+impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
+    fn drop(&mut self) {
+        self.task.abort();
+        let mut hs = self.handshake.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = self.memory.deregister_all(hs.backend_mut()) {
+            tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
+        }
+    }
+}
+
+/// Bytes of every layout region, without overflow.
+fn layout_bytes(layout: &KvLayout) -> Option<usize> {
+    layout.regions.iter().try_fold(0usize, |acc, r| {
+        let n = r.block_len.checked_mul(u64::from(layout.num_blocks))?;
+        acc.checked_add(usize::try_from(n).ok()?)
+    })
+}
+
+fn timestamp() -> String {
+    format!(
+        "{:.6}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs_f64()
+    )
+}

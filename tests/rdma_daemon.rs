@@ -1,0 +1,239 @@
+//! The handshake daemon in RDMA mode (PROTOCOL.md §5.1, §6), over real loopback TCP, with the
+//! fake verbs backend behind the passive endpoint handshake.
+
+use std::time::Duration;
+
+use kvrecv::layout::KvLayout;
+use kvrecv::rdma::handshake_daemon::{request, FrameType};
+use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState};
+use kvrecv::rdma::verbs::{
+    EndpointState, FakeVerbs, HandShakeDesc, LocalNic, RdmaSegmentDesc, RdmaTarget,
+    RdmaTargetConfig,
+};
+
+const T: Duration = Duration::from_secs(10);
+const D_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:7f:00:00:01";
+const P_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05";
+const P_PATH: &str = "10.0.0.5:16001@mlx5_3";
+
+fn nic(name: &str) -> LocalNic {
+    LocalNic {
+        name: name.into(),
+        port: 1,
+        lid: 7,
+        gid: D_GID.parse().unwrap(),
+        gid_index: 3,
+        active_mtu: Mtu::Mtu4096,
+    }
+}
+
+async fn target() -> RdmaTarget<FakeVerbs> {
+    RdmaTarget::start(
+        FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]),
+        RdmaTargetConfig::loopback(KvLayout::uniform(2, 64, 8)),
+    )
+    .await
+    .unwrap()
+}
+
+fn hs_request(t: &RdmaTarget<FakeVerbs>, qps: &[u32]) -> Vec<u8> {
+    HandShakeDesc {
+        local_gid: P_GID.into(),
+        local_lid: 4,
+        local_nic_path: P_PATH.into(),
+        peer_nic_path: format!("{}@mlx5_1", t.segment_name()),
+        qp_num: qps.to_vec(),
+        ready_ack: Some(false),
+        ..HandShakeDesc::default()
+    }
+    .to_json_line()
+}
+
+#[tokio::test]
+async fn connection_frame_gets_d_qp_numbers_and_connects_the_endpoint() {
+    let t = target().await;
+    let (ty, body) = request(
+        t.handshake_addr(),
+        Some(FrameType::Connection),
+        &hs_request(&t, &[0x51, 0x52]),
+        T,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ty, Some(0), "reply carries the request's type byte");
+    assert_eq!(body.last(), Some(&b'\n'));
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    let hs = t.handshake().lock().unwrap();
+    let ep = hs.endpoint(P_PATH).expect("endpoint keyed by P's NIC path");
+    assert_eq!(ep.state, EndpointState::AwaitingConfirmation);
+    assert_eq!(ep.peer_qps, vec![0x51, 0x52]);
+    assert_eq!(
+        reply,
+        HandShakeDesc {
+            local_gid: D_GID.into(),
+            local_lid: 7,
+            local_nic_path: format!("{}@mlx5_1", t.segment_name()),
+            peer_nic_path: P_PATH.into(),
+            qp_num: ep.local_qp_nums(),
+            ready_ack: Some(false),
+            ..HandShakeDesc::default()
+        }
+    );
+    assert_eq!(ep.local_qps.len(), 2);
+    for qp in &ep.local_qps {
+        assert_eq!(qp.nic, 1, "QPs on the NIC P asked for");
+        assert_eq!(hs.backend().state(*qp), Some(QpState::Rts));
+    }
+    assert_eq!(
+        t.handshake_stats()
+            .connection
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+}
+
+#[tokio::test]
+async fn legacy_untyped_frame_is_a_connection_answered_without_type_byte() {
+    let t = target().await;
+    let (ty, body) = request(t.handshake_addr(), None, &hs_request(&t, &[1, 2]), T)
+        .await
+        .unwrap();
+    assert_eq!(ty, None);
+    assert_eq!(body[0], b'{');
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    let hs = t.handshake().lock().unwrap();
+    assert_eq!(reply.qp_num, hs.endpoint(P_PATH).unwrap().local_qp_nums());
+}
+
+#[tokio::test]
+async fn ready_ack_round_over_the_daemon_confirms_the_endpoint() {
+    let t = target().await;
+    let a = t.handshake_addr();
+    request(a, Some(FrameType::Connection), &hs_request(&t, &[1, 2]), T)
+        .await
+        .unwrap();
+    let mut confirm = HandShakeDesc::from_json(&hs_request(&t, &[1, 2])).unwrap();
+    confirm.ready_ack = Some(true);
+    let (ty, body) = request(a, Some(FrameType::Connection), &confirm.to_json_line(), T)
+        .await
+        .unwrap();
+    assert_eq!(ty, Some(0));
+    assert_eq!(
+        HandShakeDesc::from_json(&body).unwrap(),
+        HandShakeDesc::default()
+    );
+    assert_eq!(
+        t.handshake()
+            .lock()
+            .unwrap()
+            .endpoint(P_PATH)
+            .unwrap()
+            .state,
+        EndpointState::Connected
+    );
+}
+
+#[tokio::test]
+async fn qp_count_mismatch_and_malformed_json_get_a_reply_msg_and_no_qps() {
+    let t = target().await;
+    let a = t.handshake_addr();
+    let (ty, body) = request(
+        a,
+        Some(FrameType::Connection),
+        &hs_request(&t, &[1, 2, 3]),
+        T,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ty, Some(0));
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    assert!(
+        reply.reply_msg.starts_with("QP count mismatch"),
+        "{reply:?}"
+    );
+    assert!(reply.qp_num.is_empty());
+    for garbage in [&b"{not json"[..], b"\"x\"", br#"{"qp_num":[-1]}"#] {
+        let (_, body) = request(a, Some(FrameType::Connection), garbage, T)
+            .await
+            .unwrap();
+        let reply = HandShakeDesc::from_json(&body).unwrap();
+        assert!(
+            reply.reply_msg.starts_with("malformed handshake request"),
+            "{reply:?}"
+        );
+    }
+    let hs = t.handshake().lock().unwrap();
+    assert!(hs.endpoint(P_PATH).is_none());
+    assert_eq!(
+        hs.backend().live_qps(),
+        0,
+        "a refused handshake creates no QP"
+    );
+}
+
+#[tokio::test]
+async fn metadata_returns_the_rdma_descriptor_compact_alphabetical_newline_terminated() {
+    let t = target().await;
+    let (ty, body) = request(t.handshake_addr(), Some(FrameType::Metadata), b"{}\n", T)
+        .await
+        .unwrap();
+    assert_eq!(ty, Some(1));
+    assert_eq!(body, t.descriptor().to_json_line());
+    assert_eq!(body.last(), Some(&b'\n'));
+    assert_eq!(body.iter().filter(|&&b| b == b'\n').count(), 1);
+    assert!(!body.contains(&b' '), "compact");
+    // serde_json's Map sorts keys: re-encoding the parsed value must give the same bytes.
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let mut sorted = serde_json::to_vec(&v).unwrap();
+    sorted.push(b'\n');
+    assert_eq!(body, sorted, "keys alphabetical at every level");
+    let d: RdmaSegmentDesc = serde_json::from_slice(&body).unwrap();
+    assert_eq!(d.protocol, "rdma");
+    assert_eq!(d.name, t.segment_name());
+    assert_eq!(
+        d.devices
+            .iter()
+            .map(|x| x.name.as_str())
+            .collect::<Vec<_>>(),
+        ["mlx5_0", "mlx5_1"]
+    );
+    let landing = t.landing();
+    assert_eq!(d.buffers.len(), 1);
+    let b = &d.buffers[0];
+    assert_eq!((b.lkey.len(), b.rkey.len()), (2, 2), "one key per device");
+    assert_eq!(b.addr, landing.bases()[0], "the registered address");
+    assert_eq!(b.length, 2 * 64 * 8);
+    let buf = t.bytes().unwrap();
+    assert_eq!(b.addr, buf.as_ptr() as u64, "the real buffer, not a window");
+    let (host, port) = kvrecv::rdma::Landing::endpoint(&*landing);
+    assert_eq!(format!("{host}:{port}"), t.segment_name());
+}
+
+#[tokio::test]
+async fn notify_and_probe_are_unchanged_in_rdma_mode() {
+    let t = target().await;
+    let a = t.handshake_addr();
+    let (ty, body) = request(a, Some(FrameType::Probe), b"{}\n", T)
+        .await
+        .unwrap();
+    assert_eq!(
+        (ty, body.as_slice()),
+        (Some(3), &b"{\"status\":\"success\"}\n"[..])
+    );
+    let (ty, body) = request(
+        a,
+        Some(FrameType::Notify),
+        b"{\"name\":\"x\",\"notify_msg\":\"hi\"}\n",
+        T,
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (ty, body.as_slice()),
+        (
+            Some(2),
+            &b"{\"name\":\"\",\"notify_msg\":\"success\"}\n"[..]
+        )
+    );
+}
