@@ -6,6 +6,7 @@ pub mod bootstrap_server;
 pub mod engine;
 pub mod faults;
 pub mod readiness;
+pub mod te_writer;
 pub mod worker;
 pub mod writer;
 
