@@ -26,6 +26,11 @@ enum Cmd {
     Serve(cli::serve::ServeArgs),
     /// Run a simulated vLLM prefill engine (bootstrap server + one ROUTER per worker).
     PrefillSim(cli::prefill_sim::PrefillSimArgs),
+    /// The main job: replay a trace with injected peer faults; show the write-after-free under
+    /// `naive` and its absence under `settle`.
+    Repro(cli::repro::ReproArgs),
+    /// Control-plane throughput and latency on loopback (no faults).
+    Bench(cli::bench::BenchArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -45,5 +50,7 @@ fn main() -> std::process::ExitCode {
         }
         Cmd::Serve(args) => cli::serve::run(args),
         Cmd::PrefillSim(args) => cli::prefill_sim::run(args),
+        Cmd::Bench(args) => cli::bench::run(args),
+        Cmd::Repro(args) => cli::repro::run(args),
     }
 }

@@ -1,5 +1,7 @@
 //! Subcommands of the `kvrecv` binary, one module each; `main.rs` only dispatches.
 
+pub mod bench;
 pub mod logging;
 pub mod prefill_sim;
+pub mod repro;
 pub mod serve;

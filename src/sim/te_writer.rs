@@ -35,7 +35,11 @@ pub struct TeWriter {
 
 impl TeWriter {
     pub fn new(cfg: InitiatorConfig) -> Self {
-        TeWriter { cfg, segments: Arc::default(), stats: Arc::default() }
+        TeWriter {
+            cfg,
+            segments: Arc::default(),
+            stats: Arc::default(),
+        }
     }
 
     pub fn stats(&self) -> Arc<TeWriterStats> {
@@ -57,7 +61,11 @@ pub struct Copy {
 /// The copies `rank` makes for `req_ids` (one per block, region and head slice), as P computes
 /// them from D's metadata. Regions belong to this P PP stage when D lists the layer and the
 /// layer falls in the stage's share of the layers.
-pub fn plan_copies(md: &MooncakeXferMetadata, rank: &WorkerRank, req_ids: &[String]) -> Result<Vec<Copy>, String> {
+pub fn plan_copies(
+    md: &MooncakeXferMetadata,
+    rank: &WorkerRank,
+    req_ids: &[String],
+) -> Result<Vec<Copy>, String> {
     let n = md.kv_caches_base_addr.len();
     if md.block_lens.len() != n || md.kv_block_lens.len() != n {
         return Err("region arrays of different lengths".into());
@@ -70,25 +78,45 @@ pub fn plan_copies(md: &MooncakeXferMetadata, rank: &WorkerRank, req_ids: &[Stri
     } else {
         (1, 0)
     };
-    let layers = md.registered_layer_indices.iter().copied().max().map_or(n as u32, |m| m + 1).max(1);
+    let layers = md
+        .registered_layer_indices
+        .iter()
+        .copied()
+        .max()
+        .map_or(n as u32, |m| m + 1)
+        .max(1);
     let mine = |i: usize| -> bool {
         if rank.pp_size <= 1 || md.remote_pp_size == rank.pp_size {
             return true;
         }
-        let layer = md.registered_layer_indices.get(i).copied().unwrap_or(i as u32);
+        let layer = md
+            .registered_layer_indices
+            .get(i)
+            .copied()
+            .unwrap_or(i as u32);
         layer * rank.pp_size / layers == rank.pp_rank
     };
     let mut out = Vec::new();
     for id in req_ids {
-        let Some((transfer_id, groups)) = md.req_blocks.get(id) else { continue };
+        let Some((transfer_id, groups)) = md.req_blocks.get(id) else {
+            continue;
+        };
         let tag = owner_tag(transfer_id);
         for i in (0..n).filter(|&i| mine(i)) {
             let g = md.registered_group_indices.get(i).copied().unwrap_or(0) as usize;
-            let Some(blocks) = groups.get(g).or_else(|| groups.first()) else { continue };
-            let (base, block_len, kv_len) = (md.kv_caches_base_addr[i], md.block_lens[i], md.kv_block_lens[i]);
+            let Some(blocks) = groups.get(g).or_else(|| groups.first()) else {
+                continue;
+            };
+            let (base, block_len, kv_len) = (
+                md.kv_caches_base_addr[i],
+                md.block_lens[i],
+                md.kv_block_lens[i],
+            );
             let len = kv_len / slices;
             if len == 0 {
-                return Err(format!("region {i}: {kv_len} bytes per block cannot be split {slices} ways"));
+                return Err(format!(
+                    "region {i}: {kv_len} bytes per block cannot be split {slices} ways"
+                ));
             }
             for &b in blocks {
                 let region_offset = b
@@ -96,7 +124,13 @@ pub fn plan_copies(md: &MooncakeXferMetadata, rank: &WorkerRank, req_ids: &[Stri
                     .and_then(|o| o.checked_add(slice * len))
                     .ok_or("block offset overflows")?;
                 let addr = base.checked_add(region_offset).ok_or("address overflows")?;
-                out.push(Copy { addr, len, region_offset, block_len, owner_tag: tag });
+                out.push(Copy {
+                    addr,
+                    len,
+                    region_offset,
+                    block_len,
+                    owner_tag: tag,
+                });
             }
         }
     }
@@ -108,7 +142,10 @@ impl KvWriter for TeWriter {
         let (cfg, segments, stats) = (self.cfg.clone(), self.segments.clone(), self.stats.clone());
         Box::pin(async move {
             let copies = plan_copies(&job.metadata, &job.rank, &job.req_ids)?;
-            let target = format!("{}:{}", job.metadata.remote_hostname, job.metadata.remote_port);
+            let target = format!(
+                "{}:{}",
+                job.metadata.remote_hostname, job.metadata.remote_port
+            );
             let addr = tokio::net::lookup_host(&target)
                 .await
                 .ok()
@@ -119,7 +156,11 @@ impl KvWriter for TeWriter {
                 match seg.get(&addr) {
                     Some(i) => i.clone(),
                     None => {
-                        let i = Arc::new(TeInitiator::connect(addr, cfg).await.map_err(|e| e.to_string())?);
+                        let i = Arc::new(
+                            TeInitiator::connect(addr, cfg)
+                                .await
+                                .map_err(|e| e.to_string())?,
+                        );
                         seg.insert(addr, i.clone());
                         i
                     }
@@ -134,13 +175,24 @@ impl KvWriter for TeWriter {
                     p
                 })
                 .collect();
-            let writes: Vec<(u64, &[u8])> = copies.iter().zip(&payloads).map(|(c, p)| (c.addr, p.as_slice())).collect();
+            let writes: Vec<(u64, &[u8])> = copies
+                .iter()
+                .zip(&payloads)
+                .map(|(c, p)| (c.addr, p.as_slice()))
+                .collect();
             let results = init.write_batch(&writes).await;
             let failed = results.iter().filter(|r| r.is_err()).count() as u64;
-            stats.writes.fetch_add(writes.len() as u64 - failed, Ordering::Relaxed);
+            stats
+                .writes
+                .fetch_add(writes.len() as u64 - failed, Ordering::Relaxed);
             stats.failed_writes.fetch_add(failed, Ordering::Relaxed);
             stats.bytes.fetch_add(
-                results.iter().zip(&copies).filter(|(r, _)| r.is_ok()).map(|(_, c)| c.len).sum(),
+                results
+                    .iter()
+                    .zip(&copies)
+                    .filter(|(r, _)| r.is_ok())
+                    .map(|(_, c)| c.len)
+                    .sum(),
                 Ordering::Relaxed,
             );
             if failed > 0 {
@@ -158,7 +210,8 @@ mod tests {
 
     fn md(d_tp: u32) -> MooncakeXferMetadata {
         let mut m = MooncakeXferMetadata::minimal("127.0.0.1", 1, d_tp, 0);
-        m.req_blocks.insert("r".into(), ("t".into(), vec![vec![2, 5]]));
+        m.req_blocks
+            .insert("r".into(), ("t".into(), vec![vec![2, 5]]));
         m.kv_caches_base_addr = vec![0x1000_0000, 0x2000_0000];
         m.block_lens = vec![1024, 1024];
         m.kv_block_lens = vec![1024, 1024];
@@ -168,7 +221,14 @@ mod tests {
     }
 
     fn rank(tp_rank: u32, tp_size: u32, pp_rank: u32, pp_size: u32) -> WorkerRank {
-        WorkerRank { engine_id: "e".into(), dp_rank: 0, tp_rank, pp_rank, tp_size, pp_size }
+        WorkerRank {
+            engine_id: "e".into(),
+            dp_rank: 0,
+            tp_rank,
+            pp_rank,
+            tp_size,
+            pp_size,
+        }
     }
 
     #[test]
@@ -178,7 +238,10 @@ mod tests {
         assert_eq!(a.len(), 4);
         assert_eq!(a[0].addr, 0x1000_0000 + 2 * 1024);
         assert_eq!(b[0].addr, 0x1000_0000 + 2 * 1024 + 512);
-        assert!(a.iter().chain(&b).all(|c| c.len == 512 && c.owner_tag == owner_tag("t")));
+        assert!(a
+            .iter()
+            .chain(&b)
+            .all(|c| c.len == 512 && c.owner_tag == owner_tag("t")));
     }
 
     #[test]

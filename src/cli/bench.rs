@@ -1,0 +1,56 @@
+//! `kvrecv bench`: control-plane throughput and latency on loopback.
+
+use std::process::ExitCode;
+
+use kvrecv::repro::bench::{run_bench, BenchConfig};
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    /// Prefill peers per request (P TP size, D TP1).
+    #[arg(long, default_value_t = 2)]
+    pub peers: u32,
+    /// Requests kept in flight.
+    #[arg(long, default_value_t = 64)]
+    pub in_flight: usize,
+    /// Requests per load_kv (one pull per peer each).
+    #[arg(long, default_value_t = 1)]
+    pub batch: usize,
+    /// Requests measured.
+    #[arg(long, default_value_t = 5000)]
+    pub requests: usize,
+    /// One JSON object instead of the table.
+    #[arg(long)]
+    pub json: bool,
+    #[arg(long, default_value = "warn")]
+    pub log_level: String,
+}
+
+pub fn run(a: BenchArgs) -> ExitCode {
+    super::logging::init(&a.log_level);
+    let cfg = BenchConfig {
+        peers: a.peers,
+        in_flight: a.in_flight,
+        batch: a.batch,
+        requests: a.requests,
+    };
+    match run_bench(cfg) {
+        Ok(r) if a.json => match serde_json::to_string(&r) {
+            Ok(s) => {
+                println!("{s}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        },
+        Ok(r) => {
+            print!("{}", r.table());
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(2)
+        }
+    }
+}

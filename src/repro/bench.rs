@@ -1,0 +1,198 @@
+//! `kvrecv bench`: control-plane throughput and latency on loopback (no faults, no data bytes):
+//! kvrecv's D against the in-process prefill simulator with `peers` workers.
+
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use serde::Serialize;
+
+use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::config::KvRecvConfig;
+use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport};
+use crate::layout::KvLayout;
+use crate::messages::{KvEvent, KvRequest, LoadKv};
+use crate::rdma::StaticLanding;
+use crate::sim::{PrefillSim, SimConfig};
+
+use super::error::ReproError;
+
+/// What to measure.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchConfig {
+    /// P TP size; D is TP1, so every request is pulled from this many peers.
+    pub peers: u32,
+    /// Requests kept in flight.
+    pub in_flight: usize,
+    /// Requests per `load_kv` (one pull per peer each).
+    pub batch: usize,
+    /// Requests in the measured phase.
+    pub requests: usize,
+}
+
+impl Default for BenchConfig {
+    fn default() -> Self {
+        BenchConfig {
+            peers: 2,
+            in_flight: 64,
+            batch: 1,
+            requests: 5000,
+        }
+    }
+}
+
+/// The figures.
+#[derive(Debug, Clone, Serialize)]
+pub struct BenchReport {
+    pub config: BenchConfig,
+    pub pulls_per_s: f64,
+    pub requests_per_s: f64,
+    pub completion_p50_us: u64,
+    pub completion_p90_us: u64,
+    pub completion_p99_us: u64,
+    /// Resident memory growth while `in_flight` requests were outstanding, per request.
+    pub bytes_per_in_flight_request: Option<f64>,
+    pub duration_s: f64,
+}
+
+impl BenchReport {
+    pub fn table(&self) -> String {
+        let c = &self.config;
+        format!(
+            "peers {}  in flight {}  batch {}  requests {}\n\
+             pulls/s                 {:>10.0}\n\
+             requests/s              {:>10.0}\n\
+             completion p50 (us)     {:>10}\n\
+             completion p90 (us)     {:>10}\n\
+             completion p99 (us)     {:>10}\n\
+             bytes per in-flight req {:>10}\n",
+            c.peers,
+            c.in_flight,
+            c.batch,
+            c.requests,
+            self.pulls_per_s,
+            self.requests_per_s,
+            self.completion_p50_us,
+            self.completion_p90_us,
+            self.completion_p99_us,
+            self.bytes_per_in_flight_request
+                .map_or("n/a".into(), |b| format!("{b:.0}")),
+        )
+    }
+}
+
+/// Resident set size from /proc (Linux), bytes.
+fn rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// Run the benchmark in a fresh actix System (blocking).
+pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
+    let sys = actix_rt::System::with_tokio_rt(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    });
+    sys.block_on(bench(cfg))
+}
+
+async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
+    if cfg.peers == 0 || cfg.in_flight == 0 || cfg.batch == 0 || cfg.requests == 0 {
+        return Err(ReproError::Scenario(
+            "peers, in_flight, batch and requests must be > 0".into(),
+        ));
+    }
+    let sim = PrefillSim::start(SimConfig {
+        tp_size: cfg.peers,
+        serving_tasks: 256,
+        ..SimConfig::default()
+    })
+    .await?;
+    let (events, mut rx) = EventSink::channel();
+    let blocks = (cfg.in_flight + cfg.batch) as u32 + 16;
+    let coord = Coordinator::start(CoordinatorParts {
+        config: KvRecvConfig {
+            layout: KvLayout::uniform(2, 4096, blocks),
+            pull_timeout: Duration::from_secs(30),
+            ..KvRecvConfig::default()
+        },
+        topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
+        transport: Rc::new(ZmqTransport::default()),
+        landing: Arc::new(StaticLanding::new(
+            "127.0.0.1",
+            15000,
+            vec![1 << 40, 1 << 41],
+        )),
+        events,
+        builtin_pool: false,
+    });
+    let (url, engine) = (sim.bootstrap_url(), sim.engine_id().to_owned());
+    let mk = |i: usize| KvRequest {
+        req_id: format!("d-{i}"),
+        transfer_id: Some(format!("t-{i}")),
+        remote_engine_id: Some(engine.clone()),
+        remote_bootstrap_addr: Some(url.clone()),
+        block_ids: vec![vec![(i as u32) % blocks]],
+    };
+    let mut loaded_at = std::collections::HashMap::new();
+    let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
+    // Warm-up: bootstrap lookup cached, libzmq threads up.
+    coord
+        .load_kv(LoadKv {
+            requests: vec![mk(0)],
+        })
+        .await?;
+    while !matches!(rx.recv().await, Some(KvEvent::Completion { .. }) | None) {}
+    let rss0 = rss_bytes();
+    let mut rss_peak = rss0;
+    let start = Instant::now();
+    let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
+    let end = cfg.requests + 1;
+    while completed < cfg.requests {
+        while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
+            let n = cfg.batch.min(end - next);
+            let reqs: Vec<KvRequest> = (next..next + n).map(mk).collect();
+            let now = Instant::now();
+            for r in &reqs {
+                loaded_at.insert(r.req_id.clone(), now);
+            }
+            coord.load_kv(LoadKv { requests: reqs }).await?;
+            next += n;
+            outstanding += n;
+        }
+        if outstanding >= cfg.in_flight {
+            rss_peak = rss_peak.max(rss_bytes());
+        }
+        match rx.recv().await {
+            Some(KvEvent::Completion { req_id, .. }) => {
+                if let Some(t) = loaded_at.remove(&*req_id) {
+                    let _ = hist.record(t.elapsed().as_micros() as u64);
+                }
+                outstanding -= 1;
+                completed += 1;
+            }
+            Some(_) => {}
+            None => return Err(ReproError::Scenario("event stream closed".into())),
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let pulls = cfg.requests.div_ceil(cfg.batch) * cfg.peers as usize;
+    Ok(BenchReport {
+        pulls_per_s: pulls as f64 / secs,
+        requests_per_s: cfg.requests as f64 / secs,
+        completion_p50_us: hist.value_at_quantile(0.5),
+        completion_p90_us: hist.value_at_quantile(0.9),
+        completion_p99_us: hist.value_at_quantile(0.99),
+        bytes_per_in_flight_request: match (rss0, rss_peak) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / cfg.in_flight as f64),
+            _ => None,
+        },
+        duration_s: secs,
+        config: cfg,
+    })
+}

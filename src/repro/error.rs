@@ -1,0 +1,21 @@
+//! Why a repro or bench run could not finish.
+
+use thiserror::Error;
+
+use crate::rdma::target::TargetError;
+
+use super::trace::TraceError;
+
+#[derive(Debug, Error)]
+pub enum ReproError {
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+    #[error("data-plane target: {0}")]
+    Target(#[from] TargetError),
+    #[error("prefill simulator: {0}")]
+    Sim(#[from] crate::sim::SimError),
+    #[error("actor system stopped: {0}")]
+    Mailbox(#[from] actix::MailboxError),
+    #[error("bad scenario: {0}")]
+    Scenario(String),
+}

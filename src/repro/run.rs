@@ -1,0 +1,418 @@
+//! Runs the experiment: for each variant, a fresh D (actors, ZMQ, bootstrap client, TCP target
+//! with audit) and a fresh simulated P engine whose workers write real stamped bytes; the trace
+//! drives a host loop that allocates blocks from the bounded pool, calls `load_kv` and drains
+//! once per step.
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use rand::rngs::SmallRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::Notify;
+
+use crate::actors::aggregator_state::TE_FAILURE;
+use crate::actors::block_pool::{owner_tag, PoolError};
+use crate::actors::topology::DRank;
+use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::config::KvRecvConfig;
+use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use crate::layout::KvLayout;
+use crate::messages::{Allocate, GetLedgerStats, KvEvent, KvRequest, LoadKv, ReqId, SettleOutcome};
+use crate::rdma::initiator::InitiatorConfig;
+use crate::rdma::{TargetConfig, TcpTarget};
+use crate::sim::te_writer::TeWriter;
+use crate::sim::{Faults, Malformed, PrefillSim, SimConfig};
+
+use super::counting_writer::CountingWriter;
+use super::error::ReproError;
+use super::report::{Report, VariantReport};
+use super::scenario::{Scenario, Soak, Variant};
+use super::trace::{self, TraceRequest};
+
+/// Run every variant of `scn` inside a fresh actix System (with a multi-thread tokio runtime
+/// for the data plane and the simulator), blocking the caller.
+pub fn run_blocking(scn: &Scenario, progress: bool) -> Result<Report, ReproError> {
+    let sys = actix_rt::System::with_tokio_rt(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    });
+    sys.block_on(run(scn, progress))
+}
+
+/// Run every variant (inside an actix System).
+pub async fn run(scn: &Scenario, progress: bool) -> Result<Report, ReproError> {
+    if scn.p_tp == 0 || scn.p_pp == 0 || scn.d_tp == 0 || scn.time_scale <= 0.0 {
+        return Err(ReproError::Scenario(
+            "sizes and time scale must be > 0".into(),
+        ));
+    }
+    let trace = trace::load(&scn.trace, Some(scn.requests))?;
+    let mut variants = Vec::new();
+    for &v in &scn.variants {
+        variants.push(run_variant(scn, v, &trace, progress).await?);
+    }
+    Ok(Report { variants })
+}
+
+/// What the event observer accumulates.
+#[derive(Default)]
+struct Track {
+    loaded_at: HashMap<ReqId, Instant>,
+    completions: HashMap<ReqId, usize>,
+    settled: usize,
+    injected: usize,
+    latency_us: Option<Histogram<u64>>,
+}
+
+fn blocks_needed(r: &TraceRequest, scn: &Scenario) -> usize {
+    r.blocks(scn.block_tokens)
+}
+
+async fn run_variant(
+    scn: &Scenario,
+    v: Variant,
+    trace: &[TraceRequest],
+    progress: bool,
+) -> Result<VariantReport, ReproError> {
+    let span = tracing::info_span!("variant", variant = v.label());
+    let _g = span.enter();
+    let layout = KvLayout::uniform(scn.layers, scn.block_bytes, scn.pool_blocks);
+    let mut tcfg = TargetConfig::loopback(layout.clone());
+    tcfg.permits = v.permits();
+    let target = TcpTarget::start(tcfg).await?;
+    let (sink, mut events) = EventSink::channel();
+    let config = KvRecvConfig {
+        policy: v.policy(),
+        pull_timeout: scn.pull_timeout,
+        quarantine_deadline: scn.quarantine_deadline,
+        peer_backoff_base: Duration::from_millis(20),
+        peer_backoff_max: Duration::from_millis(500),
+        d_rank: DRank {
+            tp_size: scn.d_tp,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+        },
+        layout,
+        ..KvRecvConfig::default()
+    };
+    let coord = Coordinator::start(CoordinatorParts {
+        config,
+        topology: Rc::new(HttpTopology::new(BootstrapConfig {
+            expected_p_sizes: Some((scn.p_tp, scn.p_pp)),
+            ..BootstrapConfig::default()
+        })),
+        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig::default())),
+        landing: target.landing(),
+        events: sink,
+        builtin_pool: true,
+    });
+    let ownership = coord
+        .ownership
+        .clone()
+        .ok_or_else(|| ReproError::Scenario("no pool".into()))?;
+    let audit = target.install_audit(ownership);
+    let writer = Arc::new(CountingWriter::new(TeWriter::new(
+        InitiatorConfig::default(),
+    )));
+    let sim = PrefillSim::start_with_writer(
+        SimConfig {
+            engine_id: format!("prefill-{}", v.label()),
+            tp_size: scn.p_tp,
+            pp_size: scn.p_pp,
+            seed: scn.seed,
+            ..SimConfig::default()
+        },
+        writer.clone(),
+    )
+    .await?;
+    // The seed's faults: peer 0 reports failures after writing; the other peer writes late.
+    let (fail_rate, delay_ms, p_tp) = (scn.fail_rate, scn.delay_ms, scn.p_tp);
+    let base_faults = move |tp: u32| -> Faults {
+        let mut f = Faults::default();
+        if tp == 0 {
+            f.failure_rate = fail_rate;
+        }
+        if tp == 1 % p_tp {
+            f.write_delay_ms = delay_ms;
+        }
+        f
+    };
+    for tp in 0..scn.p_tp {
+        for pp in 0..scn.p_pp {
+            sim.set_faults(tp, pp, base_faults(tp));
+        }
+    }
+    let sim = Rc::new(tokio::sync::Mutex::new(sim));
+    let peers = (scn.p_tp * scn.p_pp) as usize / scn.d_tp.min(scn.p_tp) as usize;
+    let peers = peers.max(1);
+
+    // Observer: completions, latencies, settles, injected failures; wakes waiting allocations.
+    let track = Rc::new(RefCell::new(Track {
+        latency_us: Histogram::new(3).ok(),
+        ..Track::default()
+    }));
+    let released = Rc::new(Notify::new());
+    let progressed = Rc::new(Notify::new());
+    let bar = if progress {
+        let b = ProgressBar::new(trace.len() as u64);
+        b.set_style(
+            ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} completed {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar()),
+        );
+        b.set_prefix(v.label());
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let failing_peer = sim.lock().await.worker(0, 0).addr().to_owned();
+    let observer = {
+        let (track, released, progressed, bar) = (
+            track.clone(),
+            released.clone(),
+            progressed.clone(),
+            bar.clone(),
+        );
+        actix::spawn(async move {
+            while let Some(ev) = events.recv().await {
+                let mut t = track.borrow_mut();
+                match ev {
+                    KvEvent::Completion { req_id, .. } => {
+                        if let (Some(at), Some(h)) =
+                            (t.loaded_at.get(&req_id).copied(), t.latency_us.as_mut())
+                        {
+                            let _ = h.record(at.elapsed().as_micros() as u64);
+                        }
+                        *t.completions.entry(req_id).or_default() += 1;
+                        bar.inc(1);
+                        progressed.notify_one();
+                    }
+                    KvEvent::Settled { outcome, peer, .. } => {
+                        t.settled += 1;
+                        // The seed's fault is peer 0's; peer 1 may fail too when permits refuse
+                        // its late write, which is not an injected failure.
+                        let injected =
+                            matches!(&outcome, SettleOutcome::Failed(r) if r.contains(TE_FAILURE));
+                        if injected && peer.addr() == failing_peer {
+                            t.injected += 1;
+                        }
+                        progressed.notify_one();
+                    }
+                    KvEvent::Released { .. } => released.notify_one(),
+                    _ => {}
+                }
+            }
+        })
+    };
+    // The host's scheduler step: drain once every few milliseconds.
+    let stepper = {
+        let coord = coord.clone();
+        actix::spawn(async move {
+            let mut iv = tokio::time::interval(Duration::from_millis(5));
+            loop {
+                iv.tick().await;
+                if coord.drain().await.is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    let soaker = scn.soak.clone().map(|s| {
+        actix::spawn(soak(
+            s,
+            sim.clone(),
+            scn.p_tp,
+            scn.p_pp,
+            scn.seed,
+            base_faults,
+        ))
+    });
+
+    let url = sim.lock().await.bootstrap_url();
+    let engine = sim.lock().await.engine_id().to_owned();
+    let start = Instant::now();
+    let ts0 = trace.first().map_or(0, |r| r.timestamp);
+    let due = |r: &TraceRequest| {
+        start + Duration::from_secs_f64((r.timestamp - ts0) as f64 / 1000.0 / scn.time_scale)
+    };
+    let mut awaited = Vec::new();
+    let mut i = 0;
+    while i < trace.len() {
+        tokio::time::sleep_until(due(&trace[i]).into()).await;
+        let now = Instant::now();
+        let mut batch = Vec::new();
+        while i < trace.len() && due(&trace[i]) <= now {
+            let (req_id, transfer_id) =
+                (format!("{}-r{i}", v.label()), format!("{}-t{i}", v.label()));
+            let n = blocks_needed(&trace[i], scn).min(scn.pool_blocks as usize);
+            let rid = ReqId::from(req_id.as_str());
+            let blocks = loop {
+                let a = Allocate {
+                    req_id: rid.clone(),
+                    owner_tag: owner_tag(&transfer_id),
+                    n,
+                };
+                match coord.block_manager.send(a).await? {
+                    Ok(b) => break b,
+                    Err(PoolError::Exhausted { .. }) => released.notified().await,
+                    Err(e) => return Err(ReproError::Scenario(e.to_string())),
+                }
+            };
+            track
+                .borrow_mut()
+                .loaded_at
+                .insert(rid.clone(), Instant::now());
+            awaited.push(rid);
+            batch.push(KvRequest {
+                req_id,
+                transfer_id: Some(transfer_id),
+                remote_engine_id: Some(engine.clone()),
+                remote_bootstrap_addr: Some(url.clone()),
+                block_ids: vec![blocks],
+            });
+            i += 1;
+        }
+        if !batch.is_empty() {
+            let reply = coord.load_kv(LoadKv { requests: batch }).await?;
+            if let Some(e) = reply.rejected.first() {
+                return Err(ReproError::Scenario(format!(
+                    "load_kv refused a request: {e}"
+                )));
+            }
+        }
+    }
+    let load_phase = start.elapsed();
+
+    // Every awaited request completes (or is counted as leaked), then every peer's write for it
+    // is over: P writes before it answers, so a settle from every peer means no write is left.
+    let give_up =
+        Instant::now() + scn.pull_timeout * 3 + scn.quarantine_deadline + Duration::from_secs(10);
+    let expected_settles = awaited.len() * peers;
+    loop {
+        let (done, settled) = {
+            let t = track.borrow();
+            (
+                awaited.iter().all(|r| t.completions.contains_key(r)),
+                t.settled,
+            )
+        };
+        if done && settled >= expected_settles && writer.in_flight() == 0 {
+            break;
+        }
+        let wait = give_up.saturating_duration_since(Instant::now());
+        if wait.is_zero()
+            || tokio::time::timeout(wait, progressed.notified())
+                .await
+                .is_err()
+        {
+            tracing::warn!(
+                "gave up waiting: some requests never completed or some peers never answered"
+            );
+            break;
+        }
+    }
+    if let Some(s) = soaker {
+        s.abort();
+    }
+    bar.finish();
+    stepper.abort();
+    let pulls = sim.lock().await.pulls_received();
+    let stats = coord.block_manager.send(GetLedgerStats).await?;
+    let audit = audit.snapshot();
+    let late = target
+        .stats()
+        .rejected_revoked
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let t = track.borrow();
+    let counts: Vec<usize> = awaited
+        .iter()
+        .map(|r| t.completions.get(r).copied().unwrap_or(0))
+        .collect();
+    let q = |p: f64| {
+        t.latency_us
+            .as_ref()
+            .map_or(0.0, |h| h.value_at_quantile(p) as f64 / 1000.0)
+    };
+    let report = VariantReport {
+        variant: v.label().into(),
+        requests: awaited.len(),
+        written_by_both_peers: writer.written_by_all(&peer_ranks(scn)),
+        injected_failures: t.injected,
+        writes_after_free: audit.writes_after_free + audit.writes_after_realloc,
+        writes_after_realloc: audit.writes_after_realloc,
+        late_writes_rejected: late,
+        leaked: counts.iter().filter(|c| **c == 0).count(),
+        completions_min: counts.iter().copied().min().unwrap_or(0),
+        completions_max: counts.iter().copied().max().unwrap_or(0),
+        pulls_per_s: pulls as f64 / load_phase.as_secs_f64().max(1e-9),
+        completion_p50_ms: q(0.5),
+        completion_p99_ms: q(0.99),
+        audited_writes: audit.audited,
+        quarantined_at_end: stats.quarantined_blocks,
+        duration_s: start.elapsed().as_secs_f64(),
+    };
+    drop(t);
+    observer.abort();
+    Ok(report)
+}
+
+/// The P workers one D worker (rank 0) pulls from, as (tp, pp).
+fn peer_ranks(scn: &Scenario) -> Vec<(u32, u32)> {
+    let r = if scn.d_tp >= scn.p_tp {
+        1
+    } else {
+        scn.p_tp / scn.d_tp
+    };
+    (0..r)
+        .flat_map(|tp| (0..scn.p_pp).map(move |pp| (tp, pp)))
+        .collect()
+}
+
+/// Soak: every period one random worker misbehaves one random way for a while, then recovers.
+async fn soak(
+    s: Soak,
+    sim: Rc<tokio::sync::Mutex<PrefillSim>>,
+    p_tp: u32,
+    p_pp: u32,
+    seed: u64,
+    base: impl Fn(u32) -> Faults,
+) {
+    let mut rng = SmallRng::seed_from_u64(seed ^ 0x50a6);
+    loop {
+        tokio::time::sleep(s.period).await;
+        let (tp, pp) = (rng.random_range(0..p_tp), rng.random_range(0..p_pp));
+        let mut f = base(tp);
+        let kind = rng.random_range(0..6);
+        if kind == 5 {
+            tracing::info!(tp, pp, "soak: crash");
+            sim.lock().await.crash_worker(tp, pp).await;
+            tokio::time::sleep(s.fault_for).await;
+            if let Err(e) = sim.lock().await.restart_worker(tp, pp).await {
+                tracing::warn!(error = %e, "soak: restart failed");
+            }
+            continue;
+        }
+        match kind {
+            0 => f.hang = true,
+            1 => f.malformed = Some(Malformed::Garbage),
+            2 => f.omission_rate = 0.3,
+            3 => f.error_after_subsets = Some(0),
+            _ => {
+                f.unknown_ids = true;
+                f.duplicate_ids = true;
+            }
+        }
+        tracing::info!(tp, pp, kind, "soak: fault on");
+        sim.lock().await.set_faults(tp, pp, f);
+        tokio::time::sleep(s.fault_for).await;
+        sim.lock().await.set_faults(tp, pp, base(tp));
+    }
+}

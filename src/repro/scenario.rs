@@ -1,0 +1,112 @@
+//! What one `kvrecv repro` run does: the workload, the fault injection and the variants compared.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use serde::Serialize;
+
+use crate::config::Policy;
+
+/// One column of the table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Variant {
+    /// Upstream vLLM: complete on the first failure, no landing permits.
+    Naive,
+    /// Upstream completion, but kvrecv's landing permits refuse late writes.
+    NaivePermits,
+    /// kvrecv's default: settle rules and landing permits.
+    Settle,
+}
+
+impl Variant {
+    pub fn policy(self) -> Policy {
+        match self {
+            Variant::Naive | Variant::NaivePermits => Policy::Naive,
+            Variant::Settle => Policy::Settle,
+        }
+    }
+
+    pub fn permits(self) -> bool {
+        !matches!(self, Variant::Naive)
+    }
+
+    pub fn label(self) -> &'static str {
+        match self {
+            Variant::Naive => "naive",
+            Variant::NaivePermits => "naive+permits",
+            Variant::Settle => "settle",
+        }
+    }
+}
+
+/// Faults beyond the seed's, switched on by `--soak`: every `period`, one peer misbehaves in one
+/// way for a while (hang past the deadline, garbage replies, omissions, crash and restart, peer-
+/// wide ERROR, unknown and duplicate ids), then recovers.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Soak {
+    pub period: Duration,
+    pub fault_for: Duration,
+}
+
+impl Default for Soak {
+    fn default() -> Self {
+        Soak {
+            period: Duration::from_millis(1500),
+            fault_for: Duration::from_millis(700),
+        }
+    }
+}
+
+/// The whole experiment.
+#[derive(Debug, Clone, Serialize)]
+pub struct Scenario {
+    pub trace: PathBuf,
+    /// Requests taken from the start of the trace.
+    pub requests: usize,
+    /// Trace time is divided by this (arrivals only; write delays stay real).
+    pub time_scale: f64,
+    /// Tokens per destination block (the trace's hash blocks are 512 tokens).
+    pub block_tokens: u64,
+    /// Bytes per block per layer.
+    pub block_bytes: u64,
+    pub layers: u32,
+    /// Destination blocks in D's pool (bounded, so freed blocks are reused quickly).
+    pub pool_blocks: u32,
+    pub p_tp: u32,
+    pub p_pp: u32,
+    pub d_tp: u32,
+    /// Peer 0 reports this fraction of requests failed after writing them.
+    pub fail_rate: f64,
+    /// Peer 1 delays each write uniformly in this range (ms).
+    pub delay_ms: (u64, u64),
+    pub seed: u64,
+    pub variants: Vec<Variant>,
+    pub pull_timeout: Duration,
+    pub quarantine_deadline: Duration,
+    pub soak: Option<Soak>,
+}
+
+impl Default for Scenario {
+    fn default() -> Self {
+        Scenario {
+            trace: PathBuf::from(super::trace::BUILTIN),
+            requests: 800,
+            time_scale: 20.0,
+            block_tokens: 512,
+            block_bytes: 4096,
+            layers: 2,
+            pool_blocks: 1024,
+            p_tp: 2,
+            p_pp: 1,
+            d_tp: 1,
+            fail_rate: 0.05,
+            delay_ms: (0, 500),
+            seed: 1,
+            variants: vec![Variant::Naive, Variant::NaivePermits, Variant::Settle],
+            pull_timeout: Duration::from_secs(10),
+            quarantine_deadline: Duration::from_secs(30),
+            soak: None,
+        }
+    }
+}
