@@ -8,6 +8,7 @@
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
+use std::os::raw::{c_char, c_int, c_void};
 use std::task::{Context, Poll};
 
 use futures::future::poll_fn;
@@ -21,6 +22,12 @@ impl AsRawFd for ZmqFd {
     fn as_raw_fd(&self) -> RawFd {
         self.0
     }
+}
+
+extern "C" {
+    // libzmq's own entry point (linked through `zmq-sys`); the `zmq` crate has no way to pass
+    // the NULL endpoint that stops a monitor.
+    fn zmq_socket_monitor(s: *mut c_void, addr: *const c_char, events: c_int) -> c_int;
 }
 
 /// Why an operation on an [`AsyncSocket`] failed.
@@ -55,6 +62,27 @@ impl AsyncSocket {
     /// The underlying socket (options, bind, connect).
     pub fn socket(&self) -> &zmq::Socket {
         &self.sock
+    }
+
+    /// Stop the socket's monitor now, if it has one (`zmq_socket_monitor(s, NULL, 0)`).
+    ///
+    /// Call it before closing a monitored socket. `zmq_close` is asynchronous: the socket lives on
+    /// in libzmq's reaper until its sessions are gone, and its monitor is stopped only when it is
+    /// destroyed. Meanwhile its session can still emit events (a DEALER whose connection dropped
+    /// schedules a reconnect and reports `CONNECT_RETRIED`) from the context's I/O thread, which
+    /// sends them on the monitor PAIR *blocking*: once the reader has been closed nobody takes
+    /// them and the I/O thread blocks for ever, taking every socket of the context with it.
+    /// After this call (serialised with event emission by libzmq's monitor lock) no event is
+    /// sent any more.
+    pub fn stop_monitor(&mut self) -> Result<(), SocketError> {
+        // SAFETY: `as_mut_ptr` is this open socket's handle (closed only when `sock` drops);
+        // a NULL endpoint with no events is libzmq's documented way to stop monitoring, valid
+        // whether or not a monitor is running.
+        let rc = unsafe { zmq_socket_monitor(self.sock.as_mut_ptr(), std::ptr::null(), 0) };
+        if rc == -1 {
+            return Err(SocketError::Io(io::Error::last_os_error()));
+        }
+        Ok(())
     }
 
     /// Wait until `ZMQ_EVENTS` contains `wanted`, following the rules above.

@@ -113,17 +113,18 @@ impl ZmqTransport {
         let monitor = self.ctx.socket(zmq::PAIR)?;
         monitor.set_linger(0)?;
         monitor.connect(&endpoint)?;
-        dealer.connect(peer.addr())?;
-        Ok(Channel {
+        // Wrapped before connecting: from here on `Drop for Channel` stops the monitor before
+        // either socket closes, whatever fails.
+        let ch = Channel {
             peer: peer.clone(),
-            // Wrap the monitor first: declared after `dealer`, it is dropped after it, so the
-            // DEALER's close (which stops the monitor) never waits on a closed reader.
             dealer: AsyncSocket::new(dealer)?,
             monitor: AsyncSocket::new(monitor)?,
             handshaken: false,
             broken: None,
             max_msg_size: self.cfg.max_msg_size,
-        })
+        };
+        ch.dealer.socket().connect(peer.addr())?;
+        Ok(ch)
     }
 }
 
@@ -142,6 +143,18 @@ struct Channel {
     /// The connection failed; reported once the replies queued before it are delivered.
     broken: Option<TransportError>,
     max_msg_size: i64,
+}
+
+impl Drop for Channel {
+    /// Stop the DEALER's monitor before the DEALER and the reader close. Closing the reader
+    /// while the DEALER can still report events (its close is asynchronous, see
+    /// [`AsyncSocket::stop_monitor`]) would block this context's I/O thread for ever on the next
+    /// event: every later pull of the transport would then hang without a connection event.
+    fn drop(&mut self) {
+        if let Err(e) = self.dealer.stop_monitor() {
+            tracing::warn!(peer = %self.peer, error = %e, "cannot stop the side-channel monitor");
+        }
+    }
 }
 
 enum Step {
@@ -283,5 +296,66 @@ impl PeerTransport for ZmqTransport {
             }
         })
         .boxed_local()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SAFETY: Duration = Duration::from_secs(20);
+
+    /// A DEALER can outlive its pull in libzmq's reaper and still report connection events
+    /// after the pull's monitor reader is gone. Those events must not block the context's I/O
+    /// thread (they did: `peer_dying_mid_pull_is_uncertain_then_restart_and_next_pull_works`
+    /// hung under load when `CONNECT_RETRIED` came after the reader closed).
+    #[tokio::test]
+    async fn events_after_the_monitor_reader_closed_do_not_wedge_the_transport() {
+        let t = ZmqTransport::default();
+        let router = t.context().socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:0").unwrap();
+        let addr = router.get_last_endpoint().unwrap().unwrap();
+        let mut router = AsyncSocket::new(router).unwrap();
+
+        // A pull's sockets, as `open` makes them, but the DEALER connects only after the reader
+        // closed: its HANDSHAKE_SUCCEEDED is an event nobody will read.
+        let dealer = t.context().socket(zmq::DEALER).unwrap();
+        dealer.set_linger(0).unwrap();
+        dealer
+            .monitor("inproc://kvrecv-test-orphan-monitor", MONITORED)
+            .unwrap();
+        let reader = t.context().socket(zmq::PAIR).unwrap();
+        reader.set_linger(0).unwrap();
+        reader
+            .connect("inproc://kvrecv-test-orphan-monitor")
+            .unwrap();
+        let mut dealer = AsyncSocket::new(dealer).unwrap();
+        dealer.stop_monitor().unwrap(); // what `Drop for Channel` does first
+        drop(reader);
+        dealer.socket().connect(&addr).unwrap();
+        dealer.send_multipart(&[b"orphan"]).await.unwrap();
+        let orphan = tokio::time::timeout(SAFETY, router.recv_multipart())
+            .await
+            .expect("the orphan's message arrives")
+            .unwrap();
+        assert_eq!(orphan[1], b"orphan");
+
+        // The same context still serves a pull end to end (the stream sends when polled).
+        let mut replies = t.pull(&PeerId::new(&addr), b"ping".to_vec());
+        let p_side = async {
+            let req = router.recv_multipart().await.unwrap();
+            assert_eq!(req[1], b"ping");
+            router
+                .send_multipart(&[req[0].as_slice(), b"pong"])
+                .await
+                .unwrap();
+        };
+        let (_, reply) =
+            tokio::time::timeout(SAFETY, futures::future::join(p_side, replies.next()))
+                .await
+                .expect("the pull is answered: the I/O thread is alive");
+        let reply = reply.expect("one item").expect("a reply, not an error");
+        assert_eq!(reply, vec![b"pong".to_vec()]);
     }
 }
