@@ -1,10 +1,16 @@
 //! `kvrecv serve` driven through its pipes, against the in-process simulator: the ready line,
-//! a batch with one failing peer, the drain, bad input lines, shutdown.
+//! a batch with one failing peer, the drain, bad input lines, shutdown; and serve's TE target
+//! written by the simulator's workers with the Rust initiator (real bytes, permits on and off).
 
 use std::process::Stdio;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use kvrecv::sim::{Faults, PrefillSim, SimConfig};
+use futures::future::BoxFuture;
+use kvrecv::rdma::initiator::InitiatorConfig;
+use kvrecv::sim::te_writer::TeWriter;
+use kvrecv::sim::{Faults, KvWriter, PrefillSim, SimConfig, WriteJob};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader, Lines};
 use tokio::process::{Child, ChildStdin, ChildStdout, Command};
@@ -160,6 +166,138 @@ async fn bad_configuration_is_reported_as_an_error_line() {
     let mut s = Serve::start(&["--kv-transfer-config", r#"{"kv_role":"kv_producer"}"#]);
     let e = s.wait("error", |v| ev(v, "error")).await;
     assert!(e["error"].as_str().unwrap().contains("kv_consumer"));
+    let status = tokio::time::timeout(SAFETY, s.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(!status.success());
+}
+
+/// The simulator's TE writer, remembering every job so the test can replay one late.
+struct Recording {
+    inner: TeWriter,
+    jobs: Arc<Mutex<Vec<WriteJob>>>,
+}
+
+impl KvWriter for Recording {
+    fn write(&self, job: WriteJob) -> BoxFuture<'static, Result<(), String>> {
+        self.jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(job.clone());
+        self.inner.write(job)
+    }
+}
+
+/// `{"op":"stats"}` and its answer's `data` object.
+async fn data_stats(s: &mut Serve) -> Value {
+    s.send(r#"{"op":"stats"}"#).await;
+    s.wait("stats", |v| ev(v, "stats")).await["data"].clone()
+}
+
+/// A TP2 P writes two blocks of a request into serve's target (two regions, 4 KiB blocks:
+/// each P rank writes its 2 KiB head slice of every block); then P rank 0's write is replayed
+/// after the completion. Returns (replay result, data stats before it, after it).
+async fn write_into_serve(extra: &[&str]) -> (Result<(), String>, Value, Value) {
+    let te = TeWriter::new(InitiatorConfig::default());
+    let written = te.stats();
+    let jobs = Arc::new(Mutex::new(vec![]));
+    let sim = PrefillSim::start_with_writer(
+        SimConfig {
+            tp_size: 2,
+            ..SimConfig::default()
+        },
+        Arc::new(Recording {
+            inner: te,
+            jobs: jobs.clone(),
+        }),
+    )
+    .await
+    .unwrap();
+    let mut args = vec![
+        "--layers",
+        "2",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "64",
+        "--log-level",
+        "warn",
+    ];
+    args.extend_from_slice(extra);
+    let mut s = Serve::start(&args);
+    let ready = s.wait("ready", |v| ev(v, "ready")).await;
+    // What P needs: remote_hostname:remote_port is the handshake daemon, which serves a
+    // descriptor naming the data server.
+    let port = ready["endpoint"]["port"].as_u64().unwrap();
+    assert_eq!(ready["endpoint"]["host"], "127.0.0.1");
+    assert_eq!(
+        ready["handshake"]["listen"],
+        format!("127.0.0.1:{port}").as_str()
+    );
+    assert_eq!(
+        ready["handshake"]["segment_name"],
+        format!("127.0.0.1:{port}").as_str()
+    );
+    assert_eq!(ready["data"]["host"], "127.0.0.1");
+    assert!(ready["data"]["port"].as_u64().unwrap() > 0);
+    assert_eq!(ready["data"]["proto_version"], 2);
+    assert_eq!(ready["regions"].as_array().unwrap().len(), 2);
+
+    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_ids": [[1, 2]]}]});
+    s.send(&load.to_string()).await;
+    let c = s.wait("completion", |v| ev(v, "completion")).await;
+    assert_eq!(c["outcome"], "ok", "{c}");
+    s.wait("release", |v| ev(v, "released")).await;
+
+    // 2 P ranks x 2 blocks x 2 regions, 2 KiB each, every one acknowledged by serve.
+    assert_eq!(written.writes.load(Ordering::Relaxed), 8);
+    assert_eq!(written.bytes.load(Ordering::Relaxed), 8 * 2048);
+    assert_eq!(written.requests.load(Ordering::Relaxed), 2);
+    assert_eq!(written.failed_writes.load(Ordering::Relaxed), 0);
+    let before = data_stats(&mut s).await;
+    assert_eq!(before["bytes_landed"], 8 * 2048);
+    assert_eq!(before["writes_landed"], 8);
+
+    // A late writer: P rank 0's write again, after the request completed.
+    let job = jobs.lock().unwrap()[0].clone();
+    let late = TeWriter::new(InitiatorConfig::default()).write(job).await;
+    let after = data_stats(&mut s).await;
+    s.send(r#"{"op":"shutdown"}"#).await;
+    s.wait("shutdown", |v| ev(v, "shutdown")).await;
+    (late, before, after)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_writes_land_in_serve_and_a_late_write_is_rejected() {
+    let (late, before, after) = write_into_serve(&[]).await;
+    assert!(late.is_err(), "the completion revoked the pull's permit");
+    assert_eq!(after["bytes_landed"], before["bytes_landed"]);
+    let rejected =
+        after["rejected_revoked"].as_u64().unwrap() + after["rejected_no_permit"].as_u64().unwrap();
+    assert_eq!(rejected, 4, "each of rank 0's 4 copies is refused: {after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_no_permits_a_late_write_lands() {
+    let (late, before, after) = write_into_serve(&["--no-permits"]).await;
+    assert_eq!(late, Ok(()));
+    assert_eq!(
+        after["bytes_landed"].as_u64().unwrap(),
+        before["bytes_landed"].as_u64().unwrap() + 4 * 2048
+    );
+}
+
+#[tokio::test]
+async fn a_wildcard_bind_needs_an_advertised_host() {
+    let mut s = Serve::start(&["--bind", "0.0.0.0"]);
+    let e = s.wait("error", |v| ev(v, "error")).await;
+    assert!(
+        e["error"].as_str().unwrap().contains("--advertise-host"),
+        "{e}"
+    );
     let status = tokio::time::timeout(SAFETY, s.child.wait())
         .await
         .unwrap()

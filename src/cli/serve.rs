@@ -4,12 +4,18 @@
 //! (`load_kv`, `drain`, `error`, `shutdown`) and every coordinator event ([`KvEvent`], tagged
 //! `event`). stdin carries one JSON command per line:
 //! `{"op":"load_kv","requests":[{"req_id","transfer_id","remote_engine_id","remote_bootstrap_addr","block_ids":[[..]]}]}`,
-//! `{"op":"drain"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad line gets an
-//! `error` line and the process keeps running. Logs go to stderr.
+//! `{"op":"drain"}`, `{"op":"stats"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad
+//! line gets an `error` line and the process keeps running. Logs go to stderr.
+//!
+//! The process is a Mooncake TE target (TCP): a handshake daemon (what P's TE reaches through
+//! `remote_hostname:remote_port`) and a data server, both bound on `--bind`, with landing permits
+//! on unless `--no-permits`. Nothing authenticates either listener: bind the interface P uses,
+//! never a public one.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::rc::Rc;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,7 +29,11 @@ use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvRequest, LoadKv};
-use kvrecv::rdma::StaticLanding;
+use kvrecv::rdma::memory::MemoryKind;
+use kvrecv::rdma::target::DEFAULT_WINDOWS;
+use kvrecv::rdma::tcp_server::DEFAULT_IDLE_TIMEOUT;
+use kvrecv::rdma::windows::DEFAULT_BASE;
+use kvrecv::rdma::{TargetConfig, TcpTarget};
 
 /// Flags of `kvrecv serve`. Flags given explicitly override `--kv-transfer-config`.
 #[derive(clap::Args, Debug)]
@@ -57,15 +67,35 @@ pub struct ServeArgs {
     pub pull_timeout_ms: Option<u64>,
     #[arg(long, value_enum)]
     pub policy: Option<Policy>,
-    /// `remote_hostname` advertised to P (where P's TE finds D's handshake daemon).
+    /// Interface the TE handshake daemon and data server listen on. Nothing authenticates
+    /// them (any host that reaches them can write into the advertised windows while a permit is
+    /// open): bind the interface the prefill nodes use, never a public one.
     #[arg(long, default_value = "127.0.0.1")]
-    pub advertise_host: String,
-    /// `remote_port` advertised to P (D's TE handshake port).
-    #[arg(long, default_value_t = 15000)]
-    pub advertise_port: u32,
-    /// Advertised base address of region 0 (hex or decimal); regions follow contiguously.
+    pub bind: IpAddr,
+    /// Handshake daemon port (0: any); advertised to P as `remote_port`.
+    #[arg(long, default_value_t = 0)]
+    pub handshake_port: u16,
+    /// Data server port (0: any); advertised in the segment descriptor (`tcp_data_port`).
+    #[arg(long, default_value_t = 0)]
+    pub data_port: u16,
+    /// `remote_hostname` and `tcp_data_host` advertised to P (default: the --bind address;
+    /// required when binding a wildcard address).
+    #[arg(long)]
+    pub advertise_host: Option<String>,
+    /// First advertised address (hex or decimal): window 0's region 0; regions follow
+    /// contiguously, windows side by side.
     #[arg(long, default_value = "0x7e0000000000")]
     pub base_addr: String,
+    /// Turn landing permits off (upstream behaviour: a late write lands; for detector tests).
+    #[arg(long)]
+    pub no_permits: bool,
+    /// Landing windows, i.e. pulls in flight at once plus one reserved (ignored with
+    /// --no-permits: one window).
+    #[arg(long, default_value_t = DEFAULT_WINDOWS)]
+    pub windows: u32,
+    /// Data server per-connection idle timeout, ms.
+    #[arg(long)]
+    pub idle_timeout_ms: Option<u64>,
     /// P's TP size, when known: a /query view with fewer ranks is refused.
     #[arg(long)]
     pub expect_p_tp: Option<u32>,
@@ -134,19 +164,37 @@ impl ServeArgs {
         Ok(cfg)
     }
 
-    /// Advertised base address of every region.
-    fn bases(&self, layout: &KvLayout) -> Result<Vec<u64>, String> {
-        let mut at = parse_u64(&self.base_addr)?;
-        let mut out = vec![];
-        for r in &layout.regions {
-            out.push(at);
-            let len = r
-                .block_len
-                .checked_mul(u64::from(layout.num_blocks))
-                .ok_or("region size overflows")?;
-            at = at.checked_add(len).ok_or("advertised addresses overflow")?;
-        }
-        Ok(out)
+    /// The data-plane target for `layout`.
+    pub fn target(&self, layout: &KvLayout) -> Result<TargetConfig, String> {
+        let advertise_host = match &self.advertise_host {
+            Some(h) if !h.trim().is_empty() => h.trim().to_owned(),
+            Some(_) => return Err("--advertise-host is empty".into()),
+            None if self.bind.is_unspecified() => {
+                return Err(format!(
+                    "--bind {} is a wildcard: give --advertise-host (the address P reaches)",
+                    self.bind
+                ))
+            }
+            None => self.bind.to_string(),
+        };
+        let base_addr = parse_u64(&self.base_addr)?;
+        Ok(TargetConfig {
+            layout: layout.clone(),
+            handshake_bind: SocketAddr::new(self.bind, self.handshake_port),
+            data_bind: SocketAddr::new(self.bind, self.data_port),
+            advertise_host,
+            permits: !self.no_permits,
+            windows: self.windows,
+            base_addr: if base_addr == 0 {
+                DEFAULT_BASE
+            } else {
+                base_addr
+            },
+            idle_timeout: self
+                .idle_timeout_ms
+                .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.max(1))),
+            memory: MemoryKind::Host,
+        })
     }
 }
 
@@ -156,6 +204,7 @@ impl ServeArgs {
 enum Op {
     LoadKv { requests: Vec<KvRequest> },
     Drain,
+    Stats,
     Shutdown,
 }
 
@@ -174,8 +223,8 @@ pub fn run(args: ServeArgs) -> ExitCode {
         Ok(c) => c,
         Err(e) => return fail(e),
     };
-    let bases = match args.bases(&cfg.layout) {
-        Ok(b) => b,
+    let target = match args.target(&cfg.layout) {
+        Ok(t) => t,
         Err(e) => return fail(e),
     };
     let rt = || {
@@ -186,10 +235,30 @@ pub fn run(args: ServeArgs) -> ExitCode {
             .expect("a tokio runtime (threads, epoll) can be built")
     };
     let sys = actix_rt::System::with_tokio_rt(rt);
-    sys.block_on(serve(args, cfg, bases))
+    sys.block_on(serve(args, cfg, target))
 }
 
-async fn serve(args: ServeArgs, cfg: KvRecvConfig, bases: Vec<u64>) -> ExitCode {
+/// The `stats` answer: data-plane counters.
+fn stats(target: &TcpTarget, line: u64) -> serde_json::Value {
+    let d = target.stats();
+    let h = target.handshake_stats();
+    let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+    json!({
+        "event": "stats", "line": line,
+        "data": {"connections": n(&d.connections), "bytes_landed": n(&d.bytes_landed),
+                 "writes_landed": n(&d.writes_landed), "reads_served": n(&d.reads_served),
+                 "rejected_out_of_range": n(&d.rejected_out_of_range),
+                 "rejected_bad_opcode": n(&d.rejected_bad_opcode),
+                 "rejected_no_permit": n(&d.rejected_no_permit),
+                 "rejected_revoked": n(&d.rejected_revoked), "idle_timeouts": n(&d.idle_timeouts),
+                 "v1_requests": n(&d.v1_requests), "broken": n(&d.broken)},
+        "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
+                      "connection": n(&h.connection), "refused": n(&h.refused)},
+        "live_permits": target.landing().permits().live(),
+    })
+}
+
+async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCode {
     let (out, mut out_rx) = unbounded_channel::<String>();
     // stdout is written by its own task so a slow reader never stalls the actors' thread.
     let writer = tokio::spawn(async move {
@@ -213,13 +282,30 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, bases: Vec<u64>) -> ExitCode 
             );
         }
     }
+    let permits = tcfg.permits;
+    let target = match TcpTarget::start(tcfg).await {
+        Ok(t) => t,
+        Err(e) => {
+            emit(
+                &out,
+                json!({"event": "error", "error": format!("data plane: {e}")}),
+            );
+            drop(out);
+            let _ = writer.await;
+            actix_rt::System::current().stop();
+            return ExitCode::from(2);
+        }
+    };
     let (events, mut event_rx) = EventSink::channel();
     let bootstrap = BootstrapConfig {
         timeout: Duration::from_millis(args.bootstrap_timeout_ms.max(1)),
         expected_p_sizes: args.expect_p_tp.map(|t| (t, args.expect_p_pp.unwrap_or(1))),
         ..BootstrapConfig::default()
     };
-    let landing = StaticLanding::new(&args.advertise_host, args.advertise_port, bases.clone());
+    let landing = target.landing();
+    let (host, port) = kvrecv::rdma::Landing::endpoint(&*landing);
+    let windows = landing.permits().map().windows();
+    let bases = landing.permits().map().region_bases(0);
     let coord = Coordinator::start(CoordinatorParts {
         config: cfg.clone(),
         topology: Rc::new(HttpTopology::new(bootstrap)),
@@ -227,7 +313,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, bases: Vec<u64>) -> ExitCode 
             max_msg_size: args.max_msg_size,
             ..ZmqTransportConfig::default()
         })),
-        landing: Arc::new(landing),
+        landing: landing.clone() as Arc<dyn kvrecv::rdma::Landing>,
         events,
         builtin_pool: false,
     });
@@ -246,7 +332,11 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, bases: Vec<u64>) -> ExitCode 
         &out,
         json!({
             "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
-            "endpoint": {"host": args.advertise_host, "port": args.advertise_port},
+            "endpoint": {"host": host, "port": port},
+            "handshake": {"listen": target.handshake_addr().to_string(), "segment_name": target.segment_name()},
+            "data": {"listen": target.data_addr().to_string(), "host": target.descriptor().tcp_data_host,
+                     "port": target.descriptor().tcp_data_port, "proto_version": target.descriptor().tcp_proto_version},
+            "permits": permits, "windows": windows,
             "metrics": args.metrics.map(|a| a.to_string()),
             "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
             "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
@@ -281,6 +371,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, bases: Vec<u64>) -> ExitCode 
                 match serde_json::from_str::<Op>(&line) {
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
                     Ok(Op::Shutdown) => break,
+                    Ok(Op::Stats) => emit(&out, stats(&target, n)),
                     Ok(Op::Drain) => match coord.drain().await {
                         Ok(s) => emit(&out, json!({"event": "drain", "line": n, "finished_recving": s.finished_recving,
                                                    "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids})),

@@ -24,6 +24,8 @@ pub struct TeWriterStats {
     pub writes: AtomicU64,
     pub bytes: AtomicU64,
     pub failed_writes: AtomicU64,
+    /// Requests whose every copy landed (one per request and job: a P rank's share of it).
+    pub requests: AtomicU64,
 }
 
 /// Writes through one initiator per D segment (descriptor fetched once, lanes kept open).
@@ -195,6 +197,11 @@ impl KvWriter for TeWriter {
                     .sum(),
                 Ordering::Relaxed,
             );
+            if failed == 0 {
+                stats
+                    .requests
+                    .fetch_add(job.req_ids.len() as u64, Ordering::Relaxed);
+            }
             if failed > 0 {
                 // What vLLM reports when batch_transfer_sync_write fails.
                 return Err("Mooncake transfer engine returned -1".into());
