@@ -122,6 +122,9 @@ pub struct AuditCounters {
     pub writes_after_realloc: AtomicU64,
     /// Stamps naming a block other than the one written (a writer bug).
     pub misdirected: AtomicU64,
+    /// Owners (writer-side request tags) with at least one write after free or reallocation:
+    /// the request-level count the seed reports.
+    pub late_owners: std::sync::Mutex<std::collections::HashSet<u32>>,
 }
 
 /// A point-in-time copy of [`AuditCounters`].
@@ -132,9 +135,17 @@ pub struct AuditSnapshot {
     pub writes_after_free: u64,
     pub writes_after_realloc: u64,
     pub misdirected: u64,
+    /// Distinct requests that had a write land after their block was freed.
+    pub requests_written_after_free: u64,
 }
 
 impl AuditCounters {
+    fn late_owner(&self, tag: u32) {
+        if let Ok(mut s) = self.late_owners.lock() {
+            s.insert(tag);
+        }
+    }
+
     pub fn snapshot(&self) -> AuditSnapshot {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         AuditSnapshot {
@@ -143,6 +154,7 @@ impl AuditCounters {
             writes_after_free: l(&self.writes_after_free),
             writes_after_realloc: l(&self.writes_after_realloc),
             misdirected: l(&self.misdirected),
+            requests_written_after_free: self.late_owners.lock().map_or(0, |s| s.len() as u64),
         }
     }
 }
@@ -189,6 +201,7 @@ impl Auditor {
             match now.owner_tag {
                 None => {
                     c.writes_after_free.fetch_add(1, Ordering::Relaxed);
+                    c.late_owner(stamp.owner_tag);
                     tracing::warn!(block, owner = stamp.owner_tag, "audit: write after free");
                 }
                 Some(t)
@@ -196,6 +209,7 @@ impl Auditor {
                         || (stamp.generation != 0 && stamp.generation != now.generation) =>
                 {
                     c.writes_after_realloc.fetch_add(1, Ordering::Relaxed);
+                    c.late_owner(stamp.owner_tag);
                     tracing::warn!(
                         block,
                         writer = stamp.owner_tag,

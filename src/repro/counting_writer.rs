@@ -9,10 +9,13 @@ use futures::future::BoxFuture;
 
 use crate::sim::writer::{KvWriter, WriteJob};
 
+/// (tp, pp) rank -> requests it wrote.
+type WrittenBy = BTreeMap<(u32, u32), HashSet<String>>;
+
 /// Records, per P TP rank, the requests whose bytes it wrote successfully.
 pub struct CountingWriter<W> {
     inner: W,
-    written: Arc<Mutex<BTreeMap<(u32, u32), HashSet<String>>>>,
+    written: Arc<Mutex<WrittenBy>>,
     in_flight: Arc<AtomicUsize>,
 }
 

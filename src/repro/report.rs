@@ -15,6 +15,8 @@ pub struct VariantReport {
     pub written_by_both_peers: usize,
     /// Per-peer failures P reported after writing (the seed's fault).
     pub injected_failures: usize,
+    /// Requests with at least one write that landed after D had freed the block.
+    pub requests_written_after_free: u64,
     /// Block writes that landed after D had freed the block (including reallocated ones).
     pub writes_after_free: u64,
     /// Of those, writes into a block that already belonged to another request.
@@ -40,7 +42,7 @@ impl VariantReport {
     /// The invariants kvrecv promises (checked for the `settle` column).
     pub fn violations(&self) -> Vec<String> {
         let mut v = vec![];
-        if self.writes_after_free > 0 {
+        if self.writes_after_free > 0 || self.requests_written_after_free > 0 {
             v.push(format!("{} writes after free", self.writes_after_free));
         }
         if self.leaked > 0 {
@@ -55,6 +57,9 @@ impl VariantReport {
         v
     }
 }
+
+/// How one table cell is rendered from a column's report.
+type Cell = Box<dyn Fn(&VariantReport) -> String>;
 
 /// The whole run.
 #[derive(Debug, Clone, Serialize)]
@@ -76,7 +81,7 @@ impl Report {
 
     /// A fixed-width table.
     pub fn table(&self) -> String {
-        let rows: Vec<(&str, Box<dyn Fn(&VariantReport) -> String>)> = vec![
+        let rows: Vec<(&str, Cell)> = vec![
             ("requests", Box::new(|r| r.requests.to_string())),
             (
                 "written by both peers",
@@ -177,6 +182,6 @@ mod tests {
         .settle_violations();
         assert_eq!(v.len(), 3, "{v:?}");
         let t = Report { variants: vec![ok] }.table();
-        assert!(t.contains("writes after free") && t.contains("settle"));
+        assert!(t.contains("block writes after free") && t.contains("settle"));
     }
 }

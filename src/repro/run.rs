@@ -346,6 +346,7 @@ async fn run_variant(
         requests: awaited.len(),
         written_by_both_peers: writer.written_by_all(&peer_ranks(scn)),
         injected_failures: t.injected,
+        requests_written_after_free: audit.requests_written_after_free,
         writes_after_free: audit.writes_after_free + audit.writes_after_realloc,
         writes_after_realloc: audit.writes_after_realloc,
         late_writes_rejected: late,
