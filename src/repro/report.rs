@@ -92,7 +92,11 @@ impl Report {
                 Box::new(|r| r.injected_failures.to_string()),
             ),
             (
-                "writes after free",
+                "requests written after free",
+                Box::new(|r| r.requests_written_after_free.to_string()),
+            ),
+            (
+                "block writes after free",
                 Box::new(|r| r.writes_after_free.to_string()),
             ),
             (
@@ -100,7 +104,7 @@ impl Report {
                 Box::new(|r| r.writes_after_realloc.to_string()),
             ),
             (
-                "late writes rejected",
+                "late block writes rejected",
                 Box::new(|r| r.late_writes_rejected.to_string()),
             ),
             ("leaked requests", Box::new(|r| r.leaked.to_string())),

@@ -254,17 +254,21 @@ async fn run_variant(
                 (format!("{}-r{i}", v.label()), format!("{}-t{i}", v.label()));
             let n = blocks_needed(&trace[i], scn).min(scn.pool_blocks as usize);
             let rid = ReqId::from(req_id.as_str());
-            let blocks = loop {
-                let a = Allocate {
-                    req_id: rid.clone(),
-                    owner_tag: owner_tag(&transfer_id),
-                    n,
-                };
-                match coord.block_manager.send(a).await? {
-                    Ok(b) => break b,
-                    Err(PoolError::Exhausted { .. }) => released.notified().await,
-                    Err(e) => return Err(ReproError::Scenario(e.to_string())),
+            let a = Allocate {
+                req_id: rid.clone(),
+                owner_tag: owner_tag(&transfer_id),
+                n,
+            };
+            let blocks = match coord.block_manager.send(a).await? {
+                Ok(b) => b,
+                // Blocks held by this very batch come back only once it is loaded: send it
+                // first, and wait for a release only when nothing of ours is pending.
+                Err(PoolError::Exhausted { .. }) if !batch.is_empty() => break,
+                Err(PoolError::Exhausted { .. }) => {
+                    released.notified().await;
+                    continue;
                 }
+                Err(e) => return Err(ReproError::Scenario(e.to_string())),
             };
             track
                 .borrow_mut()
