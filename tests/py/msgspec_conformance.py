@@ -7,45 +7,14 @@ and prints one JSON object:
   {"rust": [{"ok": bool, "error": str|null, "reencoded": hex|null}],
    "python": [{"kind": ..., "hex": ..., "valid": bool, "what": str}]}
 """
-import enum
 import json
 import sys
-from typing import Any, Optional, Union
 
 import msgspec
 
 
-class MooncakeXferMetadata(msgspec.Struct, omit_defaults=True):
-    remote_hostname: str
-    remote_port: int
-    remote_tp_size: int
-    remote_tp_rank: int
-    req_blocks: dict[str, tuple[str, list[list[int]]]]
-    kv_caches_base_addr: list[int]
-    block_lens: list[int]
-    kv_block_lens: list[int]
-    registered_layer_names: list[str] = []
-    registered_layer_indices: list[int] = []
-    registered_group_indices: list[int] = []
-    remote_pp_size: int = 1
-    prefix_replay_protocol: int = 0
-    prefix_replay_layout: Optional[str] = None
-    prefix_replay_checkpoints: dict[str, tuple[int, int, str]] = {}
-
-
-class Status(enum.IntEnum):
-    FINISH = 0
-    CONTINUE = 1
-    ERROR = 2
-
-
-class MooncakeXferResponse(msgspec.Struct, omit_defaults=True):
-    status: Status
-    ok_reqs: Optional[list[str]] = None
-    err_reqs: Optional[list[str]] = None
-    err_msg: Optional[str] = None
-    prefix_replay_checkpoints: Optional[dict[str, tuple[int, str]]] = None
-
+from mooncake_structs import MooncakeXferMetadata, MooncakeXferResponse
+from mooncake_structs import MooncakeXferResponseStatus as Status
 
 TYPES = {"metadata": MooncakeXferMetadata, "response": MooncakeXferResponse}
 enc = msgspec.msgpack.Encoder()

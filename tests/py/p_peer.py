@@ -17,44 +17,17 @@ by D (a message that is not exactly [identity, payload], undecodable metadata).
 import json
 import sys
 import threading
-from enum import IntEnum
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Optional
 
 import msgspec
 import zmq
 
 
-class MooncakeXferMetadata(msgspec.Struct, omit_defaults=True):
-    remote_hostname: str
-    remote_port: int
-    remote_tp_size: int
-    remote_tp_rank: int
-    req_blocks: dict[str, tuple[str, list[list[int]]]]
-    kv_caches_base_addr: list[int]
-    block_lens: list[int]
-    kv_block_lens: list[int]
-    registered_layer_names: list[str] = []
-    registered_layer_indices: list[int] = []
-    registered_group_indices: list[int] = []
-    remote_pp_size: int = 1
-    prefix_replay_protocol: int = 0
-    prefix_replay_layout: Optional[str] = None
-    prefix_replay_checkpoints: dict[str, tuple[int, int, str]] = {}
-
-
-class MooncakeXferResponseStatus(IntEnum):
-    FINISH = 0
-    CONTINUE = 1
-    ERROR = 2
-
-
-class MooncakeXferResponse(msgspec.Struct, omit_defaults=True):
-    status: MooncakeXferResponseStatus
-    ok_reqs: Optional[list[str]] = None
-    err_reqs: Optional[list[str]] = None
-    err_msg: Optional[str] = None
-    prefix_replay_checkpoints: Optional[dict[str, tuple[int, str]]] = None
+from mooncake_structs import (
+    MooncakeXferMetadata,
+    MooncakeXferResponse,
+    MooncakeXferResponseStatus,
+)
 
 
 ENGINE = "py-prefill"
