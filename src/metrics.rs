@@ -23,6 +23,9 @@ pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
 pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total"; // label reason
 pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
+pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
+pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
+pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
 pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
 pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
@@ -68,6 +71,18 @@ pub fn describe() {
         "Writes refused by the data plane, by reason"
     );
     describe_gauge!(LIVE_PERMITS, "Open landing permits");
+    describe_counter!(
+        WINDOWS_POISONED,
+        "Landing windows poisoned because their writer may still write"
+    );
+    describe_gauge!(
+        POISONED_WINDOWS,
+        "Landing windows out of rotation until their last-resort deadline"
+    );
+    describe_counter!(
+        WINDOWS_EXHAUSTED,
+        "Pulls that found no clean landing window (their writes are refused)"
+    );
     describe_counter!(
         TRANSPORT_ERRORS,
         "Side-channel failures (connect, send, recv, closed)"

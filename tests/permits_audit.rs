@@ -8,7 +8,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{mem_off, open, pattern, req, target, BLOCK};
+use common::{mem_off, open, pattern, req, revoke, target, BLOCK};
 use kvrecv::actors::block_pool::{owner_tag, BlockPool};
 use kvrecv::rdma::audit::{stamp_write, AuditSnapshot};
 use kvrecv::rdma::initiator::{InitiatorConfig, TeInitiator, WriteError};
@@ -43,7 +43,7 @@ async fn each_pull_gets_its_own_window_and_revocation_rejects_late_writes_exactl
         Err(WriteError::Rejected)
     ));
 
-    assert_eq!(l.revoke(&a), Revocation::Exact);
+    assert_eq!(revoke(&t, &a).await.revocation, Revocation::Exact);
     assert_eq!(
         l.permits().live(),
         1,
@@ -75,7 +75,7 @@ async fn each_pull_gets_its_own_window_and_revocation_rejects_late_writes_exactl
     );
     // `b` in the same pull is unaffected.
     ini.write(p1[1] + 3 * BLOCK, &[3; 64]).await.unwrap();
-    assert_eq!(l.revoke(&b), Revocation::Exact);
+    assert_eq!(revoke(&t, &b).await.revocation, Revocation::Exact);
     assert_eq!(l.permits().live(), 0);
     assert!(matches!(
         ini.write(p1[1] + 3 * BLOCK, &[4; 64]).await,
@@ -105,7 +105,7 @@ async fn windows_are_recycled_and_exhaustion_admits_nothing() {
     ));
     assert_eq!(t.stats().rejected_no_permit.load(Ordering::Relaxed), 1);
     // Revoking frees a window, which the next pull reuses.
-    t.landing().revoke(&req("r3", &[0]));
+    revoke(&t, &req("r3", &[0])).await;
     let again = open(&t, 8, &[req("r8", &[0])]);
     assert_eq!(again, bases[3]);
     ini.write(again[0], &[5; 16]).await.unwrap();
@@ -123,7 +123,7 @@ async fn without_permits_every_pull_shares_window_zero_and_nothing_is_exact() {
         open(&t, 2, &[req("b", &[2])])
     );
     let bases = open(&t, 3, std::slice::from_ref(&a));
-    assert_eq!(l.revoke(&a), Revocation::NotExact);
+    assert_eq!(revoke(&t, &a).await.revocation, Revocation::NotExact);
     assert!(matches!(
         l.fence(&[common::peer()]).await,
         Err(FenceError::Unavailable(_))
@@ -148,7 +148,7 @@ async fn revocation_during_a_payload_stops_the_rest_from_landing() {
     s.write_all(&payload[..half]).await.unwrap();
     // Whether the server is still at the header or already copying, after `revoke` returns no
     // byte sent from now on may land.
-    assert_eq!(t.landing().revoke(&a), Revocation::Exact);
+    assert_eq!(revoke(&t, &a).await.revocation, Revocation::Exact);
     let _ = s.write_all(&payload[half..]).await;
     let mut f = [0u8; 8];
     let answer = tokio::time::timeout(Duration::from_secs(10), s.read_exact(&mut f))
@@ -191,7 +191,7 @@ async fn late_write_scenario(permits: bool) -> (AuditSnapshot, u64, Vec<bool>) {
         ini.write(addr, &p).await.unwrap();
     }
     // Completion (e.g. another peer failed): revoke, then release, as the BlockManager does.
-    t.landing().revoke(&a);
+    revoke(&t, &a).await;
     pool.release(&ra.into());
     let mut refused = Vec::new();
     let (addr, p) = write_for_a(blocks[0]);

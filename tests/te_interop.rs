@@ -11,7 +11,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{mem_off, open, pattern, req, target, BLOCK};
-use kvrecv::rdma::{Landing, TcpTarget};
+use kvrecv::rdma::TcpTarget;
 use serde_json::{json, Value};
 
 #[path = "common/python.rs"]
@@ -134,7 +134,7 @@ async fn real_te_write_into_a_revoked_window_is_rejected_and_lands_nothing() {
     let t = target(true).await;
     let a = req("a", &[4]);
     let bases = open(&t, 1, std::slice::from_ref(&a));
-    t.landing().revoke(&a);
+    common::revoke(&t, &a).await;
     let cmd =
         json!({"writes": [{"addr": bases[0] + 4 * BLOCK, "len": BLOCK, "seed": 1}], "batch": true});
     let v = te(&py, &t, cmd, false).await;
@@ -183,5 +183,42 @@ async fn real_te_v1_mode_lands_correctly() {
     assert_eq!(
         m.snapshot(mem_off(1, 7), BLOCK).unwrap(),
         pattern(6, BLOCK as usize)
+    );
+}
+
+/// The descriptor advertises one buffer spanning every epoch (thousands of windows, far beyond
+/// the registered bytes); the real TE accepts it and writes into the last window exactly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_te_accepts_one_span_of_thousands_of_epochs() {
+    let Some(py) = python() else { return };
+    let mut cfg = kvrecv::rdma::TargetConfig::loopback(common::layout());
+    cfg.windows = None; // the default: 16384 epochs
+    let t = TcpTarget::start(cfg).await.unwrap();
+    let windows = t.landing().permits().map().windows();
+    assert!(windows >= 4096, "{windows}");
+    assert_eq!(t.descriptor().buffers.len(), 1);
+    let span = t.descriptor().buffers[0].length;
+    assert!(span >= u64::from(windows) * t.plane().map.span());
+    // Walk the round-robin cursor to the last usable window.
+    for i in 0..u64::from(windows) - 2 {
+        let r = req(&format!("w{i}"), &[0]);
+        open(&t, i, std::slice::from_ref(&r));
+        common::revoke(&t, &r).await;
+    }
+    let a = req("a", &[3]);
+    let bases = open(&t, 1 << 40, std::slice::from_ref(&a));
+    let (first, _) = t.plane().map.advertised_span();
+    assert_eq!(
+        t.plane().map.resolve(bases[0], 1).unwrap().window,
+        windows - 2
+    );
+    assert!(bases[1] - first > span / 2, "far into the span");
+    let cmd =
+        json!({"writes": [{"addr": bases[1] + 3 * BLOCK, "len": BLOCK, "seed": 7}], "batch": true});
+    let v = te(&py, &t, cmd, false).await;
+    assert_eq!(v["results"], json!([0]), "{v}");
+    assert_eq!(
+        t.plane().memory.snapshot(mem_off(1, 3), BLOCK).unwrap(),
+        pattern(7, BLOCK as usize)
     );
 }

@@ -86,6 +86,7 @@ impl AggregatorState {
                 outcome: Outcome::Failed { peer: None, reason },
                 uncertain_peers: vec![],
                 unsettled_peers: vec![],
+                transport_failed_peers: vec![],
             }),
             stale: false,
         }
@@ -150,11 +151,18 @@ impl AggregatorState {
             .filter(|(_, o)| o.is_none())
             .map(|(p, _)| p.clone())
             .collect();
+        let transport_failed_peers = self
+            .settled
+            .iter()
+            .filter(|(_, o)| matches!(o, Some(SettleOutcome::Failed(r)) if r.contains(TE_FAILURE)))
+            .map(|(p, _)| p.clone())
+            .collect();
         Completion {
             req: self.req.clone(),
             outcome,
             uncertain_peers,
             unsettled_peers,
+            transport_failed_peers,
         }
     }
 }

@@ -66,6 +66,11 @@ impl BlockLedger {
         self.pool.as_mut()
     }
 
+    /// The last-resort deadline of a quarantine (and of a poisoned landing window).
+    pub fn quarantine_deadline(&self) -> Duration {
+        self.quarantine_deadline
+    }
+
     pub fn quarantined_requests(&self) -> usize {
         self.held.len()
     }
@@ -210,6 +215,7 @@ mod tests {
             },
             uncertain_peers: uncertain.iter().map(PeerId::new).collect(),
             unsettled_peers: vec![],
+            transport_failed_peers: vec![],
         }
     }
 

@@ -12,7 +12,7 @@ use crate::messages::{
     Allocate, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent, LedgerStats, ReqId,
 };
 use crate::metrics as m;
-use crate::rdma::Landing;
+use crate::rdma::{Landing, Revocation, RevokeRequest};
 
 use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
@@ -85,8 +85,37 @@ impl Handler<Completion> for BlockManager {
 
     fn handle(&mut self, c: Completion, ctx: &mut Context<Self>) {
         // Revoke first, whatever the outcome: an ok from a v1 writer or a timed-out TE batch is
-        // no proof that the bytes stopped moving (DESIGN.md §5).
-        let revocation = self.landing.revoke(&c.req);
+        // no proof that the bytes stopped moving (DESIGN.md §5). The windows of suspect peers
+        // are poisoned for as long as a quarantine may last.
+        let suspects = c.suspects();
+        let revoked = self.landing.revoke(&RevokeRequest {
+            req: &c.req,
+            suspects: &suspects,
+            poison_until: Instant::now() + self.ledger.quarantine_deadline(),
+        });
+        let revocation = revoked.revocation;
+        match revoked.quiesced {
+            None => self.dispose(c, revocation, !suspects.is_empty(), ctx),
+            // A read admitted before the revocation is finishing its copy: hold this mailbox
+            // (not the thread) until it has, so nothing is released or drained early.
+            Some(quiet) => ctx.wait(
+                quiet
+                    .into_actor(self)
+                    .map(move |(), act, ctx| act.dispose(c, revocation, !suspects.is_empty(), ctx)),
+            ),
+        }
+    }
+}
+
+impl BlockManager {
+    /// Release or quarantine a completion's blocks once its revocation is quiet.
+    fn dispose(
+        &mut self,
+        c: Completion,
+        revocation: Revocation,
+        had_suspects: bool,
+        ctx: &mut Context<Self>,
+    ) {
         let fence = match self.policy {
             Policy::Settle => peers_to_fence(&c, revocation),
             Policy::Naive => vec![],
@@ -97,7 +126,8 @@ impl Handler<Completion> for BlockManager {
                 self.events.emit(KvEvent::Released {
                     req_id,
                     blocks,
-                    fenced: false,
+                    // The exact revocation is what fenced the peers that may still write.
+                    fenced: had_suspects && revocation == Revocation::Exact,
                     forced: false,
                 });
             }

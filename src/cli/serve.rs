@@ -30,7 +30,6 @@ use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportC
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
-use kvrecv::rdma::target::DEFAULT_WINDOWS;
 use kvrecv::rdma::tcp_server::DEFAULT_IDLE_TIMEOUT;
 use kvrecv::rdma::windows::DEFAULT_BASE;
 use kvrecv::rdma::{TargetConfig, TcpTarget};
@@ -89,10 +88,15 @@ pub struct ServeArgs {
     /// Turn landing permits off (upstream behaviour: a late write lands; for detector tests).
     #[arg(long)]
     pub no_permits: bool,
-    /// Landing windows, i.e. pulls in flight at once plus one reserved (ignored with
-    /// --no-permits: one window).
-    #[arg(long, default_value_t = DEFAULT_WINDOWS)]
-    pub windows: u32,
+    /// Landing windows (epochs): pulls in flight at once, plus windows poisoned by abandoned
+    /// writers, plus one reserved. Default: 16384, or as many as fit below 2^53 if fewer
+    /// (ignored with --no-permits: one window).
+    #[arg(long)]
+    pub windows: Option<u32>,
+    /// Turn the epoch rule off: reuse a window whose writer may still write (a late write can
+    /// land in a newer pull's block; for detector tests only).
+    #[arg(long)]
+    pub no_epoch_rule: bool,
     /// Data server per-connection idle timeout, ms.
     #[arg(long)]
     pub idle_timeout_ms: Option<u64>,
@@ -185,6 +189,7 @@ impl ServeArgs {
             advertise_host,
             permits: !self.no_permits,
             windows: self.windows,
+            epoch_rule: !self.no_epoch_rule,
             base_addr: if base_addr == 0 {
                 DEFAULT_BASE
             } else {

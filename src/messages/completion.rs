@@ -47,10 +47,28 @@ pub struct Completion {
     /// Peers that had not settled when the completion was sent. Always empty under policy
     /// `settle`; under `naive` these are the peers that can still write (the upstream bug).
     pub unsettled_peers: Vec<PeerId>,
+    /// Peers whose Failed settle came from their transfer engine: a timed-out TE batch can
+    /// return before the transport stopped touching D's memory (PROTOCOL.md §5.3).
+    pub transport_failed_peers: Vec<PeerId>,
 }
 
 impl Completion {
     pub fn req_id(&self) -> &ReqId {
         &self.req.req_id
+    }
+
+    /// Every peer that may still write into this request's blocks: uncertain, transport-failed
+    /// or unsettled. The windows of their pulls are poisoned at revocation (DESIGN.md §5).
+    pub fn suspects(&self) -> Vec<PeerId> {
+        let mut v: Vec<PeerId> = self
+            .uncertain_peers
+            .iter()
+            .chain(&self.unsettled_peers)
+            .chain(&self.transport_failed_peers)
+            .cloned()
+            .collect();
+        v.sort();
+        v.dedup();
+        v
     }
 }

@@ -3,8 +3,9 @@
 //! peers whose writes cannot be refused per request (DESIGN.md §5).
 
 use std::sync::Arc;
+use std::time::Instant;
 
-use futures::future::LocalBoxFuture;
+use futures::future::{BoxFuture, LocalBoxFuture};
 use thiserror::Error;
 
 use crate::messages::{PeerId, PullId, RequestMeta};
@@ -27,6 +28,49 @@ pub enum Revocation {
     NotExact,
 }
 
+/// What the BlockManager revokes at a completion.
+#[derive(Debug, Clone, Copy)]
+pub struct RevokeRequest<'a> {
+    pub req: &'a RequestMeta,
+    /// Peers that may still write into the request's blocks: settled Uncertain, failed by the
+    /// transport engine, or not settled at all (policy `naive`). The address windows of their
+    /// pulls are poisoned (DESIGN.md §5): never handed out again before `poison_until`.
+    pub suspects: &'a [PeerId],
+    /// Last resort: when a poisoned window may return to rotation without a fence.
+    pub poison_until: Instant,
+}
+
+/// The result of a revocation.
+pub struct Revoked {
+    pub revocation: Revocation,
+    /// Windows (epochs) this revocation poisoned.
+    pub poisoned: usize,
+    /// Resolves once no socket read admitted before the revocation can still copy into the
+    /// request's blocks; `None` when none was copying. The blocks may be released only after it.
+    pub quiesced: Option<BoxFuture<'static, ()>>,
+}
+
+impl Revoked {
+    /// Nothing was revocable (no data plane of kvrecv's own, or RDMA).
+    pub fn not_exact() -> Self {
+        Revoked {
+            revocation: Revocation::NotExact,
+            poisoned: 0,
+            quiesced: None,
+        }
+    }
+}
+
+impl std::fmt::Debug for Revoked {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Revoked")
+            .field("revocation", &self.revocation)
+            .field("poisoned", &self.poisoned)
+            .field("quiesced", &self.quiesced.as_ref().map(|_| "pending"))
+            .finish()
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum FenceError {
     #[error("this data plane cannot fence peers: {0}")]
@@ -43,9 +87,10 @@ pub trait Landing: Send + Sync + 'static {
     /// Open the pull's landing permit; returns the advertised base address of every region.
     fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64>;
 
-    /// Close every permit covering this request's blocks. Called once per completion, before the
-    /// request's blocks are released, whatever the outcome.
-    fn revoke(&self, req: &RequestMeta) -> Revocation;
+    /// Close every permit covering this request's blocks, and poison the windows of the pulls of
+    /// `suspects`. Called once per completion, before the request's blocks are released,
+    /// whatever the outcome; the blocks wait for [`Revoked::quiesced`] too.
+    fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked;
 
     /// Make sure none of `peers` can land a write any more (RDMA: queue pairs to the error
     /// state). Resolves when done.
@@ -86,8 +131,8 @@ impl Landing for StaticLanding {
         self.bases.clone()
     }
 
-    fn revoke(&self, _req: &RequestMeta) -> Revocation {
-        Revocation::NotExact
+    fn revoke(&self, _r: &RevokeRequest<'_>) -> Revoked {
+        Revoked::not_exact()
     }
 
     fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {

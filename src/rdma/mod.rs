@@ -14,6 +14,8 @@ pub mod tcp_wire;
 pub mod verbs;
 pub mod windows;
 
-pub use landing::{FenceError, Landing, PullWindow, Revocation, StaticLanding};
+pub use landing::{
+    FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked, StaticLanding,
+};
 pub use permits::TcpLanding;
 pub use target::{TargetConfig, TcpTarget};

@@ -1,14 +1,18 @@
-//! Landing permits (DESIGN.md §5): each pull gets its own address window, and the data server
-//! admits a write only while the permit of the pull owning that window is open for the request
-//! that owns the target block. `revoke(req)` closes the request in every pull that carried it
-//! and waits for writes already copying into its blocks to finish their current socket read, so
-//! when it returns no byte of a later write can land: the revocation is the fence.
+//! Landing permits (DESIGN.md §5): each pull gets its own address window (an epoch), and the
+//! data server admits a write only while the permit of the pull owning that window is open for
+//! the request that owns the target block. `revoke(req)` closes the request in every pull that
+//! carried it; the writes already copying into its blocks finish their current socket read, and
+//! `Revoked::quiesced` resolves when they have, so once it resolves no byte of a later write can
+//! land: the revocation is the fence.
 //!
-//! Windows are recycled round-robin over a fixed count (the descriptor covers them all, since P
-//! caches it). A window is reused only once every request of its previous pull was revoked, and
-//! round-robin reuse maximises the time before an old pull's address range admits anything
-//! again. When every window is busy a pull gets the reserved last window, which admits nothing:
-//! its writes fail at P (err_reqs) rather than land unguarded.
+//! Epochs are recycled round-robin over a large fixed count (the descriptor covers them all in
+//! one buffer, since P caches it). A window is reused only once every request of its previous
+//! pull was revoked **and** it is not poisoned: the window of a pull whose peer may still be
+//! writing (it settled Uncertain, failed in its transfer engine, or never settled) admits nothing
+//! and stays out of rotation until the last-resort deadline the revocation carried, so an
+//! abandoned writer's late write can never be admitted into a newer pull that reuses the window
+//! for the same block. When no clean window is free a pull gets the reserved last window, which
+//! admits nothing: its writes fail at P (err_reqs) rather than land unguarded.
 //!
 //! With permits off (upstream behaviour) every pull shares window 0, every in-range write is
 //! admitted, and `revoke` proves nothing.
@@ -16,13 +20,15 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::time::Instant;
 
 use futures::future::LocalBoxFuture;
+use tokio::sync::Notify;
 
-use crate::messages::{PeerId, PullId, ReqId, RequestMeta};
+use crate::messages::{PeerId, PullId, ReqId};
 use crate::metrics as m;
 
-use super::landing::{FenceError, Landing, PullWindow, Revocation};
+use super::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
 use super::windows::{Resolved, WindowMap};
 
 /// Why a request was refused (the `reason` label of `WRITES_REJECTED`).
@@ -63,6 +69,10 @@ pub struct Permit {
     open_count: AtomicUsize,
     /// Socket reads currently copying into this window's blocks.
     inflight: AtomicU64,
+    /// Set by a revocation that waits for `inflight` to reach zero.
+    draining: AtomicBool,
+    /// Woken when `inflight` reaches zero while draining.
+    quiet: Notify,
     /// Bytes landed through this permit.
     pub bytes_landed: AtomicU64,
     /// Writes landed through this permit.
@@ -92,7 +102,27 @@ pub struct GateGuard<'a> {
 impl Drop for GateGuard<'_> {
     fn drop(&mut self) {
         if let Some(p) = self.permit {
-            p.inflight.fetch_sub(1, Ordering::SeqCst);
+            // SeqCst pairs with `quiesce`: either it sees this decrement, or this sees `draining`.
+            if p.inflight.fetch_sub(1, Ordering::SeqCst) == 1 && p.draining.load(Ordering::SeqCst) {
+                p.quiet.notify_waiters();
+            }
+        }
+    }
+}
+
+/// Wait until no admitted read is copying through any of `permits` (they are already closed).
+async fn quiesce(permits: Vec<Arc<Permit>>) {
+    for p in permits {
+        loop {
+            let woken = p.quiet.notified();
+            tokio::pin!(woken);
+            // Register before checking, so a decrement between the check and the await still
+            // wakes us.
+            woken.as_mut().enable();
+            if p.inflight.load(Ordering::SeqCst) == 0 {
+                break;
+            }
+            woken.await;
         }
     }
 }
@@ -145,17 +175,33 @@ struct Inner {
     by_req: HashMap<ReqId, Vec<(Arc<Permit>, usize)>>,
     /// Pulls whose window has not been reused yet (accounting stays readable until then).
     by_pull: HashMap<PullId, Arc<Permit>>,
+    /// Poisoned windows and when each may return to rotation (DESIGN.md §5).
+    poisoned: HashMap<u32, Instant>,
     cursor: u32,
+}
+
+/// Counters of the epoch rule, readable while the target runs.
+#[derive(Debug, Default)]
+pub struct EpochStats {
+    /// Windows poisoned by a revocation (a writer of their pull may still be writing).
+    pub poisoned: AtomicU64,
+    /// Poisoned windows that went back into rotation at their last-resort deadline.
+    pub poison_expired: AtomicU64,
+    /// Pulls that found no clean window and got the reserved one (their writes are refused).
+    pub exhausted: AtomicU64,
 }
 
 /// Every permit of one target.
 pub struct PermitTable {
     enabled: bool,
+    /// The epoch rule: poison the windows of suspect pulls. Off only to prove it matters.
+    poison: bool,
     map: Arc<WindowMap>,
     /// Current permit of each window (the last window is the reserved, never-admitting one).
     slots: Vec<RwLock<Option<Arc<Permit>>>>,
     inner: Mutex<Inner>,
     live: AtomicU64,
+    epochs: EpochStats,
 }
 
 impl std::fmt::Debug for PermitTable {
@@ -163,6 +209,7 @@ impl std::fmt::Debug for PermitTable {
         f.debug_struct("PermitTable")
             .field("enabled", &self.enabled)
             .field("windows", &self.map.windows())
+            .field("poison", &self.poison)
             .finish()
     }
 }
@@ -177,7 +224,32 @@ impl PermitTable {
             slots: (0..n).map(|_| RwLock::new(None)).collect(),
             inner: Mutex::new(Inner::default()),
             live: AtomicU64::new(0),
+            poison: true,
+            epochs: EpochStats::default(),
         }
+    }
+
+    /// Turn the epoch rule off: a window whose writer may still write is reused as soon as it
+    /// is closed. Unsafe by design; only for the tests and the repro variant that prove the rule
+    /// matters.
+    pub fn without_epoch_rule(mut self) -> Self {
+        self.poison = false;
+        self
+    }
+
+    /// Whether suspect windows are poisoned.
+    pub fn epoch_rule(&self) -> bool {
+        self.poison
+    }
+
+    /// Epoch counters.
+    pub fn epochs(&self) -> &EpochStats {
+        &self.epochs
+    }
+
+    /// Windows poisoned now (including expired ones not yet swept).
+    pub fn poisoned_windows(&self) -> usize {
+        self.lock().poisoned.len()
     }
 
     /// Whether permits are enforced.
@@ -215,18 +287,22 @@ impl PermitTable {
             return reserved;
         }
         let mut inner = self.lock();
-        let free = (0..reserved)
-            .map(|i| (inner.cursor + i) % reserved)
-            .find(|&w| {
-                self.slots[w as usize]
-                    .read()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .as_ref()
-                    .is_none_or(|p| p.is_closed())
-            });
+        let now = Instant::now();
+        let cursor = inner.cursor;
+        let free = (0..reserved).map(|i| (cursor + i) % reserved).find(|&w| {
+            let closed = self.slots[w as usize]
+                .read()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .is_none_or(|p| p.is_closed());
+            closed && self.clean(&mut inner, w, now)
+        });
         let Some(window) = free else {
+            self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(m::WINDOWS_EXHAUSTED).increment(1);
             tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
-                "every landing window is in use; this pull gets the window that admits nothing");
+                poisoned = inner.poisoned.len(),
+                "no clean landing window is free; this pull gets the window that admits nothing");
             return reserved;
         };
         inner.cursor = (window + 1) % reserved;
@@ -254,6 +330,8 @@ impl PermitTable {
             open: (0..n).map(|_| AtomicBool::new(true)).collect(),
             open_count: AtomicUsize::new(n),
             inflight: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            quiet: Notify::new(),
             bytes_landed: AtomicU64::new(0),
             writes_landed: AtomicU64::new(0),
         });
@@ -277,13 +355,34 @@ impl PermitTable {
         window
     }
 
-    /// Close `req` in every pull that carries it; returns once no socket read can still copy
-    /// into its blocks.
-    pub fn revoke(&self, req: &ReqId) -> Revocation {
-        if !self.enabled {
-            return Revocation::NotExact;
+    /// Whether closed window `w` may be handed out: not poisoned, or its poison expired.
+    fn clean(&self, inner: &mut Inner, w: u32, now: Instant) -> bool {
+        match inner.poisoned.get(&w) {
+            None => true,
+            Some(&until) if until <= now => {
+                inner.poisoned.remove(&w);
+                self.epochs.poison_expired.fetch_add(1, Ordering::Relaxed);
+                metrics::gauge!(m::POISONED_WINDOWS).set(inner.poisoned.len() as f64);
+                tracing::warn!(
+                    window = w,
+                    "poisoned landing window back in rotation at its last-resort deadline"
+                );
+                true
+            }
+            Some(_) => false,
         }
-        let entries = self.lock().by_req.remove(req).unwrap_or_default();
+    }
+
+    /// Close `r.req` in every pull that carries it and poison the windows of the pulls of
+    /// `r.suspects`. No write is admitted into the request's blocks after this returns; reads
+    /// admitted before it may still be finishing: wait for [`Revoked::quiesced`].
+    pub fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
+        if !self.enabled {
+            return Revoked::not_exact();
+        }
+        let mut inner = self.lock();
+        let entries = inner.by_req.remove(&r.req.req_id).unwrap_or_default();
+        let mut poisoned = 0;
         for (p, i) in &entries {
             if p.open[*i].swap(false, Ordering::SeqCst)
                 && p.open_count.fetch_sub(1, Ordering::AcqRel) == 1
@@ -291,21 +390,38 @@ impl PermitTable {
                 let live = self.live.fetch_sub(1, Ordering::Relaxed) - 1;
                 metrics::gauge!(m::LIVE_PERMITS).set(live as f64);
             }
-        }
-        // Reads admitted before the swap finish their current socket read (bounded: one
-        // non-blocking read syscall); every later one sees the closed permit.
-        for (p, _) in &entries {
-            let mut spins = 0u32;
-            while p.inflight.load(Ordering::SeqCst) != 0 {
-                spins += 1;
-                if spins < 64 {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+            if self.poison && r.suspects.contains(&p.peer) {
+                let until = inner.poisoned.entry(p.window).or_insert(r.poison_until);
+                *until = (*until).max(r.poison_until);
+                poisoned += 1;
+                tracing::info!(window = p.window, pull_id = p.pull_id, peer = %p.peer,
+                    req_id = %r.req.req_id, "landing window poisoned: its writer may still write");
             }
         }
-        Revocation::Exact
+        if poisoned > 0 {
+            self.epochs
+                .poisoned
+                .fetch_add(poisoned as u64, Ordering::Relaxed);
+            metrics::counter!(m::WINDOWS_POISONED).increment(poisoned as u64);
+            metrics::gauge!(m::POISONED_WINDOWS).set(inner.poisoned.len() as f64);
+        }
+        drop(inner);
+        // Reads admitted before the swap finish their current socket read (bounded: one
+        // non-blocking read syscall, or one device copy); every later one sees the closed permit.
+        let busy: Vec<Arc<Permit>> = entries
+            .into_iter()
+            .map(|(p, _)| p)
+            .filter(|p| {
+                p.draining.store(true, Ordering::SeqCst);
+                p.inflight.load(Ordering::SeqCst) != 0
+            })
+            .collect();
+        Revoked {
+            revocation: Revocation::Exact,
+            poisoned,
+            quiesced: (!busy.is_empty())
+                .then(|| Box::pin(quiesce(busy)) as futures::future::BoxFuture<'static, ()>),
+        }
     }
 
     /// Admission check for `[addr, addr + size)` already resolved to `r`.
@@ -387,15 +503,16 @@ impl Landing for TcpLanding {
         self.permits.map().region_bases(w)
     }
 
-    fn revoke(&self, req: &RequestMeta) -> Revocation {
-        self.permits.revoke(&req.req_id)
+    fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
+        self.permits.revoke(r)
     }
 
     fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
         let enabled = self.permits.enabled();
         Box::pin(async move {
             if enabled {
-                // `revoke` already waited out every admitted read: nothing more can land.
+                // The revocation closed every permit of the request and the BlockManager waited
+                // for its quiescence: nothing more can land.
                 Ok(())
             } else {
                 Err(FenceError::Unavailable(

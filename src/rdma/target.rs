@@ -20,8 +20,9 @@ use super::permits::{PermitTable, TcpLanding};
 use super::tcp_server::{self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT};
 use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
 
-/// Default number of landing windows (pulls in flight at once, plus the reserved one).
-pub const DEFAULT_WINDOWS: u32 = 256;
+/// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
+/// by abandoned writers, plus the reserved one. Clamped to what fits below 2^53 for the layout.
+pub const DEFAULT_WINDOWS: u32 = 16_384;
 
 /// How to start a target.
 #[derive(Debug, Clone)]
@@ -35,8 +36,12 @@ pub struct TargetConfig {
     pub advertise_host: String,
     /// Landing permits on (kvrecv) or off (upstream behaviour, for the detector tests).
     pub permits: bool,
-    /// Landing windows, including the reserved one (ignored with permits off: one window).
-    pub windows: u32,
+    /// Landing windows (epochs), including the reserved one (ignored with permits off: one
+    /// window). `None`: [`DEFAULT_WINDOWS`], or as many as fit below 2^53 if fewer.
+    pub windows: Option<u32>,
+    /// The epoch rule (DESIGN.md §5): a window whose writer may still write is poisoned until
+    /// the last-resort deadline. Off only to prove the rule matters (tests, `repro`).
+    pub epoch_rule: bool,
     pub base_addr: u64,
     pub idle_timeout: Duration,
     pub memory: MemoryKind,
@@ -52,7 +57,8 @@ impl TargetConfig {
             data_bind: lo,
             advertise_host: "127.0.0.1".into(),
             permits: true,
-            windows: DEFAULT_WINDOWS,
+            windows: None,
+            epoch_rule: true,
             base_addr: DEFAULT_BASE,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             memory: MemoryKind::Host,
@@ -99,10 +105,20 @@ impl std::fmt::Debug for TcpTarget {
 impl TcpTarget {
     /// Allocate memory, bind both listeners and start serving (needs a tokio runtime).
     pub async fn start(cfg: TargetConfig) -> Result<Self, TargetError> {
-        let windows = if cfg.permits { cfg.windows.max(2) } else { 1 };
+        let windows = match (cfg.permits, cfg.windows) {
+            (false, _) => 1,
+            (true, Some(n)) => n.max(2),
+            (true, None) => {
+                DEFAULT_WINDOWS.min(WindowMap::max_windows(&cfg.layout, cfg.base_addr)?.max(2))
+            }
+        };
         let map = Arc::new(WindowMap::new(&cfg.layout, cfg.base_addr, windows)?);
         let memory = Arc::new(RegisteredMemory::new(cfg.memory, map.span())?);
-        let permits = Arc::new(PermitTable::new(map.clone(), cfg.permits));
+        let mut table = PermitTable::new(map.clone(), cfg.permits);
+        if !cfg.epoch_rule {
+            table = table.without_epoch_rule();
+        }
+        let permits = Arc::new(table);
         let hs = TcpListener::bind(cfg.handshake_bind)
             .await
             .map_err(|source| TargetError::Bind {
@@ -125,15 +141,13 @@ impl TcpTarget {
             .local_addr()
             .map_err(bind_err("data server", cfg.data_bind))?;
         let name = format!("{}:{}", cfg.advertise_host, handshake_addr.port());
+        let (addr, length) = map.advertised_span();
         let descriptor = SegmentDescriptor {
-            buffers: map
-                .buffers()
-                .map(|(addr, length)| BufferDesc {
-                    addr,
-                    length,
-                    name: name.clone(),
-                })
-                .collect(),
+            buffers: vec![BufferDesc {
+                addr,
+                length,
+                name: name.clone(),
+            }],
             name,
             protocol: "tcp".into(),
             rdma_server_name: String::new(),
@@ -163,7 +177,8 @@ impl TcpTarget {
             tokio::spawn(handshake_daemon::serve(hs, daemon.clone())),
             tokio::spawn(tcp_server::serve(data, plane.clone())),
         ];
-        tracing::info!(%handshake_addr, %data_addr, permits = cfg.permits, windows, "TE target listening");
+        tracing::info!(%handshake_addr, %data_addr, permits = cfg.permits, windows,
+            epoch_rule = cfg.epoch_rule, "TE target listening");
         Ok(TcpTarget {
             plane,
             landing,

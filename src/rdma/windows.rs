@@ -178,10 +178,19 @@ impl WindowMap {
         self.base + u64::from(window.min(self.windows - 1)) * self.stride
     }
 
-    /// `(addr, length)` of each window as a descriptor buffer: together they cover every
-    /// address any window can produce.
-    pub fn buffers(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        (0..self.windows).map(move |w| (self.window_base(w), self.span))
+    /// `(addr, length)` of the one descriptor buffer that covers every address any window can
+    /// produce. One span instead of one buffer per window keeps the descriptor a few hundred
+    /// bytes whatever the epoch count (P caches it and never dereferences the addresses on TCP;
+    /// the gaps between windows are refused by [`WindowMap::resolve`]).
+    pub fn advertised_span(&self) -> (u64, u64) {
+        (self.base, self.stride * u64::from(self.windows))
+    }
+
+    /// The most windows of `layout` that fit above `base` below [`ADDRESS_LIMIT`].
+    pub fn max_windows(layout: &KvLayout, base: u64) -> Result<u32, WindowError> {
+        let one = WindowMap::new(layout, base, 1)?;
+        let room = (ADDRESS_LIMIT - base) / one.stride;
+        Ok(room.min(u64::from(u32::MAX)) as u32)
     }
 
     /// Map `[addr, addr + size)` to one region of one window; `None` if the range is empty,
@@ -232,17 +241,17 @@ mod tests {
     fn every_window_address_is_inside_one_buffer_and_below_2_53() {
         let l = KvLayout::uniform(3, 16 * 1024, 64);
         let m = WindowMap::new(&l, DEFAULT_BASE, 16).unwrap();
-        let bufs: Vec<_> = m.buffers().collect();
-        assert_eq!(bufs.len(), 16);
+        let (a, n) = m.advertised_span();
         for w in 0..16 {
             for (i, b) in m.region_bases(w).into_iter().enumerate() {
                 let last = b + 64 * 16 * 1024 - 1;
                 let r = m.resolve(last, 1).unwrap();
                 assert_eq!((r.window, r.region), (w, i));
-                assert!(bufs.iter().any(|&(a, n)| a <= b && last < a + n));
+                assert!(a <= b && last < a + n);
                 assert!(last < ADDRESS_LIMIT);
             }
         }
+        assert!(m.resolve(a + n, 1).is_none(), "nothing past the span");
         assert!(m.resolve(DEFAULT_BASE - 1, 1).is_none());
         assert!(m.resolve(DEFAULT_BASE, 0).is_none());
         assert!(m.resolve(u64::MAX - 2, 8).is_none());
@@ -253,11 +262,18 @@ mod tests {
     }
 
     #[test]
-    fn too_many_windows_is_an_error() {
+    fn too_many_windows_is_an_error_and_max_windows_fits() {
         let l = KvLayout::uniform(1, 1 << 30, 1024);
         assert!(matches!(
             WindowMap::new(&l, DEFAULT_BASE, 1 << 20),
             Err(WindowError::TooLarge { .. })
         ));
+        // A 1 TiB cache still gets thousands of epochs below 2^53.
+        let max = WindowMap::max_windows(&l, DEFAULT_BASE).unwrap();
+        assert!(max >= 4096, "{max}");
+        let m = WindowMap::new(&l, DEFAULT_BASE, max).unwrap();
+        let (a, n) = m.advertised_span();
+        assert!(a + n <= ADDRESS_LIMIT);
+        assert!(WindowMap::new(&l, DEFAULT_BASE, max + 1).is_err());
     }
 }

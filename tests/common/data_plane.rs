@@ -2,10 +2,11 @@
 #![allow(dead_code)]
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{PeerId, RequestMeta};
-use kvrecv::rdma::{Landing, PullWindow, TargetConfig, TcpTarget};
+use kvrecv::rdma::{Landing, PullWindow, RevokeRequest, Revoked, TargetConfig, TcpTarget};
 
 pub const BLOCK: u64 = 4096;
 pub const BLOCKS: u32 = 16;
@@ -18,7 +19,7 @@ pub fn layout() -> KvLayout {
 pub async fn target(permits: bool) -> TcpTarget {
     let mut cfg = TargetConfig::loopback(layout());
     cfg.permits = permits;
-    cfg.windows = 8;
+    cfg.windows = Some(8);
     TcpTarget::start(cfg).await.expect("target starts")
 }
 
@@ -44,6 +45,26 @@ pub fn open(t: &TcpTarget, pull_id: u64, reqs: &[Arc<RequestMeta>]) -> Vec<u64> 
         peer: &p,
         requests: reqs,
     })
+}
+
+/// Revoke `req` as the BlockManager does at a completion (no suspect peer), and wait until no
+/// admitted read can still copy into its blocks.
+pub async fn revoke(t: &TcpTarget, req: &RequestMeta) -> Revoked {
+    revoke_suspects(t, req, &[]).await
+}
+
+/// Revoke `req` with `suspects` (peers that may still write: their windows are poisoned for an
+/// hour), waiting for quiescence.
+pub async fn revoke_suspects(t: &TcpTarget, req: &RequestMeta, suspects: &[PeerId]) -> Revoked {
+    let mut r = t.landing().revoke(&RevokeRequest {
+        req,
+        suspects,
+        poison_until: Instant::now() + Duration::from_secs(3600),
+    });
+    if let Some(q) = r.quiesced.take() {
+        q.await;
+    }
+    r
 }
 
 /// Deterministic, position-dependent bytes.

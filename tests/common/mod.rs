@@ -17,8 +17,8 @@ use kvrecv::actors::{
 };
 use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvEvent, KvRequest, LoadKv, PeerId, RequestMeta};
-use kvrecv::rdma::{FenceError, Landing, PullWindow, Revocation};
+use kvrecv::messages::{KvEvent, KvRequest, LoadKv, PeerId};
+use kvrecv::rdma::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
 
 /// Safety net only: every wait below ends on an event long before this.
 pub const PATIENCE: Duration = Duration::from_secs(10);
@@ -71,12 +71,16 @@ impl Landing for ManualLanding {
         vec![0x7e00_0000_0000 + (w.pull_id << 32)]
     }
 
-    fn revoke(&self, req: &RequestMeta) -> Revocation {
-        self.revoked.lock().unwrap().push(req.req_id.to_string());
-        if self.exact {
-            Revocation::Exact
-        } else {
-            Revocation::NotExact
+    fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
+        self.revoked.lock().unwrap().push(r.req.req_id.to_string());
+        Revoked {
+            revocation: if self.exact {
+                Revocation::Exact
+            } else {
+                Revocation::NotExact
+            },
+            poisoned: 0,
+            quiesced: None,
         }
     }
 

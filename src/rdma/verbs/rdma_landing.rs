@@ -15,8 +15,8 @@ use super::backend::VerbsBackend;
 use super::descriptor::RegisteredRegion;
 use super::fence::RdmaFence;
 use crate::layout::KvLayout;
-use crate::messages::{PeerId, RequestMeta};
-use crate::rdma::{FenceError, Landing, PullWindow, Revocation};
+use crate::messages::PeerId;
+use crate::rdma::{FenceError, Landing, PullWindow, RevokeRequest, Revoked};
 
 /// Why the registered memory cannot hold the layout.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
@@ -157,8 +157,8 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
         self.bases.clone()
     }
 
-    fn revoke(&self, _req: &RequestMeta) -> Revocation {
-        Revocation::NotExact
+    fn revoke(&self, _r: &RevokeRequest<'_>) -> Revoked {
+        Revoked::not_exact()
     }
 
     fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
@@ -168,6 +168,7 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
 
 #[cfg(test)]
 mod tests {
+    use crate::messages::RequestMeta;
     use std::sync::{Arc, Mutex};
 
     use super::*;
@@ -252,7 +253,13 @@ mod tests {
                 "no synthetic per-pull windows on RDMA"
             );
         }
-        assert_eq!(l.revoke(&request("r1")), Revocation::NotExact);
+        let r1 = request("r1");
+        let revoked = l.revoke(&crate::rdma::RevokeRequest {
+            req: &r1,
+            suspects: &[],
+            poison_until: std::time::Instant::now(),
+        });
+        assert_eq!(revoked.revocation, crate::rdma::Revocation::NotExact);
     }
 
     #[test]
