@@ -222,3 +222,54 @@ async fn real_te_accepts_one_span_of_thousands_of_epochs() {
         pattern(7, BLOCK as usize)
     );
 }
+
+/// PROTOCOL.md §5.3: a v1 (unacknowledged) writer's rejected write looks successful at P, so an
+/// ok is checked against the bytes that landed in the request's blocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_te_v1_ok_is_checked_against_landed_bytes() {
+    let Some(py) = python() else { return };
+    let t = target(true).await;
+    let permits = t.landing().permits().clone();
+    // `a`: every byte of its two blocks (both regions) lands.
+    let a = req("a", &[1, 2]);
+    let bases = open(&t, 1, std::slice::from_ref(&a));
+    let whole: Vec<Value> = (0..2)
+        .flat_map(|r| (1..3).map(move |b| (r, b)))
+        .map(|(r, b)| json!({"addr": bases[r] + b * BLOCK, "len": BLOCK, "seed": 1}))
+        .collect();
+    let v = te(&py, &t, json!({"writes": whole, "batch": true}), true).await;
+    assert_eq!(v["results"], json!([0]), "{v}");
+    // v1 has no acks: until the last byte is in, the ok is not backed.
+    settle_on(&t, |s| s.writes_landed.load(Ordering::Relaxed) >= 4).await;
+    assert!(t.stats().v1_requests.load(Ordering::Relaxed) >= 4);
+    assert_eq!(permits.verify_ok(&a), Ok(()));
+    // `b`: region 1's write goes to a block that is not b's; v1 P still sees success.
+    let b = req("b", &[3]);
+    let bases = open(&t, 2, std::slice::from_ref(&b));
+    let cmd = json!({"writes": [
+        {"addr": bases[0] + 3 * BLOCK, "len": BLOCK, "seed": 2},
+        {"addr": bases[1] + 4 * BLOCK, "len": BLOCK, "seed": 2},
+    ], "batch": true});
+    let v = te(&py, &t, cmd, true).await;
+    assert_eq!(v["results"], json!([0]), "v1 cannot see the refusal: {v}");
+    settle_on(&t, |s| {
+        s.writes_landed.load(Ordering::Relaxed) >= 5
+            && s.rejected_no_permit.load(Ordering::Relaxed) >= 1
+    })
+    .await;
+    let err = permits.verify_ok(&b).unwrap_err();
+    assert!(err.contains("4096 of 8192"), "{err}");
+}
+
+/// Wait (bounded) until the data server's counters satisfy `cond`: v1 bytes can still be on
+/// their way when P's call returns.
+async fn settle_on(t: &TcpTarget, cond: impl Fn(&kvrecv::rdma::tcp_server::DataStats) -> bool) {
+    let st = t.stats().clone();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while !cond(&st) {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the data server caught up");
+}

@@ -1,10 +1,13 @@
 //! One request's receive as a tiny state machine (DESIGN.md §4 rules 5, 8, 9): outstanding
 //! peers, the first failure (once), the completion (once), nothing after.
 
+use std::sync::Arc;
+
 use crate::config::Policy;
 use crate::messages::{
     Completion, FirstFailure, Outcome, PeerId, Settle, SettleOutcome, SharedRequest,
 };
+use crate::rdma::Landing;
 
 /// What to publish after a settle.
 #[derive(Debug, Default)]
@@ -25,6 +28,8 @@ pub struct AggregatorState {
     first_failure: Option<(Option<PeerId>, String)>,
     completed: bool,
     transport_failures_uncertain: bool,
+    /// The data plane's byte accounting, asked when every peer settled Ok.
+    verifier: Option<Arc<dyn Landing>>,
 }
 
 /// How P reports a transfer-engine failure in `err_reqs` (PROTOCOL.md §2.6).
@@ -42,7 +47,16 @@ impl AggregatorState {
             first_failure: None,
             completed: false,
             transport_failures_uncertain: false,
+            verifier: None,
         }
+    }
+
+    /// Check an all-Ok request against what `landing` saw land before completing it Ok
+    /// (PROTOCOL.md §5.3: a v1 writer's ok proves nothing). An unbacked ok fails the request,
+    /// and its peers count as uncertain: their bytes may still be in flight.
+    pub fn verified_by(mut self, landing: Arc<dyn Landing>) -> Self {
+        self.verifier = Some(landing);
+        self
     }
 
     /// On RDMA nothing can be revoked per request, and a TE failure does not prove the
@@ -119,6 +133,20 @@ impl AggregatorState {
             }
         }
         let naive_stop = self.policy == Policy::Naive && self.first_failure.is_some();
+        if self.outstanding == 0 && self.first_failure.is_none() {
+            if let Some(Err(reason)) = self.verifier.as_ref().map(|l| l.verify_ok(&self.req)) {
+                tracing::warn!(req_id = %self.req.req_id, %reason, "peers' ok not backed by landed bytes");
+                for (_, o) in &mut self.settled {
+                    *o = Some(SettleOutcome::Uncertain(reason.clone()));
+                }
+                self.first_failure = Some((None, reason.clone()));
+                fx.first_failure = Some(FirstFailure {
+                    req: self.req.clone(),
+                    peer: None,
+                    reason,
+                });
+            }
+        }
         if self.outstanding == 0 || naive_stop {
             fx.completion = Some(self.complete());
         }
@@ -264,5 +292,57 @@ mod tests {
             .on_settle(&settle("a", SettleOutcome::Ok))
             .completion
             .is_some());
+    }
+
+    /// A data plane whose byte accounting refuses every ok.
+    struct Unbacked;
+
+    impl Landing for Unbacked {
+        fn endpoint(&self) -> (String, u32) {
+            (String::new(), 0)
+        }
+        fn open_pull(&self, _w: &crate::rdma::PullWindow<'_>) -> Vec<u64> {
+            vec![]
+        }
+        fn revoke(&self, _r: &crate::rdma::RevokeRequest<'_>) -> crate::rdma::Revoked {
+            crate::rdma::Revoked::not_exact()
+        }
+        fn verify_ok(&self, _req: &RequestMeta) -> Result<(), String> {
+            Err("v1: 0 of 8 bytes landed".into())
+        }
+        fn fence(
+            &self,
+            _p: &[PeerId],
+        ) -> futures::future::LocalBoxFuture<'static, Result<(), crate::rdma::FenceError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    #[test]
+    fn an_ok_the_landed_bytes_do_not_back_fails_with_every_peer_uncertain() {
+        let peers = vec![PeerId::new("a"), PeerId::new("b")];
+        let mut a = AggregatorState::new(req(), peers.clone(), Policy::Settle)
+            .verified_by(Arc::new(Unbacked));
+        assert!(a
+            .on_settle(&settle("a", SettleOutcome::Ok))
+            .first_failure
+            .is_none());
+        let fx = a.on_settle(&settle("b", SettleOutcome::Ok));
+        let ff = fx
+            .first_failure
+            .expect("failure published with the completion");
+        assert!(ff.reason.contains("0 of 8"), "{}", ff.reason);
+        let c = fx.completion.unwrap();
+        assert!(!c.outcome.is_ok());
+        assert_eq!(c.uncertain_peers, peers, "bytes may still be in flight");
+        // Without a verifier the same settles complete Ok.
+        let mut plain = AggregatorState::new(req(), peers, Policy::Settle);
+        plain.on_settle(&settle("a", SettleOutcome::Ok));
+        assert!(plain
+            .on_settle(&settle("b", SettleOutcome::Ok))
+            .completion
+            .unwrap()
+            .outcome
+            .is_ok());
     }
 }

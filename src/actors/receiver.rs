@@ -120,7 +120,8 @@ impl Receiver {
                 meta: req.clone(),
                 aggregator: req.is_awaiting().then(|| {
                     let state = AggregatorState::new(req.clone(), peers.clone(), self.cfg.policy)
-                        .transport_failures_uncertain(self.cfg.mooncake_protocol == "rdma");
+                        .transport_failures_uncertain(self.cfg.mooncake_protocol == "rdma")
+                        .verified_by(self.landing.clone());
                     RequestAggregator::with_state(
                         state,
                         self.block_manager.clone(),

@@ -47,7 +47,7 @@ pub struct ReproArgs {
     pub delay_ms: (u64, u64),
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Variants to run, in order.
+    /// Variants to run, in order (`settle-no-epochs`: settle with the epoch rule off).
     #[arg(
         long,
         value_enum,
@@ -61,8 +61,12 @@ pub struct ReproArgs {
     /// Last-resort quarantine deadline, ms.
     #[arg(long, default_value_t = 30_000)]
     pub quarantine_deadline_ms: u64,
+    /// Landing windows (epochs) of D's target (default: 16384). Few windows force recycling,
+    /// which is where a late writer meets a newer pull (see the `settle-no-epochs` variant).
+    #[arg(long)]
+    pub windows: Option<u32>,
     /// Add the soak faults: hangs past the deadline, garbage, omissions, peer-wide ERRORs,
-    /// unknown and duplicate ids, crashes and restarts.
+    /// unknown and duplicate ids, crashes and restarts, late writes after the deadline.
     #[arg(long)]
     pub soak: bool,
     /// Print one JSON object instead of the table.
@@ -109,6 +113,7 @@ impl ReproArgs {
             variants: self.policies.clone(),
             pull_timeout: Duration::from_millis(self.pull_timeout_ms),
             quarantine_deadline: Duration::from_millis(self.quarantine_deadline_ms),
+            windows: self.windows,
             soak: self.soak.then(Soak::default),
         }
     }
@@ -165,6 +170,9 @@ pub fn run(args: ReproArgs) -> ExitCode {
             scn.delay_ms.1,
             if scn.soak.is_some() { ", soak faults on" } else { "" }
         );
+        if let Some(w) = scn.windows {
+            println!("{w} landing windows");
+        }
         print!("{}", report.table());
     }
     let bad = report.settle_violations();

@@ -92,6 +92,13 @@ pub trait Landing: Send + Sync + 'static {
     /// whatever the outcome; the blocks wait for [`Revoked::quiesced`] too.
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked;
 
+    /// Whether what landed backs every peer's ok for `req` (PROTOCOL.md §5.3: a v1 writer's ok
+    /// proves nothing). Asked once, when every peer settled Ok, before the revocation. `Err`
+    /// carries why the request must fail instead. Data planes without accounting accept.
+    fn verify_ok(&self, _req: &RequestMeta) -> Result<(), String> {
+        Ok(())
+    }
+
     /// Make sure none of `peers` can land a write any more (RDMA: queue pairs to the error
     /// state). Resolves when done.
     fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>>;

@@ -25,7 +25,7 @@ use std::time::Instant;
 use futures::future::LocalBoxFuture;
 use tokio::sync::Notify;
 
-use crate::messages::{PeerId, PullId, ReqId};
+use crate::messages::{PeerId, PullId, ReqId, RequestMeta};
 use crate::metrics as m;
 
 use super::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
@@ -73,6 +73,11 @@ pub struct Permit {
     draining: AtomicBool,
     /// Woken when `inflight` reaches zero while draining.
     quiet: Notify,
+    /// Bytes landed through this permit, per request (index as in `reqs`).
+    req_bytes: Vec<AtomicU64>,
+    /// A v1 (unacknowledged) write was admitted or refused in this window: P's `ok_reqs` is no
+    /// proof of placement, the byte count is (PROTOCOL.md §5.3).
+    v1_seen: AtomicBool,
     /// Bytes landed through this permit.
     pub bytes_landed: AtomicU64,
     /// Writes landed through this permit.
@@ -92,6 +97,8 @@ pub struct Admitted {
     permit: Option<Arc<Permit>>,
     /// Indices of the requests whose blocks the write touches.
     reqs: Vec<usize>,
+    /// Bytes of the write inside each request's blocks.
+    shares: Vec<(usize, u64)>,
 }
 
 /// Held while one socket read copies into destination memory.
@@ -145,11 +152,14 @@ impl Admitted {
         }
     }
 
-    /// Account a landed write to its pull.
+    /// Account a landed write to its pull and requests.
     pub fn landed(&self, bytes: u64) {
         if let Some(p) = &self.permit {
             p.bytes_landed.fetch_add(bytes, Ordering::Relaxed);
             p.writes_landed.fetch_add(1, Ordering::Relaxed);
+            for &(i, n) in &self.shares {
+                p.req_bytes[i].fetch_add(n, Ordering::Relaxed);
+            }
         }
     }
 
@@ -177,6 +187,8 @@ struct Inner {
     by_pull: HashMap<PullId, Arc<Permit>>,
     /// Poisoned windows and when each may return to rotation (DESIGN.md §5).
     poisoned: HashMap<u32, Instant>,
+    /// Requests with a pull that got the reserved window (its writes were all refused).
+    windowless: std::collections::HashSet<ReqId>,
     cursor: u32,
 }
 
@@ -279,6 +291,11 @@ impl PermitTable {
 
     /// Open a window for `pull`; returns the window index.
     pub fn open(&self, pull: &PullWindow<'_>) -> u32 {
+        self.open_at(pull, Instant::now())
+    }
+
+    /// [`PermitTable::open`] at time `now` (poison deadlines are compared with it).
+    fn open_at(&self, pull: &PullWindow<'_>, now: Instant) -> u32 {
         if !self.enabled {
             return 0;
         }
@@ -287,7 +304,6 @@ impl PermitTable {
             return reserved;
         }
         let mut inner = self.lock();
-        let now = Instant::now();
         let cursor = inner.cursor;
         let free = (0..reserved).map(|i| (cursor + i) % reserved).find(|&w| {
             let closed = self.slots[w as usize]
@@ -298,6 +314,9 @@ impl PermitTable {
             closed && self.clean(&mut inner, w, now)
         });
         let Some(window) = free else {
+            for r in pull.requests {
+                inner.windowless.insert(r.req_id.clone());
+            }
             self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
             metrics::counter!(m::WINDOWS_EXHAUSTED).increment(1);
             tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
@@ -332,6 +351,8 @@ impl PermitTable {
             inflight: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
+            req_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            v1_seen: AtomicBool::new(false),
             bytes_landed: AtomicU64::new(0),
             writes_landed: AtomicU64::new(0),
         });
@@ -382,6 +403,7 @@ impl PermitTable {
         }
         let mut inner = self.lock();
         let entries = inner.by_req.remove(&r.req.req_id).unwrap_or_default();
+        inner.windowless.remove(&r.req.req_id);
         let mut poisoned = 0;
         for (p, i) in &entries {
             if p.open[*i].swap(false, Ordering::SeqCst)
@@ -424,12 +446,14 @@ impl PermitTable {
         }
     }
 
-    /// Admission check for `[addr, addr + size)` already resolved to `r`.
-    pub fn admit(&self, r: &Resolved, size: u64) -> Result<Admitted, RejectReason> {
+    /// Admission check for `[addr, addr + size)` already resolved to `r`; `v1` when the header
+    /// uses v1 framing (no acknowledgement: its pull's ok is checked against the byte count).
+    pub fn admit(&self, r: &Resolved, size: u64, v1: bool) -> Result<Admitted, RejectReason> {
         if !self.enabled {
             return Ok(Admitted {
                 permit: None,
                 reqs: vec![],
+                shares: vec![],
             });
         }
         let permit = self
@@ -437,14 +461,25 @@ impl PermitTable {
             .get(r.window as usize)
             .and_then(|s| s.read().unwrap_or_else(|e| e.into_inner()).clone())
             .ok_or(RejectReason::NoPermit)?;
+        if v1 {
+            permit.v1_seen.store(true, Ordering::Relaxed);
+        }
         let group = self.map.group(r.region) as usize;
         let (first, last) = self.map.blocks(r.region, r.offset, size);
         let owners = permit.blocks.get(group).ok_or(RejectReason::NoPermit)?;
+        let bl = self.map.block_len(r.region);
         let mut reqs: Vec<usize> = Vec::with_capacity(1);
+        let mut shares: Vec<(usize, u64)> = Vec::with_capacity(1);
         for b in first..=last {
             let i = *owners.get(&b).ok_or(RejectReason::NoPermit)?;
-            if !reqs.contains(&i) {
-                reqs.push(i);
+            let (lo, hi) = (u64::from(b) * bl, u64::from(b) * bl + bl);
+            let n = (r.offset + size).min(hi) - r.offset.max(lo);
+            match shares.iter_mut().find(|(j, _)| *j == i) {
+                Some(s) => s.1 += n,
+                None => {
+                    reqs.push(i);
+                    shares.push((i, n));
+                }
             }
         }
         if reqs.iter().any(|&i| !permit.open[i].load(Ordering::SeqCst)) {
@@ -453,7 +488,50 @@ impl PermitTable {
         Ok(Admitted {
             permit: Some(permit),
             reqs,
+            shares,
         })
+    }
+
+    /// Whether every peer's ok for `req` is backed by what landed (PROTOCOL.md §5.3): a pull
+    /// that got no window landed nothing, and where a v1 write was seen the bytes landed in the
+    /// request's blocks must add up to what its blocks receive. v2 acknowledgements already
+    /// prove placement, so v2-only requests pass. Call before the request is revoked.
+    pub fn verify_ok(&self, req: &RequestMeta) -> Result<(), String> {
+        if !self.enabled || !req.is_awaiting() {
+            return Ok(());
+        }
+        let inner = self.lock();
+        if inner.windowless.contains(&req.req_id) {
+            return Err(
+                "a pull of this request got no landing window: its writes were refused".into(),
+            );
+        }
+        let entries = inner
+            .by_req
+            .get(&req.req_id)
+            .map_or(&[][..], |v| v.as_slice());
+        if !entries
+            .iter()
+            .any(|(p, _)| p.v1_seen.load(Ordering::Relaxed))
+        {
+            return Ok(());
+        }
+        let landed: u64 = entries
+            .iter()
+            .map(|(p, i)| p.req_bytes[*i].load(Ordering::Relaxed))
+            .sum();
+        let expected: u64 = req
+            .block_ids
+            .iter()
+            .enumerate()
+            .map(|(g, ids)| ids.len() as u64 * self.map.kv_bytes_per_block(g as u32))
+            .sum();
+        if landed < expected {
+            return Err(format!(
+                "v1 (unacknowledged) writes: peers reported ok but {landed} of {expected} bytes landed"
+            ));
+        }
+        Ok(())
     }
 
     /// Byte accounting of `pull` while its window has not been reused.
@@ -507,6 +585,10 @@ impl Landing for TcpLanding {
         self.permits.revoke(r)
     }
 
+    fn verify_ok(&self, req: &RequestMeta) -> Result<(), String> {
+        self.permits.verify_ok(req)
+    }
+
     fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
         let enabled = self.permits.enabled();
         Box::pin(async move {
@@ -520,5 +602,117 @@ impl Landing for TcpLanding {
                 ))
             }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::layout::KvLayout;
+    use crate::messages::RequestMeta;
+
+    fn table(windows: u32) -> PermitTable {
+        let map = WindowMap::new(&KvLayout::uniform(1, 4096, 4), 0x7e00_0000_0000, windows);
+        PermitTable::new(Arc::new(map.unwrap()), true)
+    }
+
+    fn req(id: &str) -> Arc<RequestMeta> {
+        Arc::new(RequestMeta {
+            req_id: id.into(),
+            transfer_id: id.into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "http://127.0.0.1:1".into(),
+            block_ids: vec![vec![0]],
+        })
+    }
+
+    fn open(t: &PermitTable, pull_id: PullId, peer: &PeerId, r: &Arc<RequestMeta>) -> u32 {
+        t.open(&PullWindow {
+            pull_id,
+            peer,
+            requests: std::slice::from_ref(r),
+        })
+    }
+
+    fn revoke(t: &PermitTable, r: &RequestMeta, suspects: &[PeerId], until: Instant) -> Revoked {
+        t.revoke(&RevokeRequest {
+            req: r,
+            suspects,
+            poison_until: until,
+        })
+    }
+
+    #[test]
+    fn a_suspect_window_stays_out_of_rotation_until_its_deadline() {
+        let t = table(4); // windows 0..=2 usable, 3 reserved
+        let (p, q) = (PeerId::new("p"), PeerId::new("q"));
+        let (a, b) = (req("a"), req("b"));
+        assert_eq!(open(&t, 1, &p, &a), 0);
+        assert_eq!(open(&t, 2, &q, &a), 1);
+        let soon = Instant::now() + Duration::from_secs(3600);
+        // Only the suspect peer's pull is poisoned; the other closes clean.
+        let r = revoke(&t, &a, std::slice::from_ref(&p), soon);
+        assert_eq!((r.revocation, r.poisoned), (Revocation::Exact, 1));
+        assert!(r.quiesced.is_none(), "nothing was copying");
+        assert_eq!(t.poisoned_windows(), 1);
+        // Round robin continues at 2, then skips poisoned 0 for the clean 1.
+        assert_eq!(open(&t, 3, &q, &b), 2);
+        assert_eq!(open(&t, 4, &q, &req("c")), 1);
+        // Every clean window busy, 0 poisoned: fail safe, never reuse it.
+        assert_eq!(open(&t, 5, &q, &req("d")), 3, "the reserved window");
+        assert_eq!(t.epochs().exhausted.load(Ordering::Relaxed), 1);
+        // Past the last-resort deadline the window returns.
+        let e = req("e");
+        let pull = PullWindow {
+            pull_id: 6,
+            peer: &q,
+            requests: std::slice::from_ref(&e),
+        };
+        assert_eq!(t.open_at(&pull, soon - Duration::from_millis(1)), 3);
+        assert_eq!(t.open_at(&pull, soon), 0);
+        assert_eq!(t.epochs().poison_expired.load(Ordering::Relaxed), 1);
+        assert_eq!(t.poisoned_windows(), 0);
+    }
+
+    #[test]
+    fn without_the_epoch_rule_a_suspect_window_is_reused_at_once() {
+        let t = table(3).without_epoch_rule();
+        let p = PeerId::new("p");
+        let a = req("a");
+        assert_eq!(open(&t, 1, &p, &a), 0);
+        let far = Instant::now() + Duration::from_secs(3600);
+        assert_eq!(revoke(&t, &a, std::slice::from_ref(&p), far).poisoned, 0);
+        assert_eq!(open(&t, 2, &p, &req("b")), 1);
+        assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
+    }
+
+    #[tokio::test]
+    async fn revocation_waits_for_a_read_in_the_gate_without_spinning() {
+        let t = table(3);
+        let p = PeerId::new("p");
+        let a = req("a");
+        let w = open(&t, 1, &p, &a);
+        let r = Resolved {
+            window: w,
+            region: 0,
+            offset: 0,
+            mem_offset: 0,
+        };
+        let admitted = t.admit(&r, 16, false).unwrap();
+        let gate = admitted.enter().expect("open");
+        let far = Instant::now() + Duration::from_secs(3600);
+        let mut rev = revoke(&t, &a, &[], far);
+        let quiet = rev.quiesced.take().expect("a read is copying");
+        assert!(admitted.enter().is_none(), "no new read after revocation");
+        let waiter = tokio::spawn(quiet);
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "still copying");
+        drop(gate);
+        tokio::time::timeout(Duration::from_secs(10), waiter)
+            .await
+            .expect("woken when the read left the gate")
+            .unwrap();
     }
 }

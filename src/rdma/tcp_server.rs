@@ -229,7 +229,10 @@ async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), Con
         let Some(r) = plane.map.resolve(h.addr, h.size) else {
             return Err(reject(stream, plane, &h, RejectReason::OutOfRange).await);
         };
-        let admitted = match plane.permits.admit(&r, h.size) {
+        let admitted = match plane
+            .permits
+            .admit(&r, h.size, h.version() == ProtoVersion::V1)
+        {
             Ok(a) => a,
             Err(reason) => return Err(reject(stream, plane, &h, reason).await),
         };

@@ -58,6 +58,7 @@ pub struct WindowMap {
     region_start: Vec<u64>,
     region_len: Vec<u64>,
     block_len: Vec<u64>,
+    kv_block_len: Vec<u64>,
     group: Vec<u32>,
     span: u64,
 }
@@ -133,6 +134,7 @@ impl WindowMap {
             region_start,
             region_len,
             block_len: layout.regions.iter().map(|r| r.block_len).collect(),
+            kv_block_len: layout.regions.iter().map(|r| r.kv_block_len).collect(),
             group: layout.regions.iter().map(|r| r.group_index).collect(),
             span,
         })
@@ -156,6 +158,17 @@ impl WindowMap {
     /// Block stride of `region`.
     pub fn block_len(&self, region: usize) -> u64 {
         self.block_len[region]
+    }
+
+    /// Bytes P transfers per block into `region`, summed over every region of KV-cache
+    /// `group`: what one destination block of that group receives from all peers together.
+    pub fn kv_bytes_per_block(&self, group: u32) -> u64 {
+        self.kv_block_len
+            .iter()
+            .zip(&self.group)
+            .filter(|(_, g)| **g == group)
+            .map(|(l, _)| *l)
+            .sum()
     }
 
     /// KV-cache group of `region`.

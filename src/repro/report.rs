@@ -23,6 +23,10 @@ pub struct VariantReport {
     pub writes_after_realloc: u64,
     /// Late writes the landing permits refused.
     pub late_writes_rejected: u64,
+    /// Landing windows poisoned because their pull's writer may still write (the epoch rule).
+    pub windows_poisoned: u64,
+    /// Pulls that found no clean window and failed safe (their writes refused at P).
+    pub pulls_without_window: u64,
     /// Awaited requests that never completed.
     pub leaked: usize,
     /// Smallest and largest number of completions of one awaited request (must be 1 and 1).
@@ -106,6 +110,14 @@ impl Report {
             (
                 "late block writes rejected",
                 Box::new(|r| r.late_writes_rejected.to_string()),
+            ),
+            (
+                "windows poisoned",
+                Box::new(|r| r.windows_poisoned.to_string()),
+            ),
+            (
+                "pulls without a clean window",
+                Box::new(|r| r.pulls_without_window.to_string()),
             ),
             ("leaked requests", Box::new(|r| r.leaked.to_string())),
             (

@@ -87,6 +87,8 @@ async fn run_variant(
     let layout = KvLayout::uniform(scn.layers, scn.block_bytes, scn.pool_blocks);
     let mut tcfg = TargetConfig::loopback(layout.clone());
     tcfg.permits = v.permits();
+    tcfg.epoch_rule = v.epoch_rule();
+    tcfg.windows = scn.windows;
     let target = TcpTarget::start(tcfg).await?;
     let (sink, mut events) = EventSink::channel();
     let config = KvRecvConfig {
@@ -232,6 +234,7 @@ async fn run_variant(
             scn.p_tp,
             scn.p_pp,
             scn.seed,
+            scn.pull_timeout,
             base_faults,
         ))
     });
@@ -331,10 +334,14 @@ async fn run_variant(
     let pulls = sim.lock().await.pulls_received();
     let stats = coord.block_manager.send(GetLedgerStats).await?;
     let audit = audit.snapshot();
-    let late = target
-        .stats()
-        .rejected_revoked
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let relaxed = std::sync::atomic::Ordering::Relaxed;
+    let late = target.stats().rejected_revoked.load(relaxed);
+    let landing = target.landing();
+    let epochs = landing.permits().epochs();
+    let (windows_poisoned, pulls_without_window) = (
+        epochs.poisoned.load(relaxed),
+        epochs.exhausted.load(relaxed),
+    );
     let t = track.borrow();
     let counts: Vec<usize> = awaited
         .iter()
@@ -354,6 +361,8 @@ async fn run_variant(
         writes_after_free: audit.writes_after_free + audit.writes_after_realloc,
         writes_after_realloc: audit.writes_after_realloc,
         late_writes_rejected: late,
+        windows_poisoned,
+        pulls_without_window,
         leaked: counts.iter().filter(|c| **c == 0).count(),
         completions_min: counts.iter().copied().min().unwrap_or(0),
         completions_max: counts.iter().copied().max().unwrap_or(0),
@@ -388,6 +397,7 @@ async fn soak(
     p_tp: u32,
     p_pp: u32,
     seed: u64,
+    pull_timeout: Duration,
     base: impl Fn(u32) -> Faults,
 ) {
     let mut rng = SmallRng::seed_from_u64(seed ^ 0x50a6);
@@ -395,7 +405,7 @@ async fn soak(
         tokio::time::sleep(s.period).await;
         let (tp, pp) = (rng.random_range(0..p_tp), rng.random_range(0..p_pp));
         let mut f = base(tp);
-        let kind = rng.random_range(0..6);
+        let kind = rng.random_range(0..7);
         if kind == 5 {
             tracing::info!(tp, pp, "soak: crash");
             sim.lock().await.crash_worker(tp, pp).await;
@@ -410,6 +420,12 @@ async fn soak(
             1 => f.malformed = Some(Malformed::Garbage),
             2 => f.omission_rate = 0.3,
             3 => f.error_after_subsets = Some(0),
+            // A late writer: D gives up at its deadline, P still writes afterwards (as a real
+            // TE re-sends queued writes after a reconnect).
+            6 => {
+                let ms = pull_timeout.as_millis() as u64;
+                f.write_delay_ms = (ms + 100, ms + 1500);
+            }
             _ => {
                 f.unknown_ids = true;
                 f.duplicate_ids = true;

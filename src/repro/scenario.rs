@@ -17,14 +17,22 @@ pub enum Variant {
     NaivePermits,
     /// kvrecv's default: settle rules and landing permits.
     Settle,
+    /// `settle` with the epoch rule off: a window whose writer may still write is reused as
+    /// soon as it closes. Shows what the rule prevents once late writers meet recycled windows.
+    SettleNoEpochs,
 }
 
 impl Variant {
     pub fn policy(self) -> Policy {
         match self {
             Variant::Naive | Variant::NaivePermits => Policy::Naive,
-            Variant::Settle => Policy::Settle,
+            Variant::Settle | Variant::SettleNoEpochs => Policy::Settle,
         }
+    }
+
+    /// Whether the epoch rule is on (it matters only with permits).
+    pub fn epoch_rule(self) -> bool {
+        !matches!(self, Variant::SettleNoEpochs)
     }
 
     pub fn permits(self) -> bool {
@@ -36,13 +44,14 @@ impl Variant {
             Variant::Naive => "naive",
             Variant::NaivePermits => "naive+permits",
             Variant::Settle => "settle",
+            Variant::SettleNoEpochs => "settle-no-epochs",
         }
     }
 }
 
 /// Faults beyond the seed's, switched on by `--soak`: every `period`, one peer misbehaves in one
 /// way for a while (hang past the deadline, garbage replies, omissions, crash and restart, peer-
-/// wide ERROR, unknown and duplicate ids), then recovers.
+/// wide ERROR, unknown and duplicate ids, late writes landing after the deadline), then recovers.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Soak {
     pub period: Duration,
@@ -84,6 +93,8 @@ pub struct Scenario {
     pub variants: Vec<Variant>,
     pub pull_timeout: Duration,
     pub quarantine_deadline: Duration,
+    /// Landing windows (epochs) of D's target; `None`: the target's default.
+    pub windows: Option<u32>,
     pub soak: Option<Soak>,
 }
 
@@ -106,6 +117,7 @@ impl Default for Scenario {
             variants: vec![Variant::Naive, Variant::NaivePermits, Variant::Settle],
             pull_timeout: Duration::from_secs(10),
             quarantine_deadline: Duration::from_secs(30),
+            windows: None,
             soak: None,
         }
     }
