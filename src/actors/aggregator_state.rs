@@ -124,11 +124,20 @@ impl AggregatorState {
         self.outstanding -= 1;
         if let Some(reason) = s.outcome.reason() {
             if self.first_failure.is_none() {
-                self.first_failure = Some((Some(s.peer.clone()), reason.to_owned()));
+                // The peer's words, plus what D's data plane knows of the cause.
+                let reason = match self
+                    .verifier
+                    .as_ref()
+                    .and_then(|l| l.failure_context(&self.req))
+                {
+                    Some(ctx) => format!("{reason} ({ctx})"),
+                    None => reason.to_owned(),
+                };
+                self.first_failure = Some((Some(s.peer.clone()), reason.clone()));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: Some(s.peer.clone()),
-                    reason: reason.to_owned(),
+                    reason,
                 });
             }
         }

@@ -284,6 +284,11 @@ impl StreamHandler<PullEvent> for Peer {
                 }
                 self.apply(pull_id, fx, ctx);
             }
+            // Nothing left D: that pull fails (no writer has it), the peer is not restarted.
+            ChannelEvent::Failed(e @ TransportError::Local { .. }) => {
+                let fx = self.state.fail_unsent(pull_id, e.to_string());
+                self.apply(pull_id, fx, ctx);
+            }
             ChannelEvent::Failed(e) => {
                 let fx = self.state.abandon(pull_id, e.to_string());
                 self.apply(pull_id, fx, ctx);

@@ -173,6 +173,16 @@ impl PeerState {
         fx
     }
 
+    /// The pull's request never left D (its socket could not be created): no peer can write
+    /// for it, so its pending requests settle Failed, not Uncertain.
+    pub fn fail_unsent(&mut self, pull_id: PullId, reason: String) -> Effects {
+        let mut fx = Effects::default();
+        if self.pulls.contains_key(&pull_id) {
+            self.settle_rest(&mut fx, pull_id, SettleOutcome::Failed(reason));
+        }
+        fx
+    }
+
     /// Restart: settle everything of every pull Uncertain; returns the pulls that were dropped.
     pub fn abandon_all(&mut self, reason: &str) -> (Effects, Vec<PullId>) {
         let mut fx = Effects::default();

@@ -12,6 +12,10 @@ pub type Frames = Vec<Vec<u8>>;
 /// A channel-level failure: the pull's socket is unusable.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum TransportError {
+    /// D could not create the pull's socket (out of sockets or descriptors): nothing was sent,
+    /// so the peer can neither have the request nor be blamed for it.
+    #[error("D cannot create a channel to {peer}: {reason}")]
+    Local { peer: PeerId, reason: String },
     #[error("cannot open a channel to {peer}: {reason}")]
     Connect { peer: PeerId, reason: String },
     #[error("send to {peer} failed: {reason}")]

@@ -3,8 +3,10 @@
 pub mod async_socket;
 pub mod bootstrap_client;
 pub mod http;
+pub mod zmq_context;
 pub mod zmq_transport;
 
 pub use async_socket::{AsyncSocket, SocketError};
 pub use bootstrap_client::{BootstrapConfig, HttpTopology};
+pub use zmq_context::ZmqContext;
 pub use zmq_transport::{ZmqTransport, ZmqTransportConfig};

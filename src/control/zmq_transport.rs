@@ -30,6 +30,7 @@ use crate::messages::PeerId;
 use crate::metrics as m;
 
 use super::async_socket::{AsyncSocket, SocketError};
+use super::zmq_context::{ZmqContext, DEFAULT_MAX_SOCKETS};
 
 /// Knobs of the ZMQ side channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -43,6 +44,9 @@ pub struct ZmqTransportConfig {
     /// closing TCP. Zero disables.
     pub heartbeat_ivl: Duration,
     pub heartbeat_timeout: Duration,
+    /// `ZMQ_MAX_SOCKETS` of the transport's context: each pull in flight holds three sockets
+    /// (libzmq's default cap of 1023 allows only 341 pulls at once).
+    pub max_sockets: i32,
 }
 
 impl Default for ZmqTransportConfig {
@@ -52,13 +56,14 @@ impl Default for ZmqTransportConfig {
             connect_timeout: Duration::from_secs(5),
             heartbeat_ivl: Duration::from_secs(10),
             heartbeat_timeout: Duration::from_secs(30),
+            max_sockets: DEFAULT_MAX_SOCKETS,
         }
     }
 }
 
-/// Opens one DEALER per pull on a shared `zmq::Context`.
+/// Opens one DEALER per pull on a shared context.
 pub struct ZmqTransport {
-    ctx: zmq::Context,
+    ctx: ZmqContext,
     cfg: ZmqTransportConfig,
 }
 
@@ -82,19 +87,45 @@ mod zmq_sys_events {
 }
 
 impl ZmqTransport {
+    /// A transport on a new context. Also raises the process's soft `RLIMIT_NOFILE` to its
+    /// hard limit (as Go's runtime does at start): every socket holds descriptors, and a pull
+    /// that cannot get one fails its requests.
     pub fn new(cfg: ZmqTransportConfig) -> Self {
-        ZmqTransport {
-            ctx: zmq::Context::new(),
-            cfg,
+        match rlimit::increase_nofile_limit(u64::MAX) {
+            Ok(n) => tracing::debug!(nofile = n, "file descriptor limit"),
+            Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
         }
+        let ctx = ZmqContext::new(cfg.max_sockets).unwrap_or_else(|e| {
+            // Out of memory or descriptors at start: libzmq's own default context still works.
+            tracing::error!(error = %e, "cannot create a ZMQ context with a raised socket cap");
+            ZmqContext::new(1023).expect("a libzmq context")
+        });
+        ZmqTransport { ctx, cfg }
     }
 
-    /// The context (the simulator can share it for inproc tests).
-    pub fn context(&self) -> &zmq::Context {
+    /// The context (tests share it for inproc sockets).
+    pub fn context(&self) -> &ZmqContext {
         &self.ctx
     }
 
-    fn open(&self, peer: &PeerId) -> Result<Channel, SocketError> {
+    /// The pull's channel; `Local` when D could not create its sockets (nothing was sent, so
+    /// the peer is not to blame), `Connect` when the peer's address was refused.
+    fn open(&self, peer: &PeerId) -> Result<Channel, TransportError> {
+        let ch = self.sockets(peer).map_err(|e| TransportError::Local {
+            peer: peer.clone(),
+            reason: e.to_string(),
+        })?;
+        ch.dealer
+            .socket()
+            .connect(peer.addr())
+            .map_err(|e| TransportError::Connect {
+                peer: peer.clone(),
+                reason: format!("zmq: {e}"),
+            })?;
+        Ok(ch)
+    }
+
+    fn sockets(&self, peer: &PeerId) -> Result<Channel, SocketError> {
         let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX);
         let dealer = self.ctx.socket(zmq::DEALER)?;
         dealer.set_linger(0)?;
@@ -122,8 +153,8 @@ impl ZmqTransport {
             handshaken: false,
             broken: None,
             max_msg_size: self.cfg.max_msg_size,
+            _ctx: self.ctx.clone(),
         };
-        ch.dealer.socket().connect(peer.addr())?;
         Ok(ch)
     }
 }
@@ -143,6 +174,8 @@ struct Channel {
     /// The connection failed; reported once the replies queued before it are delivered.
     broken: Option<TransportError>,
     max_msg_size: i64,
+    /// Last: the sockets above close before this reference to their context goes.
+    _ctx: ZmqContext,
 }
 
 impl Drop for Channel {
@@ -251,6 +284,7 @@ impl Channel {
 
 fn count(e: &TransportError) {
     let kind = match e {
+        TransportError::Local { .. } => "local",
         TransportError::Connect { .. } => "connect",
         TransportError::Send { .. } => "send",
         TransportError::Recv { .. } => "recv",
@@ -264,11 +298,7 @@ impl PeerTransport for ZmqTransport {
     fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream {
         let ch = match self.open(peer) {
             Ok(ch) => ch,
-            Err(e) => {
-                let err = TransportError::Connect {
-                    peer: peer.clone(),
-                    reason: e.to_string(),
-                };
+            Err(err) => {
                 count(&err);
                 return stream::once(async move { Err(err) }).boxed_local();
             }

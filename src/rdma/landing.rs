@@ -99,6 +99,12 @@ pub trait Landing: Send + Sync + 'static {
         Ok(())
     }
 
+    /// What the data plane knows about why `req` failed (e.g. a pull got no landing window),
+    /// appended to the failure's reason so a failure always carries its cause.
+    fn failure_context(&self, _req: &RequestMeta) -> Option<String> {
+        None
+    }
+
     /// Make sure none of `peers` can land a write any more (RDMA: queue pairs to the error
     /// state). Resolves when done.
     fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>>;

@@ -56,6 +56,10 @@ impl RejectReason {
     }
 }
 
+/// Why a request whose pull got the reserved window fails.
+const NO_WINDOW: &str =
+    "D had no clean landing window for a pull of this request: its writes were refused";
+
 /// One pull's permit.
 #[derive(Debug)]
 pub struct Permit {
@@ -492,6 +496,11 @@ impl PermitTable {
         })
     }
 
+    /// Whether a pull of `req` got the reserved window (its writes are all refused).
+    pub fn windowless(&self, req: &ReqId) -> bool {
+        self.lock().windowless.contains(req)
+    }
+
     /// Whether every peer's ok for `req` is backed by what landed (PROTOCOL.md §5.3): a pull
     /// that got no window landed nothing, and where a v1 write was seen the bytes landed in the
     /// request's blocks must add up to what its blocks receive. v2 acknowledgements already
@@ -587,6 +596,12 @@ impl Landing for TcpLanding {
 
     fn verify_ok(&self, req: &RequestMeta) -> Result<(), String> {
         self.permits.verify_ok(req)
+    }
+
+    fn failure_context(&self, req: &RequestMeta) -> Option<String> {
+        self.permits
+            .windowless(&req.req_id)
+            .then(|| NO_WINDOW.to_owned())
     }
 
     fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {

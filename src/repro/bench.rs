@@ -53,6 +53,10 @@ pub struct BenchReport {
     pub completion_p99_us: u64,
     /// Resident memory growth while `in_flight` requests were outstanding, per request.
     pub bytes_per_in_flight_request: Option<f64>,
+    /// Completions that were not ok (none is expected: the simulator is healthy).
+    pub failed_completions: usize,
+    /// Their causes, with counts (a failure always carries one).
+    pub failure_causes: std::collections::BTreeMap<String, usize>,
     pub duration_s: f64,
 }
 
@@ -66,7 +70,8 @@ impl BenchReport {
              completion p50 (us)     {:>10}\n\
              completion p90 (us)     {:>10}\n\
              completion p99 (us)     {:>10}\n\
-             bytes per in-flight req {:>10}\n",
+             bytes per in-flight req {:>10}\n\
+             failed completions      {:>10}\n{}",
             c.peers,
             c.in_flight,
             c.batch,
@@ -78,6 +83,11 @@ impl BenchReport {
             self.completion_p99_us,
             self.bytes_per_in_flight_request
                 .map_or("n/a".into(), |b| format!("{b:.0}")),
+            self.failed_completions,
+            self.failure_causes
+                .iter()
+                .map(|(c, n)| format!("  {n} x {c}\n"))
+                .collect::<String>(),
         )
     }
 }
@@ -152,6 +162,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     let mut rss_peak = rss0;
     let start = Instant::now();
     let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
+    let mut failure_causes = std::collections::BTreeMap::new();
     let end = cfg.requests + 1;
     while completed < cfg.requests {
         while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
@@ -169,7 +180,12 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             rss_peak = rss_peak.max(rss_bytes());
         }
         match rx.recv().await {
-            Some(KvEvent::Completion { req_id, .. }) => {
+            Some(KvEvent::Completion {
+                req_id, outcome, ..
+            }) => {
+                if let crate::messages::Outcome::Failed { reason, .. } = outcome {
+                    *failure_causes.entry(reason).or_insert(0) += 1;
+                }
                 if let Some(t) = loaded_at.remove(&*req_id) {
                     let _ = hist.record(t.elapsed().as_micros() as u64);
                 }
@@ -193,6 +209,8 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             _ => None,
         },
         duration_s: secs,
+        failed_completions: failure_causes.values().sum(),
+        failure_causes,
         config: cfg,
     })
 }

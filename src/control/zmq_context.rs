@@ -1,0 +1,111 @@
+//! A libzmq context whose socket cap kvrecv sets. libzmq refuses a context's 1024th socket with
+//! EMFILE ("Too many open files", `ZMQ_MAX_SOCKETS` defaults to 1023) whatever the process's fd
+//! limit, and each pull holds three sockets (its DEALER and the monitor pair), so 256 requests
+//! in flight from a TP2 prefill engine hit it and failed requests at random. The `zmq` crate has
+//! no setter for that option, so the context is created here through `zmq-sys`, and its sockets
+//! are handed to the `zmq` crate's safe wrapper.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Sockets one context may hold by default: 16384 pulls in flight at three sockets each. Each
+/// socket also holds file descriptors, so the process's `RLIMIT_NOFILE` bounds it too.
+pub const DEFAULT_MAX_SOCKETS: i32 = 49_152;
+
+struct Raw(*mut c_void);
+
+// SAFETY: a libzmq context is thread safe (zmq_ctx_new(3)); only sockets are not.
+unsafe impl Send for Raw {}
+// SAFETY: as above.
+unsafe impl Sync for Raw {}
+
+impl Drop for Raw {
+    fn drop(&mut self) {
+        // Every socket holds a clone of the `Arc` around this, so none is open any more; term
+        // waits for libzmq's reaper to finish closing them (linger 0: at once).
+        // SAFETY: the pointer came from zmq_ctx_new and is terminated exactly once.
+        while unsafe { zmq_sys::zmq_ctx_term(self.0) } == -1 {
+            if zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }) != zmq::Error::EINTR {
+                break;
+            }
+        }
+    }
+}
+
+/// A shared libzmq context with a raised socket cap.
+#[derive(Clone)]
+pub struct ZmqContext {
+    raw: Arc<Raw>,
+}
+
+impl ZmqContext {
+    /// A new context allowing `max_sockets` sockets.
+    pub fn new(max_sockets: i32) -> Result<Self, zmq::Error> {
+        // SAFETY: plain FFI constructor; null means failure.
+        let ptr = unsafe { zmq_sys::zmq_ctx_new() };
+        if ptr.is_null() {
+            return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
+        }
+        let raw = Arc::new(Raw(ptr));
+        // SAFETY: a live context; ZMQ_MAX_SOCKETS takes an int and must be set before the
+        // first socket is created, which is the case here.
+        let rc = unsafe {
+            zmq_sys::zmq_ctx_set(raw.0, zmq_sys::ZMQ_MAX_SOCKETS as _, max_sockets.max(1))
+        };
+        if rc == -1 {
+            return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
+        }
+        Ok(ZmqContext { raw })
+    }
+
+    /// The socket cap in force.
+    pub fn max_sockets(&self) -> i32 {
+        // SAFETY: a live context.
+        unsafe { zmq_sys::zmq_ctx_get(self.raw.0, zmq_sys::ZMQ_MAX_SOCKETS as _) }
+    }
+
+    /// Create a socket of type `ty`. Drop it before the last clone of this context: the
+    /// context's drop waits for every socket to close (zmq_ctx_term), as `zmq::Context` does.
+    pub fn socket(&self, ty: zmq::SocketType) -> Result<zmq::Socket, zmq::Error> {
+        let ty = match ty {
+            zmq::PAIR => zmq_sys::ZMQ_PAIR,
+            zmq::DEALER => zmq_sys::ZMQ_DEALER,
+            zmq::ROUTER => zmq_sys::ZMQ_ROUTER,
+            _ => return Err(zmq::Error::EINVAL),
+        };
+        // SAFETY: a live context; null means failure (EMFILE when the cap is reached).
+        let ptr = unsafe { zmq_sys::zmq_socket(self.raw.0, ty as _) };
+        if ptr.is_null() {
+            return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
+        }
+        // SAFETY: `ptr` is a fresh socket nobody else owns, as one from `Socket::into_raw`
+        // would be; the wrapper closes it exactly once, on drop.
+        Ok(unsafe { zmq::Socket::from_raw(ptr) })
+    }
+}
+
+impl std::fmt::Debug for ZmqContext {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ZmqContext")
+            .field("max_sockets", &self.max_sockets())
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_cap_is_raised_and_enforced() {
+        let small = ZmqContext::new(3).unwrap();
+        assert_eq!(small.max_sockets(), 3);
+        let held: Vec<_> = (0..3).map(|_| small.socket(zmq::DEALER).unwrap()).collect();
+        assert_eq!(small.socket(zmq::DEALER).err(), Some(zmq::Error::EMFILE));
+        drop(held);
+        // Well past libzmq's default of 1023.
+        let big = ZmqContext::new(DEFAULT_MAX_SOCKETS).unwrap();
+        let many: Vec<_> = (0..1100).map(|_| big.socket(zmq::PAIR).unwrap()).collect();
+        assert_eq!(many.len(), 1100);
+    }
+}
