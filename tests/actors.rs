@@ -499,16 +499,19 @@ async fn load_kv_refuses_incomplete_requests_and_keeps_the_rest() {
     });
     let mut bad = req("bad", &[1]);
     bad.transfer_id = None;
+    let mut port = req("port", &[4]);
+    port.remote_bootstrap_addr = Some("http://127.0.0.1:99999".into());
     let reply = h
         .load(vec![
             bad,
             req("ok", &[2]),
             req("ok", &[3]),
             req("far", &[999]),
+            port,
         ])
         .await;
     assert_eq!(reply.accepted, 1);
-    assert_eq!(reply.rejected.len(), 3);
+    assert_eq!(reply.rejected.len(), 4);
     assert!(matches!(
         &reply.rejected[0],
         BatchError::MissingField {
@@ -521,5 +524,116 @@ async fn load_kv_refuses_incomplete_requests_and_keeps_the_rest() {
         &reply.rejected[2],
         BatchError::BlockOutOfRange { block: 999, .. }
     ));
+    assert!(matches!(
+        &reply.rejected[3],
+        BatchError::BadBootstrapAddr { reason, .. } if reason.contains("65535")
+    ));
     assert_eq!(h.next_pull().await.req_ids(), vec!["ok".to_string()]);
+}
+
+/// Rule 8 at the host boundary: a request id that is awaiting, or completed but not drained, is
+/// refused in every later load_kv (also when two batches race for it); once drained it may be
+/// loaded again. Without this the host sees `finished_recving: [d-1, d-1]`.
+#[actix::test]
+async fn a_live_request_id_is_refused_until_its_completion_is_drained() {
+    let mut h = Harness::start(Setup::default());
+    let (x, y) = futures::join!(
+        h.load(vec![req("d-1", &[1])]),
+        h.load(vec![req("d-1", &[2])])
+    );
+    assert_eq!(x.accepted + y.accepted, 1, "{x:?} {y:?}");
+    let refused = if x.accepted == 1 { &y } else { &x };
+    assert!(
+        matches!(&refused.rejected[..], [BatchError::AlreadyLive { req_id }] if req_id == "d-1")
+    );
+    let pulls = h.pulls(2).await;
+    let live = h.load(vec![req("d-1", &[3])]).await;
+    assert!(matches!(
+        &live.rejected[..],
+        [BatchError::AlreadyLive { .. }]
+    ));
+    for p in &pulls {
+        p.respond(Finish, &["d-1"], &[], None);
+    }
+    h.wait_for("release", is_released("d-1")).await;
+    let undrained = h.load(vec![req("d-1", &[3])]).await;
+    assert!(
+        matches!(&undrained.rejected[..], [BatchError::AlreadyLive { .. }]),
+        "completed but not drained is still live"
+    );
+    assert_eq!(
+        h.coord.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("d-1")]
+    );
+    let again = h.load(vec![req("d-1", &[3])]).await;
+    assert_eq!(
+        (again.accepted, again.awaiting),
+        (1, 1),
+        "drained: loadable again"
+    );
+    let pulls = h.pulls(2).await;
+    assert_eq!(pulls[0].metadata().req_blocks["d-1"].1, vec![vec![3]]);
+    for p in &pulls {
+        p.respond(Finish, &["d-1"], &[], None);
+    }
+    h.wait_for("second release", |e| {
+        matches!(e, KvEvent::Released { req_id, blocks, .. } if &**req_id == "d-1" && *blocks == [3])
+    })
+    .await;
+    assert_eq!(
+        h.coord.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("d-1")],
+        "one completion per accepted load"
+    );
+    assert_eq!(h.count(is_completion("d-1")), 2);
+    assert!(h.opened.try_recv().is_err(), "no refused load was pulled");
+}
+
+/// A destination block belongs to one live request at a time (per KV-cache group): another
+/// request naming it is refused until its blocks are released, quarantine included. A block
+/// listed twice in one request is refused too. Requests without blocks are never live.
+#[actix::test]
+async fn a_block_of_a_live_request_is_refused_until_released() {
+    let mut h = Harness::start(Setup {
+        landing: ManualLanding::default(),
+        p_tp: 1,
+        ..Setup::default()
+    });
+    let r = h
+        .load(vec![
+            req("a", &[1, 2]),
+            req("b", &[2, 3]),
+            req("c", &[4, 4]),
+        ])
+        .await;
+    assert_eq!(r.accepted, 1);
+    assert!(
+        matches!(&r.rejected[..], [
+            BatchError::BlockInUse { req_id, block: 2, owner, .. },
+            BatchError::DuplicateBlock { block: 4, .. },
+        ] if req_id == "b" && owner == "a"),
+        "{:?}",
+        r.rejected
+    );
+    let pull = h.next_pull().await;
+    assert_eq!(pull.req_ids(), vec!["a".to_string()]);
+    pull.respond(Error, &[], &[], Some("x"));
+    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. }))
+        .await;
+    let held = h.load(vec![req("b", &[2])]).await;
+    assert!(
+        matches!(&held.rejected[..], [BatchError::BlockInUse { owner, .. }] if owner == "a"),
+        "quarantined blocks are still owned"
+    );
+    assert_eq!(h.landing.confirm_fences(), 1);
+    h.wait_for("release", is_released("a")).await;
+    let reused = h.load(vec![req("b", &[2])]).await;
+    assert_eq!(reused.accepted, 1, "released blocks may be loaded again");
+    h.next_pull().await.respond(Finish, &["b"], &[], None);
+    h.wait_for("b", is_completion("b")).await;
+    for _ in 0..2 {
+        let cleanup = h.load(vec![req("gone", &[])]).await;
+        assert_eq!((cleanup.accepted, cleanup.awaiting), (1, 0));
+        h.next_pull().await.respond(Finish, &["gone"], &[], None);
+    }
 }

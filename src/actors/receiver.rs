@@ -5,12 +5,15 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Supervisor, WrapFuture};
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, ResponseActFuture, Supervisor,
+    WrapFuture,
+};
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId, PullRequest,
-    RequestMeta, SharedRequest,
+    Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId,
+    PullRequest, RequestMeta, SharedRequest,
 };
 use crate::metrics as m;
 use crate::rdma::{Landing, PullWindow};
@@ -198,39 +201,82 @@ impl Actor for Receiver {
 }
 
 impl Handler<LoadKv> for Receiver {
-    type Result = LoadKvReply;
+    type Result = ResponseActFuture<Self, LoadKvReply>;
 
-    fn handle(&mut self, batch: LoadKv, ctx: &mut Context<Self>) -> LoadKvReply {
-        let mut reply = LoadKvReply::default();
+    /// Validate here, then ask the BlockManager to admit what is valid (it owns the live set:
+    /// request ids not yet drained, blocks not yet released), then start the pulls.
+    fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
+        let mut rejected: Vec<(usize, BatchError)> = Vec::new();
+        let mut valid: Vec<(usize, SharedRequest)> = Vec::new();
         let mut seen = HashSet::new();
-        // (bootstrap, engine) -> requests, in arrival order: one pull per engine and peer.
+        for (i, kv) in batch.requests.into_iter().enumerate() {
+            match kv.validate().and_then(|m| self.check_blocks(&m).map(|_| m)) {
+                Ok(m) if !seen.insert(m.req_id.clone()) => rejected.push((
+                    i,
+                    BatchError::Duplicate {
+                        req_id: m.req_id.to_string(),
+                    },
+                )),
+                Ok(m) => valid.push((i, Arc::new(m))),
+                Err(e) => rejected.push((i, e)),
+            }
+        }
+        let admit = Admit {
+            requests: valid.iter().map(|(_, m)| m.clone()).collect(),
+        };
+        Box::pin(self.block_manager.send(admit).into_actor(self).map(
+            move |verdicts, act, ctx| {
+                let verdicts = match verdicts {
+                    Ok(v) => v,
+                    Err(e) => {
+                        tracing::error!(error = %e, "block manager unreachable; refusing the batch");
+                        valid
+                            .iter()
+                            .map(|(_, m)| {
+                                Err(BatchError::Unavailable {
+                                    req_id: m.req_id.to_string(),
+                                })
+                            })
+                            .collect()
+                    }
+                };
+                act.start_admitted(valid, verdicts, rejected, ctx)
+            },
+        ))
+    }
+}
+
+impl Receiver {
+    /// Start the pulls of the admitted requests: one pull per engine and peer, requests in
+    /// arrival order. Rejections are reported in batch order.
+    fn start_admitted(
+        &mut self,
+        valid: Vec<(usize, SharedRequest)>,
+        verdicts: Vec<Result<(), BatchError>>,
+        mut rejected: Vec<(usize, BatchError)>,
+        ctx: &mut Context<Self>,
+    ) -> LoadKvReply {
+        let mut reply = LoadKvReply::default();
         let mut groups: Vec<((String, String), Vec<SharedRequest>)> = Vec::new();
-        for kv in batch.requests {
-            let meta = match kv.validate().and_then(|m| self.check_blocks(&m).map(|_| m)) {
-                Ok(m) => m,
-                Err(e) => {
-                    reply.rejected.push(e);
-                    continue;
-                }
-            };
-            if !seen.insert(meta.req_id.clone()) {
-                reply.rejected.push(BatchError::Duplicate {
-                    req_id: meta.req_id.to_string(),
-                });
+        for ((i, meta), verdict) in valid.into_iter().zip(verdicts) {
+            if let Err(e) = verdict {
+                rejected.push((i, e));
                 continue;
             }
             reply.accepted += 1;
             reply.awaiting += usize::from(meta.is_awaiting());
             let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
-            let meta = Arc::new(meta);
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, v)) => v.push(meta),
                 None => groups.push((key, vec![meta])),
             }
         }
-        for e in &reply.rejected {
+        rejected.sort_by_key(|(i, _)| *i);
+        for (_, e) in &rejected {
+            metrics::counter!(m::LOAD_KV_REJECTED, "reason" => e.kind()).increment(1);
             tracing::warn!(error = %e, "request refused at load_kv");
         }
+        reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
         for ((bootstrap, engine), group) in groups {
             let lookup = self.topology.lookup(&bootstrap, &engine);
             ctx.spawn(

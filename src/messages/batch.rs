@@ -85,6 +85,23 @@ pub enum BatchError {
     Unavailable { req_id: String },
 }
 
+impl BatchError {
+    /// A short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BatchError::MissingField { .. } | BatchError::EmptyField { .. } => "missing_field",
+            BatchError::Duplicate { .. } => "duplicate_in_batch",
+            BatchError::BlockOutOfRange { .. } => "block_out_of_range",
+            BatchError::GroupCount { .. } => "group_count",
+            BatchError::BadBootstrapAddr { .. } => "bad_bootstrap_addr",
+            BatchError::DuplicateBlock { .. } => "duplicate_block",
+            BatchError::AlreadyLive { .. } => "already_live",
+            BatchError::BlockInUse { .. } => "block_in_use",
+            BatchError::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
 /// Check that `addr` is `http://host:port` (a trailing `/` already trimmed): vLLM appends
 /// `/query`, and a URL the HTTP client would read differently (no port, port 99999 read as 80)
 /// must be refused here rather than reach the wrong host.
