@@ -11,7 +11,7 @@ use actix::{
 };
 use futures::StreamExt;
 
-use crate::messages::{KvEvent, PeerId, Pull, PullId};
+use crate::messages::{KvEvent, PeerId, Pull, PullId, UnsentPull};
 use crate::metrics as m;
 
 use super::event_sink::EventSink;
@@ -260,6 +260,16 @@ impl Handler<Pull> for Peer {
                 self.start_pull(pull, ctx)
             }
         }
+    }
+}
+
+impl Handler<UnsentPull> for Peer {
+    type Result = ();
+
+    /// Nothing was sent, so there is no channel, deadline or backoff to respect.
+    fn handle(&mut self, pull: UnsentPull, ctx: &mut Context<Self>) {
+        let fx = self.state.unsent(&pull);
+        self.apply(pull.pull_id, fx, ctx);
     }
 }
 

@@ -1,11 +1,11 @@
 //! The Peer's bookkeeping, without sockets or timers: which requests each in-flight pull still
 //! owes, and how a reply, an error or a deadline settles them (DESIGN.md §4 rules 1-4).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::messages::{
     MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, Settle, SettleOutcome,
-    XferStatus,
+    UnsentPull, XferStatus,
 };
 
 use super::transport::Frames;
@@ -71,6 +71,25 @@ impl PeerState {
             .map(|r| (r.meta.req_id.clone(), r.clone()))
             .collect();
         self.pulls.insert(pull.pull_id, InFlight { pending });
+    }
+
+    /// A pull that was never sent: settle each of its requests Failed at once. It is never
+    /// tracked, so nothing about it can be settled twice.
+    pub fn unsent(&self, pull: &UnsentPull) -> Effects {
+        let mut fx = Effects::default();
+        let mut seen = HashSet::new();
+        for r in pull.requests.iter().filter(|r| seen.insert(&r.meta.req_id)) {
+            fx.settles.push((
+                r.aggregator.clone(),
+                Settle {
+                    peer: self.peer.clone(),
+                    pull_id: pull.pull_id,
+                    req_id: r.meta.req_id.clone(),
+                    outcome: SettleOutcome::Failed(pull.reason.clone()),
+                },
+            ));
+        }
+        fx
     }
 
     fn settle(&mut self, fx: &mut Effects, pull_id: PullId, req_id: &str, outcome: SettleOutcome) {

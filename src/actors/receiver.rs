@@ -13,7 +13,7 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId,
-    PullRequest, RequestMeta, SharedRequest,
+    PullRequest, RequestMeta, SharedRequest, UnsentPull, WireError,
 };
 use crate::metrics as m;
 use crate::rdma::{Landing, PullWindow};
@@ -35,6 +35,8 @@ pub struct Receiver {
     events: EventSink,
     peers: HashMap<PeerId, Addr<Peer>>,
     next_pull: PullId,
+    /// Metadata encoder (a seam so a test can make it fail).
+    encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
 }
 
 impl Receiver {
@@ -55,6 +57,7 @@ impl Receiver {
             events,
             peers: HashMap::new(),
             next_pull: 1,
+            encode: MooncakeXferMetadata::encode,
         }
     }
 
@@ -145,20 +148,25 @@ impl Receiver {
                 peer,
                 requests: &awaiting,
             });
-            let payload = self.metadata(&host, port, &group, bases).encode();
-            let payload = match payload {
-                Ok(p) => p,
+            let md = self.metadata(&host, port, &group, bases);
+            match (self.encode)(&md) {
+                Ok(payload) => self.peer(peer).do_send(Pull {
+                    pull_id,
+                    payload,
+                    requests: requests.clone(),
+                }),
                 Err(e) => {
-                    // Encoding our own struct cannot fail; if it ever does, nothing was sent.
-                    tracing::error!(error = %e, "cannot encode metadata");
-                    continue;
+                    // Nothing was sent, so nothing can be written: the peer settles the pull
+                    // Failed and every aggregator still reaches zero.
+                    metrics::counter!(m::UNSENT_PULLS).increment(1);
+                    tracing::error!(error = %e, %peer, pull_id, "cannot encode metadata; failing the pull");
+                    self.peer(peer).do_send(UnsentPull {
+                        pull_id,
+                        requests: requests.clone(),
+                        reason: format!("pull not sent: cannot encode its metadata: {e}"),
+                    });
                 }
-            };
-            self.peer(peer).do_send(Pull {
-                pull_id,
-                payload,
-                requests: requests.clone(),
-            });
+            }
         }
     }
 
@@ -286,5 +294,77 @@ impl Receiver {
             );
         }
         reply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::actors::block_ledger::BlockLedger;
+    use crate::actors::{ScriptedTransport, StaticTopology};
+    use crate::layout::KvLayout;
+    use crate::messages::{Drain, KvEvent, KvRequest, Outcome, ReqId, SettleOutcome};
+    use crate::rdma::StaticLanding;
+
+    /// A pull whose metadata cannot be encoded is never sent, yet each of its awaited requests
+    /// is settled Failed by that peer, so the request still completes exactly once.
+    #[actix::test]
+    async fn a_pull_that_cannot_be_encoded_settles_failed_and_completes() {
+        let (events, mut rx) = EventSink::channel();
+        let cfg = KvRecvConfig {
+            layout: KvLayout::uniform(1, 64, 8),
+            ..KvRecvConfig::default()
+        };
+        let landing: Arc<dyn Landing> = Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]));
+        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
+        let bm = BlockManager::new(ledger, landing.clone(), cfg.policy, events.clone()).start();
+        let (transport, mut opened) = ScriptedTransport::new();
+        let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
+        let mut receiver = Receiver::new(
+            cfg,
+            Rc::new(topology),
+            Rc::new(transport),
+            landing,
+            bm.clone(),
+            events,
+        );
+        receiver.encode = |_| Err(WireError::TooLarge { len: 1, cap: 0 });
+        let receiver = receiver.start();
+        let reply = receiver
+            .send(LoadKv {
+                requests: vec![KvRequest {
+                    req_id: "r1".into(),
+                    transfer_id: Some("t1".into()),
+                    remote_engine_id: Some("e0".into()),
+                    remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+                    block_ids: vec![vec![3]],
+                }],
+            })
+            .await
+            .unwrap();
+        assert_eq!(reply.awaiting, 1);
+        let mut settles = vec![];
+        let outcome = loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("the request completes")
+                .expect("events open");
+            match ev {
+                KvEvent::Settled { outcome, .. } => settles.push(outcome),
+                KvEvent::Completion { outcome, .. } => break outcome,
+                _ => {}
+            }
+        };
+        assert_eq!(settles.len(), 2, "both peers settled");
+        assert!(settles
+            .iter()
+            .all(|s| matches!(s, SettleOutcome::Failed(r) if r.contains("not sent"))));
+        assert!(matches!(outcome, Outcome::Failed { .. }));
+        let step = bm.send(Drain).await.unwrap();
+        assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+        assert_eq!(step.invalid_block_ids, vec![3]);
+        assert!(opened.try_recv().is_err(), "nothing was sent");
     }
 }

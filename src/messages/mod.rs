@@ -22,6 +22,6 @@ pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats};
-pub use pull::{Pull, PullRequest};
+pub use pull::{Pull, PullRequest, UnsentPull};
 pub use settle::{Settle, SettleOutcome};
 pub use wire::{MooncakeXferMetadata, MooncakeXferResponse, WireError, XferStatus};
