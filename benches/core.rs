@@ -65,7 +65,7 @@ fn bench(c: &mut Criterion) {
                                     req_id: format!("r{next}"),
                                     transfer_id: Some(format!("t{next}")),
                                     remote_engine_id: Some("e0".into()),
-                                    remote_bootstrap_addr: Some("http://b".into()),
+                                    remote_bootstrap_addr: Some("http://b:1".into()),
                                     block_ids: vec![vec![i as u32]],
                                 }
                             })

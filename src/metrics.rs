@@ -30,6 +30,8 @@ pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kin
 pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
 pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
 pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
+pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
+pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total"; // label reason
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
@@ -96,6 +98,14 @@ pub fn describe() {
         "GET /query requests sent, by result (ok, error)"
     );
     describe_histogram!(BOOTSTRAP_LATENCY, Unit::Seconds, "GET /query round trip");
+    describe_counter!(
+        UNSENT_PULLS,
+        "Pulls not sent because their metadata could not be encoded (settled Failed)"
+    );
+    describe_counter!(
+        LOAD_KV_REJECTED,
+        "Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use)"
+    );
 }
 
 /// Install the global Prometheus recorder and serve `/metrics` on `addr`. Needs a tokio runtime.

@@ -9,7 +9,7 @@ use kvrecv::actors::{CoordinatorParts, EventSink, ScriptedTransport};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::KvRecvHandle;
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvRequest, ReqId, XferStatus};
+use kvrecv::messages::{BatchError, KvRequest, ReqId, XferStatus};
 use kvrecv::rdma::StaticLanding;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -32,17 +32,20 @@ async fn host_runtime_loads_and_drains_through_the_handle() {
     })
     .unwrap();
     let mut opened = rx.recv().unwrap();
-    let reply = kv
-        .load_kv(vec![KvRequest {
-            req_id: "r1".into(),
-            transfer_id: Some("t1".into()),
-            remote_engine_id: Some("e0".into()),
-            remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
-            block_ids: vec![vec![3]],
-        }])
-        .await
-        .unwrap();
+    let r1 = || KvRequest {
+        req_id: "r1".into(),
+        transfer_id: Some("t1".into()),
+        remote_engine_id: Some("e0".into()),
+        remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+        block_ids: vec![vec![3]],
+    };
+    let reply = kv.load_kv(vec![r1()]).await.unwrap();
     assert_eq!(reply.awaiting, 1);
+    let twice = kv.load_kv(vec![r1()]).await.unwrap();
+    assert!(
+        matches!(&twice.rejected[..], [BatchError::AlreadyLive { .. }]),
+        "a request in flight cannot be loaded again: {twice:?}"
+    );
     let pull = tokio::time::timeout(Duration::from_secs(10), opened.recv())
         .await
         .unwrap()

@@ -46,10 +46,11 @@ impl Serve {
     }
 
     async fn send(&mut self, v: &str) {
-        self.stdin
-            .write_all(format!("{v}\n").as_bytes())
-            .await
-            .unwrap();
+        self.send_bytes(format!("{v}\n").as_bytes()).await;
+    }
+
+    async fn send_bytes(&mut self, b: &[u8]) {
+        self.stdin.write_all(b).await.unwrap();
         self.stdin.flush().await.unwrap();
     }
 
@@ -152,6 +153,81 @@ async fn serve_session_over_the_pipe() {
     assert_eq!(d["finished_recving"], json!(["d-1"]));
     assert_eq!(d["invalid_block_ids"], json!([1, 2]));
 
+    s.send(r#"{"op":"shutdown"}"#).await;
+    s.wait("shutdown", |v| ev(v, "shutdown")).await;
+    let status = tokio::time::timeout(SAFETY, s.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// stdin: a line that is not UTF-8 and a line over `--max-line-bytes` each get an `error` line
+/// and serve keeps running (it used to end at the first invalid byte, abandoning every awaited
+/// request). A request id loaded again while it is awaited is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bytes_and_overlong_lines_are_answered_and_awaited_requests_survive() {
+    let sim = PrefillSim::start(SimConfig {
+        tp_size: 1,
+        ready_immediately: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut s = Serve::start(&[
+        "--layers",
+        "1",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "16",
+        "--max-line-bytes",
+        "4096",
+        "--log-level",
+        "warn",
+    ]);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_ids": [[1, 2]]}]});
+    s.send(&load.to_string()).await;
+    let first = s.wait("load_kv", |v| ev(v, "load_kv")).await;
+    assert_eq!(
+        (first["line"].as_u64(), first["awaiting"].as_u64()),
+        (Some(1), Some(1))
+    );
+    s.send(&load.to_string()).await;
+    let again = s.wait("second load_kv", |v| ev(v, "load_kv")).await;
+    assert_eq!(again["accepted"], 0);
+    assert!(
+        again["rejected"][0]
+            .as_str()
+            .unwrap()
+            .contains("still in flight"),
+        "{again}"
+    );
+
+    s.send_bytes(b"\xff\xfe{\"op\":\"drain\"}\n").await;
+    let e = s.wait("error", |v| ev(v, "error")).await;
+    assert_eq!(e["line"], 3, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("UTF-8"), "{e}");
+    let mut long = vec![b' '; 100_000];
+    long.push(b'\n');
+    s.send_bytes(&long).await;
+    let e = s.wait("error", |v| ev(v, "error")).await;
+    assert_eq!(e["line"], 4, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("100000 bytes"), "{e}");
+
+    sim.mark_ready("t-1");
+    let c = s.wait("completion", |v| ev(v, "completion")).await;
+    assert_eq!(c["outcome"], "ok", "{c}");
+    s.wait("release", |v| ev(v, "released")).await;
+    s.send(r#"{"op":"drain"}"#).await;
+    let d = s.wait("drain", |v| ev(v, "drain")).await;
+    assert_eq!(
+        (d["line"].as_u64(), &d["finished_recving"]),
+        (Some(5), &json!(["d-1"]))
+    );
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
     let status = tokio::time::timeout(SAFETY, s.child.wait())

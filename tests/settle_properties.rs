@@ -328,7 +328,7 @@ impl World {
                 let frames = resp(false, vec![self.id(n)], vec![]);
                 let live = self.peers[peer].is_in_flight(self.pull_of[peer]);
                 let fx = self.peers[peer].on_reply(self.pull_of[peer], frames);
-                assert!(fx.settles.is_empty() && fx.stale.len() == usize::from(live));
+                assert!(fx.settles.is_empty() && fx.stale.count == usize::from(live));
                 self.route(peer, fx);
             }
             Ev::Fence { pick } => {

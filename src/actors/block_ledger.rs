@@ -2,10 +2,13 @@
 //! completions only when no peer can write any more, quarantine until a fence or the last-resort
 //! deadline, and the per-step drain a host scheduler calls.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use crate::messages::{Completion, FirstFailure, PeerId, ReqId, SharedRequest, StepOutput};
+use crate::messages::{
+    BatchError, Completion, FirstFailure, PeerId, ReqId, RequestMeta, SharedRequest, StepOutput,
+};
 use crate::rdma::Revocation;
 
 use super::block_pool::BlockPool;
@@ -45,6 +48,12 @@ pub struct BlockLedger {
     held: HashMap<ReqId, Held>,
     quarantine_deadline: Duration,
     pool: Option<BlockPool>,
+    /// Awaiting requests admitted and not yet handed to the host by a drain: loading one again
+    /// would give the host two completions for it (DESIGN.md §4 rule 8).
+    live: HashSet<ReqId>,
+    /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
+    /// (quarantine included): two writers into one block are never both admitted.
+    owners: HashMap<(usize, u32), ReqId>,
 }
 
 impl BlockLedger {
@@ -55,7 +64,52 @@ impl BlockLedger {
             held: HashMap::new(),
             quarantine_deadline,
             pool,
+            live: HashSet::new(),
+            owners: HashMap::new(),
         }
+    }
+
+    /// Let `req` start, or say why not: its id is still live (in flight, or completed but not
+    /// drained), or one of its blocks belongs to another live request whose blocks are not
+    /// released yet. A request with no blocks (cleanup pull) never becomes live.
+    pub fn admit(&mut self, req: &RequestMeta) -> Result<(), BatchError> {
+        if self.live.contains(&req.req_id) {
+            return Err(BatchError::AlreadyLive {
+                req_id: req.req_id.to_string(),
+            });
+        }
+        if !req.is_awaiting() {
+            return Ok(());
+        }
+        for (group, blocks) in req.block_ids.iter().enumerate() {
+            for &block in blocks {
+                if let Some(owner) = self.owners.get(&(group, block)) {
+                    return Err(BatchError::BlockInUse {
+                        req_id: req.req_id.to_string(),
+                        group,
+                        block,
+                        owner: owner.to_string(),
+                    });
+                }
+            }
+        }
+        self.live.insert(req.req_id.clone());
+        for (group, blocks) in req.block_ids.iter().enumerate() {
+            for &block in blocks {
+                self.owners.insert((group, block), req.req_id.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether `req_id` was admitted and not yet drained.
+    pub fn is_live(&self, req_id: &ReqId) -> bool {
+        self.live.contains(req_id)
+    }
+
+    /// Requests admitted and not yet drained.
+    pub fn live_requests(&self) -> usize {
+        self.live.len()
     }
 
     pub fn pool(&self) -> Option<&BlockPool> {
@@ -135,6 +189,15 @@ impl BlockLedger {
     }
 
     fn release_now(&mut self, req: &SharedRequest) {
+        for (group, blocks) in req.block_ids.iter().enumerate() {
+            for &block in blocks {
+                if let Entry::Occupied(o) = self.owners.entry((group, block)) {
+                    if *o.get() == req.req_id {
+                        o.remove();
+                    }
+                }
+            }
+        }
         self.failure_signalled.remove(&req.req_id);
         self.out.finished_recving.push(req.req_id.clone());
         if let Some(pool) = &mut self.pool {
@@ -172,7 +235,12 @@ impl BlockLedger {
 
     /// Everything ready for the host since the last drain.
     pub fn drain(&mut self) -> StepOutput {
-        std::mem::take(&mut self.out)
+        let out = std::mem::take(&mut self.out);
+        // Handed to the host: the id may be loaded again.
+        for id in &out.finished_recving {
+            self.live.remove(id);
+        }
+        out
     }
 }
 
@@ -278,5 +346,72 @@ mod tests {
         assert_eq!(l.drain().finished_recving, vec![ReqId::from("r")]);
         assert!(l.end_quarantine(&"r".into(), t0).is_none(), "released once");
         assert!(peers_to_fence(&c, Revocation::Exact).is_empty());
+    }
+
+    #[test]
+    fn a_request_id_is_live_until_its_completion_is_drained() {
+        let mut l = BlockLedger::new(Duration::from_secs(1), None);
+        let r = req("r", vec![vec![1]]);
+        assert_eq!(l.admit(&r), Ok(()));
+        let again = req("r", vec![vec![9]]);
+        assert!(matches!(
+            l.admit(&again),
+            Err(BatchError::AlreadyLive { .. })
+        ));
+        l.on_completion(&completion(&r, false, &[]), vec![], Instant::now());
+        assert!(
+            matches!(l.admit(&again), Err(BatchError::AlreadyLive { .. })),
+            "completed but not drained: the host has not seen it yet"
+        );
+        assert_eq!(l.drain().finished_recving, vec![ReqId::from("r")]);
+        assert!(!l.is_live(&"r".into()));
+        assert_eq!(l.admit(&again), Ok(()), "drained: may be loaded again");
+    }
+
+    #[test]
+    fn requests_without_blocks_are_never_live() {
+        let mut l = BlockLedger::new(Duration::from_secs(1), None);
+        let cleanup = req("c", vec![vec![]]);
+        assert_eq!(l.admit(&cleanup), Ok(()));
+        assert_eq!(l.admit(&cleanup), Ok(()));
+        assert_eq!(l.live_requests(), 0);
+        // but a cleanup pull cannot reuse the id of a request still in flight
+        assert_eq!(l.admit(&req("r", vec![vec![1]])), Ok(()));
+        assert!(matches!(
+            l.admit(&req("r", vec![])),
+            Err(BatchError::AlreadyLive { .. })
+        ));
+    }
+
+    #[test]
+    fn a_block_is_owned_until_released_quarantine_included_and_per_group() {
+        let t0 = Instant::now();
+        let mut l = BlockLedger::new(Duration::from_secs(10), None);
+        let a = req("a", vec![vec![1, 2], vec![7]]);
+        assert_eq!(l.admit(&a), Ok(()));
+        assert_eq!(
+            l.admit(&req("b", vec![vec![3], vec![2]])),
+            Ok(()),
+            "block 2 of group 1 is not block 2 of group 0"
+        );
+        assert_eq!(
+            l.admit(&req("c", vec![vec![5, 2], vec![]])),
+            Err(BatchError::BlockInUse {
+                req_id: "c".into(),
+                group: 0,
+                block: 2,
+                owner: "a".into()
+            })
+        );
+        assert!(!l.is_live(&"c".into()), "a refused request holds nothing");
+        assert_eq!(l.admit(&req("c2", vec![vec![5], vec![]])), Ok(()));
+        // a's completion with an uncertain peer: quarantined, still owns its blocks
+        let c = completion(&a, true, &["p"]);
+        l.on_completion(&c, vec![PeerId::new("p")], t0);
+        let d = req("d", vec![vec![1], vec![]]);
+        assert!(matches!(l.admit(&d), Err(BatchError::BlockInUse { .. })));
+        l.end_quarantine(&"a".into(), t0);
+        assert_eq!(l.admit(&d), Ok(()), "released: the block may be reused");
+        assert!(l.is_live(&"a".into()), "the id stays live until drained");
     }
 }

@@ -9,7 +9,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 
 use crate::config::Policy;
 use crate::messages::{
-    Allocate, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent, LedgerStats, ReqId,
+    Admit, Allocate, BatchError, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
+    LedgerStats, ReqId,
 };
 use crate::metrics as m;
 use crate::rdma::{Landing, Revocation, RevokeRequest};
@@ -70,6 +71,18 @@ impl BlockManager {
 
 impl Actor for BlockManager {
     type Context = Context<Self>;
+}
+
+impl Handler<Admit> for BlockManager {
+    type Result = MessageResult<Admit>;
+
+    /// One message for the whole batch, so admission is atomic with respect to completions,
+    /// drains and other batches.
+    fn handle(&mut self, a: Admit, _ctx: &mut Context<Self>) -> MessageResult<Admit> {
+        let verdicts: Vec<Result<(), BatchError>> =
+            a.requests.iter().map(|r| self.ledger.admit(r)).collect();
+        MessageResult(verdicts)
+    }
 }
 
 impl Handler<FirstFailure> for BlockManager {

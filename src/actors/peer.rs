@@ -11,11 +11,11 @@ use actix::{
 };
 use futures::StreamExt;
 
-use crate::messages::{KvEvent, PeerId, Pull, PullId};
+use crate::messages::{KvEvent, PeerId, Pull, PullId, UnsentPull};
 use crate::metrics as m;
 
 use super::event_sink::EventSink;
-use super::peer_state::{Effects, PeerState};
+use super::peer_state::{Effects, PeerState, StaleIds};
 use super::transport::{Frames, PeerTransport, TransportError};
 
 /// Timing knobs of a peer.
@@ -161,13 +161,15 @@ impl Peer {
             metrics::counter!(m::MALFORMED_REPLIES).increment(1);
             tracing::warn!(%reason, "malformed reply");
         }
-        for req_id in fx.stale {
-            metrics::counter!(m::STALE_SETTLES).increment(1);
-            tracing::debug!(%req_id, "stale id in reply");
+        if !fx.stale.is_empty() {
+            let StaleIds { count, sample } = fx.stale;
+            metrics::counter!(m::STALE_SETTLES).increment(count as u64);
+            tracing::debug!(count, ?sample, "stale ids in reply");
             self.events.emit(KvEvent::Stale {
                 peer: self.id().clone(),
                 pull_id,
-                req_id,
+                count,
+                sample,
             });
         }
         for (to, s) in fx.settles {
@@ -260,6 +262,16 @@ impl Handler<Pull> for Peer {
                 self.start_pull(pull, ctx)
             }
         }
+    }
+}
+
+impl Handler<UnsentPull> for Peer {
+    type Result = ();
+
+    /// Nothing was sent, so there is no channel, deadline or backoff to respect.
+    fn handle(&mut self, pull: UnsentPull, ctx: &mut Context<Self>) {
+        let fx = self.state.unsent(&pull);
+        self.apply(pull.pull_id, fx, ctx);
     }
 }
 

@@ -1,11 +1,11 @@
 //! The Peer's bookkeeping, without sockets or timers: which requests each in-flight pull still
 //! owes, and how a reply, an error or a deadline settles them (DESIGN.md §4 rules 1-4).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use crate::messages::{
     MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, Settle, SettleOutcome,
-    XferStatus,
+    UnsentPull, XferStatus,
 };
 
 use super::transport::Frames;
@@ -15,8 +15,8 @@ use super::transport::Frames;
 pub struct Effects {
     /// Settles to send, each to its request's aggregator (if awaited).
     pub settles: Vec<(Option<actix::Recipient<Settle>>, Settle)>,
-    /// Ids a reply named that were not pending for that pull.
-    pub stale: Vec<ReqId>,
+    /// Ids a reply named that were not pending for that pull: counted, a few kept as a sample.
+    pub stale: StaleIds,
     /// The pull is over: close its channel, drop its deadline.
     pub pull_done: bool,
     /// The reply could not be decoded (counted separately).
@@ -25,11 +25,47 @@ pub struct Effects {
     pub finished_cleanly: bool,
 }
 
+/// Ids a reply named that were not pending (rule 1): one summary per reply, so a reply naming a
+/// million unknown ids costs a counter, not a million events.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct StaleIds {
+    pub count: usize,
+    /// The first [`STALE_SAMPLE`] of them, in reply order.
+    pub sample: Vec<ReqId>,
+}
+
+/// How many stale ids a summary names.
+pub const STALE_SAMPLE: usize = 8;
+
+impl StaleIds {
+    fn note(&mut self, id: &str) {
+        self.count += 1;
+        if self.sample.len() < STALE_SAMPLE {
+            self.sample.push(ReqId::from(id));
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+}
+
 /// Reason used for requests a FINISH did not mention (rule 3).
 pub const OMITTED: &str = "peer finished without reporting the request";
 
+/// Ids a reply may name beyond twice the pull's requests (each id at most once in each list)
+/// before it is refused as malformed.
+pub const REPLY_ID_SLACK: usize = 16;
+
+/// The most ids one reply to a pull of `carried` requests may name, both lists together.
+pub fn max_reply_ids(carried: usize) -> usize {
+    carried.saturating_mul(2).saturating_add(REPLY_ID_SLACK)
+}
+
 struct InFlight {
     pending: HashMap<ReqId, PullRequest>,
+    /// Requests the pull carried (the bound on what a reply may name).
+    carried: usize,
 }
 
 /// Pending requests of every in-flight pull of one peer.
@@ -65,12 +101,33 @@ impl PeerState {
 
     /// Track a new pull. A request listed twice in one pull is tracked once.
     pub fn start(&mut self, pull: &Pull) {
-        let pending = pull
+        let pending: HashMap<_, _> = pull
             .requests
             .iter()
             .map(|r| (r.meta.req_id.clone(), r.clone()))
             .collect();
-        self.pulls.insert(pull.pull_id, InFlight { pending });
+        let carried = pending.len();
+        self.pulls
+            .insert(pull.pull_id, InFlight { pending, carried });
+    }
+
+    /// A pull that was never sent: settle each of its requests Failed at once. It is never
+    /// tracked, so nothing about it can be settled twice.
+    pub fn unsent(&self, pull: &UnsentPull) -> Effects {
+        let mut fx = Effects::default();
+        let mut seen = HashSet::new();
+        for r in pull.requests.iter().filter(|r| seen.insert(&r.meta.req_id)) {
+            fx.settles.push((
+                r.aggregator.clone(),
+                Settle {
+                    peer: self.peer.clone(),
+                    pull_id: pull.pull_id,
+                    req_id: r.meta.req_id.clone(),
+                    outcome: SettleOutcome::Failed(pull.reason.clone()),
+                },
+            ));
+        }
+        fx
     }
 
     fn settle(&mut self, fx: &mut Effects, pull_id: PullId, req_id: &str, outcome: SettleOutcome) {
@@ -87,7 +144,7 @@ impl PeerState {
                     outcome,
                 },
             )),
-            None => fx.stale.push(ReqId::from(req_id)),
+            None => fx.stale.note(req_id),
         }
     }
 
@@ -111,14 +168,16 @@ impl PeerState {
         fx.pull_done = true;
     }
 
-    /// One reply off the pull's channel.
+    /// One reply off the pull's channel. Its cost is linear in the pull's size: a reply naming
+    /// more than [`max_reply_ids`] ids is refused before they are decoded.
     pub fn on_reply(&mut self, pull_id: PullId, frames: Frames) -> Effects {
         let mut fx = Effects::default();
-        if !self.pulls.contains_key(&pull_id) {
+        let Some(carried) = self.pulls.get(&pull_id).map(|p| p.carried) else {
             return fx; // the pull is over; its channel is being closed
-        }
+        };
         let decoded = match frames.as_slice() {
-            [one] => MooncakeXferResponse::decode(one).map_err(|e| e.to_string()),
+            [one] => MooncakeXferResponse::decode_bounded(one, max_reply_ids(carried))
+                .map_err(|e| e.to_string()),
             _ => Err(format!("{}-frame reply", frames.len())),
         };
         let resp = match decoded {
@@ -130,13 +189,11 @@ impl PeerState {
                 return fx;
             }
         };
-        for id in resp.ok() {
-            self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
-        }
         let err_reason = resp
             .err_msg
             .clone()
             .unwrap_or_else(|| "peer reported failure".into());
+        // err_reqs first: an id in both lists is a failure (its ok entry is then stale).
         for id in resp.err() {
             self.settle(
                 &mut fx,
@@ -144,6 +201,9 @@ impl PeerState {
                 id,
                 SettleOutcome::Failed(err_reason.clone()),
             );
+        }
+        for id in resp.ok() {
+            self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
         }
         match resp.status {
             // More subsets follow; the channel stays open until FINISH, ERROR or the deadline.
@@ -192,5 +252,138 @@ impl PeerState {
             self.settle_rest(&mut fx, *id, SettleOutcome::Uncertain(reason.to_owned()));
         }
         (fx, ids)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Instant;
+
+    use super::*;
+    use crate::messages::RequestMeta;
+
+    fn pull(id: PullId, reqs: &[&str]) -> Pull {
+        Pull {
+            pull_id: id,
+            payload: vec![],
+            requests: reqs
+                .iter()
+                .map(|r| PullRequest {
+                    meta: Arc::new(RequestMeta {
+                        req_id: (*r).into(),
+                        transfer_id: format!("t-{r}"),
+                        engine_id: "e".into(),
+                        bootstrap_addr: "http://b:1".into(),
+                        block_ids: vec![vec![1]],
+                    }),
+                    aggregator: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn reply(status: XferStatus, ok: Vec<String>, err: Vec<String>) -> Frames {
+        let r = MooncakeXferResponse {
+            status,
+            ok_reqs: Some(ok),
+            err_reqs: Some(err),
+            err_msg: None,
+        };
+        vec![r.encode().unwrap()]
+    }
+
+    fn outcomes(fx: &Effects) -> Vec<(String, SettleOutcome)> {
+        fx.settles
+            .iter()
+            .map(|(_, s)| (s.req_id.to_string(), s.outcome.clone()))
+            .collect()
+    }
+
+    #[test]
+    fn an_id_in_both_lists_of_one_reply_settles_failed() {
+        let mut st = PeerState::new(PeerId::new("p"));
+        st.start(&pull(1, &["r1", "r2"]));
+        let fx = st.on_reply(
+            1,
+            reply(
+                XferStatus::Continue,
+                vec!["r1".into(), "r2".into()],
+                vec!["r1".into()],
+            ),
+        );
+        assert_eq!(
+            outcomes(&fx),
+            vec![
+                (
+                    "r1".into(),
+                    SettleOutcome::Failed("peer reported failure".into())
+                ),
+                ("r2".into(), SettleOutcome::Ok),
+            ]
+        );
+        assert_eq!(fx.stale.count, 1, "the ok entry of r1 is a duplicate");
+    }
+
+    #[test]
+    fn stale_ids_are_counted_with_a_short_sample() {
+        let mut st = PeerState::new(PeerId::new("p"));
+        st.start(&pull(1, &["r1"]));
+        // 2 x 1 + slack: the most a reply to this pull may name
+        let mut ids: Vec<String> = (0..max_reply_ids(1) - 1).map(|i| format!("x{i}")).collect();
+        ids.push("r1".into());
+        let fx = st.on_reply(1, reply(XferStatus::Continue, ids, vec![]));
+        assert!(fx.malformed.is_none());
+        assert_eq!(outcomes(&fx), vec![("r1".into(), SettleOutcome::Ok)]);
+        assert_eq!(fx.stale.count, max_reply_ids(1) - 1);
+        assert_eq!(fx.stale.sample.len(), STALE_SAMPLE);
+        assert_eq!(&*fx.stale.sample[0], "x0");
+    }
+
+    #[test]
+    fn a_reply_naming_a_million_ids_is_refused_as_malformed_without_decoding_them() {
+        let mut st = PeerState::new(PeerId::new("p"));
+        st.start(&pull(1, &["r1", "r2"]));
+        let ids: Vec<String> = (0..1_000_000).map(|i| format!("id-{i:07}")).collect();
+        let frames = reply(XferStatus::Continue, ids, vec![]);
+        assert!(frames[0].len() < 16 << 20, "under the frame cap");
+        let t = Instant::now();
+        let fx = st.on_reply(1, frames);
+        // Informational only (not asserted): the refusal reads list headers, not the ids.
+        eprintln!("1,000,000-id reply refused in {:?}", t.elapsed());
+        let reason = fx.malformed.as_deref().expect("malformed");
+        assert!(
+            reason.contains("1000000") && reason.contains("more than the 20"),
+            "{reason}"
+        );
+        assert!(fx.stale.is_empty(), "nothing was decoded, nothing echoed");
+        assert!(fx.pull_done);
+        assert!(outcomes(&fx)
+            .iter()
+            .all(|(_, o)| matches!(o, SettleOutcome::Uncertain(_))));
+        assert_eq!(
+            fx.settles.len(),
+            2,
+            "the pull's pending requests settle Uncertain"
+        );
+    }
+
+    #[test]
+    fn an_unsent_pull_settles_each_request_failed_once() {
+        let st = PeerState::new(PeerId::new("p"));
+        let p = pull(3, &["r1", "r1", "r2"]);
+        let fx = st.unsent(&UnsentPull {
+            pull_id: 3,
+            requests: p.requests,
+            reason: "not sent".into(),
+        });
+        assert_eq!(
+            outcomes(&fx),
+            vec![
+                ("r1".into(), SettleOutcome::Failed("not sent".into())),
+                ("r2".into(), SettleOutcome::Failed("not sent".into())),
+            ]
+        );
+        assert_eq!(st.in_flight(), 0);
     }
 }

@@ -5,12 +5,15 @@ use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
 
-use actix::{Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, Supervisor, WrapFuture};
+use actix::{
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, ResponseActFuture, Supervisor,
+    WrapFuture,
+};
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId, PullRequest,
-    RequestMeta, SharedRequest,
+    Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId,
+    PullRequest, RequestMeta, SharedRequest, UnsentPull, WireError,
 };
 use crate::metrics as m;
 use crate::rdma::{Landing, PullWindow};
@@ -32,6 +35,8 @@ pub struct Receiver {
     events: EventSink,
     peers: HashMap<PeerId, Addr<Peer>>,
     next_pull: PullId,
+    /// Metadata encoder (a seam so a test can make it fail).
+    encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
 }
 
 impl Receiver {
@@ -52,6 +57,7 @@ impl Receiver {
             events,
             peers: HashMap::new(),
             next_pull: 1,
+            encode: MooncakeXferMetadata::encode,
         }
     }
 
@@ -143,20 +149,25 @@ impl Receiver {
                 peer,
                 requests: &awaiting,
             });
-            let payload = self.metadata(&host, port, &group, bases).encode();
-            let payload = match payload {
-                Ok(p) => p,
+            let md = self.metadata(&host, port, &group, bases);
+            match (self.encode)(&md) {
+                Ok(payload) => self.peer(peer).do_send(Pull {
+                    pull_id,
+                    payload,
+                    requests: requests.clone(),
+                }),
                 Err(e) => {
-                    // Encoding our own struct cannot fail; if it ever does, nothing was sent.
-                    tracing::error!(error = %e, "cannot encode metadata");
-                    continue;
+                    // Nothing was sent, so nothing can be written: the peer settles the pull
+                    // Failed and every aggregator still reaches zero.
+                    metrics::counter!(m::UNSENT_PULLS).increment(1);
+                    tracing::error!(error = %e, %peer, pull_id, "cannot encode metadata; failing the pull");
+                    self.peer(peer).do_send(UnsentPull {
+                        pull_id,
+                        requests: requests.clone(),
+                        reason: format!("pull not sent: cannot encode its metadata: {e}"),
+                    });
                 }
-            };
-            self.peer(peer).do_send(Pull {
-                pull_id,
-                payload,
-                requests: requests.clone(),
-            });
+            }
         }
     }
 
@@ -199,39 +210,82 @@ impl Actor for Receiver {
 }
 
 impl Handler<LoadKv> for Receiver {
-    type Result = LoadKvReply;
+    type Result = ResponseActFuture<Self, LoadKvReply>;
 
-    fn handle(&mut self, batch: LoadKv, ctx: &mut Context<Self>) -> LoadKvReply {
-        let mut reply = LoadKvReply::default();
+    /// Validate here, then ask the BlockManager to admit what is valid (it owns the live set:
+    /// request ids not yet drained, blocks not yet released), then start the pulls.
+    fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
+        let mut rejected: Vec<(usize, BatchError)> = Vec::new();
+        let mut valid: Vec<(usize, SharedRequest)> = Vec::new();
         let mut seen = HashSet::new();
-        // (bootstrap, engine) -> requests, in arrival order: one pull per engine and peer.
+        for (i, kv) in batch.requests.into_iter().enumerate() {
+            match kv.validate().and_then(|m| self.check_blocks(&m).map(|_| m)) {
+                Ok(m) if !seen.insert(m.req_id.clone()) => rejected.push((
+                    i,
+                    BatchError::Duplicate {
+                        req_id: m.req_id.to_string(),
+                    },
+                )),
+                Ok(m) => valid.push((i, Arc::new(m))),
+                Err(e) => rejected.push((i, e)),
+            }
+        }
+        let admit = Admit {
+            requests: valid.iter().map(|(_, m)| m.clone()).collect(),
+        };
+        Box::pin(self.block_manager.send(admit).into_actor(self).map(
+            move |verdicts, act, ctx| {
+                let verdicts = match verdicts {
+                    Ok(v) => v,
+                    Err(e) => {
+                        tracing::error!(error = %e, "block manager unreachable; refusing the batch");
+                        valid
+                            .iter()
+                            .map(|(_, m)| {
+                                Err(BatchError::Unavailable {
+                                    req_id: m.req_id.to_string(),
+                                })
+                            })
+                            .collect()
+                    }
+                };
+                act.start_admitted(valid, verdicts, rejected, ctx)
+            },
+        ))
+    }
+}
+
+impl Receiver {
+    /// Start the pulls of the admitted requests: one pull per engine and peer, requests in
+    /// arrival order. Rejections are reported in batch order.
+    fn start_admitted(
+        &mut self,
+        valid: Vec<(usize, SharedRequest)>,
+        verdicts: Vec<Result<(), BatchError>>,
+        mut rejected: Vec<(usize, BatchError)>,
+        ctx: &mut Context<Self>,
+    ) -> LoadKvReply {
+        let mut reply = LoadKvReply::default();
         let mut groups: Vec<((String, String), Vec<SharedRequest>)> = Vec::new();
-        for kv in batch.requests {
-            let meta = match kv.validate().and_then(|m| self.check_blocks(&m).map(|_| m)) {
-                Ok(m) => m,
-                Err(e) => {
-                    reply.rejected.push(e);
-                    continue;
-                }
-            };
-            if !seen.insert(meta.req_id.clone()) {
-                reply.rejected.push(BatchError::Duplicate {
-                    req_id: meta.req_id.to_string(),
-                });
+        for ((i, meta), verdict) in valid.into_iter().zip(verdicts) {
+            if let Err(e) = verdict {
+                rejected.push((i, e));
                 continue;
             }
             reply.accepted += 1;
             reply.awaiting += usize::from(meta.is_awaiting());
             let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
-            let meta = Arc::new(meta);
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, v)) => v.push(meta),
                 None => groups.push((key, vec![meta])),
             }
         }
-        for e in &reply.rejected {
+        rejected.sort_by_key(|(i, _)| *i);
+        for (_, e) in &rejected {
+            metrics::counter!(m::LOAD_KV_REJECTED, "reason" => e.kind()).increment(1);
             tracing::warn!(error = %e, "request refused at load_kv");
         }
+        reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
         for ((bootstrap, engine), group) in groups {
             let lookup = self.topology.lookup(&bootstrap, &engine);
             ctx.spawn(
@@ -241,5 +295,77 @@ impl Handler<LoadKv> for Receiver {
             );
         }
         reply
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::actors::block_ledger::BlockLedger;
+    use crate::actors::{ScriptedTransport, StaticTopology};
+    use crate::layout::KvLayout;
+    use crate::messages::{Drain, KvEvent, KvRequest, Outcome, ReqId, SettleOutcome};
+    use crate::rdma::StaticLanding;
+
+    /// A pull whose metadata cannot be encoded is never sent, yet each of its awaited requests
+    /// is settled Failed by that peer, so the request still completes exactly once.
+    #[actix::test]
+    async fn a_pull_that_cannot_be_encoded_settles_failed_and_completes() {
+        let (events, mut rx) = EventSink::channel();
+        let cfg = KvRecvConfig {
+            layout: KvLayout::uniform(1, 64, 8),
+            ..KvRecvConfig::default()
+        };
+        let landing: Arc<dyn Landing> = Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]));
+        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
+        let bm = BlockManager::new(ledger, landing.clone(), cfg.policy, events.clone()).start();
+        let (transport, mut opened) = ScriptedTransport::new();
+        let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
+        let mut receiver = Receiver::new(
+            cfg,
+            Rc::new(topology),
+            Rc::new(transport),
+            landing,
+            bm.clone(),
+            events,
+        );
+        receiver.encode = |_| Err(WireError::TooLarge { len: 1, cap: 0 });
+        let receiver = receiver.start();
+        let reply = receiver
+            .send(LoadKv {
+                requests: vec![KvRequest {
+                    req_id: "r1".into(),
+                    transfer_id: Some("t1".into()),
+                    remote_engine_id: Some("e0".into()),
+                    remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+                    block_ids: vec![vec![3]],
+                }],
+            })
+            .await
+            .unwrap();
+        assert_eq!(reply.awaiting, 1);
+        let mut settles = vec![];
+        let outcome = loop {
+            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+                .await
+                .expect("the request completes")
+                .expect("events open");
+            match ev {
+                KvEvent::Settled { outcome, .. } => settles.push(outcome),
+                KvEvent::Completion { outcome, .. } => break outcome,
+                _ => {}
+            }
+        };
+        assert_eq!(settles.len(), 2, "both peers settled");
+        assert!(settles
+            .iter()
+            .all(|s| matches!(s, SettleOutcome::Failed(r) if r.contains("not sent"))));
+        assert!(matches!(outcome, Outcome::Failed { .. }));
+        let step = bm.send(Drain).await.unwrap();
+        assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+        assert_eq!(step.invalid_block_ids, vec![3]);
+        assert!(opened.try_recv().is_err(), "nothing was sent");
     }
 }

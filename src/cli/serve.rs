@@ -5,7 +5,8 @@
 //! `event`). stdin carries one JSON command per line:
 //! `{"op":"load_kv","requests":[{"req_id","transfer_id","remote_engine_id","remote_bootstrap_addr","block_ids":[[..]]}]}`,
 //! `{"op":"drain"}`, `{"op":"stats"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad
-//! line gets an `error` line and the process keeps running. Logs go to stderr.
+//! line (not JSON, not UTF-8, longer than `--max-line-bytes`) gets an `error` line and the
+//! process keeps running. Logs go to stderr.
 //!
 //! The process is a Mooncake TE target (TCP): a handshake daemon (what P's TE reaches through
 //! `remote_hostname:remote_port`) and a data server, both bound on `--bind`, with landing permits
@@ -21,9 +22,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncWriteExt, BufReader};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 
+use super::line_reader::{Line, LineReader};
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
@@ -115,6 +117,10 @@ pub struct ServeArgs {
     /// Serve Prometheus text on this address (`/metrics`).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
+    /// Longest stdin line accepted, bytes; a longer one is dropped (an `error` line answers it)
+    /// without being held in memory.
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_line_bytes: usize,
     /// Log filter when RUST_LOG is unset.
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -348,7 +354,8 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
             "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
         }),
     );
-    let mut lines = BufReader::new(tokio::io::stdin()).lines();
+    let max_line = args.max_line_bytes;
+    let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), max_line);
     let mut n = 0u64;
     loop {
         tokio::select! {
@@ -370,6 +377,20 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
                     }
                 };
                 n += 1;
+                // A bad line is answered and skipped; only the end of input ends serve.
+                let line = match line {
+                    Line::Text(l) => l,
+                    Line::NotUtf8 { valid_up_to } => {
+                        emit(&out, json!({"event": "error", "line": n,
+                                          "error": format!("line is not UTF-8 (invalid byte at offset {valid_up_to})")}));
+                        continue;
+                    }
+                    Line::TooLong { len } => {
+                        emit(&out, json!({"event": "error", "line": n,
+                                          "error": format!("line of {len} bytes is longer than --max-line-bytes {max_line}; ignored")}));
+                        continue;
+                    }
+                };
                 if line.trim().is_empty() {
                     continue;
                 }

@@ -1,6 +1,7 @@
 //! What the host scheduler hands to `load_kv`: one batch of requests whose destination blocks
 //! are allocated and must now be filled by the prefill peers.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use actix::Message;
@@ -53,6 +54,105 @@ pub enum BatchError {
         groups: usize,
         expected: usize,
     },
+    #[error("request {req_id}: remote_bootstrap_addr {addr:?} is not http://host:port ({reason})")]
+    BadBootstrapAddr {
+        req_id: String,
+        addr: String,
+        reason: &'static str,
+    },
+    #[error("request {req_id}: block {block} is listed twice in KV-cache group {group}")]
+    DuplicateBlock {
+        req_id: String,
+        group: usize,
+        block: u32,
+    },
+    #[error(
+        "request {req_id} is still in flight or its completion was not drained yet; \
+         load it again only after drain returned it"
+    )]
+    AlreadyLive { req_id: String },
+    #[error(
+        "request {req_id}: block {block} of KV-cache group {group} belongs to request {owner}, \
+         which is still in flight or quarantined"
+    )]
+    BlockInUse {
+        req_id: String,
+        group: usize,
+        block: u32,
+        owner: String,
+    },
+    #[error("request {req_id}: the coordinator is not running")]
+    Unavailable { req_id: String },
+}
+
+impl BatchError {
+    /// A short label for metrics.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            BatchError::MissingField { .. } | BatchError::EmptyField { .. } => "missing_field",
+            BatchError::Duplicate { .. } => "duplicate_in_batch",
+            BatchError::BlockOutOfRange { .. } => "block_out_of_range",
+            BatchError::GroupCount { .. } => "group_count",
+            BatchError::BadBootstrapAddr { .. } => "bad_bootstrap_addr",
+            BatchError::DuplicateBlock { .. } => "duplicate_block",
+            BatchError::AlreadyLive { .. } => "already_live",
+            BatchError::BlockInUse { .. } => "block_in_use",
+            BatchError::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
+/// Check that `addr` is `http://host:port` (a trailing `/` already trimmed): vLLM appends
+/// `/query`, and a URL the HTTP client would read differently (no port, port 99999 read as 80)
+/// must be refused here rather than reach the wrong host.
+///
+/// ```
+/// use kvrecv::messages::batch::check_bootstrap_addr;
+/// assert!(check_bootstrap_addr("http://10.0.0.7:8998").is_ok());
+/// assert!(check_bootstrap_addr("http://[::1]:8998").is_ok());
+/// assert!(check_bootstrap_addr("http://10.0.0.7:99999").is_err());
+/// assert!(check_bootstrap_addr("http://10.0.0.7").is_err());
+/// ```
+pub fn check_bootstrap_addr(addr: &str) -> Result<(), &'static str> {
+    let scheme = addr.get(..7).filter(|s| s.eq_ignore_ascii_case("http://"));
+    let rest = scheme
+        .map(|_| &addr[7..])
+        .ok_or("the scheme must be http")?;
+    if rest.contains(['/', '?', '#', '@']) || rest.chars().any(|c| c.is_whitespace()) {
+        return Err("only scheme, host and port are allowed");
+    }
+    let (host, port) = match rest.strip_prefix('[') {
+        // IPv6 literal: [addr]:port
+        Some(v6) => {
+            let (host, after) = v6.split_once(']').ok_or("unclosed '['")?;
+            let port = after.strip_prefix(':').ok_or("no port")?;
+            if !host
+                .chars()
+                .all(|c| c.is_ascii_hexdigit() || ":.%".contains(c))
+                || host.is_empty()
+            {
+                return Err("bad IPv6 host");
+            }
+            (host, port)
+        }
+        None => {
+            let (host, port) = rest.rsplit_once(':').ok_or("no port")?;
+            if host.contains(':') {
+                return Err("an IPv6 host needs brackets");
+            }
+            (host, port)
+        }
+    };
+    if host.is_empty() {
+        return Err("empty host");
+    }
+    if port.is_empty() || !port.bytes().all(|b| b.is_ascii_digit()) {
+        return Err("the port must be a decimal number");
+    }
+    match port.parse::<u32>() {
+        Ok(1..=65535) => Ok(()),
+        _ => Err("the port must be in 1..=65535"),
+    }
 }
 
 /// A validated request, shared (`Arc`) by every actor that needs it.
@@ -107,13 +207,36 @@ impl KvRequest {
         let transfer_id = field(self, &self.transfer_id, "transfer_id")?;
         let engine_id = field(self, &self.remote_engine_id, "remote_engine_id")?;
         let bootstrap = field(self, &self.remote_bootstrap_addr, "remote_bootstrap_addr")?;
+        let bootstrap = bootstrap.trim_end_matches('/');
+        check_bootstrap_addr(bootstrap).map_err(|reason| BatchError::BadBootstrapAddr {
+            req_id: self.req_id.clone(),
+            addr: bootstrap.to_owned(),
+            reason,
+        })?;
+        self.check_unique_blocks()?;
         Ok(RequestMeta {
             req_id: ReqId::from(self.req_id.as_str()),
             transfer_id: transfer_id.to_owned(),
             engine_id: engine_id.to_owned(),
-            bootstrap_addr: bootstrap.trim_end_matches('/').to_owned(),
+            bootstrap_addr: bootstrap.to_owned(),
             block_ids: self.block_ids.clone(),
         })
+    }
+
+    /// A block listed twice in one group would be written twice by every peer and released
+    /// twice; block ids are unique only within a group (PROTOCOL.md §4).
+    fn check_unique_blocks(&self) -> Result<(), BatchError> {
+        for (group, blocks) in self.block_ids.iter().enumerate() {
+            let mut seen = HashSet::with_capacity(blocks.len());
+            if let Some(&block) = blocks.iter().find(|b| !seen.insert(**b)) {
+                return Err(BatchError::DuplicateBlock {
+                    req_id: self.req_id.clone(),
+                    group,
+                    block,
+                });
+            }
+        }
+        Ok(())
     }
 }
 
@@ -199,5 +322,70 @@ mod tests {
         .validate()
         .unwrap();
         assert!(!empty.is_awaiting());
+    }
+
+    #[test]
+    fn bootstrap_addr_must_be_http_host_port() {
+        for good in [
+            "http://127.0.0.1:8998",
+            "http://127.0.0.1:8998/",
+            "http://p-0.svc:1",
+            "HTTP://h:65535",
+            "http://[::1]:8998",
+        ] {
+            let r = KvRequest {
+                remote_bootstrap_addr: Some(good.into()),
+                ..req()
+            };
+            assert!(r.validate().is_ok(), "{good} refused");
+        }
+        for (bad, why) in [
+            ("http://127.0.0.1:99999", "1..=65535"),
+            ("http://127.0.0.1:0", "1..=65535"),
+            ("http://127.0.0.1", "no port"),
+            ("http://127.0.0.1:", "decimal"),
+            ("http://:8998", "empty host"),
+            ("https://h:8998", "http"),
+            ("127.0.0.1:8998", "http"),
+            ("http://h:80x", "decimal"),
+            ("http://h:8998/prefix", "only scheme"),
+            ("http://u@h:8998", "only scheme"),
+            ("http://::1:8998", "brackets"),
+            ("http://[::1]", "no port"),
+            ("http://[]:1", "IPv6"),
+            ("http://h :1", "only scheme"),
+        ] {
+            let r = KvRequest {
+                remote_bootstrap_addr: Some(bad.into()),
+                ..req()
+            };
+            match r.validate() {
+                Err(BatchError::BadBootstrapAddr { reason, .. }) => {
+                    assert!(reason.contains(why), "{bad}: {reason}")
+                }
+                other => panic!("{bad} accepted or refused otherwise: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_block_listed_twice_in_a_group_is_refused_but_not_across_groups() {
+        let twice = KvRequest {
+            block_ids: vec![vec![1], vec![4, 5, 4]],
+            ..req()
+        };
+        assert_eq!(
+            twice.validate().unwrap_err(),
+            BatchError::DuplicateBlock {
+                req_id: "d-1".into(),
+                group: 1,
+                block: 4
+            }
+        );
+        let across = KvRequest {
+            block_ids: vec![vec![4], vec![4]],
+            ..req()
+        };
+        assert!(across.validate().is_ok(), "ids are unique per group only");
     }
 }

@@ -16,11 +16,13 @@ pub enum KvEvent {
         req_id: ReqId,
         outcome: SettleOutcome,
     },
-    /// A reply named a request that is not pending for that pull (unknown, duplicate, late).
+    /// One reply named `count` ids that were not pending for that pull (unknown, duplicate,
+    /// late); `sample` holds the first few. At most one per reply.
     Stale {
         peer: PeerId,
         pull_id: PullId,
-        req_id: ReqId,
+        count: usize,
+        sample: Vec<ReqId>,
     },
     FirstFailure {
         req_id: ReqId,

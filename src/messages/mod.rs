@@ -1,6 +1,7 @@
 //! Every message that crosses a boundary: control-plane wire structs (msgpack, msgspec-compatible),
 //! bootstrap JSON, and the actix messages between actors. Plain data, no I/O.
 
+pub mod admit;
 pub mod batch;
 pub mod bootstrap;
 pub mod completion;
@@ -14,12 +15,13 @@ pub mod pull;
 pub mod settle;
 pub mod wire;
 
+pub use admit::Admit;
 pub use batch::{BatchError, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
 pub use completion::{Completion, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats};
-pub use pull::{Pull, PullRequest};
+pub use pull::{Pull, PullRequest, UnsentPull};
 pub use settle::{Settle, SettleOutcome};
 pub use wire::{MooncakeXferMetadata, MooncakeXferResponse, WireError, XferStatus};

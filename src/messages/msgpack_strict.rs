@@ -24,10 +24,30 @@ pub enum StrictError {
     TooDeep,
     #[error("{0} trailing bytes after the document")]
     Trailing(usize),
+    #[error("`{key}` brings the listed ids to {total}, more than the {max} this message may name")]
+    TooManyItems {
+        key: &'static str,
+        total: usize,
+        max: usize,
+    },
+}
+
+/// A cap on the arrays under some top-level keys, all together (e.g. the ids a reply names).
+#[derive(Debug, Clone, Copy)]
+pub struct ListCap<'a> {
+    pub keys: &'a [&'static str],
+    pub max_items: usize,
 }
 
 /// Check that `buf` is exactly one msgpack map containing no `bin`, `ext` or reserved markers.
 pub fn check_map_document(buf: &[u8]) -> Result<(), StrictError> {
+    check_map_document_capped(buf, None)
+}
+
+/// [`check_map_document`], and the arrays under `cap.keys` hold at most `cap.max_items`
+/// elements together. Each array's length is checked at its header, before its elements are
+/// walked or anything is decoded, so an oversized list costs nothing to refuse.
+pub fn check_map_document_capped(buf: &[u8], cap: Option<ListCap<'_>>) -> Result<(), StrictError> {
     let first = *buf.first().ok_or(StrictError::Truncated(0))?;
     match Marker::from_u8(first) {
         Marker::FixMap(_) | Marker::Map16 | Marker::Map32 => {}
@@ -37,11 +57,74 @@ pub fn check_map_document(buf: &[u8]) -> Result<(), StrictError> {
         _ => return Err(StrictError::NotAMap("scalar")),
     }
     let mut pos = 0;
-    skip_value(buf, &mut pos, 0)?;
+    match cap {
+        None => skip_value(buf, &mut pos, 0)?,
+        Some(cap) => skip_top_map_capped(buf, &mut pos, cap)?,
+    }
     if pos != buf.len() {
         return Err(StrictError::Trailing(buf.len() - pos));
     }
     Ok(())
+}
+
+/// Walk the top-level map, counting the elements of the capped arrays as their headers pass.
+fn skip_top_map_capped(buf: &[u8], pos: &mut usize, cap: ListCap<'_>) -> Result<(), StrictError> {
+    let at = *pos;
+    *pos += 1;
+    let n = match Marker::from_u8(buf[at]) {
+        Marker::FixMap(n) => usize::from(n),
+        Marker::Map16 => be_len(buf, pos, 2)?,
+        Marker::Map32 => be_len(buf, pos, 4)?,
+        _ => return Err(StrictError::NotAMap("scalar")),
+    };
+    if n.checked_mul(2).is_none_or(|e| e > buf.len() - *pos) {
+        return Err(StrictError::Truncated(at));
+    }
+    let mut total = 0usize;
+    for _ in 0..n {
+        let key_at = *pos;
+        skip_value(buf, pos, 1)?;
+        let capped = str_payload(&buf[key_at..*pos])
+            .and_then(|k| cap.keys.iter().find(|c| c.as_bytes() == k));
+        if let Some(key) = capped {
+            if let Some(len) = array_len(buf, *pos)? {
+                total = total.saturating_add(len);
+                if total > cap.max_items {
+                    return Err(StrictError::TooManyItems {
+                        key,
+                        total,
+                        max: cap.max_items,
+                    });
+                }
+            }
+        }
+        skip_value(buf, pos, 1)?;
+    }
+    Ok(())
+}
+
+/// The bytes of a complete msgpack `str` value, or `None` if `v` is not a `str`.
+fn str_payload(v: &[u8]) -> Option<&[u8]> {
+    let skip = match Marker::from_u8(*v.first()?) {
+        Marker::FixStr(_) => 1,
+        Marker::Str8 => 2,
+        Marker::Str16 => 3,
+        Marker::Str32 => 5,
+        _ => return None,
+    };
+    v.get(skip..)
+}
+
+/// The element count of the array starting at `at`, or `None` if the value there is not an array.
+fn array_len(buf: &[u8], at: usize) -> Result<Option<usize>, StrictError> {
+    let b = *buf.get(at).ok_or(StrictError::Truncated(at))?;
+    let mut pos = at + 1;
+    Ok(match Marker::from_u8(b) {
+        Marker::FixArray(n) => Some(usize::from(n)),
+        Marker::Array16 => Some(be_len(buf, &mut pos, 2)?),
+        Marker::Array32 => Some(be_len(buf, &mut pos, 4)?),
+        _ => None,
+    })
 }
 
 fn take(buf: &[u8], pos: &mut usize, n: usize) -> Result<(), StrictError> {
@@ -165,5 +248,51 @@ mod tests {
         doc.extend(std::iter::repeat_n(0x91, 10_000));
         doc.push(0x00);
         assert_eq!(check_map_document(&doc), Err(StrictError::TooDeep));
+    }
+
+    #[test]
+    fn capped_lists_are_refused_at_their_header_together() {
+        const IDS: ListCap<'static> = ListCap {
+            keys: &["ok_reqs", "err_reqs"],
+            max_items: 3,
+        };
+        // {"ok_reqs":["a","b"],"err_reqs":["c"]}: 3 ids, at the cap
+        let mut doc = vec![0x82, 0xa7];
+        doc.extend(b"ok_reqs");
+        doc.extend([0x92, 0xa1, b'a', 0xa1, b'b', 0xa8]);
+        doc.extend(b"err_reqs");
+        doc.extend([0x91, 0xa1, b'c']);
+        assert_eq!(check_map_document_capped(&doc, Some(IDS)), Ok(()));
+        // one more id in err_reqs: 4 > 3
+        let mut over = doc[..doc.len() - 3].to_vec();
+        over.extend([0x92, 0xa1, b'c', 0xa1, b'd']);
+        assert_eq!(
+            check_map_document_capped(&over, Some(IDS)),
+            Err(StrictError::TooManyItems {
+                key: "err_reqs",
+                total: 4,
+                max: 3
+            })
+        );
+        assert_eq!(check_map_document(&over), Ok(()), "no cap, no limit");
+        // an array32 header claiming 10^6 elements is refused by the cap before its body is
+        // looked at (here there is none: without the cap it is a truncation)
+        let mut big = vec![0x81, 0xa7];
+        big.extend(b"ok_reqs");
+        big.extend([0xdd, 0x00, 0x0f, 0x42, 0x40]);
+        assert!(matches!(
+            check_map_document_capped(&big, Some(IDS)),
+            Err(StrictError::TooManyItems {
+                total: 1_000_000,
+                ..
+            })
+        ));
+        // other keys and non-array values are not counted
+        let mut other = vec![0x82, 0xa4];
+        other.extend(b"zzzz");
+        other.extend([0x94, 1, 2, 3, 4, 0xa7]);
+        other.extend(b"ok_reqs");
+        other.push(0xc0);
+        assert_eq!(check_map_document_capped(&other, Some(IDS)), Ok(()));
     }
 }

@@ -25,6 +25,17 @@ pub struct Pull {
     pub requests: Vec<PullRequest>,
 }
 
+/// A pull whose metadata could not be encoded, so nothing was sent: the Peer settles each of
+/// its requests Failed (nothing reached P, so nothing can be written), and every aggregator
+/// still reaches zero.
+#[derive(Clone, Message)]
+#[rtype(result = "()")]
+pub struct UnsentPull {
+    pub pull_id: PullId,
+    pub requests: Vec<PullRequest>,
+    pub reason: String,
+}
+
 impl std::fmt::Debug for Pull {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Pull")

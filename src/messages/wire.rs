@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 use serde_repr::{Deserialize_repr, Serialize_repr};
 use thiserror::Error;
 
-use super::msgpack_strict::{check_map_document, StrictError};
+use super::msgpack_strict::{check_map_document, check_map_document_capped, ListCap, StrictError};
 
 /// A `req_blocks` value: (`transfer_id`, one list of logical block ids per KV-cache group).
 pub type ReqBlocks = (String, Vec<Vec<u64>>);
@@ -139,6 +139,20 @@ impl MooncakeXferResponse {
     /// Decode a reply that came off a socket. Never panics.
     pub fn decode(buf: &[u8]) -> Result<Self, WireError> {
         decode_strict(buf)
+    }
+
+    /// [`Self::decode`], refusing a reply whose `ok_reqs` and `err_reqs` name more than
+    /// `max_ids` ids together. The count is read from the list headers before any id is
+    /// allocated, so a hostile reply (a million ids under the frame cap) is cheap to refuse.
+    pub fn decode_bounded(buf: &[u8], max_ids: usize) -> Result<Self, WireError> {
+        check_map_document_capped(
+            buf,
+            Some(ListCap {
+                keys: &["ok_reqs", "err_reqs"],
+                max_items: max_ids,
+            }),
+        )?;
+        Ok(rmp_serde::from_slice(buf)?)
     }
 
     /// `ok_reqs` with nil, `[]` and absence alike.

@@ -172,7 +172,13 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             for r in &reqs {
                 loaded_at.insert(r.req_id.clone(), now);
             }
-            coord.load_kv(LoadKv { requests: reqs }).await?;
+            let reply = coord.load_kv(LoadKv { requests: reqs }).await?;
+            // A refused request would never complete: stop instead of waiting for it.
+            if let Some(e) = reply.rejected.first() {
+                return Err(ReproError::Scenario(format!(
+                    "load_kv refused a request: {e}"
+                )));
+            }
             next += n;
             outstanding += n;
         }
