@@ -52,6 +52,9 @@ pub struct KvRecvConfig {
     pub quarantine_deadline: Duration,
     pub peer_backoff_base: Duration,
     pub peer_backoff_max: Duration,
+    /// Requests live at once (loaded, not yet drained); more are refused with
+    /// `BatchError::Backpressure`.
+    pub max_live_requests: usize,
     pub d_rank: DRank,
     pub layout: KvLayout,
 }
@@ -66,6 +69,7 @@ impl Default for KvRecvConfig {
             quarantine_deadline: Duration::from_secs(900),
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
+            max_live_requests: crate::actors::block_ledger::DEFAULT_MAX_LIVE,
             d_rank: DRank::default(),
             layout: KvLayout::default(),
         }
@@ -141,6 +145,7 @@ struct RawKvRecv {
     quarantine_deadline_ms: Option<u64>,
     peer_backoff_base_ms: Option<u64>,
     peer_backoff_max_ms: Option<u64>,
+    max_live_requests: Option<usize>,
     tp_size: Option<u32>,
     tp_rank: Option<u32>,
     pp_size: Option<u32>,
@@ -201,6 +206,14 @@ impl KvRecvConfig {
             "peer_backoff_max_ms",
             cfg.peer_backoff_max,
         )?;
+        if let Some(n) = k.max_live_requests {
+            if n == 0 {
+                return Err(ConfigError::Zero {
+                    key: "max_live_requests",
+                });
+            }
+            cfg.max_live_requests = n;
+        }
         cfg.d_rank = DRank {
             tp_size: k.tp_size.unwrap_or(1),
             tp_rank: k.tp_rank.unwrap_or(0),

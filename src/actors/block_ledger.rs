@@ -54,7 +54,13 @@ pub struct BlockLedger {
     /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
     /// (quarantine included): two writers into one block are never both admitted.
     owners: HashMap<(usize, u32), ReqId>,
+    /// Most live requests at once (backpressure).
+    max_live: usize,
 }
+
+/// Default cap on live requests: far above any real scheduler's in-flight count, low enough
+/// that a host that never drains is told before memory runs away.
+pub const DEFAULT_MAX_LIVE: usize = 1 << 17;
 
 impl BlockLedger {
     pub fn new(quarantine_deadline: Duration, pool: Option<BlockPool>) -> Self {
@@ -66,6 +72,7 @@ impl BlockLedger {
             pool,
             live: HashSet::new(),
             owners: HashMap::new(),
+            max_live: DEFAULT_MAX_LIVE,
         }
     }
 
@@ -80,6 +87,15 @@ impl BlockLedger {
         }
         if !req.is_awaiting() {
             return Ok(());
+        }
+        // Backpressure (DESIGN.md §6): a host that loads without draining gets an error, not
+        // unbounded state.
+        if self.live.len() >= self.max_live {
+            return Err(BatchError::Backpressure {
+                req_id: req.req_id.to_string(),
+                live: self.live.len(),
+                limit: self.max_live,
+            });
         }
         for (group, blocks) in req.block_ids.iter().enumerate() {
             for &block in blocks {
@@ -100,6 +116,12 @@ impl BlockLedger {
             }
         }
         Ok(())
+    }
+
+    /// Refuse new requests while `n` are live (admitted and not yet drained).
+    pub fn with_max_live(mut self, n: usize) -> Self {
+        self.max_live = n.max(1);
+        self
     }
 
     /// Whether `req_id` was admitted and not yet drained.
@@ -413,5 +435,33 @@ mod tests {
         l.end_quarantine(&"a".into(), t0);
         assert_eq!(l.admit(&d), Ok(()), "released: the block may be reused");
         assert!(l.is_live(&"a".into()), "the id stays live until drained");
+    }
+
+    #[test]
+    fn a_host_that_never_drains_meets_backpressure() {
+        let mut l = BlockLedger::new(Duration::from_secs(1), None).with_max_live(2);
+        let (a, b, c) = (
+            req("a", vec![vec![1]]),
+            req("b", vec![vec![2]]),
+            req("c", vec![vec![3]]),
+        );
+        l.admit(&a).unwrap();
+        l.admit(&b).unwrap();
+        assert!(matches!(
+            l.admit(&c),
+            Err(BatchError::Backpressure {
+                live: 2,
+                limit: 2,
+                ..
+            })
+        ));
+        assert!(
+            l.admit(&req("cleanup", vec![])).is_ok(),
+            "cleanup pulls never count"
+        );
+        // Completing and draining one makes room.
+        l.on_completion(&completion(&a, false, &[]), vec![], Instant::now());
+        l.drain();
+        l.admit(&c).unwrap();
     }
 }

@@ -46,7 +46,8 @@ impl Coordinator {
             .builtin_pool
             .then(|| BlockPool::new(cfg.layout.num_blocks));
         let ownership = pool.as_ref().map(|p| p.ownership());
-        let ledger = BlockLedger::new(cfg.quarantine_deadline, pool);
+        let ledger =
+            BlockLedger::new(cfg.quarantine_deadline, pool).with_max_live(cfg.max_live_requests);
         let block_manager = BlockManager::new(
             ledger,
             parts.landing.clone(),

@@ -83,6 +83,14 @@ pub enum BatchError {
     },
     #[error("request {req_id}: the coordinator is not running")]
     Unavailable { req_id: String },
+    #[error(
+        "request {req_id}: {live} requests are live (the limit is {limit}); drain, then retry"
+    )]
+    Backpressure {
+        req_id: String,
+        live: usize,
+        limit: usize,
+    },
 }
 
 impl BatchError {
@@ -98,6 +106,7 @@ impl BatchError {
             BatchError::AlreadyLive { .. } => "already_live",
             BatchError::BlockInUse { .. } => "block_in_use",
             BatchError::Unavailable { .. } => "unavailable",
+            BatchError::Backpressure { .. } => "backpressure",
         }
     }
 }
