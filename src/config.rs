@@ -52,6 +52,11 @@ pub struct KvRecvConfig {
     pub quarantine_deadline: Duration,
     pub peer_backoff_base: Duration,
     pub peer_backoff_max: Duration,
+    /// Backoff between topology lookups of an engine that is unhealthy (its last lookup failed,
+    /// or a peer it names is down): base, doubled per attempt, capped. The cap bounds how long
+    /// after a P engine comes back on new ports D keeps failing its requests.
+    pub topology_retry_base: Duration,
+    pub topology_retry_max: Duration,
     pub d_rank: DRank,
     pub layout: KvLayout,
 }
@@ -66,6 +71,8 @@ impl Default for KvRecvConfig {
             quarantine_deadline: Duration::from_secs(900),
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
+            topology_retry_base: Duration::from_millis(100),
+            topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
             layout: KvLayout::default(),
         }
@@ -141,6 +148,8 @@ struct RawKvRecv {
     quarantine_deadline_ms: Option<u64>,
     peer_backoff_base_ms: Option<u64>,
     peer_backoff_max_ms: Option<u64>,
+    topology_retry_base_ms: Option<u64>,
+    topology_retry_max_ms: Option<u64>,
     tp_size: Option<u32>,
     tp_rank: Option<u32>,
     pp_size: Option<u32>,
@@ -200,6 +209,16 @@ impl KvRecvConfig {
             k.peer_backoff_max_ms,
             "peer_backoff_max_ms",
             cfg.peer_backoff_max,
+        )?;
+        cfg.topology_retry_base = ms(
+            k.topology_retry_base_ms,
+            "topology_retry_base_ms",
+            cfg.topology_retry_base,
+        )?;
+        cfg.topology_retry_max = ms(
+            k.topology_retry_max_ms,
+            "topology_retry_max_ms",
+            cfg.topology_retry_max,
         )?;
         cfg.d_rank = DRank {
             tp_size: k.tp_size.unwrap_or(1),

@@ -14,6 +14,8 @@ pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
 pub const FIRST_FAILURES: &str = "kvrecv_first_failures_total";
 pub const COMPLETIONS: &str = "kvrecv_completions_total"; // label outcome
 pub const TOPOLOGY_FAILURES: &str = "kvrecv_topology_failures_total";
+pub const TOPOLOGY_REFRESHES: &str = "kvrecv_topology_refreshes_total";
+pub const UNREACHABLE_BATCHES: &str = "kvrecv_unreachable_batches_total"; // label reason
 pub const QUARANTINED_BLOCKS: &str = "kvrecv_quarantined_blocks";
 pub const QUARANTINE_FORCED: &str = "kvrecv_quarantine_forced_releases_total";
 pub const FENCE_LATENCY: &str = "kvrecv_fence_latency_seconds";
@@ -44,6 +46,14 @@ pub fn describe() {
     describe_counter!(
         TOPOLOGY_FAILURES,
         "Batches failed because the P topology was unavailable"
+    );
+    describe_counter!(
+        TOPOLOGY_REFRESHES,
+        "Cached topologies dropped and asked again because a peer they name failed"
+    );
+    describe_counter!(
+        UNREACHABLE_BATCHES,
+        "Pulls failed at once without being sent: peer down, or bootstrap in backoff (by reason)"
     );
     describe_gauge!(QUARANTINED_BLOCKS, "Destination blocks held until a fence");
     describe_counter!(
