@@ -25,6 +25,7 @@ pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
 pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total"; // label reason
 pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
+pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total"; // label listener
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
 pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
 pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
@@ -78,6 +79,10 @@ pub fn describe() {
         "Writes refused by the data plane, by reason"
     );
     describe_gauge!(LIVE_PERMITS, "Open landing permits");
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections closed at accept because the listener's cap was reached (data, handshake)"
+    );
     describe_counter!(
         TRANSPORT_ERRORS,
         "Side-channel failures (connect, send, recv, closed)"

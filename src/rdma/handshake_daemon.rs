@@ -16,6 +16,7 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
 
@@ -27,6 +28,10 @@ pub const MAX_FRAME: u64 = 1 << 20;
 pub const RECV_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long to wait for the client's close after the half-close.
 pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
+/// Default cap on handshakes served at once. P fetches the descriptor once per segment name
+/// and caches it, so even a large P fleet handshakes rarely; a connection may be held for up to
+/// `RECV_TIMEOUT + CLOSE_WAIT`, which is what the cap bounds.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
 
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +64,8 @@ pub struct HandshakeStats {
     pub connection: AtomicU64,
     /// Frames refused (bad length, timeout, I/O error).
     pub refused: AtomicU64,
+    /// Connections closed at accept because `max_concurrent` handshakes were in progress.
+    pub refused_over_cap: AtomicU64,
 }
 
 #[derive(Debug, Error)]
@@ -166,6 +173,8 @@ fn json_line(v: serde_json::Result<Vec<u8>>) -> Vec<u8> {
 pub struct Daemon {
     service: Arc<dyn HandshakeService>,
     pub stats: Arc<HandshakeStats>,
+    /// Handshakes served at once at most; more are closed at accept, never queued.
+    pub max_concurrent: usize,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -196,7 +205,14 @@ impl Daemon {
         Daemon {
             service,
             stats: Arc::default(),
+            max_concurrent: DEFAULT_MAX_HANDSHAKES,
         }
+    }
+
+    /// Cap the handshakes served at once (at least one).
+    pub fn with_max_concurrent(mut self, n: usize) -> Self {
+        self.max_concurrent = n.max(1);
+        self
     }
 
     /// `"tcp"` or `"rdma"`.
@@ -266,10 +282,11 @@ impl Daemon {
     }
 }
 
-/// Serve handshake connections forever, concurrently.
+/// Serve handshake connections forever, concurrently, at most `max_concurrent` at once.
 pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
+    let slots = Arc::new(Semaphore::new(daemon.max_concurrent));
     loop {
-        let (mut stream, peer) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "handshake accept failed");
@@ -277,8 +294,21 @@ pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // The initiator sees the close and fails (then retries) its handshake.
+            super::tcp_server::refuse_over_cap(
+                "handshake",
+                daemon.max_concurrent,
+                &daemon.stats.refused_over_cap,
+            );
+            drop(stream);
+            continue;
+        };
         let d = daemon.clone();
         tokio::spawn(async move {
+            let mut stream = stream;
+            // Dropped before the stream: the slot is free by the time the client sees the close.
+            let _slot = slot;
             if let Err(e) = d.handle(&mut stream).await {
                 d.stats.refused.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%peer, error = %e, "handshake request refused");
