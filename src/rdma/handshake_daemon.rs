@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
@@ -68,14 +68,57 @@ pub struct HandshakeStats {
     pub refused_over_cap: AtomicU64,
 }
 
+/// Why a request frame was refused.
 #[derive(Debug, Error)]
-enum HsError {
+pub enum FrameError {
     #[error("frame length {0} is 0 or above the cap")]
     Length(u64),
+    #[error("frame announced {expected} bytes, the connection ended after {got}")]
+    Truncated { expected: u64, got: usize },
     #[error("timed out waiting for the request")]
     Timeout,
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
+}
+
+/// One request frame as read off a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFrame {
+    /// False for the legacy form without a type byte (answered without one).
+    pub typed: bool,
+    pub ty: FrameType,
+    /// The JSON body (type byte removed).
+    pub body: Vec<u8>,
+}
+
+/// Read one request frame: u64 LE length, then that many bytes (type byte + JSON, or a legacy
+/// untyped body). The buffer grows with the bytes that actually arrive instead of being sized
+/// from the announced length, so a 9-byte frame announcing 1 MiB costs a few bytes, not 1 MiB.
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<RequestFrame, FrameError> {
+    let len = r.read_u64_le().await?;
+    if len == 0 || len > MAX_FRAME {
+        return Err(FrameError::Length(len));
+    }
+    let mut payload = Vec::new();
+    (&mut *r).take(len).read_to_end(&mut payload).await?;
+    if payload.len() as u64 != len {
+        return Err(FrameError::Truncated {
+            expected: len,
+            got: payload.len(),
+        });
+    }
+    Ok(match FrameType::from_byte(payload[0]) {
+        Some(ty) => RequestFrame {
+            typed: true,
+            ty,
+            body: payload.split_off(1),
+        },
+        None => RequestFrame {
+            typed: false,
+            ty: FrameType::Connection,
+            body: payload,
+        },
+    })
 }
 
 /// What the daemon answers to the frames that depend on the data plane: Metadata (type 1) and
@@ -221,7 +264,7 @@ impl Daemon {
     }
 
     /// The reply body (JSON incl. `\n`) for a request of type `t` with body `body`.
-    fn reply(&self, t: FrameType, body: &[u8]) -> Vec<u8> {
+    pub fn reply(&self, t: FrameType, body: &[u8]) -> Vec<u8> {
         match t {
             FrameType::Metadata => {
                 self.stats.metadata.fetch_add(1, Ordering::Relaxed);
@@ -247,21 +290,11 @@ impl Daemon {
         }
     }
 
-    async fn handle(&self, stream: &mut TcpStream) -> Result<(), HsError> {
-        let (typed, ty, body) = tokio::time::timeout(RECV_TIMEOUT, async {
-            let len = stream.read_u64_le().await?;
-            if len == 0 || len > MAX_FRAME {
-                return Err(HsError::Length(len));
-            }
-            let mut payload = vec![0u8; len as usize];
-            stream.read_exact(&mut payload).await?;
-            Ok(match FrameType::from_byte(payload[0]) {
-                Some(t) => (true, t, payload.split_off(1)),
-                None => (false, FrameType::Connection, payload),
-            })
-        })
-        .await
-        .map_err(|_| HsError::Timeout)??;
+    async fn handle(&self, stream: &mut TcpStream) -> Result<(), FrameError> {
+        let RequestFrame { typed, ty, body } =
+            tokio::time::timeout(RECV_TIMEOUT, read_frame(stream))
+                .await
+                .map_err(|_| FrameError::Timeout)??;
         let reply = self.reply(ty, &body);
         let mut frame = Vec::with_capacity(reply.len() + 9);
         let len = reply.len() as u64 + u64::from(typed);

@@ -348,8 +348,9 @@ async fn serve_read(
     if h.version() == ProtoVersion::V2 {
         stream.write_all(&STATUS_OK.to_le_bytes()).await?;
     }
-    // Chunked so a large READ does not allocate its whole size.
-    const CHUNK: u64 = 1 << 20;
+    // Chunked so a READ costs at most one `MC_TCP_SLICE_SIZE` buffer whatever size the header
+    // announces (1 MiB per connection let a 24-byte header pin 1 GiB across the connection cap).
+    const CHUNK: u64 = 64 * 1024;
     let mut buf = vec![0u8; h.size.min(CHUNK) as usize];
     let mut pos = 0u64;
     while pos < h.size {
