@@ -55,6 +55,11 @@ pub struct KvRecvConfig {
     /// Requests live at once (loaded, not yet drained); more are refused with
     /// `BatchError::Backpressure`.
     pub max_live_requests: usize,
+    /// Backoff between topology lookups of an engine that is unhealthy (its last lookup failed,
+    /// or a peer it names is down): base, doubled per attempt, capped. The cap bounds how long
+    /// after a P engine comes back on new ports D keeps failing its requests.
+    pub topology_retry_base: Duration,
+    pub topology_retry_max: Duration,
     pub d_rank: DRank,
     pub layout: KvLayout,
 }
@@ -70,6 +75,8 @@ impl Default for KvRecvConfig {
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
             max_live_requests: crate::actors::block_ledger::DEFAULT_MAX_LIVE,
+            topology_retry_base: Duration::from_millis(100),
+            topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
             layout: KvLayout::default(),
         }
@@ -146,6 +153,8 @@ struct RawKvRecv {
     peer_backoff_base_ms: Option<u64>,
     peer_backoff_max_ms: Option<u64>,
     max_live_requests: Option<usize>,
+    topology_retry_base_ms: Option<u64>,
+    topology_retry_max_ms: Option<u64>,
     tp_size: Option<u32>,
     tp_rank: Option<u32>,
     pp_size: Option<u32>,
@@ -214,6 +223,16 @@ impl KvRecvConfig {
             }
             cfg.max_live_requests = n;
         }
+        cfg.topology_retry_base = ms(
+            k.topology_retry_base_ms,
+            "topology_retry_base_ms",
+            cfg.topology_retry_base,
+        )?;
+        cfg.topology_retry_max = ms(
+            k.topology_retry_max_ms,
+            "topology_retry_max_ms",
+            cfg.topology_retry_max,
+        )?;
         cfg.d_rank = DRank {
             tp_size: k.tp_size.unwrap_or(1),
             tp_rank: k.tp_rank.unwrap_or(0),

@@ -14,6 +14,8 @@ pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
 pub const FIRST_FAILURES: &str = "kvrecv_first_failures_total";
 pub const COMPLETIONS: &str = "kvrecv_completions_total"; // label outcome
 pub const TOPOLOGY_FAILURES: &str = "kvrecv_topology_failures_total";
+pub const TOPOLOGY_REFRESHES: &str = "kvrecv_topology_refreshes_total";
+pub const UNREACHABLE_BATCHES: &str = "kvrecv_unreachable_batches_total"; // label reason
 pub const QUARANTINED_BLOCKS: &str = "kvrecv_quarantined_blocks";
 pub const QUARANTINE_FORCED: &str = "kvrecv_quarantine_forced_releases_total";
 pub const FENCE_LATENCY: &str = "kvrecv_fence_latency_seconds";
@@ -26,6 +28,7 @@ pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
 pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
 pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
+pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total"; // label listener
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
 pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
 pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
@@ -49,6 +52,14 @@ pub fn describe() {
     describe_counter!(
         TOPOLOGY_FAILURES,
         "Batches failed because the P topology was unavailable"
+    );
+    describe_counter!(
+        TOPOLOGY_REFRESHES,
+        "Cached topologies dropped and asked again because a peer they name failed"
+    );
+    describe_counter!(
+        UNREACHABLE_BATCHES,
+        "Pulls failed at once without being sent: peer down, or bootstrap in backoff (by reason)"
     );
     describe_gauge!(QUARANTINED_BLOCKS, "Destination blocks held until a fence");
     describe_counter!(
@@ -84,6 +95,10 @@ pub fn describe() {
     describe_counter!(
         WINDOWS_EXHAUSTED,
         "Pulls that found no clean landing window (their writes are refused)"
+    );
+    describe_counter!(
+        CONNECTIONS_REFUSED,
+        "Connections closed at accept because the listener's cap was reached (data, handshake)"
     );
     describe_counter!(
         TRANSPORT_ERRORS,

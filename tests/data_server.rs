@@ -268,3 +268,47 @@ async fn idle_connections_are_closed() {
     assert_eq!(t.stats().idle_timeouts.load(Ordering::Relaxed), 2);
     assert_eq!(t.stats().writes_landed.load(Ordering::Relaxed), 0);
 }
+
+/// A v2 READ of 8 bytes at `addr` is served on `s` (the connection holds a server slot).
+async fn served(s: &mut TcpStream, addr: u64) {
+    s.write_all(&Header::new(false, addr, 8, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    assert_eq!(status(s).await, STATUS_OK);
+    let mut b = [0u8; 8];
+    tokio::time::timeout(T, s.read_exact(&mut b))
+        .await
+        .expect("read served")
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_over_the_cap_are_closed_at_once_and_counted() {
+    let mut cfg = TargetConfig::loopback(common::layout());
+    cfg.windows = Some(8);
+    cfg.max_data_connections = 2;
+    let t = TcpTarget::start(cfg).await.unwrap();
+    let bases = open(&t, 1, &[req("a", &[3])]);
+    let at = bases[0] + 3 * BLOCK;
+    let (mut a, mut b) = (raw(&t).await, raw(&t).await);
+    served(&mut a, at).await;
+    served(&mut b, at).await;
+    // Both slots are held: the third connection is closed without being served or queued
+    // (queued, it would still be open when `closed` gives up).
+    let mut c = raw(&t).await;
+    let _ = c
+        .write_all(&Header::new(false, at, 8, ProtoVersion::V2).encode())
+        .await;
+    closed(&mut c).await;
+    let st = t.stats();
+    assert_eq!(st.refused_over_cap.load(Ordering::Relaxed), 1);
+    assert_eq!(st.connections.load(Ordering::Relaxed), 2);
+    // `a` ends; its slot is free by the time we see the server's close, so a new one is served.
+    a.shutdown().await.unwrap();
+    closed(&mut a).await;
+    let mut d = raw(&t).await;
+    served(&mut d, at).await;
+    served(&mut b, at).await;
+    assert_eq!(st.refused_over_cap.load(Ordering::Relaxed), 1);
+    assert_eq!(st.connections.load(Ordering::Relaxed), 3);
+}

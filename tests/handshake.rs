@@ -170,3 +170,42 @@ async fn reply_comes_before_eof_then_half_close_and_connections_are_concurrent()
     want.extend_from_slice(b"{\"status\":\"success\"}\n");
     assert_eq!(buf, want);
 }
+
+#[tokio::test]
+async fn handshakes_over_the_cap_are_closed_at_once_and_counted() {
+    let mut cfg = kvrecv::rdma::TargetConfig::loopback(common::layout());
+    cfg.max_handshakes = 2;
+    let t = kvrecv::rdma::TcpTarget::start(cfg).await.unwrap();
+    let addr = t.handshake_addr();
+    let stats = t.handshake_stats();
+    // Two clients that say nothing hold both slots (the daemon waits 5 s for their frame).
+    let mut a = TcpStream::connect(addr).await.unwrap();
+    let _b = TcpStream::connect(addr).await.unwrap();
+    // A third is closed at once, without a reply: it would otherwise wait for a slot.
+    let mut c = TcpStream::connect(addr).await.unwrap();
+    let mut buf = Vec::new();
+    let r = tokio::time::timeout(T, c.read_to_end(&mut buf))
+        .await
+        .expect("closed before the safety timeout");
+    assert!(r.is_err() || buf.is_empty(), "{buf:?}");
+    let over = || {
+        stats
+            .refused_over_cap
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert_eq!(over(), 1);
+    // `a` sends a bad frame; the daemon drops it, and its slot is free before we see the close.
+    a.write_all(&0u64.to_le_bytes()).await.unwrap();
+    let r = tokio::time::timeout(T, a.read_to_end(&mut buf))
+        .await
+        .expect("closed");
+    assert!(r.is_err() || buf.is_empty());
+    let (ty, body) = request(addr, Some(FrameType::Probe), b"{}\n", T)
+        .await
+        .expect("served again below the cap");
+    assert_eq!(
+        (ty, body),
+        (Some(3), b"{\"status\":\"success\"}\n".to_vec())
+    );
+    assert_eq!(over(), 1);
+}

@@ -10,6 +10,7 @@ pub mod event_sink;
 pub mod peer;
 pub mod peer_state;
 pub mod receiver;
+pub mod rediscovery;
 pub mod scripted_transport;
 pub mod system;
 pub mod topology;

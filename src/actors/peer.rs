@@ -1,8 +1,10 @@
 //! Peer: one per prefill worker, under an actix `Supervisor`. Sends each pull on a fresh channel,
 //! turns replies into settles, enforces the per-pull deadline, and on a channel failure stops so
-//! the supervisor restarts it, after settling everything it owed as Uncertain.
+//! the supervisor restarts it, after settling everything it owed as Uncertain. Its health (down
+//! until the restart backoff ends, up after a clean FINISH) goes to the Receiver's
+//! [`super::rediscovery::Rediscovery`] through a [`PeerHealth`] handle.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -16,6 +18,7 @@ use crate::metrics as m;
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
+use super::rediscovery::PeerHealth;
 use super::transport::{Frames, PeerTransport, TransportError};
 
 /// Timing knobs of a peer.
@@ -71,11 +74,13 @@ pub struct Peer {
     transport: Rc<dyn PeerTransport>,
     cfg: PeerConfig,
     events: EventSink,
+    health: PeerHealth,
     live: HashMap<PullId, Live>,
     restarts: u32,
     consecutive_failures: u32,
     backoff_until: Option<Instant>,
-    parked: VecDeque<Pull>,
+    /// The channel error that stopped the previous incarnation (for the health record).
+    last_failure: Option<String>,
 }
 
 impl Peer {
@@ -84,17 +89,19 @@ impl Peer {
         transport: Rc<dyn PeerTransport>,
         cfg: PeerConfig,
         events: EventSink,
+        health: PeerHealth,
     ) -> Self {
         Peer {
             state: PeerState::new(id),
             transport,
             cfg,
             events,
+            health,
             live: HashMap::new(),
             restarts: 0,
             consecutive_failures: 0,
             backoff_until: None,
-            parked: VecDeque::new(),
+            last_failure: None,
         }
     }
 
@@ -187,6 +194,7 @@ impl Peer {
         }
         if fx.finished_cleanly {
             self.consecutive_failures = 0;
+            self.health.up(self.state.peer());
         }
         if fx.pull_done {
             self.close(pull_id, ctx);
@@ -201,25 +209,28 @@ impl Peer {
         }
     }
 
-    fn flush_parked(&mut self, ctx: &mut Context<Self>) {
-        self.backoff_until = None;
-        while let Some(p) = self.parked.pop_front() {
-            self.start_pull(p, ctx);
-        }
+    /// A pull that reached us during the restart backoff (the Receiver checked our health
+    /// before we failed). It is settled at once instead of waiting out the backoff; nothing was
+    /// sent, so no peer can write for it: Failed, not Uncertain.
+    fn refuse(&mut self, pull: Pull, until: Instant, ctx: &mut Context<Self>) {
+        metrics::counter!(m::UNREACHABLE_BATCHES, "reason" => "peer_backoff").increment(1);
+        let left = until.saturating_duration_since(Instant::now());
+        tracing::warn!(peer = %self.id(), pull_id = pull.pull_id, backoff_left_ms = left.as_millis() as u64,
+            "pull refused: peer is in its restart backoff");
+        self.state.start(&pull);
+        let fx = self.state.fail_unsent(
+            pull.pull_id,
+            format!(
+                "peer {} is down after a channel failure; not retried for {left:?}",
+                self.id()
+            ),
+        );
+        self.apply(pull.pull_id, fx, ctx);
     }
 }
 
 impl Actor for Peer {
     type Context = Context<Self>;
-
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(until) = self.backoff_until {
-            ctx.run_later(
-                until.saturating_duration_since(Instant::now()),
-                |act, ctx| act.flush_parked(ctx),
-            );
-        }
-    }
 }
 
 impl Supervised for Peer {
@@ -239,7 +250,11 @@ impl Supervised for Peer {
             ctx.cancel_future(l.deadline);
         }
         let backoff = self.cfg.backoff(self.consecutive_failures);
-        self.backoff_until = Some(Instant::now() + backoff);
+        let until = Instant::now() + backoff;
+        self.backoff_until = Some(until);
+        // Marks the engines that list this peer stale: P may have come back elsewhere.
+        let cause = self.last_failure.take().unwrap_or(reason);
+        self.health.down(self.state.peer(), until, cause);
         metrics::counter!(m::PEER_RESTARTS).increment(1);
         tracing::warn!(peer = %self.id(), restarts = self.restarts, backoff_ms = backoff.as_millis() as u64, "peer restarted");
         self.events.emit(KvEvent::PeerRestarted {
@@ -254,13 +269,8 @@ impl Handler<Pull> for Peer {
 
     fn handle(&mut self, pull: Pull, ctx: &mut Context<Self>) {
         match self.backoff_until {
-            Some(until) if until > Instant::now() => self.parked.push_back(pull),
-            _ => {
-                if !self.parked.is_empty() {
-                    self.flush_parked(ctx);
-                }
-                self.start_pull(pull, ctx)
-            }
+            Some(until) if until > Instant::now() => self.refuse(pull, until, ctx),
+            _ => self.start_pull(pull, ctx),
         }
     }
 }
@@ -302,6 +312,7 @@ impl StreamHandler<PullEvent> for Peer {
                 self.apply(pull_id, fx, ctx);
             }
             ChannelEvent::Failed(e) => {
+                self.last_failure = Some(e.to_string());
                 let fx = self.state.abandon(pull_id, e.to_string());
                 self.apply(pull_id, fx, ctx);
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest

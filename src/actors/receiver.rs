@@ -1,9 +1,11 @@
 //! Receiver: takes a batch from the host (`load_kv`), validates it, finds the peers of each P
 //! engine, starts one RequestAggregator per awaited request and hands each Peer its pull.
 
+use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
+use std::time::Instant;
 
 use actix::{
     Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, ResponseActFuture, Supervisor,
@@ -23,6 +25,9 @@ use super::aggregator_state::AggregatorState;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 use super::peer::{Peer, PeerConfig};
+use super::rediscovery::{
+    EngineKey, PeerHealth, Plan, Rediscovery, RediscoveryConfig, Unreachable,
+};
 use super::topology::{EngineTopology, TopologyError, TopologySource};
 use super::transport::PeerTransport;
 
@@ -34,6 +39,8 @@ pub struct Receiver {
     block_manager: Addr<BlockManager>,
     events: EventSink,
     peers: HashMap<PeerId, Addr<Peer>>,
+    /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
+    rediscovery: Rc<RefCell<Rediscovery>>,
     next_pull: PullId,
     /// Metadata encoder (a seam so a test can make it fail).
     encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
@@ -48,6 +55,10 @@ impl Receiver {
         block_manager: Addr<BlockManager>,
         events: EventSink,
     ) -> Self {
+        let rediscovery = Rediscovery::new(RediscoveryConfig {
+            base: cfg.topology_retry_base,
+            max: cfg.topology_retry_max,
+        });
         Receiver {
             cfg,
             topology,
@@ -56,6 +67,7 @@ impl Receiver {
             block_manager,
             events,
             peers: HashMap::new(),
+            rediscovery: Rc::new(RefCell::new(rediscovery)),
             next_pull: 1,
             encode: MooncakeXferMetadata::encode,
         }
@@ -91,22 +103,41 @@ impl Receiver {
             backoff_base: self.cfg.peer_backoff_base,
             backoff_max: self.cfg.peer_backoff_max,
         };
-        let addr = Supervisor::start(move |_| Peer::new(pid, transport, cfg, events));
+        let health = PeerHealth::new(self.rediscovery.clone());
+        let addr = Supervisor::start(move |_| Peer::new(pid, transport, cfg, events, health));
         self.peers.insert(id.clone(), addr.clone());
         addr
     }
 
     /// No writer exists for this batch (DESIGN.md §4 rule 7).
-    fn fail_batch(&mut self, group: Vec<SharedRequest>, err: TopologyError) {
+    fn fail_batch(&mut self, key: &EngineKey, group: Vec<SharedRequest>, err: TopologyError) {
         metrics::counter!(m::TOPOLOGY_FAILURES).increment(1);
         tracing::warn!(error = %err, requests = group.len(), "topology failure; failing the batch");
-        if let Some(r) = group.first() {
-            self.topology.invalidate(&r.bootstrap_addr, &r.engine_id);
-        }
+        self.rediscovery
+            .borrow_mut()
+            .lookup_failed(key, err.to_string(), Instant::now());
+        self.topology.invalidate(&key.0, &key.1);
+        self.fail_awaiting(group, err.to_string());
+    }
+
+    /// Nothing is sent for this batch: a peer it needs is known down, or bootstrap is in its
+    /// backoff. Failing at once (rule 7: no writer was given an address) beats waiting out a
+    /// restart backoff of seconds for an answer that is already known.
+    fn fail_unreachable(&mut self, group: Vec<SharedRequest>, why: Unreachable) {
+        let reason = match why {
+            Unreachable::PeerDown { .. } => "peer_down",
+            Unreachable::LookupBackoff { .. } => "lookup_backoff",
+        };
+        metrics::counter!(m::UNREACHABLE_BATCHES, "reason" => reason).increment(1);
+        tracing::warn!(error = %why, requests = group.len(), "failing the batch at once");
+        self.fail_awaiting(group, why.to_string());
+    }
+
+    fn fail_awaiting(&mut self, group: Vec<SharedRequest>, reason: String) {
         for req in group.into_iter().filter(|r| r.is_awaiting()) {
             RequestAggregator::failed(
                 req,
-                err.to_string(),
+                reason.clone(),
                 self.block_manager.clone(),
                 self.events.clone(),
             )
@@ -114,11 +145,23 @@ impl Receiver {
         }
     }
 
-    fn dispatch(&mut self, group: Vec<SharedRequest>, topo: Result<EngineTopology, TopologyError>) {
+    fn dispatch(
+        &mut self,
+        key: EngineKey,
+        group: Vec<SharedRequest>,
+        topo: Result<EngineTopology, TopologyError>,
+    ) {
         let peers = match topo.and_then(|t| t.peers_for(self.cfg.d_rank)) {
             Ok(p) => p,
-            Err(e) => return self.fail_batch(group, e),
+            Err(e) => return self.fail_batch(&key, group, e),
         };
+        let down = self
+            .rediscovery
+            .borrow_mut()
+            .lookup_ok(&key, &peers, Instant::now());
+        if let Some(why) = down {
+            return self.fail_unreachable(group, why);
+        }
         // Aggregators first, so no settle can arrive before its aggregator exists.
         let requests: Vec<PullRequest> = group
             .iter()
@@ -286,12 +329,26 @@ impl Receiver {
             tracing::warn!(error = %e, "request refused at load_kv");
         }
         reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
-        for ((bootstrap, engine), group) in groups {
-            let lookup = self.topology.lookup(&bootstrap, &engine);
+        for (key, group) in groups {
+            let plan = self.rediscovery.borrow_mut().plan(&key, Instant::now());
+            match plan {
+                Plan::Fail(why) => {
+                    self.fail_unreachable(group, why);
+                    continue;
+                }
+                Plan::Refresh => {
+                    // A peer of this engine failed: P may have restarted on new ports.
+                    metrics::counter!(m::TOPOLOGY_REFRESHES).increment(1);
+                    tracing::info!(bootstrap = %key.0, engine = %key.1, "a peer failed; asking bootstrap again");
+                    self.topology.invalidate(&key.0, &key.1);
+                }
+                Plan::Lookup => {}
+            }
+            let lookup = self.topology.lookup(&key.0, &key.1);
             ctx.spawn(
                 lookup
                     .into_actor(self)
-                    .map(move |topo, act, _ctx| act.dispatch(group, topo)),
+                    .map(move |topo, act, _ctx| act.dispatch(key, group, topo)),
             );
         }
         reply

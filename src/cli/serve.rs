@@ -205,6 +205,7 @@ impl ServeArgs {
                 .idle_timeout_ms
                 .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.max(1))),
             memory: MemoryKind::Host,
+            ..TargetConfig::loopback(layout.clone())
         })
     }
 }

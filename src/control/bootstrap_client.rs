@@ -18,7 +18,7 @@ use futures::FutureExt;
 use hyper::{Method, StatusCode};
 
 use crate::actors::topology::{EngineTopology, TopologyError, TopologySource};
-use crate::messages::bootstrap::QueryResponse;
+use crate::messages::bootstrap::{parse_query, QueryResponse};
 use crate::metrics as m;
 
 use super::http::{request, BaseUrl};
@@ -28,7 +28,8 @@ use super::http::{request, BaseUrl};
 pub struct BootstrapConfig {
     /// Whole-request timeout (vLLM: the HTTP client default, 5 s).
     pub timeout: Duration,
-    /// Largest `/query` body accepted.
+    /// Largest `/query` body accepted. Parsed into nested maps, a body can take ~40x its size in
+    /// memory (`tests/untrusted_decoders.rs`); a real one is a few KiB (about 30 bytes a worker).
     pub max_body: usize,
     /// P's (TP, PP) sizes when the operator knows them. `/query` infers the TP size from how many
     /// ranks registered, so a query racing P's startup can see a TP2 engine as TP1; with the sizes
@@ -40,7 +41,7 @@ impl Default for BootstrapConfig {
     fn default() -> Self {
         BootstrapConfig {
             timeout: Duration::from_secs(5),
-            max_body: 16 * 1024 * 1024,
+            max_body: 1024 * 1024,
             expected_p_sizes: None,
         }
     }
@@ -117,8 +118,7 @@ async fn fetch(bootstrap: String, cfg: BootstrapConfig) -> QueryResult {
         if status != StatusCode::OK {
             return Err(fail(format!("GET /query answered {status}")));
         }
-        let q: QueryResponse =
-            serde_json::from_slice(&body).map_err(|e| fail(format!("bad /query JSON: {e}")))?;
+        let q = parse_query(&body).map_err(|e| fail(format!("bad /query JSON: {e}")))?;
         Ok(Rc::new(q))
     }
     .await;

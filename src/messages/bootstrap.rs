@@ -29,3 +29,9 @@ pub struct DpEntry {
 
 /// `GET /query` answer: DP rank (string key) -> entry.
 pub type QueryResponse = BTreeMap<String, DpEntry>;
+
+/// Parse a `GET /query` body (untrusted: it comes off the network). Errors, never panics;
+/// serde_json bounds nesting (128 levels) and allocates in proportion to the input.
+pub fn parse_query(body: &[u8]) -> Result<QueryResponse, serde_json::Error> {
+    serde_json::from_slice(body)
+}

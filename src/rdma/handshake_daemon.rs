@@ -14,8 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use thiserror::Error;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
 
@@ -27,6 +28,10 @@ pub const MAX_FRAME: u64 = 1 << 20;
 pub const RECV_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long to wait for the client's close after the half-close.
 pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
+/// Default cap on handshakes served at once. P fetches the descriptor once per segment name
+/// and caches it, so even a large P fleet handshakes rarely; a connection may be held for up to
+/// `RECV_TIMEOUT + CLOSE_WAIT`, which is what the cap bounds.
+pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
 
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,16 +64,61 @@ pub struct HandshakeStats {
     pub connection: AtomicU64,
     /// Frames refused (bad length, timeout, I/O error).
     pub refused: AtomicU64,
+    /// Connections closed at accept because `max_concurrent` handshakes were in progress.
+    pub refused_over_cap: AtomicU64,
 }
 
+/// Why a request frame was refused.
 #[derive(Debug, Error)]
-enum HsError {
+pub enum FrameError {
     #[error("frame length {0} is 0 or above the cap")]
     Length(u64),
+    #[error("frame announced {expected} bytes, the connection ended after {got}")]
+    Truncated { expected: u64, got: usize },
     #[error("timed out waiting for the request")]
     Timeout,
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
+}
+
+/// One request frame as read off a connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestFrame {
+    /// False for the legacy form without a type byte (answered without one).
+    pub typed: bool,
+    pub ty: FrameType,
+    /// The JSON body (type byte removed).
+    pub body: Vec<u8>,
+}
+
+/// Read one request frame: u64 LE length, then that many bytes (type byte + JSON, or a legacy
+/// untyped body). The buffer grows with the bytes that actually arrive instead of being sized
+/// from the announced length, so a 9-byte frame announcing 1 MiB costs a few bytes, not 1 MiB.
+pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R) -> Result<RequestFrame, FrameError> {
+    let len = r.read_u64_le().await?;
+    if len == 0 || len > MAX_FRAME {
+        return Err(FrameError::Length(len));
+    }
+    let mut payload = Vec::new();
+    (&mut *r).take(len).read_to_end(&mut payload).await?;
+    if payload.len() as u64 != len {
+        return Err(FrameError::Truncated {
+            expected: len,
+            got: payload.len(),
+        });
+    }
+    Ok(match FrameType::from_byte(payload[0]) {
+        Some(ty) => RequestFrame {
+            typed: true,
+            ty,
+            body: payload.split_off(1),
+        },
+        None => RequestFrame {
+            typed: false,
+            ty: FrameType::Connection,
+            body: payload,
+        },
+    })
 }
 
 /// What the daemon answers to the frames that depend on the data plane: Metadata (type 1) and
@@ -166,6 +216,8 @@ fn json_line(v: serde_json::Result<Vec<u8>>) -> Vec<u8> {
 pub struct Daemon {
     service: Arc<dyn HandshakeService>,
     pub stats: Arc<HandshakeStats>,
+    /// Handshakes served at once at most; more are closed at accept, never queued.
+    pub max_concurrent: usize,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -196,7 +248,14 @@ impl Daemon {
         Daemon {
             service,
             stats: Arc::default(),
+            max_concurrent: DEFAULT_MAX_HANDSHAKES,
         }
+    }
+
+    /// Cap the handshakes served at once (at least one).
+    pub fn with_max_concurrent(mut self, n: usize) -> Self {
+        self.max_concurrent = n.max(1);
+        self
     }
 
     /// `"tcp"` or `"rdma"`.
@@ -205,7 +264,7 @@ impl Daemon {
     }
 
     /// The reply body (JSON incl. `\n`) for a request of type `t` with body `body`.
-    fn reply(&self, t: FrameType, body: &[u8]) -> Vec<u8> {
+    pub fn reply(&self, t: FrameType, body: &[u8]) -> Vec<u8> {
         match t {
             FrameType::Metadata => {
                 self.stats.metadata.fetch_add(1, Ordering::Relaxed);
@@ -231,21 +290,11 @@ impl Daemon {
         }
     }
 
-    async fn handle(&self, stream: &mut TcpStream) -> Result<(), HsError> {
-        let (typed, ty, body) = tokio::time::timeout(RECV_TIMEOUT, async {
-            let len = stream.read_u64_le().await?;
-            if len == 0 || len > MAX_FRAME {
-                return Err(HsError::Length(len));
-            }
-            let mut payload = vec![0u8; len as usize];
-            stream.read_exact(&mut payload).await?;
-            Ok(match FrameType::from_byte(payload[0]) {
-                Some(t) => (true, t, payload.split_off(1)),
-                None => (false, FrameType::Connection, payload),
-            })
-        })
-        .await
-        .map_err(|_| HsError::Timeout)??;
+    async fn handle(&self, stream: &mut TcpStream) -> Result<(), FrameError> {
+        let RequestFrame { typed, ty, body } =
+            tokio::time::timeout(RECV_TIMEOUT, read_frame(stream))
+                .await
+                .map_err(|_| FrameError::Timeout)??;
         let reply = self.reply(ty, &body);
         let mut frame = Vec::with_capacity(reply.len() + 9);
         let len = reply.len() as u64 + u64::from(typed);
@@ -266,10 +315,11 @@ impl Daemon {
     }
 }
 
-/// Serve handshake connections forever, concurrently.
+/// Serve handshake connections forever, concurrently, at most `max_concurrent` at once.
 pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
+    let slots = Arc::new(Semaphore::new(daemon.max_concurrent));
     loop {
-        let (mut stream, peer) = match listener.accept().await {
+        let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "handshake accept failed");
@@ -277,8 +327,21 @@ pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // The initiator sees the close and fails (then retries) its handshake.
+            super::tcp_server::refuse_over_cap(
+                "handshake",
+                daemon.max_concurrent,
+                &daemon.stats.refused_over_cap,
+            );
+            drop(stream);
+            continue;
+        };
         let d = daemon.clone();
         tokio::spawn(async move {
+            let mut stream = stream;
+            // Dropped before the stream: the slot is free by the time the client sees the close.
+            let _slot = slot;
             if let Err(e) = d.handle(&mut stream).await {
                 d.stats.refused.fetch_add(1, Ordering::Relaxed);
                 tracing::debug!(%peer, error = %e, "handshake request refused");

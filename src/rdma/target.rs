@@ -14,10 +14,12 @@ use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
 use super::audit::AuditCounters;
-use super::handshake_daemon::{self, Daemon, HandshakeStats};
+use super::handshake_daemon::{self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES};
 use super::memory::{MemoryError, MemoryKind, RegisteredMemory};
 use super::permits::{PermitTable, TcpLanding};
-use super::tcp_server::{self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT};
+use super::tcp_server::{
+    self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
+};
 use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
 
 /// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
@@ -45,6 +47,11 @@ pub struct TargetConfig {
     pub base_addr: u64,
     pub idle_timeout: Duration,
     pub memory: MemoryKind,
+    /// Open data connections at most (default [`DEFAULT_MAX_DATA_CONNECTIONS`]); more are
+    /// closed at accept and counted (`kvrecv_connections_refused_total`).
+    pub max_data_connections: usize,
+    /// Handshakes in progress at most (default [`DEFAULT_MAX_HANDSHAKES`]); same treatment.
+    pub max_handshakes: usize,
 }
 
 impl TargetConfig {
@@ -62,6 +69,8 @@ impl TargetConfig {
             base_addr: DEFAULT_BASE,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             memory: MemoryKind::Host,
+            max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
+            max_handshakes: DEFAULT_MAX_HANDSHAKES,
         }
     }
 }
@@ -166,8 +175,11 @@ impl TcpTarget {
         if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
             return Err(TargetError::DescriptorTooLarge(wire_len));
         }
-        let daemon = Arc::new(Daemon::new(&descriptor));
-        let plane = Arc::new(DataPlane::new(permits.clone(), memory, cfg.idle_timeout));
+        let daemon = Arc::new(Daemon::new(&descriptor).with_max_concurrent(cfg.max_handshakes));
+        let plane = Arc::new(
+            DataPlane::new(permits.clone(), memory, cfg.idle_timeout)
+                .with_max_connections(cfg.max_data_connections),
+        );
         let landing = Arc::new(TcpLanding::new(
             permits,
             &cfg.advertise_host,

@@ -11,6 +11,7 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
 
 use crate::actors::block_pool::BlockOwnership;
 use crate::metrics as m;
@@ -25,6 +26,10 @@ use super::windows::{Resolved, WindowMap};
 
 /// Default per-connection idle (and payload-progress) timeout. P's own status timeout is 30 s.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Default cap on open data connections. A P worker keeps at most 16 lanes per target
+/// (`MC_TCP_LANES_PER_PEER`, default 4), an older P one connection per request in flight; 1024
+/// covers dozens of P workers while bounding the tasks and sockets a flood can make us hold.
+pub const DEFAULT_MAX_DATA_CONNECTIONS: usize = 1024;
 
 /// Counters of the data server, readable while it runs.
 #[derive(Debug, Default)]
@@ -43,6 +48,8 @@ pub struct DataStats {
     pub v1_requests: AtomicU64,
     /// Connections that ended on an I/O error or EOF inside a request.
     pub broken: AtomicU64,
+    /// Connections closed at accept because `max_connections` were open.
+    pub refused_over_cap: AtomicU64,
 }
 
 impl DataStats {
@@ -77,6 +84,8 @@ pub struct DataPlane {
     pub memory: Arc<RegisteredMemory>,
     pub stats: Arc<DataStats>,
     pub idle_timeout: Duration,
+    /// Open connections at most; more are closed at accept, never queued.
+    pub max_connections: usize,
     audit: OnceLock<Auditor>,
 }
 
@@ -101,8 +110,15 @@ impl DataPlane {
             memory,
             stats: Arc::default(),
             idle_timeout,
+            max_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             audit: OnceLock::new(),
         }
+    }
+
+    /// Cap the open connections (at least one).
+    pub fn with_max_connections(mut self, n: usize) -> Self {
+        self.max_connections = n.max(1);
+        self
     }
 
     /// Turn audit mode on against `ownership` (once; later calls return the existing counters).
@@ -133,8 +149,24 @@ enum ConnEnd {
     Memory(#[from] MemoryError),
 }
 
-/// Accept connections forever, each served on its own task.
+/// Refuse a connection over a listener's cap: close it at once, count it, and warn (on the
+/// 1st, 2nd, 4th, 8th... refusal, so a connection flood does not also flood the log).
+pub(crate) fn refuse_over_cap(listener: &'static str, cap: usize, refused: &AtomicU64) {
+    let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
+    metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => listener).increment(1);
+    if n.is_power_of_two() {
+        tracing::warn!(
+            listener,
+            cap,
+            refused_total = n,
+            "connection refused: too many open connections"
+        );
+    }
+}
+
+/// Accept connections forever, each served on its own task; at most `max_connections` at once.
 pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
+    let slots = Arc::new(Semaphore::new(plane.max_connections));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -145,12 +177,22 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
                 continue;
             }
         };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Closed before reading anything: P fails that lane's request. Counted first, so a
+            // client that saw the close also sees the counter.
+            refuse_over_cap("data", plane.max_connections, &plane.stats.refused_over_cap);
+            drop(stream);
+            continue;
+        };
         // Status frames are 8 bytes: Nagle would hold them back.
         let _ = stream.set_nodelay(true);
         plane.stats.connections.fetch_add(1, Ordering::Relaxed);
         let plane = plane.clone();
         tokio::spawn(async move {
             let mut stream = stream;
+            // Declared after the stream, so dropped before it: the slot is free again by the
+            // time the client sees the close.
+            let _slot = slot;
             // The stream outlives the accounting below, so a client that saw the close also
             // sees the counters.
             match connection(&mut stream, &plane).await {
@@ -309,8 +351,9 @@ async fn serve_read(
     if h.version() == ProtoVersion::V2 {
         stream.write_all(&STATUS_OK.to_le_bytes()).await?;
     }
-    // Chunked so a large READ does not allocate its whole size.
-    const CHUNK: u64 = 1 << 20;
+    // Chunked so a READ costs at most one `MC_TCP_SLICE_SIZE` buffer whatever size the header
+    // announces (1 MiB per connection let a 24-byte header pin 1 GiB across the connection cap).
+    const CHUNK: u64 = 64 * 1024;
     let mut buf = vec![0u8; h.size.min(CHUNK) as usize];
     let mut pos = 0u64;
     while pos < h.size {

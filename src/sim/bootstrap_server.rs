@@ -14,7 +14,7 @@ use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
 use serde_json::json;
 use tokio::net::TcpListener;
-use tokio::task::JoinHandle;
+use tokio::task::{JoinHandle, JoinSet};
 
 use crate::messages::bootstrap::{DpEntry, QueryResponse, RegisterWorker};
 
@@ -37,12 +37,35 @@ struct State {
 pub struct BootstrapServer {
     addr: SocketAddr,
     state: Arc<State>,
-    task: JoinHandle<()>,
+    /// `None` while stopped (a crashed P engine).
+    task: Option<JoinHandle<()>>,
 }
 
 impl Drop for BootstrapServer {
     fn drop(&mut self) {
-        self.task.abort();
+        if let Some(t) = &self.task {
+            t.abort();
+        }
+    }
+}
+
+/// Accept until aborted; aborting drops the set, which closes every open connection too.
+async fn accept_loop(listener: TcpListener, st: Arc<State>) {
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => {
+                let Ok((stream, _)) = accepted else { continue };
+                let st = st.clone();
+                conns.spawn(async move {
+                    let svc = service_fn(move |req| handle(req, st.clone()));
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
     }
 }
 
@@ -52,22 +75,35 @@ impl BootstrapServer {
         let listener = TcpListener::bind(addr).await?;
         let addr = listener.local_addr()?;
         let state = Arc::new(State::default());
-        let st = state.clone();
-        let task = tokio::spawn(async move {
-            loop {
-                let Ok((stream, _)) = listener.accept().await else {
-                    continue;
-                };
-                let st = st.clone();
-                tokio::spawn(async move {
-                    let svc = service_fn(move |req| handle(req, st.clone()));
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(TokioIo::new(stream), svc)
-                        .await;
-                });
-            }
-        });
-        Ok(BootstrapServer { addr, state, task })
+        let task = tokio::spawn(accept_loop(listener, state.clone()));
+        Ok(BootstrapServer {
+            addr,
+            state,
+            task: Some(task),
+        })
+    }
+
+    /// Stop serving and close every connection; the registry is lost (vLLM's bootstrap server
+    /// lives in P's TP0/PP0 worker and dies with the engine). Returns once the port is free.
+    pub async fn stop(&mut self) {
+        if let Some(t) = self.task.take() {
+            t.abort();
+            let _ = t.await;
+        }
+        lock(&self.state.registry).engines.clear();
+    }
+
+    /// Serve again on the same address (after [`Self::stop`]), with an empty registry.
+    pub async fn restart(&mut self) -> std::io::Result<()> {
+        self.stop().await;
+        let listener = TcpListener::bind(self.addr).await?;
+        self.task = Some(tokio::spawn(accept_loop(listener, self.state.clone())));
+        Ok(())
+    }
+
+    /// Whether it is serving.
+    pub fn is_running(&self) -> bool {
+        self.task.as_ref().is_some_and(|t| !t.is_finished())
     }
 
     pub fn addr(&self) -> SocketAddr {

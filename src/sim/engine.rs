@@ -217,6 +217,35 @@ impl PrefillSim {
         self.workers[i].restart().await
     }
 
+    /// Kill the whole engine: every worker's ROUTER and the bootstrap server, which runs inside
+    /// P's TP0/PP0 worker and loses its registry with it.
+    pub async fn crash_engine(&mut self) {
+        for w in &mut self.workers {
+            w.stop().await;
+        }
+        self.bootstrap.stop().await;
+    }
+
+    /// Bring a crashed engine back as a restarted P does: the bootstrap server on the same
+    /// address (D's `remote_bootstrap_addr` stays valid), every worker on a NEW port, registered
+    /// again. Returns the new side-channel addresses, in worker order.
+    pub async fn restart_engine_on_new_ports(&mut self) -> Result<Vec<String>, SimError> {
+        for w in &mut self.workers {
+            w.stop().await;
+        }
+        self.bootstrap.restart().await?;
+        let host = self.cfg.host.clone();
+        for w in &mut self.workers {
+            w.restart_on_new_port(&host).await?;
+        }
+        let mut addrs = Vec::with_capacity(self.workers.len());
+        for w in &self.workers {
+            self.register(w.rank(), w.addr()).await?;
+            addrs.push(w.addr().to_owned());
+        }
+        Ok(addrs)
+    }
+
     /// Pulls received by all workers.
     pub fn pulls_received(&self) -> usize {
         self.workers.iter().map(Worker::pulls_received).sum()

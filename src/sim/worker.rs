@@ -167,6 +167,22 @@ impl Worker {
         let addr = self.addr.clone();
         self.spawn(&addr).await
     }
+
+    /// Come back on a different port of `host` (a restarted P process binds a new random
+    /// port, as vLLM's workers do). The caller registers the new address.
+    pub async fn restart_on_new_port(&mut self, host: &str) -> Result<(), SimError> {
+        let old = self.addr.clone();
+        self.stop().await;
+        for _ in 0..16 {
+            self.spawn(&format!("tcp://{host}:0")).await?;
+            if self.addr != old {
+                return Ok(());
+            }
+            // The kernel handed the old port out again: try another.
+            self.stop().await;
+        }
+        Err(SimError::Zmq(format!("no new port other than {old}")))
+    }
 }
 
 impl Drop for Worker {
