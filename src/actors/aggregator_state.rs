@@ -19,6 +19,7 @@ pub struct AggEffects {
     pub stale: bool,
 }
 
+#[derive(Clone)]
 pub struct AggregatorState {
     req: SharedRequest,
     policy: Policy,
@@ -65,6 +66,19 @@ impl AggregatorState {
     pub fn transport_failures_uncertain(mut self, yes: bool) -> Self {
         self.transport_failures_uncertain = yes;
         self
+    }
+
+    /// Hash the state that decides what this request publishes next (model checking).
+    pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        self.req.req_id.hash(h);
+        self.outstanding.hash(h);
+        self.completed.hash(h);
+        self.first_failure.hash(h);
+        for (p, o) in &self.settled {
+            p.hash(h);
+            o.as_ref().map(|o| (o.label(), o.reason())).hash(h);
+        }
     }
 
     pub fn req(&self) -> &SharedRequest {

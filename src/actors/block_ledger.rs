@@ -26,6 +26,7 @@ pub enum Disposition {
     },
 }
 
+#[derive(Clone)]
 struct Held {
     req: SharedRequest,
     peers: Vec<PeerId>,
@@ -41,6 +42,7 @@ pub struct Release {
     pub held_for: Duration,
 }
 
+#[derive(Clone)]
 pub struct BlockLedger {
     out: StepOutput,
     /// Requests whose failure signal is queued or drained but whose completion is not yet out.
@@ -116,6 +118,27 @@ impl BlockLedger {
             }
         }
         Ok(())
+    }
+
+    /// Hash everything that decides the ledger's future (model checking); quarantine times are
+    /// left out: the model decides when deadlines fire.
+    pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        fn sorted<T: Ord + Clone>(it: impl Iterator<Item = T>) -> Vec<T> {
+            let mut v: Vec<T> = it.collect();
+            v.sort();
+            v
+        }
+        self.out.finished_recving.hash(h);
+        self.out.failed_recving.hash(h);
+        self.out.invalid_block_ids.hash(h);
+        sorted(self.failure_signalled.iter()).hash(h);
+        sorted(self.held.iter().map(|(r, x)| (r, &x.peers))).hash(h);
+        sorted(self.live.iter()).hash(h);
+        sorted(self.owners.iter()).hash(h);
+        if let Some(p) = &self.pool {
+            p.fingerprint(h);
+        }
     }
 
     /// Refuse new requests while `n` are live (admitted and not yet drained).

@@ -87,7 +87,35 @@ pub struct BlockPool {
     table: Arc<BlockOwnership>,
 }
 
+impl Clone for BlockPool {
+    /// A deep copy: the clone gets its own ownership table (model checking forks states).
+    fn clone(&self) -> Self {
+        let table = BlockOwnership::new(self.table.len());
+        for b in 0..self.table.len() {
+            if let Some(s) = self.table.get(b) {
+                table.set(b, s.generation, s.owner_tag.unwrap_or(0));
+            }
+        }
+        BlockPool {
+            free: self.free.clone(),
+            generation: self.generation.clone(),
+            holders: self.holders.clone(),
+            table: Arc::new(table),
+        }
+    }
+}
+
 impl BlockPool {
+    /// Hash free list, generations and holders in a canonical order (model checking).
+    pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        self.free.hash(h);
+        self.generation.hash(h);
+        let mut holders: Vec<_> = self.holders.iter().collect();
+        holders.sort();
+        holders.hash(h);
+    }
+
     pub fn new(num_blocks: u32) -> Self {
         BlockPool {
             free: (0..num_blocks).rev().collect(),

@@ -62,6 +62,7 @@ pub fn max_reply_ids(carried: usize) -> usize {
     carried.saturating_mul(2).saturating_add(REPLY_ID_SLACK)
 }
 
+#[derive(Clone)]
 struct InFlight {
     pending: HashMap<ReqId, PullRequest>,
     /// Requests the pull carried (the bound on what a reply may name).
@@ -69,6 +70,7 @@ struct InFlight {
 }
 
 /// Pending requests of every in-flight pull of one peer.
+#[derive(Clone)]
 pub struct PeerState {
     peer: PeerId,
     pulls: HashMap<PullId, InFlight>,
@@ -84,6 +86,22 @@ impl PeerState {
 
     pub fn peer(&self) -> &PeerId {
         &self.peer
+    }
+
+    /// Hash what decides this peer's future behaviour (pending requests per pull), in a
+    /// canonical order: lets a model checker recognise equal states.
+    pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        self.peer.hash(h);
+        let mut pulls: Vec<_> = self.pulls.iter().collect();
+        pulls.sort_by_key(|(id, _)| **id);
+        for (id, p) in pulls {
+            id.hash(h);
+            p.carried.hash(h);
+            let mut ids: Vec<&ReqId> = p.pending.keys().collect();
+            ids.sort();
+            ids.hash(h);
+        }
     }
 
     /// Requests still owed, all pulls.

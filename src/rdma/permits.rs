@@ -92,6 +92,35 @@ impl Permit {
     fn is_closed(&self) -> bool {
         self.open_count.load(Ordering::Acquire) == 0
     }
+
+    /// A copy with the same values (no read in the gate: forks happen between events).
+    fn fork(&self) -> Permit {
+        let copy = |v: &[AtomicU64]| {
+            v.iter()
+                .map(|a| AtomicU64::new(a.load(Ordering::SeqCst)))
+                .collect()
+        };
+        Permit {
+            pull_id: self.pull_id,
+            peer: self.peer.clone(),
+            window: self.window,
+            blocks: self.blocks.clone(),
+            reqs: self.reqs.clone(),
+            open: self
+                .open
+                .iter()
+                .map(|a| AtomicBool::new(a.load(Ordering::SeqCst)))
+                .collect(),
+            open_count: AtomicUsize::new(self.open_count.load(Ordering::SeqCst)),
+            inflight: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            quiet: Notify::new(),
+            req_bytes: copy(&self.req_bytes),
+            v1_seen: AtomicBool::new(self.v1_seen.load(Ordering::SeqCst)),
+            bytes_landed: AtomicU64::new(self.bytes_landed.load(Ordering::SeqCst)),
+            writes_landed: AtomicU64::new(self.writes_landed.load(Ordering::SeqCst)),
+        }
+    }
 }
 
 /// A write admitted at header time; every socket read into destination memory must happen
@@ -253,6 +282,86 @@ impl PermitTable {
         self
     }
 
+    /// A deep copy of the whole table (model checking forks states). Permits shared between
+    /// the window slots and the indexes stay shared in the copy. Not for a live target.
+    pub fn fork(&self) -> PermitTable {
+        let inner = self.lock();
+        let mut copies: HashMap<*const Permit, Arc<Permit>> = HashMap::new();
+        let mut copy = |p: &Arc<Permit>| {
+            copies
+                .entry(Arc::as_ptr(p))
+                .or_insert_with(|| Arc::new(p.fork()))
+                .clone()
+        };
+        let slots = self
+            .slots
+            .iter()
+            .map(|s| {
+                RwLock::new(
+                    s.read()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .as_ref()
+                        .map(&mut copy),
+                )
+            })
+            .collect();
+        let by_req = inner
+            .by_req
+            .iter()
+            .map(|(r, v)| (r.clone(), v.iter().map(|(p, i)| (copy(p), *i)).collect()))
+            .collect();
+        let by_pull = inner.by_pull.iter().map(|(id, p)| (*id, copy(p))).collect();
+        PermitTable {
+            enabled: self.enabled,
+            poison: self.poison,
+            map: self.map.clone(),
+            slots,
+            inner: Mutex::new(Inner {
+                by_req,
+                by_pull,
+                poisoned: inner.poisoned.clone(),
+                windowless: inner.windowless.clone(),
+                cursor: inner.cursor,
+            }),
+            live: AtomicU64::new(self.live.load(Ordering::SeqCst)),
+            epochs: EpochStats::default(),
+        }
+    }
+
+    /// Hash what decides admission and window choice (model checking): each window's pull,
+    /// peer, blocks and open requests, the poisoned windows, the cursor, the windowless
+    /// requests. Poison deadlines are left out: the model decides when they pass.
+    pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        for s in &self.slots {
+            match s.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                None => 0u8.hash(h),
+                Some(p) => {
+                    1u8.hash(h);
+                    p.pull_id.hash(h);
+                    p.peer.hash(h);
+                    p.reqs.hash(h);
+                    for a in &p.open {
+                        a.load(Ordering::SeqCst).hash(h);
+                    }
+                    for g in &p.blocks {
+                        let mut b: Vec<_> = g.iter().collect();
+                        b.sort();
+                        b.hash(h);
+                    }
+                }
+            }
+        }
+        let inner = self.lock();
+        let mut poisoned: Vec<u32> = inner.poisoned.keys().copied().collect();
+        poisoned.sort();
+        poisoned.hash(h);
+        inner.cursor.hash(h);
+        let mut wl: Vec<&ReqId> = inner.windowless.iter().collect();
+        wl.sort();
+        wl.hash(h);
+    }
+
     /// Whether suspect windows are poisoned.
     pub fn epoch_rule(&self) -> bool {
         self.poison
@@ -298,8 +407,9 @@ impl PermitTable {
         self.open_at(pull, Instant::now())
     }
 
-    /// [`PermitTable::open`] at time `now` (poison deadlines are compared with it).
-    fn open_at(&self, pull: &PullWindow<'_>, now: Instant) -> u32 {
+    /// [`PermitTable::open`] at time `now` (poison deadlines are compared with it): for
+    /// deterministic drivers such as the model checker.
+    pub fn open_at(&self, pull: &PullWindow<'_>, now: Instant) -> u32 {
         if !self.enabled {
             return 0;
         }
