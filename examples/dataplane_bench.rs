@@ -1,5 +1,5 @@
 //! Loopback write throughput of kvrecv's TE target vs the real Mooncake TE target, with raw
-//! loopback TCP as the ceiling. Not a test; results go in notes/dataplane.md.
+//! loopback TCP as the ceiling. Not a test; results go in docs/DECISIONS.md.
 //!
 //! ```text
 //! cargo run --release --example dataplane_bench -- [total MiB per run, default 256] [reps, default 3]
