@@ -23,7 +23,7 @@
 //! - the first failure is published at most once, never after the completion;
 //! - every attempt completes and every block comes back (liveness, on terminal states).
 //!
-//! `KVRECV_MODEL_BIG=1` checks a larger bound (3 attempts per id, 3 windows, restarts).
+//! `KVRECV_MODEL_BIG=1` checks a larger bound (3 usable windows, a peer death, two last resorts).
 
 use std::collections::BTreeMap;
 use std::hash::{Hash, Hasher};
@@ -80,9 +80,9 @@ impl Cfg {
         }
     }
 
+    /// A larger bound: a third window, a peer death, two last resorts.
     fn big() -> Cfg {
         Cfg {
-            max_loads: 4,
             windows: 4,
             restarts: 1,
             last_resorts: 2,
