@@ -35,10 +35,15 @@ pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label r
 pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
 pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
 pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total"; // label reason
+pub const ABORTS: &str = "kvrecv_aborts_total"; // label stage
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
     describe_counter!(PULLS, "Pulls sent to prefill peers");
+    describe_counter!(
+        ABORTS,
+        "Requests aborted by the host, by stage (in_flight, before_dispatch, unknown)"
+    );
     describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
     describe_counter!(
         STALE_SETTLES,
