@@ -29,6 +29,7 @@ use crate::messages::{
     StepOutput,
 };
 use crate::rdma::handshake_daemon::HandshakeStats;
+use crate::rdma::memory::HostMemory;
 use crate::rdma::target::TargetError;
 use crate::rdma::tcp_server::DataStats;
 use crate::rdma::{TargetConfig, TcpLanding, TcpTarget};
@@ -114,6 +115,15 @@ impl KvRecvBuilder {
     /// The host P reaches both listeners at (required when binding a wildcard address).
     pub fn advertise_host(mut self, host: impl Into<String>) -> Self {
         self.target.advertise_host = host.into();
+        self
+    }
+
+    /// Land every write in the host's own KV regions (one per layout region, in layout order):
+    /// kvrecv allocates no KV memory. The regions' safety contract is
+    /// [`crate::rdma::memory::HostRegion::new`]'s; it holds until [`KvRecv::shutdown`] returned
+    /// (or the last handle was dropped and kvrecv's thread ended).
+    pub fn host_memory(mut self, memory: HostMemory) -> Self {
+        self.target.host_memory = Some(memory);
         self
     }
 

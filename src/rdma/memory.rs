@@ -1,7 +1,9 @@
-//! Registered destination memory: one contiguous allocation laid out like the KV layout (see
-//! [`super::windows::WindowMap`] for the offsets). Host memory by default; with the `cuda`
-//! feature, device memory behind a host staging mirror: TCP bytes land in the mirror and are
-//! copied to the device by [`RegisteredMemory::commit`] before the write is acknowledged.
+//! Registered destination memory, laid out like the KV layout (see
+//! [`super::windows::WindowMap`] for the offsets). By default kvrecv allocates it: one
+//! contiguous host allocation, or (feature `cuda`) device memory behind a host staging mirror:
+//! TCP bytes land in the mirror and are copied to the device by [`RegisteredMemory::commit`]
+//! before the write is acknowledged. With [`HostMemory`] the host registers its own KV regions
+//! (one per layout region) and kvrecv allocates no KV memory at all.
 //!
 //! The bytes are shared like DMA memory: the data server writes them through raw pointers
 //! from many connections at once (the kernel copies socket data straight in), so they are never
@@ -27,6 +29,8 @@ pub enum MemoryError {
     CudaNotBuilt,
     #[error("CUDA: {0}")]
     Cuda(String),
+    #[error("host memory: {0}")]
+    HostRegions(String),
 }
 
 /// Where destination bytes live.
@@ -36,6 +40,85 @@ pub enum MemoryKind {
     Host,
     /// Device memory on GPU `ordinal` (feature `cuda`).
     Cuda { ordinal: usize },
+}
+
+/// One KV cache region the host allocated and registers with kvrecv: a (pointer, length).
+pub struct HostRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the constructor's contract makes the region plain bytes shared like DMA memory;
+// kvrecv writes them through raw pointers only (module doc).
+unsafe impl Send for HostRegion {}
+unsafe impl Sync for HostRegion {}
+
+impl std::fmt::Debug for HostRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegion")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl HostRegion {
+    /// Register `len` bytes at `ptr` as one KV region.
+    ///
+    /// # Safety
+    /// The caller guarantees, for as long as any [`crate::embed::KvRecv`] handle (or
+    /// [`super::TcpTarget`]) built with this region exists, and until its shutdown completed:
+    /// - `ptr..ptr + len` is valid, writable memory of one allocation, and stays allocated and
+    ///   at the same address (pinned: not freed, moved, reallocated or unmapped);
+    /// - kvrecv may write any block of it whose request is loaded and not yet released, from
+    ///   its own threads, at any time; the host neither writes nor reads a block while it is
+    ///   owned by a request that has not appeared in `finished_recving` (drained), and it
+    ///   writes a block only after kvrecv released it;
+    /// - nothing else (another kvrecv, another DMA engine) writes the region concurrently.
+    ///
+    /// A null `ptr` or zero `len` is refused.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Result<Self, MemoryError> {
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| MemoryError::HostRegions("null region pointer".into()))?;
+        if len == 0 {
+            return Err(MemoryError::HostRegions("empty region".into()));
+        }
+        Ok(HostRegion { ptr, len })
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region has no bytes (never: the constructor refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The host's KV regions, one per layout region in layout order (vLLM: one tensor per layer).
+/// Each must hold at least `block_len x num_blocks` bytes of its region. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct HostMemory(std::sync::Arc<[HostRegion]>);
+
+impl HostMemory {
+    /// The regions, in layout order.
+    pub fn new(regions: Vec<HostRegion>) -> Self {
+        HostMemory(regions.into())
+    }
+
+    /// The regions.
+    pub fn regions(&self) -> &[HostRegion] {
+        &self.0
+    }
+}
+
+/// A contiguous piece of the registered memory: `[start, start + len)` at `ptr`.
+struct Segment {
+    start: u64,
+    ptr: NonNull<u8>,
+    len: u64,
 }
 
 struct HostBuffer {
@@ -130,50 +213,116 @@ mod gpu {
 
 /// The destination bytes of one D worker.
 pub struct RegisteredMemory {
-    host: HostBuffer,
+    /// Contiguous, ascending, covering `[0, len)`.
+    segments: Vec<Segment>,
+    len: u64,
+    /// kvrecv's own allocation (none with host-owned memory).
+    _owned: Option<HostBuffer>,
+    /// Keeps the host's region list alive (the bytes are the host's).
+    host_owned: Option<HostMemory>,
     #[cfg(feature = "cuda")]
     gpu: Option<gpu::GpuMirror>,
 }
 
+// SAFETY: the segments point into `_owned` or into the host's regions, both plain bytes under
+// the DMA-like contract of the module doc.
+unsafe impl Send for RegisteredMemory {}
+unsafe impl Sync for RegisteredMemory {}
+
 impl std::fmt::Debug for RegisteredMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegisteredMemory")
-            .field("len", &self.host.len)
+            .field("len", &self.len)
             .field("gpu", &self.is_gpu())
+            .field("host_owned", &self.host_owned.is_some())
             .finish()
     }
 }
 
 impl RegisteredMemory {
-    /// `len` zeroed bytes of `kind` memory.
+    /// `len` zeroed bytes of `kind` memory, allocated by kvrecv.
     pub fn new(kind: MemoryKind, len: u64) -> Result<Self, MemoryError> {
         let n = usize::try_from(len).map_err(|_| MemoryError::Alloc(len))?;
+        let owned = |host: HostBuffer| RegisteredMemory {
+            segments: vec![Segment {
+                start: 0,
+                ptr: host.ptr,
+                len,
+            }],
+            len,
+            _owned: Some(host),
+            host_owned: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        };
         match kind {
-            MemoryKind::Host => Ok(RegisteredMemory {
-                host: HostBuffer::new(n)?,
-                #[cfg(feature = "cuda")]
-                gpu: None,
-            }),
+            MemoryKind::Host => Ok(owned(HostBuffer::new(n)?)),
             #[cfg(feature = "cuda")]
             MemoryKind::Cuda { ordinal } => {
                 let gpu = gpu::GpuMirror::new(ordinal, n)?;
-                Ok(RegisteredMemory {
-                    host: HostBuffer::new(n)?,
-                    gpu: Some(gpu),
-                })
+                let mut m = owned(HostBuffer::new(n)?);
+                m.gpu = Some(gpu);
+                Ok(m)
             }
             #[cfg(not(feature = "cuda"))]
             MemoryKind::Cuda { .. } => Err(MemoryError::CudaNotBuilt),
         }
     }
 
+    /// The host's own regions as the destination: `spans` are the layout's `(start, length)`
+    /// per region ([`super::windows::WindowMap::region_spans`]); region `i` of `host` backs span
+    /// `i` and must be at least as long. Nothing is allocated or zeroed.
+    pub fn host_owned(host: HostMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
+        if host.regions().len() != spans.len() {
+            return Err(MemoryError::HostRegions(format!(
+                "{} regions registered, the layout has {}",
+                host.regions().len(),
+                spans.len()
+            )));
+        }
+        let mut segments = Vec::with_capacity(spans.len());
+        let mut end = 0u64;
+        for (i, (r, &(start, len))) in host.regions().iter().zip(spans).enumerate() {
+            if (r.len as u64) < len {
+                return Err(MemoryError::HostRegions(format!(
+                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
+                    r.len
+                )));
+            }
+            if start != end {
+                return Err(MemoryError::HostRegions(format!(
+                    "layout region {i} starts at {start}, expected {end}"
+                )));
+            }
+            end = start + len;
+            segments.push(Segment {
+                start,
+                ptr: r.ptr,
+                len,
+            });
+        }
+        Ok(RegisteredMemory {
+            segments,
+            len: end,
+            _owned: None,
+            host_owned: Some(host),
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        })
+    }
+
     /// Bytes.
     pub fn len(&self) -> u64 {
-        self.host.len as u64
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.host.len == 0
+        self.len == 0
+    }
+
+    /// Whether the bytes are the host's own ([`HostMemory`]).
+    pub fn is_host_owned(&self) -> bool {
+        self.host_owned.is_some()
     }
 
     /// Whether the bytes live on a GPU (behind the staging mirror).
@@ -188,14 +337,36 @@ impl RegisteredMemory {
         }
     }
 
+    fn out_of_bounds(&self, offset: u64, len: u64) -> MemoryError {
+        MemoryError::OutOfBounds {
+            offset,
+            len,
+            size: self.len,
+        }
+    }
+
+    /// The address of `[offset, offset + len)`, which must lie inside one segment (a write
+    /// never spans two layout regions: the window map refuses it).
+    fn locate(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
+        let i = self.segments.partition_point(|s| s.start <= offset);
+        let seg = i
+            .checked_sub(1)
+            .and_then(|i| self.segments.get(i))
+            .ok_or_else(|| self.out_of_bounds(offset, len))?;
+        let rel = offset - seg.start;
+        match rel.checked_add(len) {
+            Some(end) if end <= seg.len => {
+                // SAFETY: `rel < seg.len`, inside the segment's allocation.
+                Ok(unsafe { seg.ptr.as_ptr().add(rel as usize) })
+            }
+            _ => Err(self.out_of_bounds(offset, len)),
+        }
+    }
+
     fn check(&self, offset: u64, len: u64) -> Result<usize, MemoryError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() => Ok(offset as usize),
-            _ => Err(MemoryError::OutOfBounds {
-                offset,
-                len,
-                size: self.len(),
-            }),
+            _ => Err(self.out_of_bounds(offset, len)),
         }
     }
 
@@ -212,9 +383,9 @@ impl RegisteredMemory {
         offset: u64,
         len: u64,
     ) -> Result<&mut [u8], MemoryError> {
-        let at = self.check(offset, len)?;
-        // SAFETY: in bounds; aliasing contract above.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.host.ptr.as_ptr().add(at), len as usize) })
+        let p = self.locate(offset, len)?;
+        // SAFETY: in bounds of one segment; aliasing contract above.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, len as usize) })
     }
 
     /// The host bytes of a landed range, for the audit (staging mirror on GPU).
@@ -222,9 +393,9 @@ impl RegisteredMemory {
     /// # Safety
     /// Same DMA-like contract as [`Self::landing_slice`].
     pub(crate) unsafe fn landed(&self, offset: u64, len: u64) -> Result<&[u8], MemoryError> {
-        let at = self.check(offset, len)?;
-        // SAFETY: in bounds; aliasing contract above.
-        Ok(unsafe { std::slice::from_raw_parts(self.host.ptr.as_ptr().add(at), len as usize) })
+        let p = self.locate(offset, len)?;
+        // SAFETY: in bounds of one segment; aliasing contract above.
+        Ok(unsafe { std::slice::from_raw_parts(p, len as usize) })
     }
 
     /// Make a landed range visible in destination memory: a no-op on host, the host-to-device
@@ -242,19 +413,23 @@ impl RegisteredMemory {
 
     /// Copy `out.len()` destination bytes at `offset` into `out` (device memory on GPU).
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        let at = self.check(offset, out.len() as u64)?;
+        let _at = self.check(offset, out.len() as u64)?;
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
-            return g.download(at, out);
+            return g.download(_at, out);
         }
-        // SAFETY: in bounds; `out` is caller-owned and cannot overlap the allocation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.host.ptr.as_ptr().add(at),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        // Segment by segment: a read may span layout regions.
+        let mut done = 0usize;
+        while done < out.len() {
+            let at = offset + done as u64;
+            let i = self.segments.partition_point(|s| s.start <= at) - 1;
+            let seg = &self.segments[i];
+            let n = ((seg.start + seg.len - at) as usize).min(out.len() - done);
+            let p = self.locate(at, n as u64)?;
+            // SAFETY: in bounds; `out` is caller-owned and cannot overlap the registered memory.
+            unsafe { std::ptr::copy_nonoverlapping(p, out[done..].as_mut_ptr(), n) };
+            done += n;
+        }
         Ok(())
     }
 
@@ -293,6 +468,36 @@ mod tests {
             m.snapshot(u64::MAX, 2),
             Err(MemoryError::OutOfBounds { .. })
         ));
+    }
+
+    #[test]
+    fn host_owned_regions_back_their_layout_spans_without_copying() {
+        let mut a = vec![0u8; 64];
+        let mut b = vec![0u8; 100]; // longer than its span: the tail is never touched
+                                    // SAFETY: both Vecs outlive `m` and are read only after it is dropped.
+        let regions = unsafe {
+            vec![
+                HostRegion::new(a.as_mut_ptr(), a.len()).unwrap(),
+                HostRegion::new(b.as_mut_ptr(), b.len()).unwrap(),
+            ]
+        };
+        let m =
+            RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)]).unwrap();
+        assert!(m.is_host_owned());
+        assert_eq!(m.len(), 128);
+        m.write(60, &[1, 2, 3, 4]).unwrap();
+        m.write(64, &[5, 6]).unwrap();
+        // A read may span regions; a write may not (a write never crosses a layout region).
+        assert_eq!(m.snapshot(60, 6).unwrap(), vec![1, 2, 3, 4, 5, 6]);
+        assert!(matches!(
+            m.write(62, &[0; 4]),
+            Err(MemoryError::OutOfBounds { .. })
+        ));
+        assert!(m.write(126, &[0; 4]).is_err());
+        drop(m);
+        assert_eq!(&a[60..], &[1, 2, 3, 4]);
+        assert_eq!(&b[..2], &[5, 6]);
+        assert!(b[64..].iter().all(|&x| x == 0));
     }
 
     #[cfg(not(feature = "cuda"))]
