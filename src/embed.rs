@@ -22,7 +22,7 @@ use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::oneshot;
 
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
-use crate::config::{ConfigError, KvRecvConfig};
+use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy};
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::messages::{
     Abort, AbortReply, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv, LoadKvReply, ReqId,
@@ -184,27 +184,32 @@ impl KvRecvBuilder {
         } = self;
         target.layout = config.layout.clone();
         let (sink, rx) = sink(events);
-        spawn_worker(worker_threads, rx, move || async move {
-            let tcp = TcpTarget::start(target).await?;
-            let landing = tcp.landing();
-            let coord = Coordinator::start(CoordinatorParts {
-                config,
-                topology: Rc::new(HttpTopology::new(bootstrap)),
-                transport: Rc::new(ZmqTransport::new(zmq)),
-                landing: landing.clone(),
-                events: sink,
-                builtin_pool,
-            });
-            let data = DataPlaneHandle {
-                stats: tcp.stats().clone(),
-                handshake: tcp.handshake_stats().clone(),
-                landing,
-                handshake_addr: tcp.handshake_addr(),
-                data_addr: tcp.data_addr(),
-                segment_name: tcp.segment_name().to_owned(),
-            };
-            Ok((coord, Some(data), Box::new(tcp) as Box<dyn std::any::Any>))
-        })
+        spawn_worker(
+            config.load_failure_policy,
+            worker_threads,
+            rx,
+            move || async move {
+                let tcp = TcpTarget::start(target).await?;
+                let landing = tcp.landing();
+                let coord = Coordinator::start(CoordinatorParts {
+                    config,
+                    topology: Rc::new(HttpTopology::new(bootstrap)),
+                    transport: Rc::new(ZmqTransport::new(zmq)),
+                    landing: landing.clone(),
+                    events: sink,
+                    builtin_pool,
+                });
+                let data = DataPlaneHandle {
+                    stats: tcp.stats().clone(),
+                    handshake: tcp.handshake_stats().clone(),
+                    landing,
+                    handshake_addr: tcp.handshake_addr(),
+                    data_addr: tcp.data_addr(),
+                    segment_name: tcp.segment_name().to_owned(),
+                };
+                Ok((coord, Some(data), Box::new(tcp) as Box<dyn std::any::Any>))
+            },
+        )
     }
 }
 
@@ -222,6 +227,7 @@ type Started = (Coordinator, Option<DataPlaneHandle>, Box<dyn std::any::Any>);
 /// Start kvrecv's thread: an actix System on a multi-thread tokio runtime; `make` runs there.
 /// What `make` returns beside the coordinator (the target) lives until the System stops.
 fn spawn_worker<F, Fut>(
+    load_failure_policy: LoadFailurePolicy,
     worker_threads: usize,
     events: Option<UnboundedReceiver<KvEvent>>,
     make: F,
@@ -271,6 +277,7 @@ where
     Ok(KvRecv {
         inner: Arc::new(Inner {
             coord,
+            load_failure_policy,
             data,
             system,
             events: Mutex::new(events),
@@ -291,6 +298,7 @@ struct DataPlaneHandle {
 
 struct Inner {
     coord: Coordinator,
+    load_failure_policy: LoadFailurePolicy,
     data: Option<DataPlaneHandle>,
     system: actix::System,
     events: Mutex<Option<UnboundedReceiver<KvEvent>>>,
@@ -386,7 +394,7 @@ impl KvRecv {
     where
         F: FnOnce() -> CoordinatorParts + Send + 'static,
     {
-        spawn_worker(1, None, move || async move {
+        spawn_worker(LoadFailurePolicy::default(), 1, None, move || async move {
             let coord = Coordinator::start(make());
             Ok((coord, None, Box::new(()) as Box<dyn std::any::Any>))
         })
@@ -463,6 +471,12 @@ impl KvRecv {
             .data
             .as_ref()
             .map(|d| (d.handshake_addr, d.data_addr))
+    }
+
+    /// vLLM's `kv_load_failure_policy` from the configuration: what the host's scheduler does
+    /// with a failed load ([`LoadFailurePolicy`] says how kvrecv's signals serve each).
+    pub fn load_failure_policy(&self) -> LoadFailurePolicy {
+        self.inner.load_failure_policy
     }
 
     /// The running actors, for hosts that also talk to them directly (advanced).
