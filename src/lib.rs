@@ -6,6 +6,10 @@
 //!
 //! Data flows one way: [`actors::Receiver`] -> [`actors::Peer`] -> [`actors::RequestAggregator`]
 //! -> [`actors::BlockManager`].
+//!
+//! The front door for a host (a Rust inference server on its own tokio runtime) is
+//! [`KvRecvBuilder`] -> [`KvRecv`]; the items a host needs are re-exported here. The actor
+//! modules are the advanced path for hosts that run actix themselves.
 
 pub mod actors;
 pub mod config;
@@ -17,3 +21,16 @@ pub mod metrics;
 pub mod rdma;
 pub mod repro;
 pub mod sim;
+
+pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
+pub use embed::{
+    DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, StartError, Stats,
+};
+pub use layout::{KvLayout, Region};
+pub use messages::{AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, ReqId, StepOutput};
+pub use rdma::memory::{HostMemory, HostRegion, MemoryError};
+
+/// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
