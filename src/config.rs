@@ -10,7 +10,8 @@ use crate::actors::topology::DRank;
 use crate::layout::KvLayout;
 
 /// When a request's receive is over (DESIGN.md §4 rule 9).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {
     /// Complete only when every peer settled (the fix). Default.

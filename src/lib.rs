@@ -19,7 +19,9 @@ pub mod layout;
 pub mod messages;
 pub mod metrics;
 pub mod rdma;
+#[cfg(feature = "cli")]
 pub mod repro;
+#[cfg(feature = "sim")]
 pub mod sim;
 
 pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};

@@ -1,8 +1,6 @@
 //! Metric names (Prometheus text exposition through `metrics-exporter-prometheus`) and the
 //! exporter. Every counter an operator asks about in DESIGN.md §8 is named here, once.
 
-use std::net::SocketAddr;
-
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 
 pub const PULLS: &str = "kvrecv_pulls_total";
@@ -129,7 +127,9 @@ pub fn describe() {
 }
 
 /// Install the global Prometheus recorder and serve `/metrics` on `addr`. Needs a tokio runtime.
-pub fn serve_prometheus(addr: SocketAddr) -> Result<(), String> {
+/// The binary's (feature `cli`): the library itself never installs a recorder.
+#[cfg(feature = "cli")]
+pub fn serve_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(addr)
         .install()
