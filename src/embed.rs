@@ -29,7 +29,7 @@ use crate::messages::{
     StepOutput,
 };
 use crate::rdma::handshake_daemon::HandshakeStats;
-use crate::rdma::memory::HostMemory;
+use crate::rdma::memory::{DeviceMemory, HostMemory};
 use crate::rdma::target::TargetError;
 use crate::rdma::tcp_server::DataStats;
 use crate::rdma::{TargetConfig, TcpLanding, TcpTarget};
@@ -124,6 +124,15 @@ impl KvRecvBuilder {
     /// (or the last handle was dropped and kvrecv's thread ended).
     pub fn host_memory(mut self, memory: HostMemory) -> Self {
         self.target.host_memory = Some(memory);
+        self
+    }
+
+    /// Land every write in the host's own CUDA device regions (feature `cuda`; one per layout
+    /// region): kvrecv allocates no KV memory, TCP payloads go through a bounded staging buffer
+    /// and a device copy inside the permit gate. Contract: [`crate::rdma::memory::DeviceRegion::new`].
+    /// Without the feature or a driver, [`KvRecvBuilder::start`] fails with a typed error.
+    pub fn device_memory(mut self, memory: DeviceMemory) -> Self {
+        self.target.device_memory = Some(memory);
         self
     }
 

@@ -30,7 +30,7 @@ pub use embed::{
 };
 pub use layout::{KvLayout, Region};
 pub use messages::{AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, ReqId, StepOutput};
-pub use rdma::memory::{HostMemory, HostRegion, MemoryError};
+pub use rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError};
 
 /// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.
 #[cfg(doctest)]

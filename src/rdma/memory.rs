@@ -11,6 +11,7 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use thiserror::Error;
 
@@ -31,6 +32,8 @@ pub enum MemoryError {
     Cuda(String),
     #[error("host memory: {0}")]
     HostRegions(String),
+    #[error("device memory: {0}")]
+    DeviceRegions(String),
 }
 
 /// Where destination bytes live.
@@ -112,6 +115,153 @@ impl HostMemory {
     pub fn regions(&self) -> &[HostRegion] {
         &self.0
     }
+}
+
+/// One KV cache region the host allocated in CUDA device memory: a device pointer and length
+/// on GPU `ordinal` (feature `cuda`; without it, starting a target with one is a typed error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRegion {
+    ordinal: usize,
+    ptr: u64,
+    len: u64,
+}
+
+impl DeviceRegion {
+    /// Register `len` bytes of device memory at `ptr` (a `CUdeviceptr`) on GPU `ordinal`.
+    ///
+    /// # Safety
+    /// The same contract as [`HostRegion::new`], for device memory: valid, allocated and not
+    /// moved until the handle's shutdown returned; kvrecv copies into any block whose request
+    /// is loaded and not yet released, from its own threads, in the primary context of
+    /// `ordinal`; the host uses a block only after kvrecv released it. A null `ptr` or zero
+    /// `len` is refused.
+    pub unsafe fn new(ordinal: usize, ptr: u64, len: u64) -> Result<Self, MemoryError> {
+        if ptr == 0 || len == 0 {
+            return Err(MemoryError::DeviceRegions("null or empty region".into()));
+        }
+        Ok(DeviceRegion { ordinal, ptr, len })
+    }
+}
+
+/// Copies into and out of memory the data server cannot address directly (device memory). TCP
+/// payloads reach it through a bounded staging buffer ([`STAGING_CHUNK`]), each copy inside the
+/// write's permit gate.
+pub(crate) trait DeviceCopy: Send + Sync {
+    /// Host -> device, synchronous: returns once the bytes are in destination memory.
+    fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError>;
+    /// Device -> host, synchronous.
+    fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError>;
+}
+
+/// Largest staging buffer one write uses on its way to device memory.
+pub const STAGING_CHUNK: usize = 1 << 20;
+
+/// The host's device regions, one per layout region in layout order. Cheap to clone.
+#[derive(Clone)]
+pub struct DeviceMemory(Arc<DeviceInner>);
+
+enum DeviceInner {
+    Regions(Vec<DeviceRegion>),
+    /// A host buffer behind the device interface, to test the staged path without a GPU.
+    #[cfg(any(test, feature = "testing"))]
+    Fake(Arc<FakeDevice>),
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &*self.0 {
+            DeviceInner::Regions(r) => f.debug_tuple("DeviceMemory").field(r).finish(),
+            #[cfg(any(test, feature = "testing"))]
+            DeviceInner::Fake(_) => f.write_str("DeviceMemory(fake)"),
+        }
+    }
+}
+
+impl DeviceMemory {
+    /// The regions, in layout order.
+    pub fn new(regions: Vec<DeviceRegion>) -> Self {
+        DeviceMemory(Arc::new(DeviceInner::Regions(regions)))
+    }
+
+    /// A fake device of `len` bytes (host memory reached only through copies), and a view of
+    /// its bytes for the test.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fake(len: usize) -> (Self, Arc<FakeDevice>) {
+        let dev = Arc::new(FakeDevice {
+            bytes: std::sync::Mutex::new(vec![0; len]),
+            uploads: std::sync::atomic::AtomicU64::new(0),
+            largest_upload: std::sync::atomic::AtomicU64::new(0),
+        });
+        (DeviceMemory(Arc::new(DeviceInner::Fake(dev.clone()))), dev)
+    }
+}
+
+/// See [`DeviceMemory::fake`].
+#[cfg(any(test, feature = "testing"))]
+#[derive(Debug)]
+pub struct FakeDevice {
+    bytes: std::sync::Mutex<Vec<u8>>,
+    /// Copies into the device, and the largest one (bounded by [`STAGING_CHUNK`]).
+    pub uploads: std::sync::atomic::AtomicU64,
+    pub largest_upload: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl FakeDevice {
+    /// A copy of `len` device bytes at `offset`.
+    pub fn snapshot(&self, offset: usize, len: usize) -> Vec<u8> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())[offset..offset + len].to_vec()
+    }
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl DeviceCopy for FakeDevice {
+    fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        use std::sync::atomic::Ordering;
+        let mut b = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
+        let at = offset as usize;
+        let dst = b
+            .get_mut(at..at + src.len())
+            .ok_or(MemoryError::OutOfBounds {
+                offset,
+                len: src.len() as u64,
+                size: 0,
+            })?;
+        dst.copy_from_slice(src);
+        self.uploads.fetch_add(1, Ordering::Relaxed);
+        self.largest_upload
+            .fetch_max(src.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let b = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
+        let at = offset as usize;
+        let src = b.get(at..at + dst.len()).ok_or(MemoryError::OutOfBounds {
+            offset,
+            len: dst.len() as u64,
+            size: 0,
+        })?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// The CUDA copier for the host's device regions `(start, pointer, length)` on `ordinal`.
+#[cfg(feature = "cuda")]
+fn device_copier(
+    ordinal: usize,
+    segs: Vec<(u64, u64, u64)>,
+) -> Result<Arc<dyn DeviceCopy>, MemoryError> {
+    Ok(Arc::new(gpu::HostDeviceRegions::new(ordinal, segs)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_copier(
+    _ordinal: usize,
+    _segs: Vec<(u64, u64, u64)>,
+) -> Result<Arc<dyn DeviceCopy>, MemoryError> {
+    Err(MemoryError::CudaNotBuilt)
 }
 
 /// A contiguous piece of the registered memory: `[start, start + len)` at `ptr`.
@@ -209,6 +359,52 @@ mod gpu {
             unsafe { result::memcpy_dtoh_sync(dst, self.base + offset as u64) }.map_err(err)
         }
     }
+
+    /// The host's own device regions: `(start, device pointer, length)` per layout region,
+    /// contiguous in kvrecv's offsets. Nothing is allocated.
+    pub(super) struct HostDeviceRegions {
+        ctx: Arc<CudaContext>,
+        segs: Vec<(u64, u64, u64)>,
+    }
+
+    impl HostDeviceRegions {
+        pub(super) fn new(ordinal: usize, segs: Vec<(u64, u64, u64)>) -> Result<Self, MemoryError> {
+            // SAFETY: only probes for the shared library.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(MemoryError::NoCudaDriver);
+            }
+            let ctx = CudaContext::new(ordinal).map_err(err)?;
+            Ok(HostDeviceRegions { ctx, segs })
+        }
+
+        fn locate(&self, offset: u64, len: u64) -> Result<u64, MemoryError> {
+            self.segs
+                .iter()
+                .find(|(start, _, l)| offset >= *start && offset - start + len <= *l)
+                .map(|(start, ptr, _)| ptr + (offset - start))
+                .ok_or(MemoryError::OutOfBounds {
+                    offset,
+                    len,
+                    size: self.segs.last().map_or(0, |(s, _, l)| s + l),
+                })
+        }
+    }
+
+    impl super::DeviceCopy for HostDeviceRegions {
+        fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+            let dst = self.locate(offset, src.len() as u64)?;
+            self.ctx.bind_to_thread().map_err(err)?;
+            // SAFETY: inside one registered region (the host's contract of `DeviceRegion::new`).
+            unsafe { result::memcpy_htod_sync(dst, src) }.map_err(err)
+        }
+
+        fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+            let src = self.locate(offset, dst.len() as u64)?;
+            self.ctx.bind_to_thread().map_err(err)?;
+            // SAFETY: as in `upload`.
+            unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(err)
+        }
+    }
 }
 
 /// The destination bytes of one D worker.
@@ -220,6 +416,8 @@ pub struct RegisteredMemory {
     _owned: Option<HostBuffer>,
     /// Keeps the host's region list alive (the bytes are the host's).
     host_owned: Option<HostMemory>,
+    /// Memory reached only through copies (the host's device regions): no segments.
+    staged: Option<Arc<dyn DeviceCopy>>,
     #[cfg(feature = "cuda")]
     gpu: Option<gpu::GpuMirror>,
 }
@@ -252,6 +450,7 @@ impl RegisteredMemory {
             len,
             _owned: Some(host),
             host_owned: None,
+            staged: None,
             #[cfg(feature = "cuda")]
             gpu: None,
         };
@@ -306,9 +505,79 @@ impl RegisteredMemory {
             len: end,
             _owned: None,
             host_owned: Some(host),
+            staged: None,
             #[cfg(feature = "cuda")]
             gpu: None,
         })
+    }
+
+    /// The host's own device regions as the destination (one per layout span, each at least as
+    /// long; all on one GPU). Nothing is allocated; writes reach them through
+    /// [`Self::upload`]. Without the `cuda` feature: [`MemoryError::CudaNotBuilt`]; without a
+    /// driver: [`MemoryError::NoCudaDriver`].
+    pub fn device_owned(dev: DeviceMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
+        let len = spans.last().map_or(0, |(s, l)| s + l);
+        let staged: Arc<dyn DeviceCopy> = match &*dev.0 {
+            DeviceInner::Regions(regions) => {
+                if regions.len() != spans.len() {
+                    return Err(MemoryError::DeviceRegions(format!(
+                        "{} regions registered, the layout has {}",
+                        regions.len(),
+                        spans.len()
+                    )));
+                }
+                let ordinal = regions.first().map_or(0, |r| r.ordinal);
+                let mut segs = Vec::with_capacity(spans.len());
+                for (i, (r, &(start, need))) in regions.iter().zip(spans).enumerate() {
+                    if r.ordinal != ordinal {
+                        return Err(MemoryError::DeviceRegions(format!(
+                            "region {i} is on GPU {}, region 0 on GPU {ordinal}",
+                            r.ordinal
+                        )));
+                    }
+                    if r.len < need {
+                        return Err(MemoryError::DeviceRegions(format!(
+                            "region {i} has {} bytes; the layout needs {need}",
+                            r.len
+                        )));
+                    }
+                    segs.push((start, r.ptr, need));
+                }
+                device_copier(ordinal, segs)?
+            }
+            #[cfg(any(test, feature = "testing"))]
+            DeviceInner::Fake(f) => {
+                if (f.bytes.lock().unwrap_or_else(|e| e.into_inner()).len() as u64) < len {
+                    return Err(MemoryError::DeviceRegions("fake device too small".into()));
+                }
+                f.clone()
+            }
+        };
+        Ok(RegisteredMemory {
+            segments: Vec::new(),
+            len,
+            _owned: None,
+            host_owned: None,
+            staged: Some(staged),
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        })
+    }
+
+    /// Whether writes must go through [`Self::upload`] (device memory the host registered)
+    /// instead of landing in place.
+    pub fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Copy `src` to destination offset `offset` (bounds-checked), synchronously: staged memory
+    /// only (the data server's bounded staging path).
+    pub(crate) fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        self.check(offset, src.len() as u64)?;
+        match &self.staged {
+            Some(d) => d.upload(offset, src),
+            None => Err(MemoryError::DeviceRegions("not staged memory".into())),
+        }
     }
 
     /// Bytes.
@@ -348,6 +617,11 @@ impl RegisteredMemory {
     /// The address of `[offset, offset + len)`, which must lie inside one segment (a write
     /// never spans two layout regions: the window map refuses it).
     fn locate(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
+        if self.staged.is_some() {
+            return Err(MemoryError::DeviceRegions(
+                "device memory is not host-addressable; writes go through upload".into(),
+            ));
+        }
         let i = self.segments.partition_point(|s| s.start <= offset);
         let seg = i
             .checked_sub(1)
@@ -402,6 +676,9 @@ impl RegisteredMemory {
     /// copy on GPU. Returns once the copy completed.
     pub fn commit(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
         let _at = self.check(offset, len)?;
+        if self.staged.is_some() {
+            return Ok(()); // every upload already completed
+        }
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             // SAFETY: in bounds; the staging bytes are plain memory.
@@ -414,6 +691,9 @@ impl RegisteredMemory {
     /// Copy `out.len()` destination bytes at `offset` into `out` (device memory on GPU).
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemoryError> {
         let _at = self.check(offset, out.len() as u64)?;
+        if let Some(d) = &self.staged {
+            return d.download(offset, out);
+        }
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             return g.download(_at, out);
@@ -443,6 +723,9 @@ impl RegisteredMemory {
     /// Overwrite destination bytes (tests, READ fixtures). Goes through the staging mirror and
     /// [`Self::commit`].
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        if self.staged.is_some() {
+            return self.upload(offset, src);
+        }
         // SAFETY: in bounds (checked); DMA-like contract.
         let dst = unsafe { self.landing_slice(offset, src.len() as u64)? };
         dst.copy_from_slice(src);
@@ -498,6 +781,49 @@ mod tests {
         assert_eq!(&a[60..], &[1, 2, 3, 4]);
         assert_eq!(&b[..2], &[5, 6]);
         assert!(b[64..].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn host_device_regions_are_checked_and_need_cuda() {
+        // SAFETY: never dereferenced: every start below is refused before any copy.
+        let r = |ordinal, len| unsafe { DeviceRegion::new(ordinal, 0x7000_0000, len) }.unwrap();
+        let spans = [(0, 64), (64, 64)];
+        let err = |regions| {
+            RegisteredMemory::device_owned(DeviceMemory::new(regions), &spans).unwrap_err()
+        };
+        assert!(matches!(err(vec![r(0, 64)]), MemoryError::DeviceRegions(_)));
+        assert!(matches!(
+            err(vec![r(0, 64), r(0, 63)]),
+            MemoryError::DeviceRegions(_)
+        ));
+        assert!(matches!(
+            err(vec![r(0, 64), r(1, 64)]),
+            MemoryError::DeviceRegions(_)
+        ));
+        // Fits: the feature and a driver decide.
+        let e = err(vec![r(0, 64), r(0, 64)]);
+        #[cfg(not(feature = "cuda"))]
+        assert!(matches!(e, MemoryError::CudaNotBuilt), "{e}");
+        #[cfg(feature = "cuda")]
+        assert!(
+            matches!(e, MemoryError::NoCudaDriver | MemoryError::Cuda(_)),
+            "{e}"
+        );
+        // SAFETY: refused before use.
+        assert!(unsafe { DeviceRegion::new(0, 0, 8) }.is_err());
+    }
+
+    #[test]
+    fn staged_memory_is_reached_only_through_copies() {
+        let (dev, view) = DeviceMemory::fake(256);
+        let m = RegisteredMemory::device_owned(dev, &[(0, 128), (128, 128)]).unwrap();
+        assert!(m.is_staged());
+        m.write(120, &[1; 16]).unwrap();
+        assert_eq!(view.snapshot(120, 16), vec![1; 16]);
+        assert_eq!(m.snapshot(118, 4).unwrap(), vec![0, 0, 1, 1]);
+        // SAFETY: refused: the memory is not host-addressable.
+        assert!(unsafe { m.landing_slice(0, 8) }.is_err());
+        assert!(m.upload(250, &[0; 8]).is_err());
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -15,7 +15,7 @@ use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
 use super::audit::AuditCounters;
 use super::handshake_daemon::{self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES};
-use super::memory::{HostMemory, MemoryError, MemoryKind, RegisteredMemory};
+use super::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, RegisteredMemory};
 use super::permits::{PermitTable, TcpLanding};
 use super::tcp_server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
@@ -51,6 +51,10 @@ pub struct TargetConfig {
     /// The host's own KV regions (one per layout region): kvrecv allocates no KV memory and
     /// lands every write in them; `memory` is then ignored.
     pub host_memory: Option<HostMemory>,
+    /// The host's own CUDA device regions (one per layout region): kvrecv allocates no KV
+    /// memory; TCP payloads reach them through a bounded staging buffer. Wins over
+    /// `host_memory` and `memory`.
+    pub device_memory: Option<DeviceMemory>,
     /// Open data connections at most (default [`DEFAULT_MAX_DATA_CONNECTIONS`]); more are
     /// closed at accept and counted (`kvrecv_connections_refused_total`).
     pub max_data_connections: usize,
@@ -74,6 +78,7 @@ impl TargetConfig {
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             memory: MemoryKind::Host,
             host_memory: None,
+            device_memory: None,
             max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
         }
@@ -127,9 +132,10 @@ impl TcpTarget {
             }
         };
         let map = Arc::new(WindowMap::new(&cfg.layout, cfg.base_addr, windows)?);
-        let memory = Arc::new(match &cfg.host_memory {
-            Some(h) => RegisteredMemory::host_owned(h.clone(), &map.region_spans())?,
-            None => RegisteredMemory::new(cfg.memory, map.span())?,
+        let memory = Arc::new(match (&cfg.device_memory, &cfg.host_memory) {
+            (Some(d), _) => RegisteredMemory::device_owned(d.clone(), &map.region_spans())?,
+            (None, Some(h)) => RegisteredMemory::host_owned(h.clone(), &map.region_spans())?,
+            (None, None) => RegisteredMemory::new(cfg.memory, map.span())?,
         });
         let mut table = PermitTable::new(map.clone(), cfg.permits);
         if !cfg.epoch_rule {
