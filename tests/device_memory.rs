@@ -13,7 +13,7 @@ use kvrecv::rdma::audit::stamp_write;
 use kvrecv::rdma::initiator::InitiatorConfig;
 use kvrecv::rdma::memory::STAGING_CHUNK;
 use kvrecv::sim::te_writer::TeWriter;
-use kvrecv::sim::{PrefillSim, SimConfig};
+use kvrecv::sim::{KvWriter, PrefillSim, SimConfig};
 use kvrecv::{DeviceMemory, KvEvent, KvRecv, KvRecvConfig, KvRequest, ReqId};
 
 /// Larger than the staging buffer, so one write takes several device copies.
@@ -80,5 +80,86 @@ async fn p_writes_reach_host_device_memory_through_bounded_staging() {
         view.uploads.load(Ordering::Relaxed) >= 4,
         "one write, several copies"
     );
+    kv.shutdown().await;
+}
+
+/// P's writer that holds the job of request `a` (P never answers it) and reports every job.
+struct HoldingWriter {
+    te: TeWriter,
+    jobs: tokio::sync::mpsc::UnboundedSender<kvrecv::sim::WriteJob>,
+}
+
+impl KvWriter for HoldingWriter {
+    fn write(
+        &self,
+        job: kvrecv::sim::WriteJob,
+    ) -> futures::future::BoxFuture<'static, Result<(), String>> {
+        let _ = self.jobs.send(job.clone());
+        if job.req_ids.iter().any(|r| r == "a") {
+            return Box::pin(std::future::pending());
+        }
+        self.te.write(job)
+    }
+}
+
+/// The staged path honours the fence: after an abort released `a`'s block, P's held write is
+/// refused and no byte of it reaches the device.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_late_write_never_reaches_host_device_memory() {
+    const SMALL: usize = 64 * 1024;
+    let (dev, view) = DeviceMemory::fake(SMALL * BLOCKS);
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(1, SMALL as u64, BLOCKS as u32),
+        pull_timeout: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecv::builder(config)
+        .device_memory(dev)
+        .events(true)
+        .start()
+        .unwrap();
+    let mut events = kv.events().unwrap();
+    let (tx, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    let writer = Arc::new(HoldingWriter {
+        te: TeWriter::new(InitiatorConfig::default()),
+        jobs: tx,
+    });
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), writer)
+        .await
+        .unwrap();
+    kv.load_kv(vec![KvRequest {
+        req_id: "a".into(),
+        transfer_id: Some("t-a".into()),
+        remote_engine_id: Some(sim.engine_id().to_owned()),
+        remote_bootstrap_addr: Some(sim.bootstrap_url()),
+        block_ids: vec![vec![1]],
+    }])
+    .await
+    .unwrap();
+    let job = tokio::time::timeout(Duration::from_secs(30), jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(kv.abort("a").await.unwrap().peers_settled, 1);
+    loop {
+        let ev = tokio::time::timeout(Duration::from_secs(30), events.recv())
+            .await
+            .expect("released in time")
+            .expect("events open");
+        if let KvEvent::Released { req_id, fenced, .. } = &ev {
+            if &**req_id == "a" {
+                assert!(fenced, "released by the fence");
+                break;
+            }
+        }
+    }
+    let late = TeWriter::new(InitiatorConfig::default()).write(job).await;
+    assert!(late.is_err(), "the late write is refused");
+    assert_eq!(
+        view.uploads.load(Ordering::Relaxed),
+        0,
+        "nothing was copied"
+    );
+    assert!(view.snapshot(0, SMALL * BLOCKS).iter().all(|&b| b == 0));
     kv.shutdown().await;
 }

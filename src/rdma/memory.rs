@@ -513,7 +513,7 @@ impl RegisteredMemory {
 
     /// The host's own device regions as the destination (one per layout span, each at least as
     /// long; all on one GPU). Nothing is allocated; writes reach them through
-    /// [`Self::upload`]. Without the `cuda` feature: [`MemoryError::CudaNotBuilt`]; without a
+    /// a device copy. Without the `cuda` feature: [`MemoryError::CudaNotBuilt`]; without a
     /// driver: [`MemoryError::NoCudaDriver`].
     pub fn device_owned(dev: DeviceMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
         let len = spans.last().map_or(0, |(s, l)| s + l);
@@ -564,7 +564,7 @@ impl RegisteredMemory {
         })
     }
 
-    /// Whether writes must go through [`Self::upload`] (device memory the host registered)
+    /// Whether writes must go through a device copy (device memory the host registered)
     /// instead of landing in place.
     pub fn is_staged(&self) -> bool {
         self.staged.is_some()
