@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::{KvRecv, KvRecvBuilder};
-use kvrecv::messages::KvRequest;
+use kvrecv::messages::{BatchError, KvRequest};
 use kvrecv::rdma::memory::{HostMemory, HostRegion};
 
 /// A request that needs its prompt's KV from a prefill engine.
@@ -92,6 +92,8 @@ pub struct InferenceHost {
     /// (kvrecv promises none).
     pub attempts: usize,
     pub unexpected_completions: usize,
+    /// Requests kvrecv refused at `load_kv` for a reason other than backpressure (a host bug).
+    pub refused: usize,
 }
 
 impl InferenceHost {
@@ -126,6 +128,7 @@ impl InferenceHost {
             max_attempts,
             attempts: 0,
             unexpected_completions: 0,
+            refused: 0,
         })
     }
 
@@ -161,6 +164,7 @@ impl InferenceHost {
         for blocks in self.decoding.drain(..) {
             self.alloc.give_back(&blocks);
         }
+        let mut out = Vec::new();
         let mut batch = Vec::new();
         while let Some((req, n)) = self.queue.front().cloned() {
             let Some(blocks) = self.alloc.take(req.blocks) else {
@@ -193,12 +197,22 @@ impl InferenceHost {
         if !batch.is_empty() {
             self.attempts += batch.len();
             let reply = self.kv.load_kv(batch).await?;
-            // A refused request (a bug of ours, e.g. a block twice) would never complete.
-            assert!(
-                reply.rejected.is_empty(),
-                "load_kv refused: {:?}",
-                reply.rejected
-            );
+            // A refused request never completes: its blocks are ours again at once.
+            for e in reply.rejected {
+                let Some(a) = self.live.remove(e.req_id()) else {
+                    continue;
+                };
+                self.alloc.give_back(&a.blocks);
+                self.attempts -= 1;
+                if matches!(e, BatchError::Backpressure { .. }) {
+                    self.queue.push_front((a.req, a.n)); // too much in flight: next step
+                } else {
+                    // Anything else is a bug of ours (a block twice, a block still in use).
+                    self.refused += 1;
+                    eprintln!("load_kv refused: {e}");
+                    out.push(Report::GaveUp { id: a.req.id });
+                }
+            }
         }
         let step = self.kv.drain().await?;
         // Failures come no later than their completion: mark first, then complete.
@@ -212,7 +226,6 @@ impl InferenceHost {
                 a.failed = true;
             }
         }
-        let mut out = Vec::new();
         for r in step.finished_recving {
             let Some(a) = self.live.remove(&*r) else {
                 self.unexpected_completions += 1;

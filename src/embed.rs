@@ -290,7 +290,7 @@ where
             data,
             system,
             events: Mutex::new(events),
-            done: tokio::sync::Mutex::new(Some(done_rx)),
+            done: futures::FutureExt::shared(done_rx),
         }),
     })
 }
@@ -311,7 +311,8 @@ struct Inner {
     data: Option<DataPlaneHandle>,
     system: actix::System,
     events: Mutex<Option<UnboundedReceiver<KvEvent>>>,
-    done: tokio::sync::Mutex<Option<oneshot::Receiver<()>>>,
+    /// Resolves once kvrecv's thread stopped its actors, listeners and runtime.
+    done: futures::future::Shared<oneshot::Receiver<()>>,
 }
 
 impl Drop for Inner {
@@ -497,9 +498,8 @@ impl KvRecv {
     /// listeners. Calls after this fail with [`KvRecvError::Stopped`].
     pub async fn shutdown(&self) {
         self.inner.system.stop();
-        if let Some(done) = self.inner.done.lock().await.take() {
-            let _ = done.await;
-        }
+        // Every clone waits for the same end, however many call this.
+        let _ = self.inner.done.clone().await;
     }
 }
 

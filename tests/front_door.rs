@@ -259,5 +259,12 @@ async fn clones_share_one_worker() {
         t.await.unwrap();
     }
     assert_eq!(seen.lock().unwrap().iter().sum::<usize>(), 1);
-    kv.shutdown().await;
+    // Shutdown from two clones at once: both return only once the worker has stopped.
+    let other = kv.clone();
+    tokio::join!(kv.shutdown(), other.shutdown());
+    assert!(matches!(kv.drain().await, Err(KvRecvError::Stopped(_))));
+    assert!(matches!(
+        other.load_kv(vec![]).await,
+        Err(KvRecvError::Stopped(_))
+    ));
 }

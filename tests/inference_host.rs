@@ -166,6 +166,10 @@ async fn the_example_host_survives_failures_delays_cancels_and_a_p_restart() {
     );
     // One completion per attempt: idle means every attempt completed; none came twice.
     assert_eq!(host.unexpected_completions, 0);
+    assert_eq!(
+        host.refused, 0,
+        "kvrecv never had to refuse a block still in use"
+    );
     assert!(
         host.attempts > 60,
         "failures were retried: {}",
