@@ -45,6 +45,8 @@ pub enum StartError {
     Runtime(#[from] std::io::Error),
     #[error("kvrecv's thread ended during start-up")]
     ThreadEnded,
+    #[error("no advertised host: binding {0} needs advertise_host (the address P reaches)")]
+    NoAdvertiseHost(IpAddr),
 }
 
 /// Why a call on a running handle failed.
@@ -99,9 +101,12 @@ impl KvRecvBuilder {
     pub fn bind(mut self, ip: IpAddr) -> Self {
         self.target.handshake_bind.set_ip(ip);
         self.target.data_bind.set_ip(ip);
-        if !ip.is_unspecified() {
-            self.target.advertise_host = ip.to_string();
-        }
+        // A wildcard address is not reachable: the host must say what P reaches.
+        self.target.advertise_host = if ip.is_unspecified() {
+            String::new()
+        } else {
+            ip.to_string()
+        };
         self
     }
 
@@ -114,7 +119,7 @@ impl KvRecvBuilder {
 
     /// The host P reaches both listeners at (required when binding a wildcard address).
     pub fn advertise_host(mut self, host: impl Into<String>) -> Self {
-        self.target.advertise_host = host.into();
+        self.target.advertise_host = host.into().trim().to_owned();
         self
     }
 
@@ -182,6 +187,9 @@ impl KvRecvBuilder {
     /// Bind, start kvrecv's thread and the worker on it. Returns once both listeners are bound.
     pub fn start(self) -> Result<KvRecv, StartError> {
         self.config.validate()?;
+        if self.target.advertise_host.is_empty() {
+            return Err(StartError::NoAdvertiseHost(self.target.data_bind.ip()));
+        }
         let KvRecvBuilder {
             config,
             mut target,
@@ -523,5 +531,27 @@ mod tests {
     #[test]
     fn the_handle_is_send_sync_clone() {
         assert_send_sync_clone::<KvRecv>();
+    }
+
+    #[test]
+    fn a_wildcard_bind_needs_an_advertised_host() {
+        let cfg = KvRecvConfig {
+            layout: crate::layout::KvLayout::uniform(1, 64, 4),
+            ..KvRecvConfig::default()
+        };
+        let e = KvRecvBuilder::new(cfg.clone())
+            .bind(ANY_IPV4)
+            .start()
+            .unwrap_err();
+        assert!(matches!(e, StartError::NoAdvertiseHost(_)), "{e}");
+        let kv = KvRecvBuilder::new(cfg)
+            .bind(ANY_IPV4)
+            .advertise_host("127.0.0.1")
+            .start()
+            .unwrap();
+        assert_eq!(
+            kv.segment_name().map(|s| s.starts_with("127.0.0.1:")),
+            Some(true)
+        );
     }
 }
