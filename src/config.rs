@@ -10,7 +10,8 @@ use crate::actors::topology::DRank;
 use crate::layout::KvLayout;
 
 /// When a request's receive is over (DESIGN.md §4 rule 9).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[cfg_attr(feature = "cli", derive(clap::ValueEnum))]
 #[serde(rename_all = "lowercase")]
 pub enum Policy {
     /// Complete only when every peer settled (the fix). Default.
@@ -29,7 +30,17 @@ impl Policy {
     }
 }
 
-/// vLLM's `kv_load_failure_policy`.
+/// vLLM's `kv_load_failure_policy`: what the host scheduler does with a request whose KV load
+/// failed (PROTOCOL.md §4). Both values are honoured, because both are the scheduler's action on
+/// the signals kvrecv hands out, and kvrecv's signals serve either: the failure is drained at
+/// once (`invalid_block_ids`, block-level, or `failed_recving` for multi-group caches) and the
+/// completion (`finished_recving`) comes only when no peer can write into the blocks any more.
+/// **fail**: the host ends the request with an error at once but keeps its blocks until the
+/// completion. **recompute**: the host keeps the request waiting, and at the completion
+/// recomputes from the first invalid block into the same blocks; this is safe only because
+/// kvrecv never releases a block a late writer can still reach. The host reads the value from
+/// [`KvRecvConfig::load_failure_policy`] (or `KvRecv::load_failure_policy`). Any other value is
+/// refused at parse time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum LoadFailurePolicy {
@@ -97,10 +108,29 @@ pub enum ConfigError {
     Zero { key: &'static str },
     #[error("invalid layout: {0}")]
     Layout(String),
+    /// A silently assumed layout would advertise addresses P writes real bytes to.
+    #[error(
+        "no destination layout: give kv_connector_extra_config.kvrecv.layout \
+         ({{num_blocks, num_groups, regions: [{{layer_name, layer_index, group_index, block_len, kv_block_len}}]}})"
+    )]
+    NoLayout,
 }
 
+/// `kv_transfer_config` as parsed, before a layout is required: for callers that supply the
+/// layout another way (`kvrecv serve`'s flags).
+#[derive(Debug, Clone)]
+pub struct ParsedKvTransfer {
+    /// The configuration; its `layout` is the default unless `layout_given`.
+    pub config: KvRecvConfig,
+    /// Whether `kv_connector_extra_config.kvrecv.layout` was present.
+    pub layout_given: bool,
+    /// Top-level keys kvrecv does not know (vLLM adds keys every release): accepted, ignored.
+    pub ignored_keys: Vec<String>,
+}
+
+/// vLLM's top level: known keys typed, any other key kept to be named in one warning (vLLM adds
+/// keys every release, e.g. `enable_permute_local_kv`, and must not break a deployment).
 #[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
 struct RawKvTransfer {
     #[serde(default)]
     kv_connector: Option<String>,
@@ -134,6 +164,8 @@ struct RawKvTransfer {
     #[serde(default)]
     #[allow(dead_code)]
     kv_connector_module_path: Option<String>,
+    #[serde(flatten)]
+    unknown: std::collections::BTreeMap<String, serde_json::Value>,
 }
 
 #[derive(Deserialize, Default)]
@@ -144,6 +176,7 @@ struct RawExtra {
     kvrecv: RawKvRecv,
 }
 
+/// kvrecv's own keys: unknown ones are refused, because they can only be typos of ours.
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 struct RawKvRecv {
@@ -169,11 +202,29 @@ impl KvRecvConfig {
     /// let c = kvrecv::config::KvRecvConfig::from_kv_transfer_config(r#"{
     ///   "kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
     ///   "kv_connector_extra_config": {"mooncake_protocol": "tcp",
-    ///                                 "kvrecv": {"policy": "settle", "pull_timeout_ms": 30000}}}"#).unwrap();
+    ///     "kvrecv": {"policy": "settle", "pull_timeout_ms": 30000,
+    ///       "layout": {"num_blocks": 1024, "num_groups": 1, "regions": [{"layer_name": "l0",
+    ///         "layer_index": 0, "group_index": 0, "block_len": 16384, "kv_block_len": 16384}]}}}}"#).unwrap();
     /// assert_eq!(c.pull_timeout.as_secs(), 30);
     /// ```
+    ///
+    /// Unknown top-level keys are accepted with one warning; unknown keys under `kvrecv` are
+    /// refused; the layout is required ([`ConfigError::NoLayout`]).
     pub fn from_kv_transfer_config(json: &str) -> Result<Self, ConfigError> {
+        let p = Self::parse_kv_transfer_config(json)?;
+        if !p.layout_given {
+            return Err(ConfigError::NoLayout);
+        }
+        Ok(p.config)
+    }
+
+    /// Parse without requiring a layout; logs one warning naming every ignored key.
+    pub fn parse_kv_transfer_config(json: &str) -> Result<ParsedKvTransfer, ConfigError> {
         let raw: RawKvTransfer = serde_json::from_str(json)?;
+        let ignored_keys: Vec<String> = raw.unknown.keys().cloned().collect();
+        if !ignored_keys.is_empty() {
+            tracing::warn!(keys = ?ignored_keys, "kv_transfer_config keys kvrecv does not know; ignored");
+        }
         if raw.kv_role != "kv_consumer" {
             return Err(ConfigError::Role(raw.kv_role));
         }
@@ -244,11 +295,16 @@ impl KvRecvConfig {
                 key: "tp_size/pp_size",
             });
         }
+        let layout_given = k.layout.is_some();
         if let Some(l) = k.layout {
             cfg.layout = l;
         }
         cfg.validate()?;
-        Ok(cfg)
+        Ok(ParsedKvTransfer {
+            config: cfg,
+            layout_given,
+            ignored_keys,
+        })
     }
 
     /// Internal consistency of the layout.
@@ -302,14 +358,65 @@ mod tests {
         assert!(KvRecvConfig::from_kv_transfer_config("{").is_err());
     }
 
+    const LAYOUT: &str = r#""layout":{"num_blocks":8,"num_groups":1,"regions":[{"layer_name":"l0",
+        "layer_index":0,"group_index":0,"block_len":64,"kv_block_len":64}]}"#;
+
+    #[test]
+    fn unknown_vllm_keys_are_accepted_and_named_and_the_layout_is_required() {
+        let json = format!(
+            r#"{{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",
+                "enable_permute_local_kv":false,"some_future_key":{{"a":1}},
+                "kv_connector_extra_config":{{"kvrecv":{{{LAYOUT}}}}}}}"#
+        );
+        let p = KvRecvConfig::parse_kv_transfer_config(&json).unwrap();
+        assert_eq!(
+            p.ignored_keys,
+            vec!["enable_permute_local_kv", "some_future_key"]
+        );
+        assert!(p.layout_given);
+        assert_eq!(p.config.layout.num_blocks, 8);
+        assert_eq!(
+            KvRecvConfig::from_kv_transfer_config(&json).unwrap().layout,
+            p.config.layout
+        );
+        // No layout: refused, never the default one.
+        let e = KvRecvConfig::from_kv_transfer_config(
+            r#"{"kv_role":"kv_consumer","enable_permute_local_kv":true}"#,
+        )
+        .unwrap_err();
+        assert!(matches!(e, ConfigError::NoLayout), "{e}");
+        assert!(e.to_string().contains("kvrecv.layout"), "{e}");
+        // Both failure policies parse; anything else is refused by name.
+        for (v, want) in [
+            ("fail", LoadFailurePolicy::Fail),
+            ("recompute", LoadFailurePolicy::Recompute),
+        ] {
+            let j = format!(
+                r#"{{"kv_role":"kv_consumer","kv_load_failure_policy":"{v}","kv_connector_extra_config":{{"kvrecv":{{{LAYOUT}}}}}}}"#
+            );
+            assert_eq!(
+                KvRecvConfig::from_kv_transfer_config(&j)
+                    .unwrap()
+                    .load_failure_policy,
+                want
+            );
+        }
+        let e = KvRecvConfig::from_kv_transfer_config(
+            r#"{"kv_role":"kv_consumer","kv_load_failure_policy":"retry"}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("retry"), "{e}");
+    }
+
     #[test]
     fn vllm_keys_and_kvrecv_keys_are_read() {
-        let c = KvRecvConfig::from_kv_transfer_config(
+        let c = KvRecvConfig::parse_kv_transfer_config(
             r#"{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer","kv_load_failure_policy":"recompute",
                 "engine_id":"x","kv_connector_extra_config":{"mooncake_protocol":"rdma","num_workers":10,
                 "kvrecv":{"policy":"naive","tp_size":2,"tp_rank":1,"quarantine_deadline_ms":5}}}"#,
         )
-        .unwrap();
+        .unwrap()
+        .config;
         assert_eq!(c.policy, Policy::Naive);
         assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);
         assert_eq!(c.mooncake_protocol, "rdma");

@@ -1,96 +1,557 @@
-//! Running the coordinator inside a host that owns its own tokio runtime: the actix System
-//! lives on a dedicated thread; the host holds a `Send + Sync` handle and awaits replies from
-//! any runtime.
+//! The front door: one builder that starts a whole D worker (TCP data target with landing
+//! permits, control plane, coordinator) on kvrecv's own thread, and one handle ([`KvRecv`]) a
+//! host calls from any tokio runtime, with no actix in the host.
+//!
+//! kvrecv's thread runs its own actix `System` on its own multi-thread tokio runtime: the actors
+//! live on that thread, the data server's connections on its runtime's workers. The host's
+//! runtime only awaits replies (actix mailboxes and tokio channels work across runtimes).
+//!
+//! Hosts that run actix themselves can still wire the actors directly
+//! ([`crate::actors::Coordinator::start`], the advanced path); [`KvRecv::from_parts`] puts
+//! such custom parts (a scripted transport, a static topology) behind the same handle.
 
-use std::thread::JoinHandle;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::pin::Pin;
+use std::rc::Rc;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use thiserror::Error;
+use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::oneshot;
 
-use crate::actors::{Coordinator, CoordinatorParts};
-use crate::messages::{KvRequest, LoadKv, LoadKvReply, StepOutput};
+use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy};
+use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use crate::messages::{
+    Abort, AbortReply, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv, LoadKvReply, ReqId,
+    StepOutput,
+};
+use crate::rdma::handshake_daemon::HandshakeStats;
+use crate::rdma::memory::{DeviceMemory, HostMemory};
+use crate::rdma::target::TargetError;
+use crate::rdma::tcp_server::DataStats;
+use crate::rdma::{TargetConfig, TcpLanding, TcpTarget};
 
+/// Why a D worker could not start.
 #[derive(Debug, Error)]
-pub enum EmbedError {
-    #[error("the kvrecv actor system is not running: {0}")]
-    Stopped(#[from] actix::MailboxError),
-    #[error("the kvrecv thread failed to start")]
-    Start,
+pub enum StartError {
+    #[error("configuration: {0}")]
+    Config(#[from] ConfigError),
+    #[error("data plane: {0}")]
+    Target(#[from] TargetError),
+    #[error("cannot start kvrecv's thread or runtime: {0}")]
+    Runtime(#[from] std::io::Error),
+    #[error("kvrecv's thread ended during start-up")]
+    ThreadEnded,
+    #[error("no advertised host: binding {0} needs advertise_host (the address P reaches)")]
+    NoAdvertiseHost(IpAddr),
 }
 
-/// A coordinator on its own thread.
+/// Why a call on a running handle failed.
+#[derive(Debug, Error)]
+pub enum KvRecvError {
+    /// The worker was shut down (or its thread ended): nothing more can be loaded or drained.
+    #[error("the kvrecv worker is not running: {0}")]
+    Stopped(#[from] actix::MailboxError),
+    /// The event stream was already taken (there is one consumer), or events were not enabled
+    /// with [`KvRecvBuilder::events`].
+    #[error("no event stream: enable it with KvRecvBuilder::events(true); it can be taken once")]
+    NoEvents,
+}
+
+/// Starts one D worker. Defaults: TCP target on 127.0.0.1 (ephemeral ports), landing permits
+/// and the epoch rule on, kvrecv-owned host memory, no built-in block pool (the host allocates
+/// blocks), no event stream.
+#[derive(Debug, Clone)]
+pub struct KvRecvBuilder {
+    config: KvRecvConfig,
+    target: TargetConfig,
+    bootstrap: BootstrapConfig,
+    zmq: ZmqTransportConfig,
+    events: bool,
+    builtin_pool: bool,
+    worker_threads: usize,
+}
+
+impl KvRecvBuilder {
+    /// From typed configuration (its layout is the destination layout).
+    pub fn new(config: KvRecvConfig) -> Self {
+        let target = TargetConfig::loopback(config.layout.clone());
+        KvRecvBuilder {
+            config,
+            target,
+            bootstrap: BootstrapConfig::default(),
+            zmq: ZmqTransportConfig::default(),
+            events: false,
+            builtin_pool: false,
+            worker_threads: 2,
+        }
+    }
+
+    /// From vLLM's `--kv-transfer-config` JSON ([`KvRecvConfig::from_kv_transfer_config`]).
+    pub fn from_kv_transfer_config(json: &str) -> Result<Self, StartError> {
+        Ok(Self::new(KvRecvConfig::from_kv_transfer_config(json)?))
+    }
+
+    /// Interface both data-plane listeners bind (port 0: any). Nothing authenticates them: bind
+    /// the interface the prefill nodes use, never a public one. Also the advertised host unless
+    /// [`Self::advertise_host`] is given.
+    pub fn bind(mut self, ip: IpAddr) -> Self {
+        self.target.handshake_bind.set_ip(ip);
+        self.target.data_bind.set_ip(ip);
+        // A wildcard address is not reachable: the host must say what P reaches.
+        self.target.advertise_host = if ip.is_unspecified() {
+            String::new()
+        } else {
+            ip.to_string()
+        };
+        self
+    }
+
+    /// Handshake daemon and data server ports (0: any).
+    pub fn ports(mut self, handshake: u16, data: u16) -> Self {
+        self.target.handshake_bind.set_port(handshake);
+        self.target.data_bind.set_port(data);
+        self
+    }
+
+    /// The host P reaches both listeners at (required when binding a wildcard address).
+    pub fn advertise_host(mut self, host: impl Into<String>) -> Self {
+        self.target.advertise_host = host.into().trim().to_owned();
+        self
+    }
+
+    /// Land every write in the host's own KV regions (one per layout region, in layout order):
+    /// kvrecv allocates no KV memory. The regions' safety contract is
+    /// [`crate::rdma::memory::HostRegion::new`]'s; it holds until [`KvRecv::shutdown`] returned
+    /// (or the last handle was dropped and kvrecv's thread ended).
+    pub fn host_memory(mut self, memory: HostMemory) -> Self {
+        self.target.host_memory = Some(memory);
+        self
+    }
+
+    /// Land every write in the host's own CUDA device regions (feature `cuda`; one per layout
+    /// region): kvrecv allocates no KV memory, TCP payloads go through a bounded staging buffer
+    /// and a device copy inside the permit gate. Contract: [`crate::rdma::memory::DeviceRegion::new`].
+    /// Without the feature or a driver, [`KvRecvBuilder::start`] fails with a typed error.
+    pub fn device_memory(mut self, memory: DeviceMemory) -> Self {
+        self.target.device_memory = Some(memory);
+        self
+    }
+
+    /// Adjust the data-plane target further (windows, idle timeout, caps). Its layout is always
+    /// the configuration's.
+    pub fn target(mut self, f: impl FnOnce(&mut TargetConfig)) -> Self {
+        f(&mut self.target);
+        self
+    }
+
+    /// HTTP bootstrap client settings.
+    pub fn bootstrap(mut self, cfg: BootstrapConfig) -> Self {
+        self.bootstrap = cfg;
+        self
+    }
+
+    /// ZMQ transport settings.
+    pub fn zmq(mut self, cfg: ZmqTransportConfig) -> Self {
+        self.zmq = cfg;
+        self
+    }
+
+    /// Keep [`KvEvent`]s for [`KvRecv::events`]. Off by default: the stream is unbounded (an
+    /// observer must never slow the receive path), so enable it only when it is read.
+    pub fn events(mut self, on: bool) -> Self {
+        self.events = on;
+        self
+    }
+
+    /// Use kvrecv's built-in block pool (for hosts without an allocator of their own).
+    pub fn builtin_pool(mut self, on: bool) -> Self {
+        self.builtin_pool = on;
+        self
+    }
+
+    /// Worker threads of kvrecv's runtime (data-plane connections run there). Default 2.
+    pub fn worker_threads(mut self, n: usize) -> Self {
+        self.worker_threads = n.max(1);
+        self
+    }
+
+    /// The effective configuration.
+    pub fn config(&self) -> &KvRecvConfig {
+        &self.config
+    }
+
+    /// Bind, start kvrecv's thread and the worker on it. Returns once both listeners are bound.
+    pub fn start(self) -> Result<KvRecv, StartError> {
+        self.config.validate()?;
+        if self.target.advertise_host.is_empty() {
+            return Err(StartError::NoAdvertiseHost(self.target.data_bind.ip()));
+        }
+        let KvRecvBuilder {
+            config,
+            mut target,
+            bootstrap,
+            zmq,
+            events,
+            builtin_pool,
+            worker_threads,
+        } = self;
+        target.layout = config.layout.clone();
+        let (sink, rx) = sink(events);
+        spawn_worker(
+            config.load_failure_policy,
+            worker_threads,
+            rx,
+            move || async move {
+                let tcp = TcpTarget::start(target).await?;
+                let landing = tcp.landing();
+                let coord = Coordinator::start(CoordinatorParts {
+                    config,
+                    topology: Rc::new(HttpTopology::new(bootstrap)),
+                    transport: Rc::new(ZmqTransport::new(zmq)),
+                    landing: landing.clone(),
+                    events: sink,
+                    builtin_pool,
+                });
+                let data = DataPlaneHandle {
+                    stats: tcp.stats().clone(),
+                    handshake: tcp.handshake_stats().clone(),
+                    landing,
+                    handshake_addr: tcp.handshake_addr(),
+                    data_addr: tcp.data_addr(),
+                    segment_name: tcp.segment_name().to_owned(),
+                };
+                Ok((coord, Some(data), Box::new(tcp) as Box<dyn std::any::Any>))
+            },
+        )
+    }
+}
+
+fn sink(on: bool) -> (EventSink, Option<UnboundedReceiver<KvEvent>>) {
+    if on {
+        let (s, rx) = EventSink::channel();
+        (s, Some(rx))
+    } else {
+        (EventSink::none(), None)
+    }
+}
+
+type Started = (Coordinator, Option<DataPlaneHandle>, Box<dyn std::any::Any>);
+
+/// Start kvrecv's thread: an actix System on a multi-thread tokio runtime; `make` runs there.
+/// What `make` returns beside the coordinator (the target) lives until the System stops.
+fn spawn_worker<F, Fut>(
+    load_failure_policy: LoadFailurePolicy,
+    worker_threads: usize,
+    events: Option<UnboundedReceiver<KvEvent>>,
+    make: F,
+) -> Result<KvRecv, StartError>
+where
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = Result<Started, StartError>>,
+{
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let (done_tx, done_rx) = oneshot::channel::<()>();
+    std::thread::Builder::new()
+        .name("kvrecv".into())
+        .spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(worker_threads)
+                .thread_name("kvrecv-io")
+                .enable_all()
+                .build();
+            let rt = match rt {
+                Ok(rt) => rt,
+                Err(e) => {
+                    let _ = ready_tx.send(Err(StartError::Runtime(e)));
+                    return;
+                }
+            };
+            let sys = actix_rt::System::with_tokio_rt(move || rt);
+            let started = sys.block_on(async move {
+                make()
+                    .await
+                    .map(|(coord, data, keep)| (coord, data, keep, actix::System::current()))
+            });
+            match started {
+                Ok((coord, data, keep, system)) => {
+                    if ready_tx.send(Ok((coord, data, system))).is_ok() {
+                        let _ = sys.run();
+                    }
+                    // Listeners stop when the target drops, after the actors stopped.
+                    drop(keep);
+                }
+                Err(e) => {
+                    let _ = ready_tx.send(Err(e));
+                }
+            }
+            let _ = done_tx.send(());
+        })?;
+    let (coord, data, system) = ready_rx.recv().map_err(|_| StartError::ThreadEnded)??;
+    Ok(KvRecv {
+        inner: Arc::new(Inner {
+            coord,
+            load_failure_policy,
+            data,
+            system,
+            events: Mutex::new(events),
+            done: futures::FutureExt::shared(done_rx),
+        }),
+    })
+}
+
+/// What the handle keeps of the data plane (counters are shared atomics).
+struct DataPlaneHandle {
+    stats: Arc<DataStats>,
+    handshake: Arc<HandshakeStats>,
+    landing: Arc<TcpLanding>,
+    handshake_addr: SocketAddr,
+    data_addr: SocketAddr,
+    segment_name: String,
+}
+
+struct Inner {
+    coord: Coordinator,
+    load_failure_policy: LoadFailurePolicy,
+    data: Option<DataPlaneHandle>,
+    system: actix::System,
+    events: Mutex<Option<UnboundedReceiver<KvEvent>>>,
+    /// Resolves once kvrecv's thread stopped its actors, listeners and runtime.
+    done: futures::future::Shared<oneshot::Receiver<()>>,
+}
+
+impl Drop for Inner {
+    /// The last handle gone: stop kvrecv's System (its thread then ends on its own).
+    fn drop(&mut self) {
+        self.system.stop();
+    }
+}
+
+/// A running D worker. `Send + Sync + Clone`: every clone talks to the same worker; the worker
+/// stops at [`KvRecv::shutdown`] or when the last clone is dropped.
 ///
 /// ```no_run
-/// # async fn host(make: impl FnOnce() -> kvrecv::actors::CoordinatorParts + Send + 'static) {
-/// let kv = kvrecv::embed::KvRecvHandle::spawn(make).unwrap();
-/// let reply = kv.load_kv(vec![]).await.unwrap();
-/// let step = kv.drain().await.unwrap();
+/// # async fn host() -> Result<(), Box<dyn std::error::Error>> {
+/// use kvrecv::embed::KvRecvBuilder;
+/// let kv = KvRecvBuilder::from_kv_transfer_config(r#"{"kv_role":"kv_consumer",
+///     "kv_connector_extra_config":{"kvrecv":{"layout":{"num_blocks":1024,"num_groups":1,
+///       "regions":[{"layer_name":"l0","layer_index":0,"group_index":0,
+///                   "block_len":16384,"kv_block_len":16384}]}}}}"#)?
+///     .start()?;
+/// let reply = kv.load_kv(vec![/* KvRequest { req_id, transfer_id, .. } */]).await?;
+/// let step = kv.drain().await?; // once per scheduler step
+/// kv.abort("req-7").await?;     // the client went away
 /// # let _ = (reply, step);
-/// kv.shutdown();
-/// # }
+/// kv.shutdown().await;
+/// # Ok(()) }
 /// ```
-pub struct KvRecvHandle {
-    coord: Coordinator,
-    system: actix::System,
-    thread: Option<JoinHandle<()>>,
+#[derive(Clone)]
+pub struct KvRecv {
+    inner: Arc<Inner>,
 }
 
-impl KvRecvHandle {
-    /// Start the actors on a new thread. `make` runs on that thread (transports and topology
-    /// sources need not be `Send`).
-    pub fn spawn<F>(make: F) -> Result<Self, EmbedError>
+/// Counters of a running worker, for an operator.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    /// Blocks held for a fence, and the built-in pool's free count.
+    pub ledger: LedgerStats,
+    /// Data-plane counters (`None` for a handle started [`KvRecv::from_parts`]).
+    pub data: Option<DataPlaneStats>,
+}
+
+/// Data-plane counters (a snapshot).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DataPlaneStats {
+    pub connections: u64,
+    pub bytes_landed: u64,
+    pub writes_landed: u64,
+    /// Late writes refused because their request was revoked (the fence at work).
+    pub rejected_revoked: u64,
+    /// Writes refused because no permit covered them.
+    pub rejected_no_permit: u64,
+    pub rejected_out_of_range: u64,
+    pub handshakes: u64,
+    /// Landing permits open now.
+    pub live_permits: u64,
+    /// Landing windows poisoned now (their writer may still write).
+    pub poisoned_windows: usize,
+}
+
+/// An asynchronous stream of [`KvEvent`]s (settles, first failures, completions, releases).
+pub struct EventStream(UnboundedReceiver<KvEvent>);
+
+impl futures::Stream for EventStream {
+    type Item = KvEvent;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<KvEvent>> {
+        self.0.poll_recv(cx)
+    }
+}
+
+impl EventStream {
+    /// The next event (`None` once the worker stopped).
+    pub async fn recv(&mut self) -> Option<KvEvent> {
+        self.0.recv().await
+    }
+}
+
+impl KvRecv {
+    /// A builder from typed configuration ([`KvRecvBuilder::new`]).
+    pub fn builder(config: KvRecvConfig) -> KvRecvBuilder {
+        KvRecvBuilder::new(config)
+    }
+
+    /// The advanced path behind the same handle: `make` runs on kvrecv's thread, inside its
+    /// actix System, and returns the coordinator's parts (custom transport, topology, landing;
+    /// they need not be `Send`). No data-plane target is started. Events go to the parts' own
+    /// sink.
+    pub fn from_parts<F>(make: F) -> Result<KvRecv, StartError>
     where
         F: FnOnce() -> CoordinatorParts + Send + 'static,
     {
-        let (tx, rx) = std::sync::mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name("kvrecv".into())
-            .spawn(move || {
-                let sys = actix::System::new();
-                sys.block_on(async {
-                    let coord = Coordinator::start(make());
-                    let _ = tx.send((coord, actix::System::current()));
-                });
-                let _ = sys.run();
-            })
-            .map_err(|_| EmbedError::Start)?;
-        let (coord, system) = rx.recv().map_err(|_| EmbedError::Start)?;
-        Ok(KvRecvHandle {
-            coord,
-            system,
-            thread: Some(thread),
+        spawn_worker(LoadFailurePolicy::default(), 1, None, move || async move {
+            let coord = Coordinator::start(make());
+            Ok((coord, None, Box::new(()) as Box<dyn std::any::Any>))
         })
     }
 
-    /// `load_kv`: hand a batch over; invalid requests come back in the reply.
-    pub async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, EmbedError> {
-        Ok(self.coord.receiver.send(LoadKv { requests }).await?)
+    /// Hand a batch over (after allocating its blocks). Refused requests come back in
+    /// [`LoadKvReply::rejected`]; the rest of the batch goes on.
+    pub async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, KvRecvError> {
+        Ok(self.inner.coord.load_kv(LoadKv { requests }).await?)
     }
 
-    /// The per-step drain.
-    pub async fn drain(&self) -> Result<StepOutput, EmbedError> {
-        Ok(self.coord.drain().await?)
+    /// Once per scheduler step: vLLM's `get_finished` (`finished_recving`: the blocks may be
+    /// reused) and `get_block_ids_with_load_errors` (`invalid_block_ids`, or `failed_recving`
+    /// for multi-group caches) in one call. A failure is never drained after its completion.
+    pub async fn drain(&self) -> Result<StepOutput, KvRecvError> {
+        Ok(self.inner.coord.drain().await?)
     }
 
-    /// The running actors, for hosts that want to talk to them directly.
+    /// Stop waiting for `req_id` (the client went away). Peers still pending for it settle
+    /// Uncertain ("aborted by the host"), the failure is published, and its blocks appear in
+    /// `finished_recving` only once no peer can write into them (fenced, or the last-resort
+    /// deadline) - never early. A request not yet sent completes Failed at once. Aborting an
+    /// unknown or completed request does nothing.
+    pub async fn abort(&self, req_id: &str) -> Result<AbortReply, KvRecvError> {
+        Ok(self
+            .inner
+            .coord
+            .receiver
+            .send(Abort {
+                req_id: ReqId::from(req_id),
+            })
+            .await?)
+    }
+
+    /// The event stream. There is one: the first call takes it.
+    pub fn events(&self) -> Result<EventStream, KvRecvError> {
+        self.inner
+            .events
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .map(EventStream)
+            .ok_or(KvRecvError::NoEvents)
+    }
+
+    /// Counters for an operator.
+    pub async fn stats(&self) -> Result<Stats, KvRecvError> {
+        let ledger = self.inner.coord.block_manager.send(GetLedgerStats).await?;
+        let data = self.inner.data.as_ref().map(|d| {
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+            DataPlaneStats {
+                connections: n(&d.stats.connections),
+                bytes_landed: n(&d.stats.bytes_landed),
+                writes_landed: n(&d.stats.writes_landed),
+                rejected_revoked: n(&d.stats.rejected_revoked),
+                rejected_no_permit: n(&d.stats.rejected_no_permit),
+                rejected_out_of_range: n(&d.stats.rejected_out_of_range),
+                handshakes: n(&d.handshake.metadata),
+                live_permits: d.landing.permits().live(),
+                poisoned_windows: d.landing.permits().poisoned_windows(),
+            }
+        });
+        Ok(Stats { ledger, data })
+    }
+
+    /// The segment P's transfer engine writes into (`host:port` of the handshake daemon).
+    pub fn segment_name(&self) -> Option<&str> {
+        self.inner.data.as_ref().map(|d| d.segment_name.as_str())
+    }
+
+    /// Where the handshake daemon and the data server listen.
+    pub fn listen_addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
+        self.inner
+            .data
+            .as_ref()
+            .map(|d| (d.handshake_addr, d.data_addr))
+    }
+
+    /// vLLM's `kv_load_failure_policy` from the configuration: what the host's scheduler does
+    /// with a failed load ([`LoadFailurePolicy`] says how kvrecv's signals serve each).
+    pub fn load_failure_policy(&self) -> LoadFailurePolicy {
+        self.inner.load_failure_policy
+    }
+
+    /// The running actors, for hosts that also talk to them directly (advanced).
     pub fn coordinator(&self) -> &Coordinator {
-        &self.coord
+        &self.inner.coord
     }
 
-    /// Stop the actors and join the thread.
-    pub fn shutdown(mut self) {
-        self.stop();
-    }
-
-    fn stop(&mut self) {
-        self.system.stop();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+    /// Stop the worker (every clone) and wait until its thread has stopped its actors and
+    /// listeners. Calls after this fail with [`KvRecvError::Stopped`].
+    pub async fn shutdown(&self) {
+        self.inner.system.stop();
+        // Every clone waits for the same end, however many call this.
+        let _ = self.inner.done.clone().await;
     }
 }
 
-impl Drop for KvRecvHandle {
-    fn drop(&mut self) {
-        self.stop();
+impl std::fmt::Debug for KvRecv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRecv")
+            .field("listen", &self.listen_addrs())
+            .finish()
+    }
+}
+
+/// The unspecified IPv4 address, for [`KvRecvBuilder::bind`] on every interface.
+pub const ANY_IPV4: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn assert_send_sync_clone<T: Send + Sync + Clone + 'static>() {}
+
+    #[test]
+    fn the_handle_is_send_sync_clone() {
+        assert_send_sync_clone::<KvRecv>();
+    }
+
+    #[test]
+    fn a_wildcard_bind_needs_an_advertised_host() {
+        let cfg = KvRecvConfig {
+            layout: crate::layout::KvLayout::uniform(1, 64, 4),
+            ..KvRecvConfig::default()
+        };
+        let e = KvRecvBuilder::new(cfg.clone())
+            .bind(ANY_IPV4)
+            .start()
+            .unwrap_err();
+        assert!(matches!(e, StartError::NoAdvertiseHost(_)), "{e}");
+        let kv = KvRecvBuilder::new(cfg)
+            .bind(ANY_IPV4)
+            .advertise_host("127.0.0.1")
+            .start()
+            .unwrap();
+        assert_eq!(
+            kv.segment_name().map(|s| s.starts_with("127.0.0.1:")),
+            Some(true)
+        );
     }
 }

@@ -6,6 +6,10 @@
 //!
 //! Data flows one way: [`actors::Receiver`] -> [`actors::Peer`] -> [`actors::RequestAggregator`]
 //! -> [`actors::BlockManager`].
+//!
+//! The front door for a host (a Rust inference server on its own tokio runtime) is
+//! [`KvRecvBuilder`] -> [`KvRecv`]; the items a host needs are re-exported here. The actor
+//! modules are the advanced path for hosts that run actix themselves.
 
 pub mod actors;
 pub mod config;
@@ -15,5 +19,20 @@ pub mod layout;
 pub mod messages;
 pub mod metrics;
 pub mod rdma;
+#[cfg(feature = "cli")]
 pub mod repro;
+#[cfg(feature = "sim")]
 pub mod sim;
+
+pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
+pub use embed::{
+    DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, StartError, Stats,
+};
+pub use layout::{KvLayout, Region};
+pub use messages::{AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, ReqId, StepOutput};
+pub use rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError};
+
+/// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -1,8 +1,6 @@
 //! Metric names (Prometheus text exposition through `metrics-exporter-prometheus`) and the
 //! exporter. Every counter an operator asks about in DESIGN.md §8 is named here, once.
 
-use std::net::SocketAddr;
-
 use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 
 pub const PULLS: &str = "kvrecv_pulls_total";
@@ -35,10 +33,15 @@ pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label r
 pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
 pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
 pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total"; // label reason
+pub const ABORTS: &str = "kvrecv_aborts_total"; // label stage
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
     describe_counter!(PULLS, "Pulls sent to prefill peers");
+    describe_counter!(
+        ABORTS,
+        "Requests aborted by the host, by stage (in_flight, before_dispatch, unknown)"
+    );
     describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
     describe_counter!(
         STALE_SETTLES,
@@ -124,7 +127,9 @@ pub fn describe() {
 }
 
 /// Install the global Prometheus recorder and serve `/metrics` on `addr`. Needs a tokio runtime.
-pub fn serve_prometheus(addr: SocketAddr) -> Result<(), String> {
+/// The binary's (feature `cli`): the library itself never installs a recorder.
+#[cfg(feature = "cli")]
+pub fn serve_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
     metrics_exporter_prometheus::PrometheusBuilder::new()
         .with_http_listener(addr)
         .install()

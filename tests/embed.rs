@@ -1,4 +1,5 @@
-//! A host that owns its own tokio runtime drives the coordinator through `KvRecvHandle`.
+//! A host that owns its own tokio runtime drives custom coordinator parts (the advanced path)
+//! through the same handle as the front door.
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -7,7 +8,7 @@ use std::time::Duration;
 use kvrecv::actors::topology::StaticTopology;
 use kvrecv::actors::{CoordinatorParts, EventSink, ScriptedTransport};
 use kvrecv::config::KvRecvConfig;
-use kvrecv::embed::KvRecvHandle;
+use kvrecv::embed::KvRecv;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{BatchError, KvRequest, ReqId, XferStatus};
 use kvrecv::rdma::StaticLanding;
@@ -15,7 +16,7 @@ use kvrecv::rdma::StaticLanding;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_runtime_loads_and_drains_through_the_handle() {
     let (tx, rx) = std::sync::mpsc::channel();
-    let kv = KvRecvHandle::spawn(move || {
+    let kv = KvRecv::from_parts(move || {
         let (transport, opened) = ScriptedTransport::new();
         tx.send(opened).unwrap();
         CoordinatorParts {
@@ -61,5 +62,86 @@ async fn host_runtime_loads_and_drains_through_the_handle() {
         tokio::task::yield_now().await;
     }
     assert_eq!(finished, vec![ReqId::from("r1")]);
-    kv.shutdown();
+    kv.shutdown().await;
+}
+
+/// A topology whose first lookup waits for the test's go-ahead.
+struct GatedTopology {
+    gate: std::cell::RefCell<Option<tokio::sync::oneshot::Receiver<()>>>,
+    inner: StaticTopology,
+}
+
+impl kvrecv::actors::TopologySource for GatedTopology {
+    fn lookup(
+        &self,
+        bootstrap: &str,
+        engine_id: &str,
+    ) -> futures::future::LocalBoxFuture<
+        'static,
+        Result<kvrecv::actors::EngineTopology, kvrecv::actors::TopologyError>,
+    > {
+        let gate = self.gate.borrow_mut().take();
+        let found = self.inner.lookup(bootstrap, engine_id);
+        Box::pin(async move {
+            if let Some(g) = gate {
+                let _ = g.await;
+            }
+            found.await
+        })
+    }
+
+    fn invalidate(&self, bootstrap: &str, engine_id: &str) {
+        self.inner.invalidate(bootstrap, engine_id)
+    }
+}
+
+/// An abort that arrives while the request's topology lookup is in flight: nothing is ever sent
+/// for it (no peer has its addresses), it completes Failed at once and its blocks come back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_before_dispatch_fails_the_request_without_sending_it() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let (go, gate) = tokio::sync::oneshot::channel();
+    let kv = KvRecv::from_parts(move || {
+        let (transport, opened) = ScriptedTransport::new();
+        tx.send(opened).unwrap();
+        CoordinatorParts {
+            config: KvRecvConfig {
+                layout: KvLayout::uniform(1, 64, 8),
+                ..Default::default()
+            },
+            topology: Rc::new(GatedTopology {
+                gate: std::cell::RefCell::new(Some(gate)),
+                inner: StaticTopology::new([StaticTopology::grid("e0", 1, 1)]),
+            }),
+            transport: Rc::new(transport),
+            landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
+            events: EventSink::none(),
+            builtin_pool: false,
+        }
+    })
+    .unwrap();
+    let mut opened = rx.recv().unwrap();
+    let r = KvRequest {
+        req_id: "r1".into(),
+        transfer_id: Some("t1".into()),
+        remote_engine_id: Some("e0".into()),
+        remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+        block_ids: vec![vec![3]],
+    };
+    assert_eq!(kv.load_kv(vec![r]).await.unwrap().awaiting, 1);
+    let ab = kv.abort("r1").await.unwrap();
+    assert!(ab.before_dispatch, "{ab:?}");
+    go.send(()).unwrap();
+    let mut step = kv.drain().await.unwrap();
+    for _ in 0..10_000 {
+        if !step.finished_recving.is_empty() {
+            break;
+        }
+        tokio::task::yield_now().await;
+        step = kv.drain().await.unwrap();
+    }
+    assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(step.invalid_block_ids, vec![3]);
+    assert!(opened.try_recv().is_err(), "nothing was sent");
+    kv.shutdown().await;
 }

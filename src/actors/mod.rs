@@ -11,6 +11,7 @@ pub mod peer;
 pub mod peer_state;
 pub mod receiver;
 pub mod rediscovery;
+#[cfg(any(test, feature = "testing"))]
 pub mod scripted_transport;
 pub mod system;
 pub mod topology;
@@ -21,6 +22,7 @@ pub use block_manager::BlockManager;
 pub use event_sink::EventSink;
 pub use peer::{Peer, PeerConfig};
 pub use receiver::Receiver;
+#[cfg(any(test, feature = "testing"))]
 pub use scripted_transport::{OpenedPull, ScriptedTransport};
 pub use system::{Coordinator, CoordinatorParts};
 pub use topology::{DRank, EngineTopology, StaticTopology, TopologyError, TopologySource};

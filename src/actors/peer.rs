@@ -13,7 +13,7 @@ use actix::{
 };
 use futures::StreamExt;
 
-use crate::messages::{KvEvent, PeerId, Pull, PullId, UnsentPull};
+use crate::messages::{AbortAtPeer, KvEvent, PeerId, Pull, PullId, UnsentPull, ABORTED_BY_HOST};
 use crate::metrics as m;
 
 use super::event_sink::EventSink;
@@ -282,6 +282,22 @@ impl Handler<UnsentPull> for Peer {
     fn handle(&mut self, pull: UnsentPull, ctx: &mut Context<Self>) {
         let fx = self.state.unsent(&pull);
         self.apply(pull.pull_id, fx, ctx);
+    }
+}
+
+impl Handler<AbortAtPeer> for Peer {
+    type Result = usize;
+
+    /// The host stopped waiting: what this peer still owes for the request settles Uncertain
+    /// (it has the addresses and may still write), so the blocks wait for the fence.
+    fn handle(&mut self, msg: AbortAtPeer, ctx: &mut Context<Self>) -> usize {
+        let (fx, pulls) = self.state.abort(&msg.req_id, ABORTED_BY_HOST);
+        if pulls > 0 {
+            tracing::info!(peer = %self.id(), req_id = %msg.req_id, pulls, "request aborted by the host");
+        }
+        // Pull id 0: the settles carry their own pull ids; no pull is closed by an abort.
+        self.apply(0, fx, ctx);
+        pulls
     }
 }
 

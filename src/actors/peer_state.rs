@@ -261,6 +261,29 @@ impl PeerState {
         fx
     }
 
+    /// The host aborted `req_id`: settle it Uncertain in every pull that still owes it (the
+    /// peer has its block addresses and may still write). The pulls stay open for their other
+    /// requests; a later reply naming the id counts as stale. Returns how many pulls held it.
+    pub fn abort(&mut self, req_id: &str, reason: &str) -> (Effects, usize) {
+        let mut fx = Effects::default();
+        let mut ids: Vec<PullId> = self
+            .pulls
+            .iter()
+            .filter(|(_, p)| p.pending.contains_key(req_id))
+            .map(|(id, _)| *id)
+            .collect();
+        ids.sort_unstable();
+        for id in &ids {
+            self.settle(
+                &mut fx,
+                *id,
+                req_id,
+                SettleOutcome::Uncertain(reason.to_owned()),
+            );
+        }
+        (fx, ids.len())
+    }
+
     /// Restart: settle everything of every pull Uncertain; returns the pulls that were dropped.
     pub fn abandon_all(&mut self, reason: &str) -> (Effects, Vec<PullId>) {
         let mut fx = Effects::default();
@@ -316,6 +339,38 @@ mod tests {
             .iter()
             .map(|(_, s)| (s.req_id.to_string(), s.outcome.clone()))
             .collect()
+    }
+
+    #[test]
+    fn abort_settles_the_request_uncertain_in_every_pull_and_leaves_the_rest_pending() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start(&pull(1, &["a", "b"]));
+        st.start(&pull(2, &["a"]));
+        let (fx, n) = st.abort("a", "aborted by the host");
+        assert_eq!(n, 2);
+        assert_eq!(
+            outcomes(&fx),
+            vec![
+                (
+                    "a".into(),
+                    SettleOutcome::Uncertain("aborted by the host".into())
+                ),
+                (
+                    "a".into(),
+                    SettleOutcome::Uncertain("aborted by the host".into())
+                ),
+            ]
+        );
+        assert!(
+            !fx.pull_done,
+            "the pulls stay open for their other requests"
+        );
+        assert_eq!(st.pending_count(), 1, "b is still owed");
+        // Settled once: a second abort and a late ok for it change nothing.
+        assert_eq!(st.abort("a", "again").1, 0);
+        let late = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
+        assert!(late.settles.is_empty());
+        assert_eq!(late.stale.count, 1);
     }
 
     #[test]

@@ -14,8 +14,9 @@ use actix::{
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata, PeerId, Pull, PullId,
-    PullRequest, RequestMeta, SharedRequest, UnsentPull, WireError,
+    Abort, AbortAtPeer, AbortReply, Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata,
+    PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta, SharedRequest, UnsentPull, WireError,
+    ABORTED_BY_HOST,
 };
 use crate::metrics as m;
 use crate::rdma::{Landing, PullWindow};
@@ -42,6 +43,10 @@ pub struct Receiver {
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
     rediscovery: Rc<RefCell<Rediscovery>>,
     next_pull: PullId,
+    /// Awaited requests admitted but not yet dispatched (their topology lookup is in flight).
+    undispatched: HashSet<ReqId>,
+    /// Of those, the ones the host aborted: failed at dispatch instead of sent.
+    aborted: HashSet<ReqId>,
     /// Metadata encoder (a seam so a test can make it fail).
     encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
 }
@@ -69,6 +74,8 @@ impl Receiver {
             peers: HashMap::new(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
             next_pull: 1,
+            undispatched: HashSet::new(),
+            aborted: HashSet::new(),
             encode: MooncakeXferMetadata::encode,
         }
     }
@@ -151,6 +158,21 @@ impl Receiver {
         group: Vec<SharedRequest>,
         topo: Result<EngineTopology, TopologyError>,
     ) {
+        let mut group = group;
+        for r in &group {
+            self.undispatched.remove(&r.req_id);
+        }
+        if !self.aborted.is_empty() {
+            // Aborted before anything was sent: no peer has its addresses, so Failed now.
+            let (gone, rest): (Vec<_>, Vec<_>) = group
+                .into_iter()
+                .partition(|r| self.aborted.remove(&r.req_id));
+            group = rest;
+            self.fail_awaiting(gone, ABORTED_BY_HOST.into());
+            if group.is_empty() {
+                return;
+            }
+        }
         let peers = match topo.and_then(|t| t.peers_for(self.cfg.d_rank)) {
             Ok(p) => p,
             Err(e) => return self.fail_batch(&key, group, e),
@@ -298,6 +320,57 @@ impl Handler<LoadKv> for Receiver {
     }
 }
 
+impl Handler<Abort> for Receiver {
+    type Result = ResponseActFuture<Self, AbortReply>;
+
+    /// Downward only: a request not yet sent is failed at dispatch; otherwise every peer is
+    /// asked to settle what it still owes for it (Uncertain). The aggregator then publishes the
+    /// failure and completes, and the BlockManager holds the blocks until they are fenced.
+    fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
+        if self.undispatched.contains(&msg.req_id) {
+            self.aborted.insert(msg.req_id.clone());
+            metrics::counter!(m::ABORTS, "stage" => "before_dispatch").increment(1);
+            tracing::info!(req_id = %msg.req_id, "request aborted by the host before dispatch");
+            return Box::pin(actix::fut::ready(AbortReply {
+                peers_settled: 0,
+                before_dispatch: true,
+            }));
+        }
+        let asks: Vec<_> = self
+            .peers
+            .values()
+            .map(|p| {
+                p.send(AbortAtPeer {
+                    req_id: msg.req_id.clone(),
+                })
+            })
+            .collect();
+        let req_id = msg.req_id;
+        Box::pin(
+            futures::future::join_all(asks)
+                .into_actor(self)
+                .map(move |answers, _, _| {
+                    // A peer that is restarting settles everything it owed itself.
+                    let peers_settled = answers
+                        .into_iter()
+                        .filter(|a| matches!(a, Ok(n) if *n > 0))
+                        .count();
+                    let stage = if peers_settled > 0 {
+                        "in_flight"
+                    } else {
+                        "unknown"
+                    };
+                    metrics::counter!(m::ABORTS, "stage" => stage).increment(1);
+                    tracing::info!(%req_id, peers_settled, "request aborted by the host");
+                    AbortReply {
+                        peers_settled,
+                        before_dispatch: false,
+                    }
+                }),
+        )
+    }
+}
+
 impl Receiver {
     /// Start the pulls of the admitted requests: one pull per engine and peer, requests in
     /// arrival order. Rejections are reported in batch order.
@@ -317,6 +390,9 @@ impl Receiver {
             }
             reply.accepted += 1;
             reply.awaiting += usize::from(meta.is_awaiting());
+            if meta.is_awaiting() {
+                self.undispatched.insert(meta.req_id.clone());
+            }
             let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
             match groups.iter_mut().find(|(k, _)| *k == key) {
                 Some((_, v)) => v.push(meta),
@@ -333,6 +409,9 @@ impl Receiver {
             let plan = self.rediscovery.borrow_mut().plan(&key, Instant::now());
             match plan {
                 Plan::Fail(why) => {
+                    for r in &group {
+                        self.undispatched.remove(&r.req_id);
+                    }
                     self.fail_unreachable(group, why);
                     continue;
                 }

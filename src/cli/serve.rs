@@ -138,7 +138,19 @@ impl ServeArgs {
     /// The effective configuration.
     pub fn config(&self) -> Result<KvRecvConfig, String> {
         let mut cfg = match &self.kv_transfer_config {
-            Some(j) => KvRecvConfig::from_kv_transfer_config(j).map_err(|e| e.to_string())?,
+            Some(j) => {
+                let p = KvRecvConfig::parse_kv_transfer_config(j).map_err(|e| e.to_string())?;
+                // A config that names no layout gets it from all three flags, never a default.
+                let flags =
+                    self.layers.is_some() && self.block_len.is_some() && self.num_blocks.is_some();
+                if !p.layout_given && !flags {
+                    return Err(format!(
+                        "{}, or all of --layers, --block-len, --num-blocks",
+                        kvrecv::config::ConfigError::NoLayout
+                    ));
+                }
+                p.config
+            }
             None => KvRecvConfig::default(),
         };
         if self.layers.is_some() || self.block_len.is_some() || self.num_blocks.is_some() {

@@ -94,6 +94,23 @@ pub enum BatchError {
 }
 
 impl BatchError {
+    /// The refused request's id.
+    pub fn req_id(&self) -> &str {
+        match self {
+            BatchError::MissingField { req_id, .. }
+            | BatchError::EmptyField { req_id, .. }
+            | BatchError::Duplicate { req_id }
+            | BatchError::BlockOutOfRange { req_id, .. }
+            | BatchError::GroupCount { req_id, .. }
+            | BatchError::BadBootstrapAddr { req_id, .. }
+            | BatchError::DuplicateBlock { req_id, .. }
+            | BatchError::AlreadyLive { req_id }
+            | BatchError::BlockInUse { req_id, .. }
+            | BatchError::Unavailable { req_id }
+            | BatchError::Backpressure { req_id, .. } => req_id,
+        }
+    }
+
     /// A short label for metrics.
     pub fn kind(&self) -> &'static str {
         match self {

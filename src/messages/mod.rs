@@ -1,6 +1,7 @@
 //! Every message that crosses a boundary: control-plane wire structs (msgpack, msgspec-compatible),
 //! bootstrap JSON, and the actix messages between actors. Plain data, no I/O.
 
+pub mod abort;
 pub mod admit;
 pub mod batch;
 pub mod bootstrap;
@@ -15,6 +16,7 @@ pub mod pull;
 pub mod settle;
 pub mod wire;
 
+pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
 pub use batch::{BatchError, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
 pub use completion::{Completion, FirstFailure, Outcome};

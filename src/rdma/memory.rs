@@ -1,7 +1,9 @@
-//! Registered destination memory: one contiguous allocation laid out like the KV layout (see
-//! [`super::windows::WindowMap`] for the offsets). Host memory by default; with the `cuda`
-//! feature, device memory behind a host staging mirror: TCP bytes land in the mirror and are
-//! copied to the device by [`RegisteredMemory::commit`] before the write is acknowledged.
+//! Registered destination memory, laid out like the KV layout (see
+//! [`super::windows::WindowMap`] for the offsets). By default kvrecv allocates it: one
+//! contiguous host allocation, or (feature `cuda`) device memory behind a host staging mirror:
+//! TCP bytes land in the mirror and are copied to the device by [`RegisteredMemory::commit`]
+//! before the write is acknowledged. With [`HostMemory`] the host registers its own KV regions
+//! (one per layout region) and kvrecv allocates no KV memory at all.
 //!
 //! The bytes are shared like DMA memory: the data server writes them through raw pointers
 //! from many connections at once (the kernel copies socket data straight in), so they are never
@@ -9,6 +11,7 @@
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
+use std::sync::Arc;
 
 use thiserror::Error;
 
@@ -27,6 +30,10 @@ pub enum MemoryError {
     CudaNotBuilt,
     #[error("CUDA: {0}")]
     Cuda(String),
+    #[error("host memory: {0}")]
+    HostRegions(String),
+    #[error("device memory: {0}")]
+    DeviceRegions(String),
 }
 
 /// Where destination bytes live.
@@ -36,6 +43,232 @@ pub enum MemoryKind {
     Host,
     /// Device memory on GPU `ordinal` (feature `cuda`).
     Cuda { ordinal: usize },
+}
+
+/// One KV cache region the host allocated and registers with kvrecv: a (pointer, length).
+pub struct HostRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the constructor's contract makes the region plain bytes shared like DMA memory;
+// kvrecv writes them through raw pointers only (module doc).
+unsafe impl Send for HostRegion {}
+unsafe impl Sync for HostRegion {}
+
+impl std::fmt::Debug for HostRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostRegion")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl HostRegion {
+    /// Register `len` bytes at `ptr` as one KV region.
+    ///
+    /// # Safety
+    /// The caller guarantees, for as long as any [`crate::embed::KvRecv`] handle (or
+    /// [`super::TcpTarget`]) built with this region exists, and until its shutdown completed:
+    /// - `ptr..ptr + len` is valid, writable memory of one allocation, and stays allocated and
+    ///   at the same address (pinned: not freed, moved, reallocated or unmapped);
+    /// - kvrecv may write any block of it whose request is loaded and not yet released, from
+    ///   its own threads, at any time; the host neither writes nor reads a block while it is
+    ///   owned by a request that has not appeared in `finished_recving` (drained), and it
+    ///   writes a block only after kvrecv released it;
+    /// - nothing else (another kvrecv, another DMA engine) writes the region concurrently.
+    ///
+    /// A null `ptr` or zero `len` is refused.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Result<Self, MemoryError> {
+        let ptr = NonNull::new(ptr)
+            .ok_or_else(|| MemoryError::HostRegions("null region pointer".into()))?;
+        if len == 0 {
+            return Err(MemoryError::HostRegions("empty region".into()));
+        }
+        Ok(HostRegion { ptr, len })
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether the region has no bytes (never: the constructor refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// The host's KV regions, one per layout region in layout order (vLLM: one tensor per layer).
+/// Each must hold at least `block_len x num_blocks` bytes of its region. Cheap to clone.
+#[derive(Debug, Clone)]
+pub struct HostMemory(std::sync::Arc<[HostRegion]>);
+
+impl HostMemory {
+    /// The regions, in layout order.
+    pub fn new(regions: Vec<HostRegion>) -> Self {
+        HostMemory(regions.into())
+    }
+
+    /// The regions.
+    pub fn regions(&self) -> &[HostRegion] {
+        &self.0
+    }
+}
+
+/// One KV cache region the host allocated in CUDA device memory: a device pointer and length
+/// on GPU `ordinal` (feature `cuda`; without it, starting a target with one is a typed error).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceRegion {
+    ordinal: usize,
+    ptr: u64,
+    len: u64,
+}
+
+impl DeviceRegion {
+    /// Register `len` bytes of device memory at `ptr` (a `CUdeviceptr`) on GPU `ordinal`.
+    ///
+    /// # Safety
+    /// The same contract as [`HostRegion::new`], for device memory: valid, allocated and not
+    /// moved until the handle's shutdown returned; kvrecv copies into any block whose request
+    /// is loaded and not yet released, from its own threads, in the primary context of
+    /// `ordinal`; the host uses a block only after kvrecv released it. A null `ptr` or zero
+    /// `len` is refused.
+    pub unsafe fn new(ordinal: usize, ptr: u64, len: u64) -> Result<Self, MemoryError> {
+        if ptr == 0 || len == 0 {
+            return Err(MemoryError::DeviceRegions("null or empty region".into()));
+        }
+        Ok(DeviceRegion { ordinal, ptr, len })
+    }
+}
+
+/// Copies into and out of memory the data server cannot address directly (device memory). TCP
+/// payloads reach it through a bounded staging buffer ([`STAGING_CHUNK`]), each copy inside the
+/// write's permit gate.
+pub(crate) trait DeviceCopy: Send + Sync {
+    /// Host -> device, synchronous: returns once the bytes are in destination memory.
+    fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError>;
+    /// Device -> host, synchronous.
+    fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError>;
+}
+
+/// Largest staging buffer one write uses on its way to device memory.
+pub const STAGING_CHUNK: usize = 1 << 20;
+
+/// The host's device regions, one per layout region in layout order. Cheap to clone.
+#[derive(Clone)]
+pub struct DeviceMemory(Arc<DeviceInner>);
+
+enum DeviceInner {
+    Regions(Vec<DeviceRegion>),
+    /// A host buffer behind the device interface, to test the staged path without a GPU.
+    #[cfg(any(test, feature = "testing"))]
+    Fake(Arc<FakeDevice>),
+}
+
+impl std::fmt::Debug for DeviceMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &*self.0 {
+            DeviceInner::Regions(r) => f.debug_tuple("DeviceMemory").field(r).finish(),
+            #[cfg(any(test, feature = "testing"))]
+            DeviceInner::Fake(_) => f.write_str("DeviceMemory(fake)"),
+        }
+    }
+}
+
+impl DeviceMemory {
+    /// The regions, in layout order.
+    pub fn new(regions: Vec<DeviceRegion>) -> Self {
+        DeviceMemory(Arc::new(DeviceInner::Regions(regions)))
+    }
+
+    /// A fake device of `len` bytes (host memory reached only through copies), and a view of
+    /// its bytes for the test.
+    #[cfg(any(test, feature = "testing"))]
+    pub fn fake(len: usize) -> (Self, Arc<FakeDevice>) {
+        let dev = Arc::new(FakeDevice {
+            bytes: std::sync::Mutex::new(vec![0; len]),
+            uploads: std::sync::atomic::AtomicU64::new(0),
+            largest_upload: std::sync::atomic::AtomicU64::new(0),
+        });
+        (DeviceMemory(Arc::new(DeviceInner::Fake(dev.clone()))), dev)
+    }
+}
+
+/// See [`DeviceMemory::fake`].
+#[cfg(any(test, feature = "testing"))]
+#[derive(Debug)]
+pub struct FakeDevice {
+    bytes: std::sync::Mutex<Vec<u8>>,
+    /// Copies into the device, and the largest one (bounded by [`STAGING_CHUNK`]).
+    pub uploads: std::sync::atomic::AtomicU64,
+    pub largest_upload: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl FakeDevice {
+    /// A copy of `len` device bytes at `offset`.
+    pub fn snapshot(&self, offset: usize, len: usize) -> Vec<u8> {
+        self.bytes.lock().unwrap_or_else(|e| e.into_inner())[offset..offset + len].to_vec()
+    }
+}
+
+#[cfg(any(test, feature = "testing"))]
+impl DeviceCopy for FakeDevice {
+    fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        use std::sync::atomic::Ordering;
+        let mut b = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
+        let at = offset as usize;
+        let dst = b
+            .get_mut(at..at + src.len())
+            .ok_or(MemoryError::OutOfBounds {
+                offset,
+                len: src.len() as u64,
+                size: 0,
+            })?;
+        dst.copy_from_slice(src);
+        self.uploads.fetch_add(1, Ordering::Relaxed);
+        self.largest_upload
+            .fetch_max(src.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let b = self.bytes.lock().unwrap_or_else(|e| e.into_inner());
+        let at = offset as usize;
+        let src = b.get(at..at + dst.len()).ok_or(MemoryError::OutOfBounds {
+            offset,
+            len: dst.len() as u64,
+            size: 0,
+        })?;
+        dst.copy_from_slice(src);
+        Ok(())
+    }
+}
+
+/// The CUDA copier for the host's device regions `(start, pointer, length)` on `ordinal`.
+#[cfg(feature = "cuda")]
+fn device_copier(
+    ordinal: usize,
+    segs: Vec<(u64, u64, u64)>,
+) -> Result<Arc<dyn DeviceCopy>, MemoryError> {
+    Ok(Arc::new(gpu::HostDeviceRegions::new(ordinal, segs)?))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn device_copier(
+    _ordinal: usize,
+    _segs: Vec<(u64, u64, u64)>,
+) -> Result<Arc<dyn DeviceCopy>, MemoryError> {
+    Err(MemoryError::CudaNotBuilt)
+}
+
+/// A contiguous piece of the registered memory: `[start, start + len)` at `ptr`.
+struct Segment {
+    start: u64,
+    ptr: NonNull<u8>,
+    len: u64,
 }
 
 struct HostBuffer {
@@ -126,54 +359,239 @@ mod gpu {
             unsafe { result::memcpy_dtoh_sync(dst, self.base + offset as u64) }.map_err(err)
         }
     }
+
+    /// The host's own device regions: `(start, device pointer, length)` per layout region,
+    /// contiguous in kvrecv's offsets. Nothing is allocated.
+    pub(super) struct HostDeviceRegions {
+        ctx: Arc<CudaContext>,
+        segs: Vec<(u64, u64, u64)>,
+    }
+
+    impl HostDeviceRegions {
+        pub(super) fn new(ordinal: usize, segs: Vec<(u64, u64, u64)>) -> Result<Self, MemoryError> {
+            // SAFETY: only probes for the shared library.
+            if !unsafe { sys::is_culib_present() } {
+                return Err(MemoryError::NoCudaDriver);
+            }
+            let ctx = CudaContext::new(ordinal).map_err(err)?;
+            Ok(HostDeviceRegions { ctx, segs })
+        }
+
+        fn locate(&self, offset: u64, len: u64) -> Result<u64, MemoryError> {
+            self.segs
+                .iter()
+                .find(|(start, _, l)| offset >= *start && offset - start + len <= *l)
+                .map(|(start, ptr, _)| ptr + (offset - start))
+                .ok_or(MemoryError::OutOfBounds {
+                    offset,
+                    len,
+                    size: self.segs.last().map_or(0, |(s, _, l)| s + l),
+                })
+        }
+    }
+
+    impl super::DeviceCopy for HostDeviceRegions {
+        fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+            let dst = self.locate(offset, src.len() as u64)?;
+            self.ctx.bind_to_thread().map_err(err)?;
+            // SAFETY: inside one registered region (the host's contract of `DeviceRegion::new`).
+            unsafe { result::memcpy_htod_sync(dst, src) }.map_err(err)
+        }
+
+        fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+            let src = self.locate(offset, dst.len() as u64)?;
+            self.ctx.bind_to_thread().map_err(err)?;
+            // SAFETY: as in `upload`.
+            unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(err)
+        }
+    }
 }
 
 /// The destination bytes of one D worker.
 pub struct RegisteredMemory {
-    host: HostBuffer,
+    /// Contiguous, ascending, covering `[0, len)`.
+    segments: Vec<Segment>,
+    len: u64,
+    /// kvrecv's own allocation (none with host-owned memory).
+    _owned: Option<HostBuffer>,
+    /// Keeps the host's region list alive (the bytes are the host's).
+    host_owned: Option<HostMemory>,
+    /// Memory reached only through copies (the host's device regions): no segments.
+    staged: Option<Arc<dyn DeviceCopy>>,
     #[cfg(feature = "cuda")]
     gpu: Option<gpu::GpuMirror>,
 }
 
+// SAFETY: the segments point into `_owned` or into the host's regions, both plain bytes under
+// the DMA-like contract of the module doc.
+unsafe impl Send for RegisteredMemory {}
+unsafe impl Sync for RegisteredMemory {}
+
 impl std::fmt::Debug for RegisteredMemory {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RegisteredMemory")
-            .field("len", &self.host.len)
+            .field("len", &self.len)
             .field("gpu", &self.is_gpu())
+            .field("host_owned", &self.host_owned.is_some())
             .finish()
     }
 }
 
 impl RegisteredMemory {
-    /// `len` zeroed bytes of `kind` memory.
+    /// `len` zeroed bytes of `kind` memory, allocated by kvrecv.
     pub fn new(kind: MemoryKind, len: u64) -> Result<Self, MemoryError> {
         let n = usize::try_from(len).map_err(|_| MemoryError::Alloc(len))?;
+        let owned = |host: HostBuffer| RegisteredMemory {
+            segments: vec![Segment {
+                start: 0,
+                ptr: host.ptr,
+                len,
+            }],
+            len,
+            _owned: Some(host),
+            host_owned: None,
+            staged: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        };
         match kind {
-            MemoryKind::Host => Ok(RegisteredMemory {
-                host: HostBuffer::new(n)?,
-                #[cfg(feature = "cuda")]
-                gpu: None,
-            }),
+            MemoryKind::Host => Ok(owned(HostBuffer::new(n)?)),
             #[cfg(feature = "cuda")]
             MemoryKind::Cuda { ordinal } => {
                 let gpu = gpu::GpuMirror::new(ordinal, n)?;
-                Ok(RegisteredMemory {
-                    host: HostBuffer::new(n)?,
-                    gpu: Some(gpu),
-                })
+                let mut m = owned(HostBuffer::new(n)?);
+                m.gpu = Some(gpu);
+                Ok(m)
             }
             #[cfg(not(feature = "cuda"))]
             MemoryKind::Cuda { .. } => Err(MemoryError::CudaNotBuilt),
         }
     }
 
+    /// The host's own regions as the destination: `spans` are the layout's `(start, length)`
+    /// per region ([`super::windows::WindowMap::region_spans`]); region `i` of `host` backs span
+    /// `i` and must be at least as long. Nothing is allocated or zeroed.
+    pub fn host_owned(host: HostMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
+        if host.regions().len() != spans.len() {
+            return Err(MemoryError::HostRegions(format!(
+                "{} regions registered, the layout has {}",
+                host.regions().len(),
+                spans.len()
+            )));
+        }
+        let mut segments = Vec::with_capacity(spans.len());
+        let mut end = 0u64;
+        for (i, (r, &(start, len))) in host.regions().iter().zip(spans).enumerate() {
+            if (r.len as u64) < len {
+                return Err(MemoryError::HostRegions(format!(
+                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
+                    r.len
+                )));
+            }
+            if start != end {
+                return Err(MemoryError::HostRegions(format!(
+                    "layout region {i} starts at {start}, expected {end}"
+                )));
+            }
+            end = start + len;
+            segments.push(Segment {
+                start,
+                ptr: r.ptr,
+                len,
+            });
+        }
+        Ok(RegisteredMemory {
+            segments,
+            len: end,
+            _owned: None,
+            host_owned: Some(host),
+            staged: None,
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        })
+    }
+
+    /// The host's own device regions as the destination (one per layout span, each at least as
+    /// long; all on one GPU). Nothing is allocated; writes reach them through
+    /// a device copy. Without the `cuda` feature: [`MemoryError::CudaNotBuilt`]; without a
+    /// driver: [`MemoryError::NoCudaDriver`].
+    pub fn device_owned(dev: DeviceMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
+        let len = spans.last().map_or(0, |(s, l)| s + l);
+        let staged: Arc<dyn DeviceCopy> = match &*dev.0 {
+            DeviceInner::Regions(regions) => {
+                if regions.len() != spans.len() {
+                    return Err(MemoryError::DeviceRegions(format!(
+                        "{} regions registered, the layout has {}",
+                        regions.len(),
+                        spans.len()
+                    )));
+                }
+                let ordinal = regions.first().map_or(0, |r| r.ordinal);
+                let mut segs = Vec::with_capacity(spans.len());
+                for (i, (r, &(start, need))) in regions.iter().zip(spans).enumerate() {
+                    if r.ordinal != ordinal {
+                        return Err(MemoryError::DeviceRegions(format!(
+                            "region {i} is on GPU {}, region 0 on GPU {ordinal}",
+                            r.ordinal
+                        )));
+                    }
+                    if r.len < need {
+                        return Err(MemoryError::DeviceRegions(format!(
+                            "region {i} has {} bytes; the layout needs {need}",
+                            r.len
+                        )));
+                    }
+                    segs.push((start, r.ptr, need));
+                }
+                device_copier(ordinal, segs)?
+            }
+            #[cfg(any(test, feature = "testing"))]
+            DeviceInner::Fake(f) => {
+                if (f.bytes.lock().unwrap_or_else(|e| e.into_inner()).len() as u64) < len {
+                    return Err(MemoryError::DeviceRegions("fake device too small".into()));
+                }
+                f.clone()
+            }
+        };
+        Ok(RegisteredMemory {
+            segments: Vec::new(),
+            len,
+            _owned: None,
+            host_owned: None,
+            staged: Some(staged),
+            #[cfg(feature = "cuda")]
+            gpu: None,
+        })
+    }
+
+    /// Whether writes must go through a device copy (device memory the host registered)
+    /// instead of landing in place.
+    pub fn is_staged(&self) -> bool {
+        self.staged.is_some()
+    }
+
+    /// Copy `src` to destination offset `offset` (bounds-checked), synchronously: staged memory
+    /// only (the data server's bounded staging path).
+    pub(crate) fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        self.check(offset, src.len() as u64)?;
+        match &self.staged {
+            Some(d) => d.upload(offset, src),
+            None => Err(MemoryError::DeviceRegions("not staged memory".into())),
+        }
+    }
+
     /// Bytes.
     pub fn len(&self) -> u64 {
-        self.host.len as u64
+        self.len
     }
 
     pub fn is_empty(&self) -> bool {
-        self.host.len == 0
+        self.len == 0
+    }
+
+    /// Whether the bytes are the host's own ([`HostMemory`]).
+    pub fn is_host_owned(&self) -> bool {
+        self.host_owned.is_some()
     }
 
     /// Whether the bytes live on a GPU (behind the staging mirror).
@@ -188,14 +606,41 @@ impl RegisteredMemory {
         }
     }
 
+    fn out_of_bounds(&self, offset: u64, len: u64) -> MemoryError {
+        MemoryError::OutOfBounds {
+            offset,
+            len,
+            size: self.len,
+        }
+    }
+
+    /// The address of `[offset, offset + len)`, which must lie inside one segment (a write
+    /// never spans two layout regions: the window map refuses it).
+    fn locate(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
+        if self.staged.is_some() {
+            return Err(MemoryError::DeviceRegions(
+                "device memory is not host-addressable; writes go through upload".into(),
+            ));
+        }
+        let i = self.segments.partition_point(|s| s.start <= offset);
+        let seg = i
+            .checked_sub(1)
+            .and_then(|i| self.segments.get(i))
+            .ok_or_else(|| self.out_of_bounds(offset, len))?;
+        let rel = offset - seg.start;
+        match rel.checked_add(len) {
+            Some(end) if end <= seg.len => {
+                // SAFETY: `rel < seg.len`, inside the segment's allocation.
+                Ok(unsafe { seg.ptr.as_ptr().add(rel as usize) })
+            }
+            _ => Err(self.out_of_bounds(offset, len)),
+        }
+    }
+
     fn check(&self, offset: u64, len: u64) -> Result<usize, MemoryError> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len() => Ok(offset as usize),
-            _ => Err(MemoryError::OutOfBounds {
-                offset,
-                len,
-                size: self.len(),
-            }),
+            _ => Err(self.out_of_bounds(offset, len)),
         }
     }
 
@@ -212,9 +657,9 @@ impl RegisteredMemory {
         offset: u64,
         len: u64,
     ) -> Result<&mut [u8], MemoryError> {
-        let at = self.check(offset, len)?;
-        // SAFETY: in bounds; aliasing contract above.
-        Ok(unsafe { std::slice::from_raw_parts_mut(self.host.ptr.as_ptr().add(at), len as usize) })
+        let p = self.locate(offset, len)?;
+        // SAFETY: in bounds of one segment; aliasing contract above.
+        Ok(unsafe { std::slice::from_raw_parts_mut(p, len as usize) })
     }
 
     /// The host bytes of a landed range, for the audit (staging mirror on GPU).
@@ -222,15 +667,18 @@ impl RegisteredMemory {
     /// # Safety
     /// Same DMA-like contract as [`Self::landing_slice`].
     pub(crate) unsafe fn landed(&self, offset: u64, len: u64) -> Result<&[u8], MemoryError> {
-        let at = self.check(offset, len)?;
-        // SAFETY: in bounds; aliasing contract above.
-        Ok(unsafe { std::slice::from_raw_parts(self.host.ptr.as_ptr().add(at), len as usize) })
+        let p = self.locate(offset, len)?;
+        // SAFETY: in bounds of one segment; aliasing contract above.
+        Ok(unsafe { std::slice::from_raw_parts(p, len as usize) })
     }
 
     /// Make a landed range visible in destination memory: a no-op on host, the host-to-device
     /// copy on GPU. Returns once the copy completed.
     pub fn commit(&self, offset: u64, len: u64) -> Result<(), MemoryError> {
         let _at = self.check(offset, len)?;
+        if self.staged.is_some() {
+            return Ok(()); // every upload already completed
+        }
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
             // SAFETY: in bounds; the staging bytes are plain memory.
@@ -242,19 +690,26 @@ impl RegisteredMemory {
 
     /// Copy `out.len()` destination bytes at `offset` into `out` (device memory on GPU).
     pub fn read(&self, offset: u64, out: &mut [u8]) -> Result<(), MemoryError> {
-        let at = self.check(offset, out.len() as u64)?;
+        let _at = self.check(offset, out.len() as u64)?;
+        if let Some(d) = &self.staged {
+            return d.download(offset, out);
+        }
         #[cfg(feature = "cuda")]
         if let Some(g) = &self.gpu {
-            return g.download(at, out);
+            return g.download(_at, out);
         }
-        // SAFETY: in bounds; `out` is caller-owned and cannot overlap the allocation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.host.ptr.as_ptr().add(at),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        // Segment by segment: a read may span layout regions.
+        let mut done = 0usize;
+        while done < out.len() {
+            let at = offset + done as u64;
+            let i = self.segments.partition_point(|s| s.start <= at) - 1;
+            let seg = &self.segments[i];
+            let n = ((seg.start + seg.len - at) as usize).min(out.len() - done);
+            let p = self.locate(at, n as u64)?;
+            // SAFETY: in bounds; `out` is caller-owned and cannot overlap the registered memory.
+            unsafe { std::ptr::copy_nonoverlapping(p, out[done..].as_mut_ptr(), n) };
+            done += n;
+        }
         Ok(())
     }
 
@@ -268,6 +723,9 @@ impl RegisteredMemory {
     /// Overwrite destination bytes (tests, READ fixtures). Goes through the staging mirror and
     /// [`Self::commit`].
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        if self.staged.is_some() {
+            return self.upload(offset, src);
+        }
         // SAFETY: in bounds (checked); DMA-like contract.
         let dst = unsafe { self.landing_slice(offset, src.len() as u64)? };
         dst.copy_from_slice(src);
@@ -293,6 +751,79 @@ mod tests {
             m.snapshot(u64::MAX, 2),
             Err(MemoryError::OutOfBounds { .. })
         ));
+    }
+
+    #[test]
+    fn host_owned_regions_back_their_layout_spans_without_copying() {
+        let mut a = vec![0u8; 64];
+        let mut b = vec![0u8; 100]; // longer than its span: the tail is never touched
+                                    // SAFETY: both Vecs outlive `m` and are read only after it is dropped.
+        let regions = unsafe {
+            vec![
+                HostRegion::new(a.as_mut_ptr(), a.len()).unwrap(),
+                HostRegion::new(b.as_mut_ptr(), b.len()).unwrap(),
+            ]
+        };
+        let m =
+            RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)]).unwrap();
+        assert!(m.is_host_owned());
+        assert_eq!(m.len(), 128);
+        m.write(60, &[1, 2, 3, 4]).unwrap();
+        m.write(64, &[5, 6]).unwrap();
+        // A read may span regions; a write may not (a write never crosses a layout region).
+        assert_eq!(m.snapshot(60, 6).unwrap(), vec![1, 2, 3, 4, 5, 6]);
+        assert!(matches!(
+            m.write(62, &[0; 4]),
+            Err(MemoryError::OutOfBounds { .. })
+        ));
+        assert!(m.write(126, &[0; 4]).is_err());
+        drop(m);
+        assert_eq!(&a[60..], &[1, 2, 3, 4]);
+        assert_eq!(&b[..2], &[5, 6]);
+        assert!(b[64..].iter().all(|&x| x == 0));
+    }
+
+    #[test]
+    fn host_device_regions_are_checked_and_need_cuda() {
+        // SAFETY: never dereferenced: every start below is refused before any copy.
+        let r = |ordinal, len| unsafe { DeviceRegion::new(ordinal, 0x7000_0000, len) }.unwrap();
+        let spans = [(0, 64), (64, 64)];
+        let err = |regions| {
+            RegisteredMemory::device_owned(DeviceMemory::new(regions), &spans).unwrap_err()
+        };
+        assert!(matches!(err(vec![r(0, 64)]), MemoryError::DeviceRegions(_)));
+        assert!(matches!(
+            err(vec![r(0, 64), r(0, 63)]),
+            MemoryError::DeviceRegions(_)
+        ));
+        assert!(matches!(
+            err(vec![r(0, 64), r(1, 64)]),
+            MemoryError::DeviceRegions(_)
+        ));
+        // Fits: the feature and a driver decide.
+        let e = err(vec![r(0, 64), r(0, 64)]);
+        #[cfg(not(feature = "cuda"))]
+        assert!(matches!(e, MemoryError::CudaNotBuilt), "{e}");
+        #[cfg(feature = "cuda")]
+        assert!(
+            matches!(e, MemoryError::NoCudaDriver | MemoryError::Cuda(_)),
+            "{e}"
+        );
+        // SAFETY: refused before use.
+        assert!(unsafe { DeviceRegion::new(0, 0, 8) }.is_err());
+    }
+
+    #[test]
+    fn staged_memory_is_reached_only_through_copies() {
+        let (dev, view) = DeviceMemory::fake(256);
+        let m = RegisteredMemory::device_owned(dev, &[(0, 128), (128, 128)]).unwrap();
+        assert!(m.is_staged());
+        m.write(120, &[1; 16]).unwrap();
+        assert_eq!(view.snapshot(120, 16), vec![1; 16]);
+        assert_eq!(m.snapshot(118, 4).unwrap(), vec![0, 0, 1, 1]);
+        // SAFETY: refused: the memory is not host-addressable.
+        assert!(unsafe { m.landing_slice(0, 8) }.is_err());
+        assert!(m.upload(250, &[0; 8]).is_err());
     }
 
     #[cfg(not(feature = "cuda"))]

@@ -15,7 +15,7 @@ use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
 use super::audit::AuditCounters;
 use super::handshake_daemon::{self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES};
-use super::memory::{MemoryError, MemoryKind, RegisteredMemory};
+use super::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, RegisteredMemory};
 use super::permits::{PermitTable, TcpLanding};
 use super::tcp_server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
@@ -46,7 +46,15 @@ pub struct TargetConfig {
     pub epoch_rule: bool,
     pub base_addr: u64,
     pub idle_timeout: Duration,
+    /// What kvrecv allocates when `host_memory` is `None`.
     pub memory: MemoryKind,
+    /// The host's own KV regions (one per layout region): kvrecv allocates no KV memory and
+    /// lands every write in them; `memory` is then ignored.
+    pub host_memory: Option<HostMemory>,
+    /// The host's own CUDA device regions (one per layout region): kvrecv allocates no KV
+    /// memory; TCP payloads reach them through a bounded staging buffer. Wins over
+    /// `host_memory` and `memory`.
+    pub device_memory: Option<DeviceMemory>,
     /// Open data connections at most (default [`DEFAULT_MAX_DATA_CONNECTIONS`]); more are
     /// closed at accept and counted (`kvrecv_connections_refused_total`).
     pub max_data_connections: usize,
@@ -69,6 +77,8 @@ impl TargetConfig {
             base_addr: DEFAULT_BASE,
             idle_timeout: DEFAULT_IDLE_TIMEOUT,
             memory: MemoryKind::Host,
+            host_memory: None,
+            device_memory: None,
             max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
         }
@@ -112,7 +122,7 @@ impl std::fmt::Debug for TcpTarget {
 }
 
 impl TcpTarget {
-    /// Allocate memory, bind both listeners and start serving (needs a tokio runtime).
+    /// Allocate memory (unless the host registered its own), bind both listeners and start serving (needs a tokio runtime).
     pub async fn start(cfg: TargetConfig) -> Result<Self, TargetError> {
         let windows = match (cfg.permits, cfg.windows) {
             (false, _) => 1,
@@ -122,7 +132,11 @@ impl TcpTarget {
             }
         };
         let map = Arc::new(WindowMap::new(&cfg.layout, cfg.base_addr, windows)?);
-        let memory = Arc::new(RegisteredMemory::new(cfg.memory, map.span())?);
+        let memory = Arc::new(match (&cfg.device_memory, &cfg.host_memory) {
+            (Some(d), _) => RegisteredMemory::device_owned(d.clone(), &map.region_spans())?,
+            (None, Some(h)) => RegisteredMemory::host_owned(h.clone(), &map.region_spans())?,
+            (None, None) => RegisteredMemory::new(cfg.memory, map.span())?,
+        });
         let mut table = PermitTable::new(map.clone(), cfg.permits);
         if !cfg.epoch_rule {
             table = table.without_epoch_rule();

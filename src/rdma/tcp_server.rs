@@ -17,7 +17,7 @@ use crate::actors::block_pool::BlockOwnership;
 use crate::metrics as m;
 
 use super::audit::{AuditCounters, Auditor};
-use super::memory::{MemoryError, RegisteredMemory};
+use super::memory::{MemoryError, RegisteredMemory, STAGING_CHUNK};
 use super::permits::{Admitted, PermitTable, RejectReason};
 use super::tcp_wire::{
     Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT,
@@ -300,6 +300,11 @@ async fn land(
     admitted: &Admitted,
 ) -> Result<(), ConnEnd> {
     let size = h.size;
+    if plane.memory.is_staged() {
+        land_staged(stream, plane, h, r, admitted).await?;
+        landed(plane, admitted, size);
+        return Ok(());
+    }
     let mut pos = 0u64;
     loop {
         {
@@ -333,12 +338,71 @@ async fn land(
             Ok(r) => r?,
         }
     }
+    landed(plane, admitted, size);
+    Ok(())
+}
+
+fn landed(plane: &DataPlane, admitted: &Admitted, size: u64) {
     admitted.landed(size);
     plane.stats.bytes_landed.fetch_add(size, Ordering::Relaxed);
     plane.stats.writes_landed.fetch_add(1, Ordering::Relaxed);
     metrics::counter!(m::BYTES_LANDED).increment(size);
     metrics::counter!(m::WRITES_LANDED).increment(1);
-    Ok(())
+}
+
+/// [`land`] for memory the server cannot address (the host's device regions): socket bytes
+/// collect in a staging buffer of at most [`STAGING_CHUNK`] bytes and are copied to the device
+/// inside the permit's gate, so a revocation either precedes a copy or waits for it; bytes
+/// staged before a revocation are dropped, never copied.
+async fn land_staged(
+    stream: &mut TcpStream,
+    plane: &DataPlane,
+    h: &Header,
+    r: &Resolved,
+    admitted: &Admitted,
+) -> Result<(), ConnEnd> {
+    let size = h.size;
+    let mut staging = vec![0u8; (size as usize).min(STAGING_CHUNK)];
+    let (mut pos, mut filled) = (0u64, 0usize);
+    loop {
+        {
+            let Some(_gate) = admitted.enter() else {
+                return Err(reject(stream, plane, h, RejectReason::Revoked).await);
+            };
+            let want = (staging.len() - filled).min((size - pos) as usize - filled);
+            match stream.try_read(&mut staging[filled..filled + want]) {
+                Ok(0) => return Err(ConnEnd::Eof),
+                Ok(n) => {
+                    filled += n;
+                    let done = pos + filled as u64 == size;
+                    if filled == staging.len() || done {
+                        plane
+                            .memory
+                            .upload(r.mem_offset + pos, &staging[..filled])?;
+                        if let Some(a) = plane.audit.get() {
+                            a.check(
+                                &staging[..filled],
+                                r.offset + pos,
+                                plane.map.block_len(r.region),
+                            );
+                        }
+                        pos += filled as u64;
+                        filled = 0;
+                    }
+                    if done {
+                        return Ok(());
+                    }
+                    continue;
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
+            Err(_) => return Err(ConnEnd::Idle),
+            Ok(r) => r?,
+        }
+    }
 }
 
 /// READ (interop tests; vLLM never reads from D): v2 OK, then the bytes.

@@ -150,6 +150,15 @@ impl WindowMap {
         self.span
     }
 
+    /// Each region's `(start, length)` inside the registered memory (contiguous, in order).
+    pub fn region_spans(&self) -> Vec<(u64, u64)> {
+        self.region_start
+            .iter()
+            .copied()
+            .zip(self.region_len.iter().copied())
+            .collect()
+    }
+
     /// Number of regions.
     pub fn regions(&self) -> usize {
         self.region_start.len()

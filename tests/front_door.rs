@@ -1,0 +1,270 @@
+//! The front door from a plain multi-thread tokio host (no actix in this file): the builder
+//! starts a whole D worker, the simulator's P writes real bytes through the Mooncake TE
+//! initiator, and the host loads, drains and aborts through the `Send + Sync + Clone` handle.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use kvrecv::config::KvRecvConfig;
+use kvrecv::embed::{EventStream, KvRecv, KvRecvBuilder, KvRecvError};
+use kvrecv::layout::KvLayout;
+use kvrecv::messages::{KvEvent, KvRequest, ReqId, SettleOutcome, ABORTED_BY_HOST};
+use kvrecv::rdma::initiator::InitiatorConfig;
+use kvrecv::sim::te_writer::TeWriter;
+use kvrecv::sim::{KvWriter, PrefillSim, SimConfig, WriteJob};
+use tokio::sync::mpsc;
+
+/// Safety net only: every wait ends on an event long before this.
+const PATIENCE: Duration = Duration::from_secs(30);
+
+/// P's writer: requests listed in `held` are never written and never answered by P (a stuck
+/// write: P keeps them queued); the rest go through the real TE initiator. Every job is
+/// reported to the test.
+struct HoldingWriter {
+    te: TeWriter,
+    held: Vec<&'static str>,
+    jobs: mpsc::UnboundedSender<WriteJob>,
+}
+
+impl KvWriter for HoldingWriter {
+    fn write(&self, job: WriteJob) -> BoxFuture<'static, Result<(), String>> {
+        let _ = self.jobs.send(job.clone());
+        if job.req_ids.iter().any(|r| self.held.contains(&r.as_str())) {
+            return Box::pin(std::future::pending());
+        }
+        self.te.write(job)
+    }
+}
+
+struct World {
+    kv: KvRecv,
+    events: EventStream,
+    sim: PrefillSim,
+    jobs: mpsc::UnboundedReceiver<WriteJob>,
+}
+
+async fn world(held: Vec<&'static str>) -> World {
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        // Only the abort may settle a held request: no deadline inside the test's time.
+        pull_timeout: Duration::from_secs(3600),
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecv::builder(config).events(true).start().unwrap();
+    let events = kv.events().unwrap();
+    let (tx, jobs) = mpsc::unbounded_channel();
+    let writer = Arc::new(HoldingWriter {
+        te: TeWriter::new(InitiatorConfig::default()),
+        held,
+        jobs: tx,
+    });
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), writer)
+        .await
+        .unwrap();
+    World {
+        kv,
+        events,
+        sim,
+        jobs,
+    }
+}
+
+fn req(w: &World, id: &str, blocks: &[u32]) -> KvRequest {
+    KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
+        remote_engine_id: Some(w.sim.engine_id().to_owned()),
+        remote_bootstrap_addr: Some(w.sim.bootstrap_url()),
+        block_ids: vec![blocks.to_vec()],
+    }
+}
+
+/// Events until (and including) the first that matches `pred`.
+async fn until(events: &mut EventStream, pred: impl Fn(&KvEvent) -> bool) -> Vec<KvEvent> {
+    let mut seen = vec![];
+    loop {
+        let ev = tokio::time::timeout(PATIENCE, events.recv())
+            .await
+            .expect("an event in time")
+            .expect("events open");
+        let hit = pred(&ev);
+        seen.push(ev);
+        if hit {
+            return seen;
+        }
+    }
+}
+
+fn released(id: &str) -> impl Fn(&KvEvent) -> bool + '_ {
+    move |e| matches!(e, KvEvent::Released { req_id, .. } if &**req_id == id)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tokio_host_loads_real_bytes_and_drains_through_the_front_door() {
+    let mut w = world(vec![]).await;
+    let reply = w.kv.load_kv(vec![req(&w, "r1", &[3, 5])]).await.unwrap();
+    assert_eq!((reply.accepted, reply.awaiting), (1, 1), "{reply:?}");
+    until(&mut w.events, released("r1")).await;
+    // The handle is Clone + Send: another task of the host's runtime drains.
+    let kv = w.kv.clone();
+    let step = tokio::spawn(async move { kv.drain().await })
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+    assert!(step.invalid_block_ids.is_empty(), "{step:?}");
+    let stats = w.kv.stats().await.unwrap();
+    let data = stats.data.expect("the builder started a data target");
+    // 2 blocks x 2 regions x 4096 bytes, written by the real TE initiator.
+    assert_eq!(data.bytes_landed, 2 * 2 * 4096, "{data:?}");
+    assert_eq!(data.live_permits, 0, "the completion revoked the permit");
+    w.kv.shutdown().await;
+    assert!(matches!(w.kv.drain().await, Err(KvRecvError::Stopped(_))));
+}
+
+/// The host aborts a request P is still holding: its peer settles Uncertain ("aborted by the
+/// host"), the failure is published, and the blocks are released only after that settle and
+/// with the fence (the permit revoked, the window poisoned); P's late write is refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_settles_the_pending_peer_and_releases_only_once_fenced() {
+    let mut w = world(vec!["a"]).await;
+    let reply = w.kv.load_kv(vec![req(&w, "a", &[7])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1);
+    // P has the addresses and is holding the write.
+    let job_a = tokio::time::timeout(PATIENCE, w.jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        w.kv.drain().await.unwrap().is_empty(),
+        "nothing before the abort"
+    );
+    let ab = w.kv.abort("a").await.unwrap();
+    assert_eq!(ab.peers_settled, 1, "{ab:?}");
+    let seen = until(&mut w.events, released("a")).await;
+    let at = |pred: &dyn Fn(&KvEvent) -> bool| seen.iter().position(pred);
+    let settled = at(&|e| {
+        matches!(e, KvEvent::Settled { req_id, outcome: SettleOutcome::Uncertain(r), .. }
+            if &**req_id == "a" && r == ABORTED_BY_HOST)
+    })
+    .expect("the pending peer settled Uncertain");
+    let failure = at(&|e| matches!(e, KvEvent::FirstFailure { req_id, .. } if &**req_id == "a"))
+        .expect("the failure is published");
+    let completion = at(&|e| {
+        matches!(e, KvEvent::Completion { req_id, uncertain_peers, .. }
+            if &**req_id == "a" && uncertain_peers.len() == 1)
+    })
+    .expect("completion names the uncertain peer");
+    assert!(settled < failure && failure < completion && completion < seen.len() - 1);
+    let KvEvent::Released { fenced, blocks, .. } = seen.last().unwrap() else {
+        unreachable!()
+    };
+    assert!(*fenced, "released by the fence, not by a deadline");
+    assert_eq!(blocks, &vec![7]);
+    let step = w.kv.drain().await.unwrap();
+    assert_eq!(
+        step.invalid_block_ids,
+        vec![7],
+        "the failure reaches the host"
+    );
+    assert_eq!(step.finished_recving, vec![ReqId::from("a")]);
+    // P finally sends the held write: the fence refuses it.
+    let late = TeWriter::new(InitiatorConfig::default()).write(job_a).await;
+    assert!(late.is_err(), "a late write after release must be refused");
+    let data = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.bytes_landed, 0);
+    assert!(
+        data.rejected_revoked + data.rejected_no_permit > 0,
+        "{data:?}"
+    );
+    assert_eq!(data.poisoned_windows, 1, "the aborted pull's window");
+    // A second abort finds nothing pending.
+    assert_eq!(w.kv.abort("a").await.unwrap().peers_settled, 0);
+    w.kv.shutdown().await;
+}
+
+/// Only the aborted request settles: another request to the same peer, loaded after it (its
+/// own pull), completes Ok with its bytes. (Within one pull, `PeerState::abort`'s unit test.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_leaves_the_other_requests_of_the_peer_alone() {
+    let mut w = world(vec!["a"]).await;
+    assert_eq!(
+        w.kv.load_kv(vec![req(&w, "a", &[1])])
+            .await
+            .unwrap()
+            .awaiting,
+        1
+    );
+    tokio::time::timeout(PATIENCE, w.jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        w.kv.load_kv(vec![req(&w, "b", &[2])])
+            .await
+            .unwrap()
+            .awaiting,
+        1
+    );
+    until(&mut w.events, released("b")).await;
+    assert_eq!(w.kv.abort("a").await.unwrap().peers_settled, 1);
+    until(&mut w.events, released("a")).await;
+    let step = w.kv.drain().await.unwrap();
+    let mut finished: Vec<String> = step
+        .finished_recving
+        .iter()
+        .map(|r| r.to_string())
+        .collect();
+    finished.sort();
+    assert_eq!(finished, vec!["a", "b"], "{step:?}");
+    assert_eq!(step.invalid_block_ids, vec![1], "only a failed");
+    let data = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.bytes_landed, 2 * 4096, "b's block, both regions");
+    w.kv.shutdown().await;
+}
+
+/// Many clones on many tasks share one worker; dropping them all stops it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clones_share_one_worker() {
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(1, 64, 8),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecvBuilder::new(config).start().unwrap();
+    assert!(
+        matches!(kv.events(), Err(KvRecvError::NoEvents)),
+        "events are opt-in"
+    );
+    let seen = Arc::new(Mutex::new(vec![]));
+    let tasks: Vec<_> = (0..4)
+        .map(|i| {
+            let (kv, seen) = (kv.clone(), seen.clone());
+            tokio::spawn(async move {
+                // The same request id from four tasks: exactly one is admitted.
+                let r = KvRequest {
+                    req_id: "x".into(),
+                    transfer_id: Some("t".into()),
+                    remote_engine_id: Some("e".into()),
+                    remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+                    block_ids: vec![vec![i]],
+                };
+                let reply = kv.load_kv(vec![r]).await.unwrap();
+                seen.lock().unwrap().push(reply.accepted);
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert_eq!(seen.lock().unwrap().iter().sum::<usize>(), 1);
+    // Shutdown from two clones at once: both return only once the worker has stopped.
+    let other = kv.clone();
+    tokio::join!(kv.shutdown(), other.shutdown());
+    assert!(matches!(kv.drain().await, Err(KvRecvError::Stopped(_))));
+    assert!(matches!(
+        other.load_kv(vec![]).await,
+        Err(KvRecvError::Stopped(_))
+    ));
+}
