@@ -12,7 +12,7 @@
 //! `err_reqs` without writing; answer a transport-engine failure and still write later; answer
 //! FINISH without the request; answer a peer-wide ERROR; never answer (D's deadline); die (the
 //! Peer restarts). Every write may be delivered at any later point, also after the deadline and
-//! after the request completed. The host loads, drains and reloads. The last resort fires at any
+//! after the request completed. The host loads, aborts, drains and reloads. The last resort fires at any
 //! point: poisoned windows return to rotation, quarantines end, and (the assumption that makes
 //! it a last resort) writers abandoned before it have given up.
 //!
@@ -58,6 +58,7 @@ struct Cfg {
     max_loads: u8,
     windows: u32,
     restarts: u8,
+    aborts: u8,
     last_resorts: u8,
     policy: Policy,
     epoch_rule: bool,
@@ -73,6 +74,7 @@ impl Cfg {
             max_loads: 3,
             windows: 3,
             restarts: 0,
+            aborts: 1,
             last_resorts: 1,
             policy: Policy::Settle,
             epoch_rule: true,
@@ -112,6 +114,8 @@ enum Action {
     Answer(usize, PullId, Answer),
     Deadline(usize, PullId),
     Restart(usize),
+    /// The host stops waiting for the attempt's request (e.g. its client went away).
+    Abort(u8),
     Deliver(usize),
     Drain,
     LastResort,
@@ -154,6 +158,7 @@ struct State {
     writes: Vec<Write>,
     time: u8,
     restarts: u8,
+    aborts: u8,
     /// Settles per attempt (rule 5 check).
     settled: Vec<u8>,
     write_after_free: Option<String>,
@@ -192,6 +197,7 @@ impl Hash for State {
         self.writes.hash(h);
         self.time.hash(h);
         self.restarts.hash(h);
+        self.aborts.hash(h);
         self.settled.hash(h);
         self.write_after_free.hash(h);
         self.released_while_writable.hash(h);
@@ -391,6 +397,7 @@ impl Model for Kv {
             writes: vec![],
             time: 0,
             restarts: 0,
+            aborts: 0,
             settled: vec![],
             write_after_free: None,
             released_while_writable: None,
@@ -432,6 +439,13 @@ impl Model for Kv {
             for p in 0..self.cfg.peers {
                 if s.peers[p].in_flight() > 0 {
                     out.push(Action::Restart(p));
+                }
+            }
+        }
+        if s.aborts < self.cfg.aborts {
+            for (i, a) in s.attempts.iter().enumerate() {
+                if a.completions == 0 {
+                    out.push(Action::Abort(i as u8));
                 }
             }
         }
@@ -535,6 +549,16 @@ impl Model for Kv {
                 s.restarts += 1;
                 let (fx, _) = s.peers[peer].abandon_all("restart");
                 let settles = fx.settles.into_iter().map(|(_, st)| st).collect();
+                self.settle(&mut s, settles);
+            }
+            Action::Abort(attempt) => {
+                s.aborts += 1;
+                let id = s.attempts[attempt as usize].id;
+                let mut settles = vec![];
+                for p in &mut s.peers {
+                    let (fx, _) = p.abort(id, "aborted by the host");
+                    settles.extend(fx.settles.into_iter().map(|(_, st)| st));
+                }
                 self.settle(&mut s, settles);
             }
             Action::Deliver(i) => self.deliver(&mut s, i),
