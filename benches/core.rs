@@ -11,7 +11,9 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Through
 use futures::stream;
 
 use kvrecv::actors::topology::StaticTopology;
-use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink, PeerTransport, ReplyStream};
+use kvrecv::actors::{
+    CleanFinish, Coordinator, CoordinatorParts, EventSink, PeerTransport, ReplyStream,
+};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{
@@ -23,7 +25,7 @@ use kvrecv::rdma::StaticLanding;
 struct InstantPeer;
 
 impl PeerTransport for InstantPeer {
-    fn pull(&self, _peer: &PeerId, request: Vec<u8>) -> ReplyStream {
+    fn pull(&self, _peer: &PeerId, request: Vec<u8>, _finish: CleanFinish) -> ReplyStream {
         let md = MooncakeXferMetadata::decode(&request).expect("own metadata");
         let mut r = MooncakeXferResponse::new(XferStatus::Finish);
         r.ok_reqs = Some(md.req_blocks.into_keys().collect());
