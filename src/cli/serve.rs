@@ -6,31 +6,38 @@
 //! `{"op":"load_kv","requests":[{"req_id","transfer_id","remote_engine_id","remote_bootstrap_addr","block_ids":[[..]]}]}`,
 //! `{"op":"drain"}`, `{"op":"stats"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad
 //! line (not JSON, not UTF-8, longer than `--max-line-bytes`) gets an `error` line and the
-//! process keeps running. Logs go to stderr.
+//! process keeps running. Logs go to stderr. `--events` chooses which coordinator events are
+//! printed: `all` (default), `completions` (only `completion` lines), `none` (a host that only
+//! needs `drain`; the coordinator then produces no events at all).
+//!
+//! stdout is written by one thread through a buffered writer, flushed whenever its queue is
+//! empty: a burst of events costs a few `write`s, not a write and a flush per line through
+//! tokio's blocking pool.
 //!
 //! The process is a Mooncake TE target (TCP): a handshake daemon (what P's TE reaches through
 //! `remote_hostname:remote_port`) and a data server, both bound on `--bind`, with landing permits
 //! on unless `--no-permits`. Nothing authenticates either listener: bind the interface P uses,
 //! never a public one.
 
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
+use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::{AsyncWriteExt, BufReader};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::io::BufReader;
 
 use super::line_reader::{Line, LineReader};
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvRequest, LoadKv};
+use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
 use kvrecv::rdma::tcp_server::DEFAULT_IDLE_TIMEOUT;
 use kvrecv::rdma::windows::DEFAULT_BASE;
@@ -121,9 +128,31 @@ pub struct ServeArgs {
     /// without being held in memory.
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
     pub max_line_bytes: usize,
+    /// Coordinator events printed on stdout: all, completions (only `completion` lines), or
+    /// none (answers to input lines only; for hosts that only `drain`).
+    #[arg(long, value_enum, default_value_t = EventLevel::All)]
+    pub events: EventLevel,
     /// Log filter when RUST_LOG is unset.
     #[arg(long, default_value = "info")]
     pub log_level: String,
+}
+
+/// Which coordinator events `serve` prints.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventLevel {
+    All,
+    Completions,
+    None,
+}
+
+impl EventLevel {
+    fn prints(self, ev: &KvEvent) -> bool {
+        match self {
+            EventLevel::All => true,
+            EventLevel::Completions => matches!(ev, KvEvent::Completion { .. }),
+            EventLevel::None => false,
+        }
+    }
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -220,8 +249,27 @@ enum Op {
     Shutdown,
 }
 
-fn emit(out: &UnboundedSender<String>, v: serde_json::Value) {
+fn emit(out: &Sender<String>, v: serde_json::Value) {
     let _ = out.send(v.to_string());
+}
+
+/// stdout's writer thread: it drains the queue into a buffer and flushes when the queue is
+/// empty, so the latency of a line is one wake-up and the cost of a burst a few writes. Its own
+/// thread, so a slow reader blocks neither the actors nor the runtime's workers. Ends when every
+/// sender is gone (after flushing) or stdout is closed.
+fn stdout_writer(rx: Receiver<String>) -> std::io::Result<()> {
+    let stdout = std::io::stdout();
+    let mut w = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    while let Ok(line) = rx.recv() {
+        w.write_all(line.as_bytes())?;
+        w.write_all(b"\n")?;
+        while let Ok(line) = rx.try_recv() {
+            w.write_all(line.as_bytes())?;
+            w.write_all(b"\n")?;
+        }
+        w.flush()?;
+    }
+    w.flush()
 }
 
 /// Run until `shutdown` or end of input.
@@ -271,21 +319,25 @@ fn stats(target: &TcpTarget, line: u64) -> serde_json::Value {
 }
 
 async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCode {
-    let (out, mut out_rx) = unbounded_channel::<String>();
-    // stdout is written by its own task so a slow reader never stalls the actors' thread.
-    let writer = tokio::spawn(async move {
-        let mut stdout = tokio::io::stdout();
-        while let Some(line) = out_rx.recv().await {
-            if stdout
-                .write_all(format!("{line}\n").as_bytes())
-                .await
-                .is_err()
-                || stdout.flush().await.is_err()
-            {
-                break;
-            }
+    let (out, out_rx) = channel::<String>();
+    let writer = match std::thread::Builder::new()
+        .name("kvrecv-stdout".into())
+        .spawn(move || stdout_writer(out_rx))
+    {
+        Ok(w) => w,
+        Err(e) => {
+            println!(
+                "{}",
+                json!({"event": "error", "error": format!("stdout thread: {e}")})
+            );
+            actix_rt::System::current().stop();
+            return ExitCode::from(2);
         }
-    });
+    };
+    // Joined off the runtime's threads: it may still be writing to a slow reader.
+    let join_writer = |w: std::thread::JoinHandle<std::io::Result<()>>| async move {
+        let _ = tokio::task::spawn_blocking(move || w.join()).await;
+    };
     if let Some(addr) = args.metrics {
         if let Err(e) = kvrecv::metrics::serve_prometheus(addr) {
             emit(
@@ -303,12 +355,21 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
                 json!({"event": "error", "error": format!("data plane: {e}")}),
             );
             drop(out);
-            let _ = writer.await;
+            join_writer(writer).await;
             actix_rt::System::current().stop();
             return ExitCode::from(2);
         }
     };
-    let (events, mut event_rx) = EventSink::channel();
+    // With no events printed the coordinator gets no sink and builds none; the receiver then
+    // comes from a channel kept open, so the loop below just never hears from it.
+    let level = args.events;
+    let (events, mut event_rx, _no_events) = if level == EventLevel::None {
+        let (tx, rx) = EventSink::channel();
+        (EventSink::none(), rx, Some(tx))
+    } else {
+        let (tx, rx) = EventSink::channel();
+        (tx, rx, None)
+    };
     let bootstrap = BootstrapConfig {
         timeout: Duration::from_millis(args.bootstrap_timeout_ms.max(1)),
         expected_p_sizes: args.expect_p_tp.map(|t| (t, args.expect_p_pp.unwrap_or(1))),
@@ -361,9 +422,9 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
     loop {
         tokio::select! {
             ev = event_rx.recv() => {
-                if let Some(ev) = ev {
-                    match serde_json::to_value(&ev) {
-                        Ok(v) => emit(&out, v),
+                if let Some(ev) = ev.filter(|e| level.prints(e)) {
+                    match serde_json::to_string(&ev) {
+                        Ok(line) => { let _ = out.send(line); }
                         Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
                     }
                 }
@@ -415,13 +476,16 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
     }
     // Events already produced are printed before the shutdown line.
     while let Ok(ev) = event_rx.try_recv() {
-        if let Ok(v) = serde_json::to_value(&ev) {
-            emit(&out, v);
+        if !level.prints(&ev) {
+            continue;
+        }
+        if let Ok(line) = serde_json::to_string(&ev) {
+            let _ = out.send(line);
         }
     }
     emit(&out, json!({"event": "shutdown"}));
     drop(out);
-    let _ = writer.await;
+    join_writer(writer).await;
     actix_rt::System::current().stop();
     ExitCode::SUCCESS
 }
