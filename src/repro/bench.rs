@@ -223,7 +223,9 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             next += n;
             outstanding += n;
         }
-        if outstanding >= cfg.in_flight {
+        // Sampled once per window of completions, not per completion: reading /proc costs
+        // syscalls that would count in the process CPU this bench reports.
+        if outstanding >= cfg.in_flight && completed % cfg.in_flight.max(64) == 0 {
             rss_peak = rss_peak.max(rss_bytes());
         }
         match rx.recv().await {
