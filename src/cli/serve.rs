@@ -10,9 +10,11 @@
 //! printed: `all` (default), `completions` (only `completion` lines), `none` (a host that only
 //! needs `drain`; the coordinator then produces no events at all).
 //!
-//! stdout is written by one thread through a buffered writer, flushed whenever its queue is
-//! empty: a burst of events costs a few `write`s, not a write and a flush per line through
-//! tokio's blocking pool.
+//! stdout is written through a buffered writer flushed whenever its queue is empty, so a burst
+//! of events costs a few `write`s, not a write and a flush per line through tokio's blocking
+//! pool. When stdin and stdout are pipes (a host driving serve) both go through the runtime's
+//! epoll, on the actors' own thread: no blocking-pool read per chunk of input, no other thread
+//! woken per burst of output.
 //!
 //! The process is a Mooncake TE target (TCP): a handshake daemon (what P's TE reaches through
 //! `remote_hostname:remote_port`) and a data server, both bound on `--bind`, with landing permits
@@ -21,16 +23,18 @@
 
 use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{channel, Receiver, Sender};
 use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::BufReader;
+use tokio::io::{AsyncRead, AsyncWriteExt, BufReader};
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::line_reader::{Line, LineReader};
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
@@ -249,27 +253,88 @@ enum Op {
     Shutdown,
 }
 
-fn emit(out: &Sender<String>, v: serde_json::Value) {
+fn emit(out: &UnboundedSender<String>, v: serde_json::Value) {
     let _ = out.send(v.to_string());
 }
 
-/// stdout's writer thread: it drains the queue into a buffer and flushes when the queue is
-/// empty, so the latency of a line is one wake-up and the cost of a burst a few writes. Its own
-/// thread, so a slow reader blocks neither the actors nor the runtime's workers. Ends when every
-/// sender is gone (after flushing) or stdout is closed.
-fn stdout_writer(rx: Receiver<String>) -> std::io::Result<()> {
+/// stdout's writer. Both kinds drain the queue into a buffer and flush when it is empty, and
+/// end when every sender is gone (after flushing) or stdout is closed.
+enum Writer {
+    /// A pipe, non-blocking through the runtime's epoll, written by a task on the actors'
+    /// thread (a slow reader suspends the task, never the thread).
+    Pipe(tokio::task::JoinHandle<()>),
+    /// Anything else (a file, a terminal), written by a thread of its own so that a blocking
+    /// write stalls neither the actors nor the runtime's workers.
+    Thread(std::thread::JoinHandle<std::io::Result<()>>),
+}
+
+impl Writer {
+    fn start(rx: UnboundedReceiver<String>) -> std::io::Result<Writer> {
+        let pipe = std::io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fd| pipe::Sender::from_file(std::fs::File::from(fd)));
+        match pipe {
+            Ok(p) => Ok(Writer::Pipe(actix_rt::spawn(pipe_writer(p, rx)))),
+            Err(_) => std::thread::Builder::new()
+                .name("kvrecv-stdout".into())
+                .spawn(move || thread_writer(rx))
+                .map(Writer::Thread),
+        }
+    }
+
+    /// Wait until everything queued is written (the thread is joined off the runtime's threads).
+    async fn join(self) {
+        match self {
+            Writer::Pipe(t) => {
+                let _ = t.await;
+            }
+            Writer::Thread(t) => {
+                let _ = tokio::task::spawn_blocking(move || t.join()).await;
+            }
+        }
+    }
+}
+
+async fn pipe_writer(p: pipe::Sender, mut rx: UnboundedReceiver<String>) {
+    let mut w = tokio::io::BufWriter::with_capacity(64 * 1024, p);
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some(line) = next.take().or_else(|| rx.try_recv().ok()) {
+            if w.write_all(line.as_bytes()).await.is_err() || w.write_all(b"\n").await.is_err() {
+                return;
+            }
+        }
+        if w.flush().await.is_err() {
+            return;
+        }
+    }
+}
+
+fn thread_writer(mut rx: UnboundedReceiver<String>) -> std::io::Result<()> {
     let stdout = std::io::stdout();
     let mut w = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
-    while let Ok(line) = rx.recv() {
-        w.write_all(line.as_bytes())?;
-        w.write_all(b"\n")?;
-        while let Ok(line) = rx.try_recv() {
+    while let Some(first) = rx.blocking_recv() {
+        let mut next = Some(first);
+        while let Some(line) = next.take().or_else(|| rx.try_recv().ok()) {
             w.write_all(line.as_bytes())?;
             w.write_all(b"\n")?;
         }
         w.flush()?;
     }
     w.flush()
+}
+
+/// stdin: a pipe through the runtime's epoll, anything else through tokio's blocking pool.
+fn stdin_reader() -> Box<dyn AsyncRead + Unpin> {
+    let pipe = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .and_then(|fd| pipe::Receiver::from_file(std::fs::File::from(fd)));
+    match pipe {
+        Ok(p) => Box::new(p),
+        Err(_) => Box::new(tokio::io::stdin()),
+    }
 }
 
 /// Run until `shutdown` or end of input.
@@ -319,24 +384,17 @@ fn stats(target: &TcpTarget, line: u64) -> serde_json::Value {
 }
 
 async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCode {
-    let (out, out_rx) = channel::<String>();
-    let writer = match std::thread::Builder::new()
-        .name("kvrecv-stdout".into())
-        .spawn(move || stdout_writer(out_rx))
-    {
+    let (out, out_rx) = unbounded_channel::<String>();
+    let writer = match Writer::start(out_rx) {
         Ok(w) => w,
         Err(e) => {
             println!(
                 "{}",
-                json!({"event": "error", "error": format!("stdout thread: {e}")})
+                json!({"event": "error", "error": format!("stdout writer: {e}")})
             );
             actix_rt::System::current().stop();
             return ExitCode::from(2);
         }
-    };
-    // Joined off the runtime's threads: it may still be writing to a slow reader.
-    let join_writer = |w: std::thread::JoinHandle<std::io::Result<()>>| async move {
-        let _ = tokio::task::spawn_blocking(move || w.join()).await;
     };
     if let Some(addr) = args.metrics {
         if let Err(e) = kvrecv::metrics::serve_prometheus(addr) {
@@ -355,7 +413,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
                 json!({"event": "error", "error": format!("data plane: {e}")}),
             );
             drop(out);
-            join_writer(writer).await;
+            writer.join().await;
             actix_rt::System::current().stop();
             return ExitCode::from(2);
         }
@@ -417,7 +475,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         }),
     );
     let max_line = args.max_line_bytes;
-    let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), max_line);
+    let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
     loop {
         tokio::select! {
@@ -485,7 +543,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
     }
     emit(&out, json!({"event": "shutdown"}));
     drop(out);
-    join_writer(writer).await;
+    writer.join().await;
     actix_rt::System::current().stop();
     ExitCode::SUCCESS
 }
