@@ -558,4 +558,80 @@ mod tests {
         let reply = reply.expect("one item").expect("a reply, not an error");
         assert_eq!(reply, vec![b"pong".to_vec()]);
     }
+
+    /// One pull on `t` answered by `router` with one reply; returns the routing identity it
+    /// came from (one per connection). `finish` is set, as the Peer sets it after FINISH.
+    async fn one_pull(t: &ZmqTransport, router: &mut AsyncSocket, addr: &str) -> Vec<u8> {
+        let finish = CleanFinish::default();
+        let mut replies = t.pull(&PeerId::new(addr), b"pull".to_vec(), finish.clone());
+        let p_side = async {
+            let req = router.recv_multipart().await.unwrap();
+            router
+                .send_multipart(&[req[0].as_slice(), b"FINISH"])
+                .await
+                .unwrap();
+            req[0].clone()
+        };
+        let (identity, reply) =
+            tokio::time::timeout(SAFETY, futures::future::join(p_side, replies.next()))
+                .await
+                .expect("answered");
+        assert!(matches!(reply, Some(Ok(_))), "{reply:?}");
+        finish.set();
+        drop(replies);
+        identity
+    }
+
+    /// A pooled DEALER that received a message while idle (no pull was waiting for it) is
+    /// closed when taken, not handed to the next pull, which would read it as its own reply.
+    #[tokio::test]
+    async fn a_message_on_an_idle_socket_closes_it() {
+        let t = ZmqTransport::default();
+        let router = t.context().socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:0").unwrap();
+        let addr = router.get_last_endpoint().unwrap().unwrap();
+        let mut router = AsyncSocket::new(router).unwrap();
+
+        let first = one_pull(&t, &mut router, &addr).await;
+        assert_eq!(
+            one_pull(&t, &mut router, &addr).await,
+            first,
+            "a clean pull's DEALER is reused"
+        );
+        // P answers again, for no pull; wait until D's idle DEALER has it queued.
+        router
+            .send_multipart(&[first.as_slice(), b"stray"])
+            .await
+            .unwrap();
+        let queued = async {
+            loop {
+                let ready = t
+                    .pool
+                    .idle
+                    .borrow()
+                    .get(&PeerId::new(&addr))
+                    .is_some_and(|l| {
+                        l.iter().any(|i| {
+                            i.ch.dealer
+                                .socket()
+                                .get_events()
+                                .is_ok_and(|e| e.contains(zmq::POLLIN))
+                        })
+                    });
+                if ready {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(SAFETY, queued)
+            .await
+            .expect("the stray message reaches D");
+        assert_ne!(
+            one_pull(&t, &mut router, &addr).await,
+            first,
+            "the DEALER with a stray message was closed; a new connection carried the pull"
+        );
+    }
 }
