@@ -22,6 +22,7 @@ fn main() {
         in_flight: env("INFLIGHT", d.in_flight),
         batch: env("BATCH", d.batch),
         requests: env("PULLS", d.requests),
+        ..d
     };
     match run_bench(cfg) {
         Ok(r) => print!("{}", r.table()),

@@ -28,6 +28,7 @@ pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
 pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total"; // label listener
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
+pub const SIDE_CHANNELS: &str = "kvrecv_side_channels_total"; // label how: opened, reused
 pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
 pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
 pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
@@ -106,6 +107,10 @@ pub fn describe() {
     describe_counter!(
         TRANSPORT_ERRORS,
         "Side-channel failures (connect, send, recv, closed)"
+    );
+    describe_counter!(
+        SIDE_CHANNELS,
+        "Pulls by how their DEALER was obtained: opened (new connection) or reused (pooled)"
     );
     describe_counter!(
         BOOTSTRAP_LOOKUPS,

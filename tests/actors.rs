@@ -720,3 +720,28 @@ async fn a_block_of_a_live_request_is_refused_until_released() {
         h.next_pull().await.respond(Finish, &["gone"], &[], None);
     }
 }
+
+/// PROTOCOL.md §2.1: the Peer lets the transport reuse a channel only after a clean FINISH; an
+/// ERROR, a malformed reply or a CONTINUE left hanging keeps it from the pool.
+#[actix::test]
+async fn only_a_clean_finish_marks_the_channel_reusable() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Continue, &["r1"], &[], None);
+    b.respond(Error, &[], &[], Some("boom"));
+    h.wait_for("B settled r2", is_settled(&b.peer, "r2")).await;
+    assert!(!b.finished_cleanly(), "ERROR: never reused");
+    assert!(!a.finished_cleanly(), "CONTINUE: the pull is not over");
+    a.respond(Finish, &["r2"], &[], None);
+    h.wait_for("A settled r2", is_settled(&a.peer, "r2")).await;
+    assert!(a.finished_cleanly());
+
+    h.load(vec![req("r3", &[3])]).await;
+    let [c, d]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    c.reply_frames(vec![b"\xc1 not msgpack".to_vec()]);
+    d.respond(Finish, &["r3"], &[], None);
+    h.wait_for("completion", is_completion("r3")).await;
+    assert!(!c.finished_cleanly(), "malformed: never reused");
+    assert!(d.finished_cleanly());
+}

@@ -475,3 +475,83 @@ async fn unknown_engine_fails_the_batch_at_once() {
     );
     assert_eq!(s.pulls_received(), 0);
 }
+
+/// Loads `ids` ("d-N", into block N) one at a time on engine `s`, each to its completion, and
+/// returns the outcomes.
+async fn one_at_a_time(h: &mut Harness, s: &PrefillSim, ids: &[&str]) -> Vec<Outcome> {
+    let mut out = vec![];
+    for id in ids {
+        let tid = format!("t-{id}");
+        let block: u32 = id.trim_start_matches("d-").parse().expect("d-N");
+        h.load(vec![req(
+            id,
+            &tid,
+            s.engine_id(),
+            &s.bootstrap_url(),
+            &[block],
+        )])
+        .await;
+        out.push(h.completion(id).await.0);
+    }
+    out
+}
+
+#[actix::test]
+async fn pulls_that_finish_cleanly_reuse_one_connection_per_peer() {
+    let s = sim(2, true).await;
+    let mut h = Harness::start(config(LONG));
+    let ids = ["d-1", "d-2", "d-3", "d-4", "d-5"];
+    let outcomes = one_at_a_time(&mut h, &s, &ids).await;
+    assert!(outcomes.iter().all(|o| *o == Outcome::Ok), "{outcomes:?}");
+    for w in s.workers() {
+        assert_eq!(w.pulls_received(), ids.len());
+        assert_eq!(w.connections_seen(), 1, "one DEALER per peer, reused");
+    }
+}
+
+#[actix::test]
+async fn a_socket_is_not_reused_after_a_deadline() {
+    let s = sim(1, true).await;
+    let mut h = Harness::start(config(Duration::from_millis(300)));
+    assert_eq!(one_at_a_time(&mut h, &s, &["d-1"]).await, [Outcome::Ok]);
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            hang: true,
+            ..Faults::default()
+        },
+    );
+    // Reuses d-1's connection, which finished cleanly; then the deadline closes it.
+    assert!(!one_at_a_time(&mut h, &s, &["d-2"]).await[0].is_ok());
+    s.set_faults(0, 0, Faults::default());
+    assert_eq!(one_at_a_time(&mut h, &s, &["d-3"]).await, [Outcome::Ok]);
+    let w = s.worker(0, 0);
+    assert_eq!(w.pulls_received(), 3);
+    assert_eq!(w.connections_seen(), 2, "d-3 went over a new connection");
+}
+
+#[actix::test]
+async fn a_socket_is_not_reused_after_a_peer_error() {
+    let s = sim(1, true).await;
+    let mut h = Harness::start(config(LONG));
+    s.set_faults(
+        0,
+        0,
+        Faults {
+            reject_pulls: Some("This D tp_rank 0 is not paired".into()),
+            ..Faults::default()
+        },
+    );
+    assert!(!one_at_a_time(&mut h, &s, &["d-1"]).await[0].is_ok());
+    s.set_faults(0, 0, Faults::default());
+    let outcomes = one_at_a_time(&mut h, &s, &["d-2", "d-3"]).await;
+    assert_eq!(outcomes, [Outcome::Ok, Outcome::Ok]);
+    let w = s.worker(0, 0);
+    assert_eq!(w.pulls_received(), 3);
+    assert_eq!(
+        w.connections_seen(),
+        2,
+        "ERROR closed d-1's connection; d-3 reused d-2's"
+    );
+}

@@ -380,3 +380,76 @@ async fn a_wildcard_bind_needs_an_advertised_host() {
         .unwrap();
     assert!(!status.success());
 }
+
+/// `--events completions` prints only `completion` lines of the coordinator's events, `--events
+/// none` none at all; answers to input lines are printed either way, and `drain` still reports.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_flag_limits_the_event_lines() {
+    let sim = PrefillSim::start(SimConfig {
+        tp_size: 2,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    // One failing peer: with all events on this request prints settled, first_failure,
+    // completion and released lines.
+    sim.set_faults(
+        1,
+        0,
+        Faults {
+            failure_rate: 1.0,
+            ..Faults::default()
+        },
+    );
+    for (level, allowed) in [
+        (
+            "completions",
+            &["ready", "load_kv", "completion", "drain", "shutdown"][..],
+        ),
+        ("none", &["ready", "load_kv", "drain", "shutdown"][..]),
+    ] {
+        let mut s = Serve::start(&[
+            "--layers",
+            "1",
+            "--block-len",
+            "4096",
+            "--num-blocks",
+            "16",
+            "--events",
+            level,
+            "--log-level",
+            "warn",
+        ]);
+        s.wait("ready", |v| ev(v, "ready")).await;
+        let id = format!("d-{level}");
+        let load = json!({"op": "load_kv", "requests": [{"req_id": id, "transfer_id": format!("t-{level}"),
+            "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+            "block_ids": [[1, 2]]}]});
+        s.send(&load.to_string()).await;
+        assert_eq!(s.wait("load_kv", |v| ev(v, "load_kv")).await["accepted"], 1);
+        if level == "completions" {
+            let c = s.wait("completion", |v| ev(v, "completion")).await;
+            assert_eq!(c["outcome"], "failed", "{c}");
+        }
+        // The host's loop: drain until the request is reported.
+        loop {
+            s.send(r#"{"op":"drain"}"#).await;
+            let d = s.wait("drain", |v| ev(v, "drain")).await;
+            if d["finished_recving"] == json!([id]) {
+                break;
+            }
+        }
+        s.send(r#"{"op":"shutdown"}"#).await;
+        s.wait("shutdown", |v| ev(v, "shutdown")).await;
+        let printed: Vec<&str> = s.seen.iter().filter_map(|v| v["event"].as_str()).collect();
+        assert!(
+            printed.iter().all(|e| allowed.contains(e)),
+            "--events {level} printed {printed:?}"
+        );
+        assert!(tokio::time::timeout(SAFETY, s.child.wait())
+            .await
+            .unwrap()
+            .unwrap()
+            .success());
+    }
+}

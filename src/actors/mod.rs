@@ -26,4 +26,4 @@ pub use receiver::Receiver;
 pub use scripted_transport::{OpenedPull, ScriptedTransport};
 pub use system::{Coordinator, CoordinatorParts};
 pub use topology::{DRank, EngineTopology, StaticTopology, TopologyError, TopologySource};
-pub use transport::{Frames, PeerTransport, ReplyStream, TransportError};
+pub use transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};

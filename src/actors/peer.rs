@@ -1,4 +1,5 @@
-//! Peer: one per prefill worker, under an actix `Supervisor`. Sends each pull on a fresh channel,
+//! Peer: one per prefill worker, under an actix `Supervisor`. Sends each pull on a channel of its
+//! own (marked reusable only when the pull ends with a clean FINISH),
 //! turns replies into settles, enforces the per-pull deadline, and on a channel failure stops so
 //! the supervisor restarts it, after settling everything it owed as Uncertain. Its health (down
 //! until the restart backoff ends, up after a clean FINISH) goes to the Receiver's
@@ -19,7 +20,7 @@ use crate::metrics as m;
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
 use super::rediscovery::PeerHealth;
-use super::transport::{Frames, PeerTransport, TransportError};
+use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
 /// Timing knobs of a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +68,8 @@ struct Live {
     deadline: SpawnHandle,
     started: Instant,
     span: tracing::Span,
+    /// Set on a clean FINISH, so the transport may reuse the channel.
+    finish: CleanFinish,
 }
 
 pub struct Peer {
@@ -116,7 +119,8 @@ impl Peer {
         span.in_scope(|| tracing::debug!("sending pull"));
         metrics::counter!(m::PULLS).increment(1);
         self.state.start(&pull);
-        let replies = self.transport.pull(self.id(), pull.payload);
+        let finish = CleanFinish::default();
+        let replies = self.transport.pull(self.id(), pull.payload, finish.clone());
         let stream = replies
             .map(move |r| PullEvent {
                 pull_id,
@@ -140,6 +144,7 @@ impl Peer {
                 deadline,
                 started: Instant::now(),
                 span,
+                finish,
             },
         );
     }
@@ -193,6 +198,10 @@ impl Peer {
             }
         }
         if fx.finished_cleanly {
+            // Before `close` drops the stream: the transport reads it then.
+            if let Some(l) = self.live.get(&pull_id) {
+                l.finish.set();
+            }
             self.consecutive_failures = 0;
             self.health.up(self.state.peer());
         }

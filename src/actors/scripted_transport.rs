@@ -8,13 +8,14 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::messages::{MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus};
 
-use super::transport::{Frames, PeerTransport, ReplyStream, TransportError};
+use super::transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};
 
 /// One pull as the peer's side would see it.
 pub struct OpenedPull {
     pub peer: PeerId,
     pub request: Vec<u8>,
     replies: RefCell<Option<UnboundedSender<Result<Frames, TransportError>>>>,
+    finish: CleanFinish,
 }
 
 impl OpenedPull {
@@ -67,6 +68,11 @@ impl OpenedPull {
         self.replies.borrow_mut().take();
     }
 
+    /// Whether the Peer marked this pull's channel reusable (a clean FINISH).
+    pub fn finished_cleanly(&self) -> bool {
+        self.finish.is_set()
+    }
+
     /// Whether D still listens on this pull's channel (false once D closed it).
     pub fn is_open(&self) -> bool {
         self.replies
@@ -89,12 +95,13 @@ impl ScriptedTransport {
 }
 
 impl PeerTransport for ScriptedTransport {
-    fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream {
+    fn pull(&self, peer: &PeerId, request: Vec<u8>, finish: CleanFinish) -> ReplyStream {
         let (tx, mut rx) = unbounded_channel();
         let _ = self.opened.send(OpenedPull {
             peer: peer.clone(),
             request,
             replies: RefCell::new(Some(tx)),
+            finish,
         });
         Box::pin(futures::stream::poll_fn(move |cx| rx.poll_recv(cx)))
     }

@@ -1,5 +1,9 @@
-//! The Peer's view of its socket: open a fresh channel per pull, send one request, stream the
-//! replies. The ZMQ implementation lives in `control`; tests use [`super::ScriptedTransport`].
+//! The Peer's view of its socket: get a channel for the pull (fresh, or one whose previous pull
+//! ended with a clean FINISH), send one request, stream the replies. The ZMQ implementation
+//! lives in `control`; tests use [`super::ScriptedTransport`].
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 
 use futures::stream::LocalBoxStream;
 use thiserror::Error;
@@ -30,8 +34,30 @@ pub enum TransportError {
 /// dropping it closes the channel (for ZMQ: the DEALER, with linger 0).
 pub type ReplyStream = LocalBoxStream<'static, Result<Frames, TransportError>>;
 
-/// Opens one channel per pull (PROTOCOL.md §2.1: never multiplex pulls on one socket).
+/// Set by the Peer when a pull ended with a clean FINISH, before it drops the pull's
+/// [`ReplyStream`]: only then may the transport hand that channel to a later pull to the same
+/// peer (PROTOCOL.md §2.1). A deadline, a channel error, a malformed reply, an ERROR or a channel
+/// that ended early leave it unset, and the channel is closed.
+#[derive(Debug, Clone, Default)]
+// Atomic only so that test doubles can hand it to another thread; a pull lives on one.
+pub struct CleanFinish(Arc<AtomicBool>);
+
+impl CleanFinish {
+    /// Record that the pull ended with FINISH and nothing more can arrive for it.
+    pub fn set(&self) {
+        self.0.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether the pull ended with a clean FINISH.
+    pub fn is_set(&self) -> bool {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
+/// Gives each pull a channel of its own (PROTOCOL.md §2.1: never multiplex pulls on one socket).
 pub trait PeerTransport: 'static {
-    /// Open a channel to `peer`, send `request` as one frame, and return the replies.
-    fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream;
+    /// Get a channel to `peer`, send `request` as one frame, and return the replies. `finish`
+    /// is the Peer's verdict on the pull, read when the stream is dropped: a channel is reused
+    /// only when it is set.
+    fn pull(&self, peer: &PeerId, request: Vec<u8>, finish: CleanFinish) -> ReplyStream;
 }

@@ -18,6 +18,13 @@ pub struct BenchArgs {
     /// Requests measured.
     #[arg(long, default_value_t = 5000)]
     pub requests: usize,
+    /// Bootstrap URL of a P in its own process (e.g. `kvrecv prefill-sim`); default: an
+    /// in-process simulator with `--peers` workers.
+    #[arg(long)]
+    pub bootstrap: Option<String>,
+    /// Engine id of that P.
+    #[arg(long, default_value = "prefill-0")]
+    pub engine_id: String,
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -32,6 +39,8 @@ pub fn run(a: BenchArgs) -> ExitCode {
         in_flight: a.in_flight,
         batch: a.batch,
         requests: a.requests,
+        bootstrap: a.bootstrap,
+        engine_id: Some(a.engine_id),
     };
     match run_bench(cfg) {
         Ok(r) if a.json => match serde_json::to_string(&r) {

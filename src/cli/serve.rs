@@ -6,14 +6,24 @@
 //! `{"op":"load_kv","requests":[{"req_id","transfer_id","remote_engine_id","remote_bootstrap_addr","block_ids":[[..]]}]}`,
 //! `{"op":"drain"}`, `{"op":"stats"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad
 //! line (not JSON, not UTF-8, longer than `--max-line-bytes`) gets an `error` line and the
-//! process keeps running. Logs go to stderr.
+//! process keeps running. Logs go to stderr. `--events` chooses which coordinator events are
+//! printed: `all` (default), `completions` (only `completion` lines), `none` (a host that only
+//! needs `drain`; the coordinator then produces no events at all).
+//!
+//! stdout is written through a buffered writer flushed whenever its queue is empty, so a burst
+//! of events costs a few `write`s, not a write and a flush per line through tokio's blocking
+//! pool. When stdin and stdout are pipes (a host driving serve) both go through the runtime's
+//! epoll, on the actors' own thread: no blocking-pool read per chunk of input, no other thread
+//! woken per burst of output.
 //!
 //! The process is a Mooncake TE target (TCP): a handshake daemon (what P's TE reaches through
 //! `remote_hostname:remote_port`) and a data server, both bound on `--bind`, with landing permits
 //! on unless `--no-permits`. Nothing authenticates either listener: bind the interface P uses,
 //! never a public one.
 
+use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
+use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -22,15 +32,16 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::{AsyncWriteExt, BufReader};
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::io::{AsyncRead, AsyncWriteExt, BufReader};
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::line_reader::{Line, LineReader};
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvRequest, LoadKv};
+use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
 use kvrecv::rdma::tcp_server::DEFAULT_IDLE_TIMEOUT;
 use kvrecv::rdma::windows::DEFAULT_BASE;
@@ -121,9 +132,31 @@ pub struct ServeArgs {
     /// without being held in memory.
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
     pub max_line_bytes: usize,
+    /// Coordinator events printed on stdout: all, completions (only `completion` lines), or
+    /// none (answers to input lines only; for hosts that only `drain`).
+    #[arg(long, value_enum, default_value_t = EventLevel::All)]
+    pub events: EventLevel,
     /// Log filter when RUST_LOG is unset.
     #[arg(long, default_value = "info")]
     pub log_level: String,
+}
+
+/// Which coordinator events `serve` prints.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventLevel {
+    All,
+    Completions,
+    None,
+}
+
+impl EventLevel {
+    fn prints(self, ev: &KvEvent) -> bool {
+        match self {
+            EventLevel::All => true,
+            EventLevel::Completions => matches!(ev, KvEvent::Completion { .. }),
+            EventLevel::None => false,
+        }
+    }
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {
@@ -236,6 +269,86 @@ fn emit(out: &UnboundedSender<String>, v: serde_json::Value) {
     let _ = out.send(v.to_string());
 }
 
+/// stdout's writer. Both kinds drain the queue into a buffer and flush when it is empty, and
+/// end when every sender is gone (after flushing) or stdout is closed.
+enum Writer {
+    /// A pipe, non-blocking through the runtime's epoll, written by a task on the actors'
+    /// thread (a slow reader suspends the task, never the thread).
+    Pipe(tokio::task::JoinHandle<()>),
+    /// Anything else (a file, a terminal), written by a thread of its own so that a blocking
+    /// write stalls neither the actors nor the runtime's workers.
+    Thread(std::thread::JoinHandle<std::io::Result<()>>),
+}
+
+impl Writer {
+    fn start(rx: UnboundedReceiver<String>) -> std::io::Result<Writer> {
+        let pipe = std::io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fd| pipe::Sender::from_file(std::fs::File::from(fd)));
+        match pipe {
+            Ok(p) => Ok(Writer::Pipe(actix_rt::spawn(pipe_writer(p, rx)))),
+            Err(_) => std::thread::Builder::new()
+                .name("kvrecv-stdout".into())
+                .spawn(move || thread_writer(rx))
+                .map(Writer::Thread),
+        }
+    }
+
+    /// Wait until everything queued is written (the thread is joined off the runtime's threads).
+    async fn join(self) {
+        match self {
+            Writer::Pipe(t) => {
+                let _ = t.await;
+            }
+            Writer::Thread(t) => {
+                let _ = tokio::task::spawn_blocking(move || t.join()).await;
+            }
+        }
+    }
+}
+
+async fn pipe_writer(p: pipe::Sender, mut rx: UnboundedReceiver<String>) {
+    let mut w = tokio::io::BufWriter::with_capacity(64 * 1024, p);
+    while let Some(first) = rx.recv().await {
+        let mut next = Some(first);
+        while let Some(line) = next.take().or_else(|| rx.try_recv().ok()) {
+            if w.write_all(line.as_bytes()).await.is_err() || w.write_all(b"\n").await.is_err() {
+                return;
+            }
+        }
+        if w.flush().await.is_err() {
+            return;
+        }
+    }
+}
+
+fn thread_writer(mut rx: UnboundedReceiver<String>) -> std::io::Result<()> {
+    let stdout = std::io::stdout();
+    let mut w = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
+    while let Some(first) = rx.blocking_recv() {
+        let mut next = Some(first);
+        while let Some(line) = next.take().or_else(|| rx.try_recv().ok()) {
+            w.write_all(line.as_bytes())?;
+            w.write_all(b"\n")?;
+        }
+        w.flush()?;
+    }
+    w.flush()
+}
+
+/// stdin: a pipe through the runtime's epoll, anything else through tokio's blocking pool.
+fn stdin_reader() -> Box<dyn AsyncRead + Unpin> {
+    let pipe = std::io::stdin()
+        .as_fd()
+        .try_clone_to_owned()
+        .and_then(|fd| pipe::Receiver::from_file(std::fs::File::from(fd)));
+    match pipe {
+        Ok(p) => Box::new(p),
+        Err(_) => Box::new(tokio::io::stdin()),
+    }
+}
+
 /// Run until `shutdown` or end of input.
 pub fn run(args: ServeArgs) -> ExitCode {
     super::logging::init(&args.log_level);
@@ -283,21 +396,18 @@ fn stats(target: &TcpTarget, line: u64) -> serde_json::Value {
 }
 
 async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCode {
-    let (out, mut out_rx) = unbounded_channel::<String>();
-    // stdout is written by its own task so a slow reader never stalls the actors' thread.
-    let writer = tokio::spawn(async move {
-        let mut stdout = tokio::io::stdout();
-        while let Some(line) = out_rx.recv().await {
-            if stdout
-                .write_all(format!("{line}\n").as_bytes())
-                .await
-                .is_err()
-                || stdout.flush().await.is_err()
-            {
-                break;
-            }
+    let (out, out_rx) = unbounded_channel::<String>();
+    let writer = match Writer::start(out_rx) {
+        Ok(w) => w,
+        Err(e) => {
+            println!(
+                "{}",
+                json!({"event": "error", "error": format!("stdout writer: {e}")})
+            );
+            actix_rt::System::current().stop();
+            return ExitCode::from(2);
         }
-    });
+    };
     if let Some(addr) = args.metrics {
         if let Err(e) = kvrecv::metrics::serve_prometheus(addr) {
             emit(
@@ -315,12 +425,21 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
                 json!({"event": "error", "error": format!("data plane: {e}")}),
             );
             drop(out);
-            let _ = writer.await;
+            writer.join().await;
             actix_rt::System::current().stop();
             return ExitCode::from(2);
         }
     };
-    let (events, mut event_rx) = EventSink::channel();
+    // With no events printed the coordinator gets no sink and builds none; the receiver then
+    // comes from a channel kept open, so the loop below just never hears from it.
+    let level = args.events;
+    let (events, mut event_rx, _no_events) = if level == EventLevel::None {
+        let (tx, rx) = EventSink::channel();
+        (EventSink::none(), rx, Some(tx))
+    } else {
+        let (tx, rx) = EventSink::channel();
+        (tx, rx, None)
+    };
     let bootstrap = BootstrapConfig {
         timeout: Duration::from_millis(args.bootstrap_timeout_ms.max(1)),
         expected_p_sizes: args.expect_p_tp.map(|t| (t, args.expect_p_pp.unwrap_or(1))),
@@ -368,14 +487,14 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         }),
     );
     let max_line = args.max_line_bytes;
-    let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), max_line);
+    let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
     loop {
         tokio::select! {
             ev = event_rx.recv() => {
-                if let Some(ev) = ev {
-                    match serde_json::to_value(&ev) {
-                        Ok(v) => emit(&out, v),
+                if let Some(ev) = ev.filter(|e| level.prints(e)) {
+                    match serde_json::to_string(&ev) {
+                        Ok(line) => { let _ = out.send(line); }
                         Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
                     }
                 }
@@ -427,13 +546,16 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
     }
     // Events already produced are printed before the shutdown line.
     while let Ok(ev) = event_rx.try_recv() {
-        if let Ok(v) = serde_json::to_value(&ev) {
-            emit(&out, v);
+        if !level.prints(&ev) {
+            continue;
+        }
+        if let Ok(line) = serde_json::to_string(&ev) {
+            let _ = out.send(line);
         }
     }
     emit(&out, json!({"event": "shutdown"}));
     drop(out);
-    let _ = writer.await;
+    writer.join().await;
     actix_rt::System::current().stop();
     ExitCode::SUCCESS
 }

@@ -1,31 +1,42 @@
 //! [`PeerTransport`] on libzmq (the `zmq` crate, the same engine as pyzmq on the P side).
 //!
-//! One DEALER per pull, connected (never bound), `LINGER=0`, the request sent as one frame, every
+//! A DEALER per pull, connected (never bound), `LINGER=0`, the request sent as one frame, every
 //! reply delivered whole (all its frames, so the Peer can call a multi-frame reply malformed),
-//! inbound messages capped with `ZMQ_MAXMSGSIZE`. Never REQ, never reused: the socket is closed
-//! when the Peer drops the stream (PROTOCOL.md §2.1).
+//! inbound messages capped with `ZMQ_MAXMSGSIZE`. Never REQ, never two pulls on one socket at
+//! once. A DEALER whose pull ended with a clean FINISH (the Peer sets [`CleanFinish`]) goes back
+//! to a small per-peer pool and carries the next pull to that peer: P's ROUTER answers each
+//! message on its own, addressed by the connection's identity, and nothing of the finished pull
+//! can still arrive. Any other ending (deadline, channel error, malformed reply, ERROR, channel
+//! closed early) closes the socket (PROTOCOL.md §2.1), so a late reply is never read as another
+//! pull's.
 //!
 //! ZMQ hides the TCP connection: a refused connect is retried forever and a peer that dies just
-//! goes quiet. So every pull's DEALER carries a socket monitor (an inproc PAIR) and the stream
-//! turns connection events into [`TransportError`]s, which make the Peer settle Uncertain and
-//! restart with backoff:
+//! goes quiet. So every DEALER carries one socket monitor (an inproc PAIR) for its whole life,
+//! pooled time included, and the stream turns connection events into [`TransportError`]s, which
+//! make the Peer settle Uncertain and restart with backoff:
 //! - `CONNECT_RETRIED` before the ZMTP handshake succeeded: connection refused/unreachable;
 //! - `HANDSHAKE_FAILED_*`: whatever listens there is not a ZMQ peer;
 //! - `DISCONNECTED`: the peer's process exited or closed its ROUTER, a heartbeat timed out (a
 //!   vanished host), or the peer sent a message over the size cap (libzmq drops the connection).
 //!
+//! A pooled DEALER is checked when it is taken: any such event while it was idle, or any message
+//! that arrived for no pull, and it is closed instead of used.
+//!
 //! Replies that were already queued when the connection dropped are delivered first. A peer that
 //! is alive but never answers is left to the Peer's deadline.
 
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use futures::future::poll_fn;
 use futures::stream;
 use futures::StreamExt;
 
-use crate::actors::transport::{Frames, PeerTransport, ReplyStream, TransportError};
+use crate::actors::transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};
 use crate::messages::PeerId;
 use crate::metrics as m;
 
@@ -44,9 +55,14 @@ pub struct ZmqTransportConfig {
     /// closing TCP. Zero disables.
     pub heartbeat_ivl: Duration,
     pub heartbeat_timeout: Duration,
-    /// `ZMQ_MAX_SOCKETS` of the transport's context: each pull in flight holds three sockets
-    /// (libzmq's default cap of 1023 allows only 341 pulls at once).
+    /// `ZMQ_MAX_SOCKETS` of the transport's context: each pull in flight, and each pooled
+    /// DEALER, holds three sockets (libzmq's default cap of 1023 allows only 341 at once).
     pub max_sockets: i32,
+    /// Connected DEALERs kept per peer for later pulls (0: a fresh DEALER per pull, as vLLM).
+    pub idle_per_peer: usize,
+    /// A pooled DEALER unused for this long is closed (a peer that went away, a burst that
+    /// ended) when the pool is next touched.
+    pub idle_timeout: Duration,
 }
 
 impl Default for ZmqTransportConfig {
@@ -57,14 +73,113 @@ impl Default for ZmqTransportConfig {
             heartbeat_ivl: Duration::from_secs(10),
             heartbeat_timeout: Duration::from_secs(30),
             max_sockets: DEFAULT_MAX_SOCKETS,
+            idle_per_peer: 64,
+            idle_timeout: Duration::from_secs(60),
         }
     }
 }
 
-/// Opens one DEALER per pull on a shared context.
+/// Gives each pull a DEALER (pooled or new) on a shared context.
 pub struct ZmqTransport {
     ctx: ZmqContext,
     cfg: ZmqTransportConfig,
+    pool: Rc<Pool>,
+}
+
+/// How often the pool looks for DEALERs idle past their timeout.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+struct Idle {
+    ch: Channel,
+    since: Instant,
+}
+
+/// Connected DEALERs whose last pull ended with a clean FINISH, per peer, most recent last.
+struct Pool {
+    idle: RefCell<HashMap<PeerId, Vec<Idle>>>,
+    max_per_peer: usize,
+    idle_timeout: Duration,
+    last_sweep: Cell<Instant>,
+}
+
+impl Pool {
+    fn new(cfg: &ZmqTransportConfig) -> Self {
+        Pool {
+            idle: RefCell::new(HashMap::new()),
+            max_per_peer: cfg.idle_per_peer,
+            idle_timeout: cfg.idle_timeout,
+            last_sweep: Cell::new(Instant::now()),
+        }
+    }
+
+    /// A usable pooled DEALER to `peer` (the most recently used), or `None`. The unusable ones
+    /// met on the way are closed.
+    fn take(&self, peer: &PeerId) -> Option<Channel> {
+        self.sweep();
+        let mut idle = self.idle.borrow_mut();
+        let list = idle.get_mut(peer)?;
+        while let Some(Idle { mut ch, since }) = list.pop() {
+            if since.elapsed() < self.idle_timeout && ch.usable_after_idle() {
+                return Some(ch);
+            }
+        }
+        None
+    }
+
+    /// Keep `ch` for the next pull to its peer, or close it if the peer has enough.
+    fn put(&self, ch: Channel) {
+        if self.max_per_peer == 0 {
+            return;
+        }
+        let mut idle = self.idle.borrow_mut();
+        let list = idle.entry(ch.peer.clone()).or_default();
+        if list.len() < self.max_per_peer {
+            list.push(Idle {
+                ch,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Close DEALERs idle past the timeout, at most once per [`SWEEP_EVERY`]: their peer may be
+    /// gone for good (a P restarted on new ports), and each holds descriptors.
+    fn sweep(&self) {
+        if self.last_sweep.get().elapsed() < SWEEP_EVERY {
+            return;
+        }
+        self.last_sweep.set(Instant::now());
+        let timeout = self.idle_timeout;
+        self.idle.borrow_mut().retain(|_, list| {
+            list.retain(|i| i.since.elapsed() < timeout);
+            !list.is_empty()
+        });
+    }
+}
+
+/// A pull's hold on its channel: back to the pool on drop if the Peer marked the pull finished
+/// cleanly and the channel saw no failure, closed otherwise.
+struct Lease {
+    ch: Option<Channel>,
+    pool: Rc<Pool>,
+    finish: CleanFinish,
+}
+
+impl Lease {
+    fn ch(&mut self) -> &mut Channel {
+        self.ch
+            .as_mut()
+            .expect("a lease holds its channel until dropped")
+    }
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if let Some(ch) = self.ch.take() {
+            if self.finish.is_set() && ch.broken.is_none() {
+                self.pool.put(ch);
+            }
+        }
+    }
 }
 
 static MONITOR_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -100,7 +215,8 @@ impl ZmqTransport {
             tracing::error!(error = %e, "cannot create a ZMQ context with a raised socket cap");
             ZmqContext::new(1023).expect("a libzmq context")
         });
-        ZmqTransport { ctx, cfg }
+        let pool = Rc::new(Pool::new(&cfg));
+        ZmqTransport { ctx, cfg, pool }
     }
 
     /// The context (tests share it for inproc sockets).
@@ -108,8 +224,18 @@ impl ZmqTransport {
         &self.ctx
     }
 
-    /// The pull's channel; `Local` when D could not create its sockets (nothing was sent, so
-    /// the peer is not to blame), `Connect` when the peer's address was refused.
+    /// The pull's channel: a pooled one if usable, else a new one; `Local` when D could not
+    /// create its sockets (nothing was sent, so the peer is not to blame), `Connect` when the
+    /// peer's address was refused.
+    fn channel(&self, peer: &PeerId) -> Result<Channel, TransportError> {
+        if let Some(ch) = self.pool.take(peer) {
+            metrics::counter!(m::SIDE_CHANNELS, "how" => "reused").increment(1);
+            return Ok(ch);
+        }
+        metrics::counter!(m::SIDE_CHANNELS, "how" => "opened").increment(1);
+        self.open(peer)
+    }
+
     fn open(&self, peer: &PeerId) -> Result<Channel, TransportError> {
         let ch = self.sockets(peer).map_err(|e| TransportError::Local {
             peer: peer.clone(),
@@ -135,6 +261,10 @@ impl ZmqTransport {
             dealer.set_heartbeat_ivl(ms(self.cfg.heartbeat_ivl))?;
             dealer.set_heartbeat_timeout(ms(self.cfg.heartbeat_timeout))?;
         }
+        // A pooled DEALER whose peer went away retries its connection, each retry an event
+        // queued for a reader nobody polls until the DEALER is taken again; backing off to
+        // 30 s bounds that queue to a few events a minute.
+        dealer.set_reconnect_ivl_max(30_000)?;
         // The monitor must exist before connect, or the first events are lost.
         let endpoint = format!(
             "inproc://kvrecv-monitor-{}",
@@ -143,6 +273,10 @@ impl ZmqTransport {
         dealer.monitor(&endpoint, MONITORED)?;
         let monitor = self.ctx.socket(zmq::PAIR)?;
         monitor.set_linger(0)?;
+        // libzmq sends monitor events blocking, from the context's I/O thread: a reader at its
+        // high-water mark (1000 unread events of a long-idle DEALER) would stall every socket
+        // of the context. 0 makes the inproc pipe unbounded (set before connect).
+        monitor.set_rcvhwm(0)?;
         monitor.connect(&endpoint)?;
         // Wrapped before connecting: from here on `Drop for Channel` stops the monitor before
         // either socket closes, whatever fails.
@@ -165,7 +299,7 @@ impl Default for ZmqTransport {
     }
 }
 
-/// One pull's DEALER and its connection monitor.
+/// A DEALER and its connection monitor, carrying one pull at a time.
 struct Channel {
     peer: PeerId,
     dealer: AsyncSocket,
@@ -237,6 +371,32 @@ impl Channel {
         }
     }
 
+    /// Whether a pooled channel may carry another pull: no connection failure reported while it
+    /// was idle, and nothing queued (a message for no pull means the peer and D disagree about
+    /// where the last pull ended).
+    fn usable_after_idle(&mut self) -> bool {
+        loop {
+            match self.monitor.try_recv_multipart() {
+                Ok(Some(ev)) => {
+                    if let Some(e) = self.on_event(&ev) {
+                        tracing::debug!(error = %e, "pooled side channel closed");
+                        return false;
+                    }
+                }
+                Ok(None) => break,
+                Err(_) => return false,
+            }
+        }
+        match self.dealer.try_recv_multipart() {
+            Ok(None) => true,
+            Ok(Some(_)) => {
+                tracing::warn!(peer = %self.peer, "message on an idle side channel; closing it");
+                false
+            }
+            Err(_) => false,
+        }
+    }
+
     /// After a connection failure: deliver what arrived before it, then report it.
     fn drain_broken(&mut self) -> Step {
         let Some(err) = self.broken.take() else {
@@ -295,18 +455,24 @@ fn count(e: &TransportError) {
 }
 
 impl PeerTransport for ZmqTransport {
-    fn pull(&self, peer: &PeerId, request: Vec<u8>) -> ReplyStream {
-        let ch = match self.open(peer) {
+    fn pull(&self, peer: &PeerId, request: Vec<u8>, finish: CleanFinish) -> ReplyStream {
+        let ch = match self.channel(peer) {
             Ok(ch) => ch,
             Err(err) => {
                 count(&err);
                 return stream::once(async move { Err(err) }).boxed_local();
             }
         };
-        // State: the channel and the request still to send; `None` once failed (the stream ends
-        // after its error item).
-        stream::unfold(Some((ch, Some(request))), |st| async move {
-            let (mut ch, request) = st?;
+        let lease = Lease {
+            ch: Some(ch),
+            pool: self.pool.clone(),
+            finish,
+        };
+        // State: the lease and the request still to send; `None` once failed (the stream ends
+        // after its error item, and the failed channel closes with its lease).
+        stream::unfold(Some((lease, Some(request))), |st| async move {
+            let (mut lease, request) = st?;
+            let ch = lease.ch();
             if let Some(req) = request {
                 if let Err(e) = ch.dealer.send_multipart(&[&req]).await {
                     let err = TransportError::Send {
@@ -318,7 +484,7 @@ impl PeerTransport for ZmqTransport {
                 }
             }
             match ch.next().await {
-                Step::Reply(f) => Some((Ok(f), Some((ch, None)))),
+                Step::Reply(f) => Some((Ok(f), Some((lease, None)))),
                 Step::Fail(e) => {
                     count(&e);
                     Some((Err(e), None))
@@ -372,7 +538,11 @@ mod tests {
         assert_eq!(orphan[1], b"orphan");
 
         // The same context still serves a pull end to end (the stream sends when polled).
-        let mut replies = t.pull(&PeerId::new(&addr), b"ping".to_vec());
+        let mut replies = t.pull(
+            &PeerId::new(&addr),
+            b"ping".to_vec(),
+            CleanFinish::default(),
+        );
         let p_side = async {
             let req = router.recv_multipart().await.unwrap();
             assert_eq!(req[1], b"ping");
@@ -387,5 +557,81 @@ mod tests {
                 .expect("the pull is answered: the I/O thread is alive");
         let reply = reply.expect("one item").expect("a reply, not an error");
         assert_eq!(reply, vec![b"pong".to_vec()]);
+    }
+
+    /// One pull on `t` answered by `router` with one reply; returns the routing identity it
+    /// came from (one per connection). `finish` is set, as the Peer sets it after FINISH.
+    async fn one_pull(t: &ZmqTransport, router: &mut AsyncSocket, addr: &str) -> Vec<u8> {
+        let finish = CleanFinish::default();
+        let mut replies = t.pull(&PeerId::new(addr), b"pull".to_vec(), finish.clone());
+        let p_side = async {
+            let req = router.recv_multipart().await.unwrap();
+            router
+                .send_multipart(&[req[0].as_slice(), b"FINISH"])
+                .await
+                .unwrap();
+            req[0].clone()
+        };
+        let (identity, reply) =
+            tokio::time::timeout(SAFETY, futures::future::join(p_side, replies.next()))
+                .await
+                .expect("answered");
+        assert!(matches!(reply, Some(Ok(_))), "{reply:?}");
+        finish.set();
+        drop(replies);
+        identity
+    }
+
+    /// A pooled DEALER that received a message while idle (no pull was waiting for it) is
+    /// closed when taken, not handed to the next pull, which would read it as its own reply.
+    #[tokio::test]
+    async fn a_message_on_an_idle_socket_closes_it() {
+        let t = ZmqTransport::default();
+        let router = t.context().socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:0").unwrap();
+        let addr = router.get_last_endpoint().unwrap().unwrap();
+        let mut router = AsyncSocket::new(router).unwrap();
+
+        let first = one_pull(&t, &mut router, &addr).await;
+        assert_eq!(
+            one_pull(&t, &mut router, &addr).await,
+            first,
+            "a clean pull's DEALER is reused"
+        );
+        // P answers again, for no pull; wait until D's idle DEALER has it queued.
+        router
+            .send_multipart(&[first.as_slice(), b"stray"])
+            .await
+            .unwrap();
+        let queued = async {
+            loop {
+                let ready = t
+                    .pool
+                    .idle
+                    .borrow()
+                    .get(&PeerId::new(&addr))
+                    .is_some_and(|l| {
+                        l.iter().any(|i| {
+                            i.ch.dealer
+                                .socket()
+                                .get_events()
+                                .is_ok_and(|e| e.contains(zmq::POLLIN))
+                        })
+                    });
+                if ready {
+                    break;
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(SAFETY, queued)
+            .await
+            .expect("the stray message reaches D");
+        assert_ne!(
+            one_pull(&t, &mut router, &addr).await,
+            first,
+            "the DEALER with a stray message was closed; a new connection carried the pull"
+        );
     }
 }

@@ -1,5 +1,7 @@
 //! `kvrecv bench`: control-plane throughput and latency on loopback (no faults, no data bytes):
-//! kvrecv's D against the in-process prefill simulator with `peers` workers.
+//! kvrecv's D against the in-process prefill simulator with `peers` workers, or against a P in
+//! its own process (`--bootstrap`, e.g. `kvrecv prefill-sim`), where the process CPU it reports
+//! is D's alone (`benches/baseline.py` runs it so, next to a Python D).
 
 use std::rc::Rc;
 use std::sync::Arc;
@@ -29,6 +31,10 @@ pub struct BenchConfig {
     pub batch: usize,
     /// Requests in the measured phase.
     pub requests: usize,
+    /// A P in another process: its bootstrap URL (`None`: start the simulator in this one).
+    pub bootstrap: Option<String>,
+    /// That P's engine id.
+    pub engine_id: Option<String>,
 }
 
 impl Default for BenchConfig {
@@ -38,6 +44,8 @@ impl Default for BenchConfig {
             in_flight: 64,
             batch: 1,
             requests: 5000,
+            bootstrap: None,
+            engine_id: None,
         }
     }
 }
@@ -58,6 +66,9 @@ pub struct BenchReport {
     /// Their causes, with counts (a failure always carries one).
     pub failure_causes: std::collections::BTreeMap<String, usize>,
     pub duration_s: f64,
+    /// This process's CPU time (user + sys, /proc/self/stat) over the measured phase, per
+    /// request, µs. D's alone only when P runs in another process (`bootstrap`).
+    pub cpu_us_per_request: Option<f64>,
 }
 
 impl BenchReport {
@@ -71,7 +82,8 @@ impl BenchReport {
              completion p90 (us)     {:>10}\n\
              completion p99 (us)     {:>10}\n\
              bytes per in-flight req {:>10}\n\
-             failed completions      {:>10}\n{}",
+             failed completions      {:>10}\n\
+             process CPU per req (us){:>10}\n{}",
             c.peers,
             c.in_flight,
             c.batch,
@@ -84,6 +96,8 @@ impl BenchReport {
             self.bytes_per_in_flight_request
                 .map_or("n/a".into(), |b| format!("{b:.0}")),
             self.failed_completions,
+            self.cpu_us_per_request
+                .map_or("n/a".into(), |c| format!("{c:.1}")),
             self.failure_causes
                 .iter()
                 .map(|(c, n)| format!("  {n} x {c}\n"))
@@ -97,6 +111,18 @@ fn rss_bytes() -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/statm").ok()?;
     let pages: u64 = s.split_whitespace().nth(1)?.parse().ok()?;
     Some(pages * 4096)
+}
+
+/// This process's CPU time so far (user + sys from /proc/self/stat), seconds.
+pub fn process_cpu_s() -> Option<f64> {
+    let s = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the command name (which may hold spaces, hence the last ')'): utime and
+    // stime are fields 14 and 15 of the whole line, in clock ticks.
+    let rest = &s[s.rfind(')')? + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+    // In USER_HZ, which Linux fixes at 100 on x86 and arm64 whatever the kernel's HZ.
+    Some(ticks as f64 / 100.0)
 }
 
 /// Run the benchmark in a fresh actix System (blocking).
@@ -117,14 +143,21 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             "peers, in_flight, batch and requests must be > 0".into(),
         ));
     }
-    let sim = PrefillSim::start(SimConfig {
-        tp_size: cfg.peers,
-        serving_tasks: 256,
-        ..SimConfig::default()
-    })
-    .await?;
+    let sim = match &cfg.bootstrap {
+        Some(_) => None,
+        None => Some(
+            PrefillSim::start(SimConfig {
+                tp_size: cfg.peers,
+                serving_tasks: 256,
+                ..SimConfig::default()
+            })
+            .await?,
+        ),
+    };
     let (events, mut rx) = EventSink::channel();
-    let blocks = (cfg.in_flight + cfg.batch) as u32 + 16;
+    // Block i % blocks: a block comes back 4x the window later, well after its request's
+    // release (which follows its completion), so load_kv never finds it still owned.
+    let blocks = (cfg.in_flight + cfg.batch) as u32 * 4 + 64;
     let coord = Coordinator::start(CoordinatorParts {
         config: KvRecvConfig {
             layout: KvLayout::uniform(2, 4096, blocks),
@@ -141,7 +174,14 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         events,
         builtin_pool: false,
     });
-    let (url, engine) = (sim.bootstrap_url(), sim.engine_id().to_owned());
+    let (url, engine) = match (&sim, &cfg.bootstrap) {
+        (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
+        (None, Some(b)) => (
+            b.clone(),
+            cfg.engine_id.clone().unwrap_or_else(|| "prefill-0".into()),
+        ),
+        (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
+    };
     let mk = |i: usize| KvRequest {
         req_id: format!("d-{i}"),
         transfer_id: Some(format!("t-{i}")),
@@ -160,6 +200,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     while !matches!(rx.recv().await, Some(KvEvent::Completion { .. }) | None) {}
     let rss0 = rss_bytes();
     let mut rss_peak = rss0;
+    let cpu0 = process_cpu_s();
     let start = Instant::now();
     let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
     let mut failure_causes = std::collections::BTreeMap::new();
@@ -182,7 +223,9 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             next += n;
             outstanding += n;
         }
-        if outstanding >= cfg.in_flight {
+        // Sampled once per window of completions, not per completion: reading /proc costs
+        // syscalls that would count in the process CPU this bench reports.
+        if outstanding >= cfg.in_flight && completed % cfg.in_flight.max(64) == 0 {
             rss_peak = rss_peak.max(rss_bytes());
         }
         match rx.recv().await {
@@ -203,6 +246,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         }
     }
     let secs = start.elapsed().as_secs_f64();
+    let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| b - a);
     let pulls = cfg.requests.div_ceil(cfg.batch) * cfg.peers as usize;
     Ok(BenchReport {
         pulls_per_s: pulls as f64 / secs,
@@ -215,6 +259,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             _ => None,
         },
         duration_s: secs,
+        cpu_us_per_request: cpu.map(|c| c * 1e6 / cfg.requests as f64),
         failed_completions: failure_causes.values().sum(),
         failure_causes,
         config: cfg,

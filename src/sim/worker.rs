@@ -2,6 +2,7 @@
 //! bounded like P's serving pool (PROTOCOL.md §2.2: a pull holds its task for its whole life;
 //! beyond the pool, pulls wait in the queue without any reply).
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -42,6 +43,8 @@ pub struct WorkerShared {
     readiness: Arc<Readiness>,
     writer: SharedWriter,
     pulls: AtomicUsize,
+    /// Routing identities pulls came from: one per D connection (the ROUTER assigns them).
+    identities: Mutex<HashSet<Vec<u8>>>,
     ctx: zmq::Context,
 }
 
@@ -65,6 +68,7 @@ impl WorkerShared {
             readiness,
             writer,
             pulls: AtomicUsize::new(0),
+            identities: Mutex::new(HashSet::new()),
             ctx,
         }
     }
@@ -136,6 +140,11 @@ impl Worker {
     /// Pulls received since start (all incarnations).
     pub fn pulls_received(&self) -> usize {
         self.shared.pulls.load(Ordering::SeqCst)
+    }
+
+    /// Distinct D connections pulls came over since start (all incarnations).
+    pub fn connections_seen(&self) -> usize {
+        lock(&self.shared.identities).len()
     }
 
     pub fn set_faults(&self, f: Faults) {
@@ -218,6 +227,7 @@ async fn run(mut router: AsyncSocket, shared: Arc<WorkerShared>, mut stop: onesh
                     shared.pulls.fetch_add(1, Ordering::SeqCst);
                     let payload = frames.pop().unwrap_or_default();
                     let identity = frames.pop().unwrap_or_default();
+                    lock(&shared.identities).insert(identity.clone());
                     let (sh, out, pool) = (shared.clone(), out_tx.clone(), pool.clone());
                     tasks.spawn(async move {
                         let Ok(_permit) = pool.acquire_owned().await else { return };

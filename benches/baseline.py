@@ -1,0 +1,421 @@
+#!/usr/bin/env python3
+"""kvrecv's D against a Python D that follows vLLM's MooncakeConnector receive loop, side by side
+in one run, against the same P (`kvrecv prefill-sim`, in its own process).
+
+The Python D (`py-d`, run by the driver as a child process) is what vLLM's D does per step:
+asyncio, one pyzmq DEALER per (batch, P worker) connected for the pull and closed after it, the
+metadata encoded and every reply decoded with msgspec (the connector's structs,
+tests/py/mooncake_structs.py), a request done when every P worker reported it. kvrecv's D runs
+as a library (`kvrecv bench --bootstrap`, its own process) and as `kvrecv serve --events
+completions` driven over its pipes by this script (the driver's own CPU is not counted).
+
+Per D, measured over the same workload after one warm-up batch: D-process CPU per request
+(user+sys from /proc/<pid>/stat, never wall time), pulls/s, latency p50/p99 from submit to
+completion, failed completions. Pairs are interleaved (the order alternates) and medians are
+reported with the ratios kvrecv / Python.
+
+  .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv            # full grid
+  .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv --small --json   # CI
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "py"))
+
+LAYERS = 2
+BLOCK_LEN = 4096
+
+
+def cpu_s(pid="self"):
+    """user + sys CPU seconds of a process, from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        s = f.read()
+    rest = s[s.rindex(")") + 2 :].split()
+    return (int(rest[11]) + int(rest[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def pct(xs, q):
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def summary(lat_us, cpu, secs, requests, batch, peers, failed):
+    pulls = -(-requests // batch) * peers
+    return {
+        "cpu_us_per_request": cpu * 1e6 / requests,
+        "pulls_per_s": pulls / secs,
+        "p50_us": pct(lat_us, 0.5),
+        "p99_us": pct(lat_us, 0.99),
+        "failed": failed,
+    }
+
+
+# ---------------------------------------------------------------- the Python D (vLLM's loop)
+
+
+async def py_d(a):
+    import msgspec
+    import zmq
+    import zmq.asyncio
+    from mooncake_structs import (
+        MooncakeXferMetadata,
+        MooncakeXferResponse,
+        MooncakeXferResponseStatus,
+    )
+
+    ctx = zmq.asyncio.Context()
+    encoder = msgspec.msgpack.Encoder()
+    decoder = msgspec.msgpack.Decoder(MooncakeXferResponse)
+    # vLLM queries the bootstrap server once per engine and caches the workers.
+    with urllib.request.urlopen(a.bootstrap + "/query", timeout=5) as r:
+        q = json.load(r)
+    workers = [
+        addr
+        for _, pp in sorted(q["0"]["worker_addr"].items(), key=lambda kv: int(kv[0]))
+        for _, addr in sorted(pp.items())
+    ]
+    blocks = (a.in_flight + a.batch) * 4 + 64  # as `kvrecv bench`
+    remaining = {}  # req_id -> P workers still to report (vLLM's per-request bookkeeping)
+    failed = set()
+    submitted = {}
+    lat_us = []
+    state = {"outstanding": 0, "done": 0, "failed": 0}
+    wake = asyncio.Event()
+
+    def finish_one(req_id, ok):
+        if not ok:
+            failed.add(req_id)
+        n = remaining[req_id] - 1
+        if n:
+            remaining[req_id] = n
+            return
+        del remaining[req_id]
+        t0 = submitted.pop(req_id)
+        lat_us.append((time.perf_counter() - t0) * 1e6)
+        if req_id in failed:
+            failed.discard(req_id)
+            state["failed"] += 1
+        state["outstanding"] -= 1
+        state["done"] += 1
+        wake.set()
+
+    async def receive_kv(path, req_blocks):
+        # vLLM: make_zmq_socket(DEALER, bind=False, linger=0) per (batch, P worker), closed after.
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(path)
+        pending = set(req_blocks)
+        try:
+            meta = MooncakeXferMetadata(
+                remote_hostname="127.0.0.1",
+                remote_port=15000,
+                remote_tp_size=1,
+                remote_tp_rank=0,
+                req_blocks=req_blocks,
+                kv_caches_base_addr=[(1 << 40) + i * (1 << 30) for i in range(LAYERS)],
+                block_lens=[BLOCK_LEN] * LAYERS,
+                kv_block_lens=[BLOCK_LEN] * LAYERS,
+                registered_layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
+                registered_layer_indices=list(range(LAYERS)),
+                registered_group_indices=[0] * LAYERS,
+            )
+            await sock.send(encoder.encode(meta))
+            while pending:
+                resp = decoder.decode(await sock.recv())
+                for r in resp.err_reqs or ():
+                    if r in pending:
+                        pending.discard(r)
+                        finish_one(r, False)
+                for r in resp.ok_reqs or ():
+                    if r in pending:
+                        pending.discard(r)
+                        finish_one(r, True)
+                if resp.status != MooncakeXferResponseStatus.CONTINUE:
+                    break
+        finally:
+            sock.close()
+            for r in pending:  # ERROR or FINISH without them: failed
+                finish_one(r, False)
+
+    tasks = set()
+
+    def submit(first, n):
+        now = time.perf_counter()
+        req_blocks = {}
+        for i in range(first, first + n):
+            rid = f"d-{i}"
+            req_blocks[rid] = (f"t-{i}", [[i % blocks]])
+            remaining[rid] = len(workers)
+            submitted[rid] = now
+        state["outstanding"] += n
+        for w in workers:
+            t = asyncio.ensure_future(receive_kv(w, req_blocks))
+            tasks.add(t)
+            t.add_done_callback(tasks.discard)
+
+    # Warm-up: one batch.
+    submit(0, 1)
+    while state["done"] < 1:
+        wake.clear()
+        await wake.wait()
+    lat_us.clear()
+    state.update(done=0, failed=0)
+    c0, t0 = cpu_s(), time.perf_counter()
+    nxt, end = 1, a.requests + 1
+    while state["done"] < a.requests:
+        while state["outstanding"] + a.batch <= max(a.in_flight, a.batch) and nxt < end:
+            n = min(a.batch, end - nxt)
+            submit(nxt, n)
+            nxt += n
+        wake.clear()
+        if state["done"] < a.requests:
+            await wake.wait()
+    secs, cpu = time.perf_counter() - t0, cpu_s() - c0
+    print(json.dumps(summary(lat_us, cpu, secs, a.requests, a.batch, len(workers), state["failed"])))
+
+
+# ---------------------------------------------------------------- kvrecv serve, over its pipes
+
+
+async def serve_d(a):
+    blocks = (a.in_flight + a.batch) * 4 + 64  # as `kvrecv bench`
+    p = await asyncio.create_subprocess_exec(
+        a.kvrecv, "serve", "--layers", str(LAYERS), "--block-len", str(BLOCK_LEN),
+        "--num-blocks", str(blocks), "--events", "completions", "--log-level", "warn",
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 24,
+    )
+    ready = json.loads(await p.stdout.readline())
+    assert ready["event"] == "ready", ready
+    submitted, lat_us = {}, []
+    state = {"outstanding": 0, "done": 0, "failed": 0}
+    wake = asyncio.Event()
+
+    async def read():
+        while True:
+            line = await p.stdout.readline()
+            if not line:
+                return
+            # Completions are most lines: picked apart without a JSON parse, so the driver's own
+            # CPU (it shares the cores) limits serve as little as it can.
+            if line.startswith(b'{"event":"completion","req_id":"'):
+                rid = line[32 : line.index(b'"', 32)].decode()
+                t0 = submitted.pop(rid, None)
+                if t0 is not None:
+                    lat_us.append((time.perf_counter() - t0) * 1e6)
+                if b'"outcome":"ok"' not in line:
+                    state["failed"] += 1
+                state["outstanding"] -= 1
+                state["done"] += 1
+                wake.set()
+                continue
+            v = json.loads(line)
+            e = v["event"]
+            if e == "completion":
+                t0 = submitted.pop(v["req_id"], None)
+                if t0 is not None:
+                    lat_us.append((time.perf_counter() - t0) * 1e6)
+                if v["outcome"] != "ok":
+                    state["failed"] += 1
+                state["outstanding"] -= 1
+                state["done"] += 1
+                wake.set()
+            elif e == "load_kv":
+                assert not v["rejected"], v
+            elif e == "error":
+                raise RuntimeError(v)
+
+    def submit(first, n):
+        reqs = [
+            {"req_id": f"d-{i}", "transfer_id": f"t-{i}", "remote_engine_id": a.engine_id,
+             "remote_bootstrap_addr": a.bootstrap, "block_ids": [[i % blocks]]}
+            for i in range(first, first + n)
+        ]
+        now = time.perf_counter()
+        for r in reqs:
+            submitted[r["req_id"]] = now
+        state["outstanding"] += n
+        p.stdin.write((json.dumps({"op": "load_kv", "requests": reqs}) + "\n").encode())
+
+    reader = asyncio.ensure_future(read())
+    submit(0, 1)
+    while state["done"] < 1:
+        wake.clear()
+        await wake.wait()
+    lat_us.clear()
+    state.update(done=0, failed=0)
+    c0, t0 = cpu_s(p.pid), time.perf_counter()
+    nxt, end = 1, a.requests + 1
+    while state["done"] < a.requests:
+        while state["outstanding"] + a.batch <= max(a.in_flight, a.batch) and nxt < end:
+            n = min(a.batch, end - nxt)
+            submit(nxt, n)
+            nxt += n
+        await p.stdin.drain()
+        wake.clear()
+        if state["done"] < a.requests:
+            await wake.wait()
+    secs, cpu = time.perf_counter() - t0, cpu_s(p.pid) - c0
+    p.stdin.write(b'{"op":"shutdown"}\n')
+    await p.stdin.drain()
+    await p.wait()
+    reader.cancel()
+    return summary(lat_us, cpu, secs, a.requests, a.batch, a.peers, state["failed"])
+
+
+# ---------------------------------------------------------------- the driver
+
+
+def run(cmd):
+    try:
+        return subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(f"{' '.join(cmd)} exited {e.returncode}: {e.stderr[-2000:]}") from None
+
+
+def run_py(a, cfg):
+    out = run(
+        [sys.executable, os.path.abspath(__file__), "py-d", "--bootstrap", cfg["bootstrap"],
+         "--batch", str(cfg["batch"]), "--in-flight", str(cfg["in_flight"]),
+         "--requests", str(cfg["requests"])],
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_lib(a, cfg):
+    out = run(
+        [a.kvrecv, "bench", "--bootstrap", cfg["bootstrap"], "--engine-id", cfg["engine_id"],
+         "--peers", str(cfg["tp"]), "--batch", str(cfg["batch"]),
+         "--in-flight", str(cfg["in_flight"]), "--requests", str(cfg["requests"]), "--json"],
+    )
+    r = json.loads(out.stdout)
+    return {
+        "cpu_us_per_request": r["cpu_us_per_request"],
+        "pulls_per_s": r["pulls_per_s"],
+        "p50_us": r["completion_p50_us"],
+        "p99_us": r["completion_p99_us"],
+        "failed": r["failed_completions"],
+    }
+
+
+def run_serve(a, cfg):
+    ns = argparse.Namespace(kvrecv=a.kvrecv, bootstrap=cfg["bootstrap"],
+                            engine_id=cfg["engine_id"], batch=cfg["batch"],
+                            in_flight=cfg["in_flight"], requests=cfg["requests"], peers=cfg["tp"])
+    return asyncio.run(asyncio.wait_for(serve_d(ns), 600))
+
+
+def start_p(a, tp):
+    p = subprocess.Popen(
+        [a.kvrecv, "prefill-sim", "--bootstrap-port", "0", "--tp", str(tp), "--log-level", "warn"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    ready = json.loads(p.stdout.readline())
+    assert ready["event"] == "ready", ready
+    return p, ready
+
+
+def median_of(runs):
+    keys = runs[0].keys()
+    return {
+        k: (sum(r[k] for r in runs) if k == "failed" else statistics.median(r[k] for r in runs))
+        for k in keys
+    }
+
+
+def main_driver(a):
+    ds = {"python": run_py, "lib": run_lib, "serve": run_serve}
+    ds = {k: v for k, v in ds.items() if k in a.ds.split(",")}
+    ints = lambda s: [int(x) for x in s.split(",")]
+    rows = []
+    for tp in ints(a.tp):
+        p, ready = start_p(a, tp)
+        try:
+            for batch in ints(a.batch):
+                for in_flight in ints(a.in_flight):
+                    if in_flight < batch:
+                        continue
+                    # Larger batches cost less per request: more requests keep the CPU figure
+                    # well above /proc's 10 ms tick.
+                    requests = a.requests * max(1, batch // 4)
+                    cfg = {"tp": tp, "batch": batch, "in_flight": in_flight,
+                           "requests": requests, "bootstrap": ready["bootstrap"],
+                           "engine_id": ready["engine_id"]}
+                    runs = {k: [] for k in ds}
+                    order = list(ds)
+                    for i in range(a.pairs):
+                        for k in (order if i % 2 == 0 else order[::-1]):
+                            runs[k].append(ds[k](a, cfg))
+                    row = {"tp": tp, "batch": batch, "in_flight": in_flight,
+                           "requests": requests, "pairs": a.pairs}
+                    for k, rs in runs.items():
+                        row[k] = median_of(rs)
+                    if "python" in row:
+                        base = row["python"]
+                        for k in ds:
+                            if k == "python":
+                                continue
+                            row[k]["cpu_ratio"] = row[k]["cpu_us_per_request"] / base["cpu_us_per_request"] if base["cpu_us_per_request"] else None
+                            row[k]["pulls_ratio"] = row[k]["pulls_per_s"] / base["pulls_per_s"]
+                    rows.append(row)
+                    if not a.json:
+                        print_row(row, ds)
+        finally:
+            p.stdin.write('{"op":"shutdown"}\n')
+            p.stdin.flush()
+            p.wait(timeout=30)
+    if a.json:
+        print(json.dumps({"rows": rows}))
+
+
+def print_row(row, ds):
+    head = f"P TP{row['tp']} D TP1  batch {row['batch']:>2}  in flight {row['in_flight']:>3}"
+    print(head)
+    for k in ds:
+        r = row[k]
+        ratio = ""
+        if "cpu_ratio" in r:
+            ratio = f"  CPU {r['cpu_ratio']:.2f}x  pulls/s {r['pulls_ratio']:.2f}x"
+        print(f"  {k:<7} CPU/req {r['cpu_us_per_request']:8.1f} us  pulls/s {r['pulls_per_s']:9.0f}"
+              f"  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  failed {r['failed']}{ratio}")
+    sys.stdout.flush()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd")
+    d = sub.add_parser("py-d", help="the Python D alone (run by the driver)")
+    d.add_argument("--bootstrap", required=True)
+    d.add_argument("--batch", type=int, default=1)
+    d.add_argument("--in-flight", type=int, default=1)
+    d.add_argument("--requests", type=int, default=2000)
+    ap.add_argument("--kvrecv", default=os.path.join(HERE, "..", "target", "release", "kvrecv"))
+    ap.add_argument("--tp", default="1,2")
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--in-flight", default="1,16,64,256")
+    ap.add_argument("--requests", type=int, default=4000)
+    ap.add_argument("--pairs", type=int, default=3)
+    ap.add_argument("--ds", default="python,lib,serve", help="Ds to run, comma-separated")
+    ap.add_argument("--small", action="store_true", help="CI scale: TP2, batch 1 and 16, 16 in flight, 200 requests, 1 pair")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    if a.cmd == "py-d":
+        asyncio.run(py_d(a))
+        return
+    if a.small:
+        a.tp, a.batch, a.in_flight, a.requests, a.pairs = "2", "1,16", "16", 200, 1
+    main_driver(a)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+//! `benches/baseline.py` at CI scale: kvrecv's D (library and `serve`) and the Python D that
+//! follows vLLM's receive loop, against `kvrecv prefill-sim` in its own process. Asserts only
+//! that it runs and reports every figure, and that no completion failed against a healthy P;
+//! timing is never a test. Needs the venv's Python (msgspec, pyzmq).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+#[path = "common/python.rs"]
+mod python;
+
+#[test]
+fn baseline_runs_and_reports_every_d() {
+    let Some(py) = python::python() else { return };
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let out = Command::new(py)
+        .arg(root.join("benches/baseline.py"))
+        .args([
+            "--kvrecv",
+            env!("CARGO_BIN_EXE_kvrecv"),
+            "--small",
+            "--json",
+        ])
+        .output()
+        .expect("python runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "baseline.py failed: {stderr}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let report: Value = serde_json::from_str(stdout.trim())
+        .unwrap_or_else(|e| panic!("not one JSON report: {e}: {stdout}"));
+    let rows = report["rows"].as_array().expect("rows");
+    // --small: TP2, batch 1 and 16, 16 in flight.
+    assert_eq!(rows.len(), 2, "{report}");
+    for row in rows {
+        for d in ["python", "lib", "serve"] {
+            let r = &row[d];
+            for k in ["cpu_us_per_request", "pulls_per_s", "p50_us", "p99_us"] {
+                assert!(r[k].is_number(), "{d} has no {k}: {row}");
+            }
+            assert_eq!(
+                r["failed"], 0,
+                "{d} failed completions against a healthy P: {row}"
+            );
+        }
+        for d in ["lib", "serve"] {
+            assert!(row[d]["pulls_ratio"].is_number(), "{d} has no ratio: {row}");
+        }
+    }
+}
