@@ -15,8 +15,8 @@ use std::time::Instant;
 
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{PeerId, RequestMeta};
-use kvrecv::rdma::initiator::{InitiatorConfig, TeInitiator};
 use kvrecv::rdma::{Landing, PullWindow, TargetConfig, TcpTarget};
+use kvrecv::sim::initiator::{InitiatorConfig, TeInitiator};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 
 const REGION: u64 = 64 << 20;

@@ -113,7 +113,7 @@ impl InferenceHost {
             .iter_mut()
             .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) })
             .collect::<Result<_, _>>()
-            .map_err(kvrecv::rdma::target::TargetError::from)?;
+            .map_err(kvrecv::rdma::tcp::target::TargetError::from)?;
         let kv = KvRecvBuilder::new(config)
             .host_memory(HostMemory::new(regions))
             .start()?;
@@ -285,7 +285,7 @@ impl InferenceHost {
 #[allow(dead_code)] // `tests/inference_host.rs` includes this file as a module
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    use kvrecv::rdma::initiator::InitiatorConfig;
+    use kvrecv::sim::initiator::InitiatorConfig;
     use kvrecv::sim::{te_writer::TeWriter, Faults, PrefillSim, SimConfig};
     let sim = PrefillSim::start_with_writer(
         SimConfig {

@@ -30,8 +30,8 @@ use crate::messages::{
 };
 use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
-use crate::rdma::target::TargetError;
-use crate::rdma::tcp_server::DataStats;
+use crate::rdma::tcp::server::DataStats;
+use crate::rdma::tcp::target::TargetError;
 use crate::rdma::{TargetConfig, TcpLanding, TcpTarget};
 
 /// Why a D worker could not start.

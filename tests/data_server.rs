@@ -7,9 +7,9 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use common::{mem_off, open, pattern, req, target, BLOCK};
-use kvrecv::rdma::initiator::{InitiatorConfig, TeInitiator, WriteError};
-use kvrecv::rdma::tcp_wire::{Header, ProtoVersion, STATUS_OK, STATUS_REJECT};
+use kvrecv::rdma::tcp::wire::{Header, ProtoVersion, STATUS_OK, STATUS_REJECT};
 use kvrecv::rdma::{TargetConfig, TcpTarget};
+use kvrecv::sim::initiator::{InitiatorConfig, TeInitiator, WriteError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

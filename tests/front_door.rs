@@ -10,7 +10,7 @@ use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::{EventStream, KvRecv, KvRecvBuilder, KvRecvError};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, ReqId, SettleOutcome, ABORTED_BY_HOST};
-use kvrecv::rdma::initiator::InitiatorConfig;
+use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{KvWriter, PrefillSim, SimConfig, WriteJob};
 use tokio::sync::mpsc;

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use kvrecv::messages::handshake::{HandShakeDesc, SegmentDescriptor};
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
-use kvrecv::rdma::windows::ADDRESS_LIMIT;
+use kvrecv::rdma::tcp::windows::ADDRESS_LIMIT;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

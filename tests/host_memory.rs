@@ -11,9 +11,9 @@ use kvrecv::embed::KvRecv;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, ReqId};
 use kvrecv::rdma::audit::stamp_write;
-use kvrecv::rdma::initiator::InitiatorConfig;
 use kvrecv::rdma::memory::{HostMemory, HostRegion, MemoryError};
-use kvrecv::rdma::target::TargetError;
+use kvrecv::rdma::tcp::target::TargetError;
+use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{PrefillSim, SimConfig};
 

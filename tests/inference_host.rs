@@ -17,7 +17,7 @@ use kvrecv::actors::block_pool::owner_tag;
 use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
 use kvrecv::rdma::audit::stamp_write;
-use kvrecv::rdma::initiator::InitiatorConfig;
+use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{Faults, PrefillSim, SimConfig};
 

@@ -22,8 +22,8 @@ use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportC
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{Allocate, KvEvent, KvRequest, LoadKv, Outcome};
 use kvrecv::rdma::audit::AuditSnapshot;
-use kvrecv::rdma::initiator::InitiatorConfig;
 use kvrecv::rdma::{TargetConfig, TcpTarget};
+use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{KvWriter, PrefillSim, SimConfig, WriteJob};
 use tokio::sync::{mpsc, oneshot};

@@ -40,8 +40,8 @@ use kvrecv::messages::{
     Completion, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta,
     Settle, SettleOutcome, XferStatus,
 };
-use kvrecv::rdma::permits::PermitTable;
-use kvrecv::rdma::windows::{WindowMap, DEFAULT_BASE};
+use kvrecv::rdma::tcp::permits::PermitTable;
+use kvrecv::rdma::tcp::windows::{WindowMap, DEFAULT_BASE};
 use kvrecv::rdma::{PullWindow, RevokeRequest};
 use stateright::{Checker, Model, Property};
 

@@ -11,9 +11,9 @@ use std::time::Duration;
 use common::{mem_off, open, pattern, req, revoke, target, BLOCK};
 use kvrecv::actors::block_pool::{owner_tag, BlockPool};
 use kvrecv::rdma::audit::{stamp_write, AuditSnapshot};
-use kvrecv::rdma::initiator::{InitiatorConfig, TeInitiator, WriteError};
-use kvrecv::rdma::tcp_wire::{Header, ProtoVersion, STATUS_OK, STATUS_REJECT};
+use kvrecv::rdma::tcp::wire::{Header, ProtoVersion, STATUS_OK, STATUS_REJECT};
 use kvrecv::rdma::{FenceError, Landing, Revocation};
+use kvrecv::sim::initiator::{InitiatorConfig, TeInitiator, WriteError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use kvrecv::rdma::initiator::InitiatorConfig;
+use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{Faults, KvWriter, PrefillSim, SimConfig, WriteJob};
 use serde_json::{json, Value};

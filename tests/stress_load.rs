@@ -17,8 +17,8 @@ use kvrecv::config::KvRecvConfig;
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv, Outcome};
-use kvrecv::rdma::initiator::InitiatorConfig;
 use kvrecv::rdma::{TargetConfig, TcpTarget};
+use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{PrefillSim, SimConfig};
 

@@ -263,7 +263,7 @@ async fn real_te_v1_ok_is_checked_against_landed_bytes() {
 
 /// Wait (bounded) until the data server's counters satisfy `cond`: v1 bytes can still be on
 /// their way when P's call returns.
-async fn settle_on(t: &TcpTarget, cond: impl Fn(&kvrecv::rdma::tcp_server::DataStats) -> bool) {
+async fn settle_on(t: &TcpTarget, cond: impl Fn(&kvrecv::rdma::tcp::server::DataStats) -> bool) {
     let st = t.stats().clone();
     tokio::time::timeout(Duration::from_secs(10), async {
         while !cond(&st) {

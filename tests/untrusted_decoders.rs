@@ -19,7 +19,7 @@ use kvrecv::messages::{
     MooncakeXferMetadata, MooncakeXferResponse, PeerId, RequestMeta, XferStatus,
 };
 use kvrecv::rdma::handshake_daemon::{read_frame, Daemon, MAX_FRAME};
-use kvrecv::rdma::tcp_wire::{Header, ProtoVersion, HEADER_LEN, STATUS_OK};
+use kvrecv::rdma::tcp::wire::{Header, ProtoVersion, HEADER_LEN, STATUS_OK};
 use kvrecv::rdma::{Landing, PullWindow, TargetConfig, TcpTarget};
 use proptest::prelude::*;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -43,8 +43,8 @@ use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportC
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
-use kvrecv::rdma::tcp_server::DEFAULT_IDLE_TIMEOUT;
-use kvrecv::rdma::windows::DEFAULT_BASE;
+use kvrecv::rdma::tcp::server::DEFAULT_IDLE_TIMEOUT;
+use kvrecv::rdma::tcp::windows::DEFAULT_BASE;
 use kvrecv::rdma::{TargetConfig, TcpTarget};
 
 /// Flags of `kvrecv serve`. Flags given explicitly override `--kv-transfer-config`.

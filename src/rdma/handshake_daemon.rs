@@ -329,7 +329,7 @@ pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
         };
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             // The initiator sees the close and fails (then retries) its handshake.
-            super::tcp_server::refuse_over_cap(
+            super::accept_cap::refuse_over_cap(
                 "handshake",
                 daemon.max_concurrent,
                 &daemon.stats.refused_over_cap,

@@ -1,21 +1,17 @@
-//! The data plane D exposes to P: landing permits and fences (the core's view of it), registered
-//! memory, the Mooncake handshake daemon, the TCP data server, and (feature `rdma`) the ibverbs
-//! target.
+//! The data plane D exposes to P. At the root, what both transports share: the core's view of
+//! it (`landing`: windows, revocation, fences), destination memory, the Mooncake handshake daemon
+//! and the audit. `tcp/` is kvrecv's TCP target (windows, permits, data server); `verbs/` the
+//! RDMA target (the libibverbs backend behind feature `rdma`).
 
+pub mod accept_cap;
 pub mod audit;
 pub mod handshake_daemon;
-pub mod initiator;
 pub mod landing;
 pub mod memory;
-pub mod permits;
-pub mod target;
-pub mod tcp_server;
-pub mod tcp_wire;
+pub mod tcp;
 pub mod verbs;
-pub mod windows;
 
 pub use landing::{
     FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked, StaticLanding,
 };
-pub use permits::TcpLanding;
-pub use target::{TargetConfig, TcpTarget};
+pub use tcp::{TargetConfig, TcpLanding, TcpTarget};

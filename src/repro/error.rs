@@ -2,7 +2,7 @@
 
 use thiserror::Error;
 
-use crate::rdma::target::TargetError;
+use crate::rdma::tcp::target::TargetError;
 
 use super::trace::TraceError;
 

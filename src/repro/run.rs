@@ -23,8 +23,8 @@ use crate::config::KvRecvConfig;
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::layout::KvLayout;
 use crate::messages::{Allocate, GetLedgerStats, KvEvent, KvRequest, LoadKv, ReqId, SettleOutcome};
-use crate::rdma::initiator::InitiatorConfig;
 use crate::rdma::{TargetConfig, TcpTarget};
+use crate::sim::initiator::InitiatorConfig;
 use crate::sim::te_writer::TeWriter;
 use crate::sim::{Faults, Malformed, PrefillSim, SimConfig};
 

@@ -5,6 +5,7 @@
 pub mod bootstrap_server;
 pub mod engine;
 pub mod faults;
+pub mod initiator;
 pub mod readiness;
 pub mod te_writer;
 pub mod worker;

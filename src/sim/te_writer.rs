@@ -14,7 +14,7 @@ use tokio::sync::Mutex;
 use crate::actors::block_pool::owner_tag;
 use crate::messages::MooncakeXferMetadata;
 use crate::rdma::audit::stamp_write;
-use crate::rdma::initiator::{InitiatorConfig, TeInitiator};
+use crate::sim::initiator::{InitiatorConfig, TeInitiator};
 
 use super::writer::{KvWriter, WorkerRank, WriteJob};
 

@@ -68,7 +68,7 @@ impl WindowMap {
     ///
     /// ```
     /// use kvrecv::layout::KvLayout;
-    /// use kvrecv::rdma::windows::{WindowMap, DEFAULT_BASE};
+    /// use kvrecv::rdma::tcp::windows::{WindowMap, DEFAULT_BASE};
     /// let m = WindowMap::new(&KvLayout::uniform(2, 4096, 4), DEFAULT_BASE, 3).unwrap();
     /// let w1 = m.region_bases(1);
     /// let r = m.resolve(w1[1] + 4096 + 8, 8).unwrap();

@@ -49,7 +49,7 @@ impl Header {
     /// Wire bytes (padding zeroed).
     ///
     /// ```
-    /// use kvrecv::rdma::tcp_wire::{Header, ProtoVersion};
+    /// use kvrecv::rdma::tcp::wire::{Header, ProtoVersion};
     /// let h = Header::new(true, 0x7f05_09bf_b010, 16, ProtoVersion::V2);
     /// assert_eq!(h.encode()[..17], [16, 0, 0, 0, 0, 0, 0, 0, 0x10, 0xb0, 0xbf, 0x09, 0x05, 0x7f, 0, 0, 0x81]);
     /// assert_eq!(Header::decode(&h.encode()), h);

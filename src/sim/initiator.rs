@@ -15,8 +15,8 @@ use tokio::sync::Semaphore;
 
 use crate::messages::handshake::SegmentDescriptor;
 
-use super::handshake_daemon::{self, FrameType};
-use super::tcp_wire::{Header, ProtoVersion, STATUS_MAGIC, STATUS_OK, STATUS_REJECT};
+use crate::rdma::handshake_daemon::{self, FrameType};
+use crate::rdma::tcp::wire::{Header, ProtoVersion, STATUS_MAGIC, STATUS_OK, STATUS_REJECT};
 
 /// Initiator settings.
 #[derive(Debug, Clone)]

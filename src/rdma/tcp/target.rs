@@ -13,14 +13,14 @@ use crate::actors::block_pool::BlockOwnership;
 use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
-use super::audit::AuditCounters;
-use super::handshake_daemon::{self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES};
-use super::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, RegisteredMemory};
 use super::permits::{PermitTable, TcpLanding};
-use super::tcp_server::{
+use super::server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
 };
 use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
+use crate::rdma::audit::AuditCounters;
+use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES};
+use crate::rdma::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, RegisteredMemory};
 
 /// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
 /// by abandoned writers, plus the reserved one. Clamped to what fits below 2^53 for the layout.
@@ -201,7 +201,7 @@ impl TcpTarget {
         ));
         let tasks = vec![
             tokio::spawn(handshake_daemon::serve(hs, daemon.clone())),
-            tokio::spawn(tcp_server::serve(data, plane.clone())),
+            tokio::spawn(server::serve(data, plane.clone())),
         ];
         tracing::info!(%handshake_addr, %data_addr, permits = cfg.permits, windows,
             epoch_rule = cfg.epoch_rule, "TE target listening");

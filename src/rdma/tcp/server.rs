@@ -16,13 +16,11 @@ use tokio::sync::Semaphore;
 use crate::actors::block_pool::BlockOwnership;
 use crate::metrics as m;
 
-use super::audit::{AuditCounters, Auditor};
-use super::memory::{MemoryError, RegisteredMemory, STAGING_CHUNK};
 use super::permits::{Admitted, PermitTable, RejectReason};
-use super::tcp_wire::{
-    Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT,
-};
 use super::windows::{Resolved, WindowMap};
+use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
+use crate::rdma::audit::{AuditCounters, Auditor};
+use crate::rdma::memory::{MemoryError, RegisteredMemory, STAGING_CHUNK};
 
 /// Default per-connection idle (and payload-progress) timeout. P's own status timeout is 30 s.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -149,21 +147,6 @@ enum ConnEnd {
     Memory(#[from] MemoryError),
 }
 
-/// Refuse a connection over a listener's cap: close it at once, count it, and warn (on the
-/// 1st, 2nd, 4th, 8th... refusal, so a connection flood does not also flood the log).
-pub(crate) fn refuse_over_cap(listener: &'static str, cap: usize, refused: &AtomicU64) {
-    let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
-    metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => listener).increment(1);
-    if n.is_power_of_two() {
-        tracing::warn!(
-            listener,
-            cap,
-            refused_total = n,
-            "connection refused: too many open connections"
-        );
-    }
-}
-
 /// Accept connections forever, each served on its own task; at most `max_connections` at once.
 pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
     let slots = Arc::new(Semaphore::new(plane.max_connections));
@@ -180,7 +163,11 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             // Closed before reading anything: P fails that lane's request. Counted first, so a
             // client that saw the close also sees the counter.
-            refuse_over_cap("data", plane.max_connections, &plane.stats.refused_over_cap);
+            crate::rdma::accept_cap::refuse_over_cap(
+                "data",
+                plane.max_connections,
+                &plane.stats.refused_over_cap,
+            );
             drop(stream);
             continue;
         };

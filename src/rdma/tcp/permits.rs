@@ -28,8 +28,8 @@ use tokio::sync::Notify;
 use crate::messages::{PeerId, PullId, ReqId, RequestMeta};
 use crate::metrics as m;
 
-use super::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
 use super::windows::{Resolved, WindowMap};
+use crate::rdma::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
 
 /// Why a request was refused (the `reason` label of `WRITES_REJECTED`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -1,0 +1,12 @@
+//! kvrecv's TCP target (PROTOCOL.md §5.2): the advertised windows (epochs), the landing permits
+//! that admit a write only for its own pull, the data server and the wire format it speaks, and
+//! the target that starts them with the shared handshake daemon.
+
+pub mod permits;
+pub mod server;
+pub mod target;
+pub mod windows;
+pub mod wire;
+
+pub use permits::TcpLanding;
+pub use target::{TargetConfig, TcpTarget};
