@@ -6,7 +6,6 @@ use std::time::Duration;
 use serde::Deserialize;
 use thiserror::Error;
 
-use crate::actors::topology::DRank;
 use crate::layout::KvLayout;
 
 /// When a request's receive is over (DESIGN.md §4 rule 9).
@@ -47,6 +46,26 @@ pub enum LoadFailurePolicy {
     #[default]
     Fail,
     Recompute,
+}
+
+/// This D worker's place in its own engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DRank {
+    pub tp_size: u32,
+    pub tp_rank: u32,
+    pub pp_size: u32,
+    pub pp_rank: u32,
+}
+
+impl Default for DRank {
+    fn default() -> Self {
+        DRank {
+            tp_size: 1,
+            tp_rank: 0,
+            pp_size: 1,
+            pp_rank: 0,
+        }
+    }
 }
 
 /// Everything the coordinator needs.

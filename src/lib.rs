@@ -12,6 +12,7 @@
 //! modules are the advanced path for hosts that run actix themselves.
 
 pub mod actors;
+pub mod block_ownership;
 pub mod config;
 pub mod control;
 pub mod embed;

@@ -6,6 +6,8 @@ use std::collections::BTreeMap;
 use futures::future::LocalBoxFuture;
 use thiserror::Error;
 
+pub use crate::config::DRank;
+
 use crate::messages::bootstrap::QueryResponse;
 use crate::messages::PeerId;
 
@@ -17,26 +19,6 @@ pub struct EngineTopology {
     pub pp_size: u32,
     /// `workers[tp][pp]`.
     pub workers: Vec<Vec<PeerId>>,
-}
-
-/// This D worker's place in its own engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct DRank {
-    pub tp_size: u32,
-    pub tp_rank: u32,
-    pub pp_size: u32,
-    pub pp_rank: u32,
-}
-
-impl Default for DRank {
-    fn default() -> Self {
-        DRank {
-            tp_size: 1,
-            tp_rank: 0,
-            pp_size: 1,
-            pp_rank: 0,
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

@@ -23,7 +23,7 @@ pub use completion::{Completion, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
-pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats};
+pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
 pub use settle::{Settle, SettleOutcome};
 pub use wire::{MooncakeXferMetadata, MooncakeXferResponse, WireError, XferStatus};

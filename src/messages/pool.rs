@@ -2,16 +2,24 @@
 
 use actix::Message;
 
-use crate::actors::block_pool::PoolError;
+use thiserror::Error;
 
 use super::ids::ReqId;
+
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum PoolError {
+    #[error("pool exhausted: {wanted} blocks wanted, {free} free")]
+    Exhausted { wanted: usize, free: usize },
+    #[error("request {0} already holds blocks")]
+    AlreadyAllocated(ReqId),
+}
 
 /// Take `n` destination blocks for a request from the built-in pool.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<Vec<u32>, PoolError>")]
 pub struct Allocate {
     pub req_id: ReqId,
-    /// The writer-visible owner tag (`block_pool::owner_tag(transfer_id)`), checked by the audit.
+    /// The writer-visible owner tag (`block_ownership::owner_tag(transfer_id)`), checked by the audit.
     pub owner_tag: u32,
     pub n: usize,
 }

@@ -13,7 +13,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use crate::actors::block_pool::BlockOwnership;
+use crate::block_ownership::BlockOwnership;
 
 /// First four bytes of a stamp ("KVAU" little-endian).
 pub const STAMP_MAGIC: u32 = u32::from_le_bytes(*b"KVAU");

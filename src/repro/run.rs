@@ -17,8 +17,8 @@ use tokio::sync::Notify;
 
 use crate::actors::aggregator_state::TE_FAILURE;
 use crate::actors::block_pool::{owner_tag, PoolError};
-use crate::actors::topology::DRank;
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::config::DRank;
 use crate::config::KvRecvConfig;
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::layout::KvLayout;

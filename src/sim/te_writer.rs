@@ -11,7 +11,7 @@ use std::sync::Arc;
 use futures::future::BoxFuture;
 use tokio::sync::Mutex;
 
-use crate::actors::block_pool::owner_tag;
+use crate::block_ownership::owner_tag;
 use crate::messages::MooncakeXferMetadata;
 use crate::rdma::audit::stamp_write;
 use crate::sim::initiator::{InitiatorConfig, TeInitiator};

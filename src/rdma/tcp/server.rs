@@ -13,7 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
-use crate::actors::block_pool::BlockOwnership;
+use crate::block_ownership::BlockOwnership;
 use crate::metrics as m;
 
 use super::permits::{Admitted, PermitTable, RejectReason};

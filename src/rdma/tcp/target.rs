@@ -9,7 +9,7 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::actors::block_pool::BlockOwnership;
+use crate::block_ownership::BlockOwnership;
 use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
