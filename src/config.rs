@@ -73,6 +73,9 @@ pub struct KvRecvConfig {
     pub topology_retry_max: Duration,
     pub d_rank: DRank,
     pub layout: KvLayout,
+    /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
+    /// coordinators sharing one process and recorder keep their series apart.
+    pub engine_id: String,
 }
 
 impl Default for KvRecvConfig {
@@ -90,6 +93,7 @@ impl Default for KvRecvConfig {
             topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
             layout: KvLayout::default(),
+            engine_id: String::new(),
         }
     }
 }
@@ -139,10 +143,9 @@ struct RawKvTransfer {
     kv_load_failure_policy: LoadFailurePolicy,
     #[serde(default)]
     kv_connector_extra_config: RawExtra,
-    // Accepted and ignored: they configure vLLM itself.
     #[serde(default)]
-    #[allow(dead_code)]
     engine_id: Option<String>,
+    // Accepted and ignored: they configure vLLM itself.
     #[serde(default)]
     #[allow(dead_code)]
     kv_rank: Option<i64>,
@@ -235,6 +238,7 @@ impl KvRecvConfig {
         }
         let mut cfg = KvRecvConfig {
             load_failure_policy: raw.kv_load_failure_policy,
+            engine_id: raw.engine_id.unwrap_or_default(),
             ..KvRecvConfig::default()
         };
         if let Some(p) = raw.kv_connector_extra_config.mooncake_protocol {
@@ -421,6 +425,7 @@ mod tests {
         assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);
         assert_eq!(c.mooncake_protocol, "rdma");
         assert_eq!(c.d_rank.tp_rank, 1);
+        assert_eq!(c.engine_id, "x", "the metrics' engine label");
         assert_eq!(c.quarantine_deadline, Duration::from_millis(5));
         assert_eq!(KvRecvConfig::default().policy, Policy::Settle);
     }

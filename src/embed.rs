@@ -200,6 +200,9 @@ impl KvRecvBuilder {
             worker_threads,
         } = self;
         target.layout = config.layout.clone();
+        // One label set for the whole worker: the coordinator derives the same from `config`.
+        let labels = crate::metrics::Labels::for_config(&config);
+        target.labels = labels.clone();
         let (sink, rx) = sink(events);
         spawn_worker(
             config.load_failure_policy,
@@ -210,8 +213,8 @@ impl KvRecvBuilder {
                 let landing = tcp.landing();
                 let coord = Coordinator::start(CoordinatorParts {
                     config,
-                    topology: Rc::new(HttpTopology::new(bootstrap)),
-                    transport: Rc::new(ZmqTransport::new(zmq)),
+                    topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
+                    transport: Rc::new(ZmqTransport::new(zmq).with_labels(labels)),
                     landing: landing.clone(),
                     events: sink,
                     builtin_pool,

@@ -1,7 +1,73 @@
 //! Metric names (Prometheus text exposition through `metrics-exporter-prometheus`) and the
 //! exporter. Every counter an operator asks about in DESIGN.md §8 is named here, once.
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use std::sync::Arc;
+
+use metrics::{
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label, Unit,
+};
+
+/// The labels every series of one coordinator carries: `engine` (this D worker's engine id) and
+/// `tp_rank`/`pp_rank`, so two coordinators in one process (one per rank, or one per engine) keep
+/// distinct series in the host's recorder. Built once per coordinator and cloned (an `Arc`) into
+/// every actor and data-plane core that records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Labels(Arc<[Label]>);
+
+impl Labels {
+    /// Labels of D worker `engine` at (TP, PP) rank (`tp_rank`, `pp_rank`).
+    pub fn new(engine: &str, tp_rank: u32, pp_rank: u32) -> Self {
+        Labels(Arc::from(vec![
+            Label::new("engine", engine.to_owned()),
+            Label::new("tp_rank", tp_rank.to_string()),
+            Label::new("pp_rank", pp_rank.to_string()),
+        ]))
+    }
+
+    /// The labels of the coordinator `cfg` configures.
+    pub fn for_config(cfg: &crate::config::KvRecvConfig) -> Self {
+        Self::new(&cfg.engine_id, cfg.d_rank.tp_rank, cfg.d_rank.pp_rank)
+    }
+
+    fn with(&self, key: &'static str, value: &'static str) -> Vec<Label> {
+        let mut v = self.0.to_vec();
+        v.push(Label::from_static_parts(key, value));
+        v
+    }
+
+    /// Counter `name` in the current recorder (a no-op without one).
+    pub fn counter(&self, name: &'static str) -> Counter {
+        metrics::counter!(name, self.0.to_vec())
+    }
+
+    /// Counter `name` with one more label (`outcome`, `reason`, ...).
+    pub fn counter_by(
+        &self,
+        name: &'static str,
+        key: &'static str,
+        value: &'static str,
+    ) -> Counter {
+        metrics::counter!(name, self.with(key, value))
+    }
+
+    /// Gauge `name` in the current recorder.
+    pub fn gauge(&self, name: &'static str) -> Gauge {
+        metrics::gauge!(name, self.0.to_vec())
+    }
+
+    /// Histogram `name` in the current recorder.
+    pub fn histogram(&self, name: &'static str) -> Histogram {
+        metrics::histogram!(name, self.0.to_vec())
+    }
+}
+
+/// Engine `""`, ranks 0: the same label set as a configured coordinator, so every series of a
+/// metric has the same label names.
+impl Default for Labels {
+    fn default() -> Self {
+        Labels::new("", 0, 0)
+    }
+}
 
 pub const PULLS: &str = "kvrecv_pulls_total";
 pub const SETTLES: &str = "kvrecv_settles_total"; // label outcome
@@ -136,4 +202,30 @@ pub fn serve_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     describe();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_coordinators_labels_name_its_engine_and_ranks() {
+        let mut cfg = crate::config::KvRecvConfig {
+            engine_id: "d-7".into(),
+            ..Default::default()
+        };
+        cfg.d_rank.tp_size = 4;
+        cfg.d_rank.tp_rank = 3;
+        cfg.d_rank.pp_size = 2;
+        cfg.d_rank.pp_rank = 1;
+        let l = Labels::for_config(&cfg);
+        let pairs: Vec<(&str, &str)> = l.0.iter().map(|l| (l.key(), l.value())).collect();
+        assert_eq!(
+            pairs,
+            [("engine", "d-7"), ("tp_rank", "3"), ("pp_rank", "1")]
+        );
+        let by = l.with("outcome", "ok");
+        assert_eq!(by.len(), 4);
+        assert_eq!((by[3].key(), by[3].value()), ("outcome", "ok"));
+    }
 }

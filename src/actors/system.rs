@@ -42,6 +42,7 @@ impl Coordinator {
     /// Start on the current arbiter (inside an actix `System`).
     pub fn start(parts: CoordinatorParts) -> Coordinator {
         let cfg = parts.config;
+        let labels = crate::metrics::Labels::for_config(&cfg);
         let pool = parts
             .builtin_pool
             .then(|| BlockPool::new(cfg.layout.num_blocks));
@@ -54,6 +55,7 @@ impl Coordinator {
             cfg.policy,
             parts.events.clone(),
         )
+        .with_labels(labels.clone())
         .start();
         let receiver = Receiver::new(
             cfg,
@@ -63,6 +65,7 @@ impl Coordinator {
             block_manager.clone(),
             parts.events,
         )
+        .with_labels(labels)
         .start();
         Coordinator {
             receiver,

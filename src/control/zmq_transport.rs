@@ -27,7 +27,7 @@ use futures::StreamExt;
 
 use crate::actors::transport::{Frames, PeerTransport, ReplyStream, TransportError};
 use crate::messages::PeerId;
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 
 use super::async_socket::{AsyncSocket, SocketError};
 use super::zmq_context::{ZmqContext, DEFAULT_MAX_SOCKETS};
@@ -65,6 +65,7 @@ impl Default for ZmqTransportConfig {
 pub struct ZmqTransport {
     ctx: ZmqContext,
     cfg: ZmqTransportConfig,
+    labels: Labels,
 }
 
 static MONITOR_SEQ: AtomicU64 = AtomicU64::new(0);
@@ -100,7 +101,17 @@ impl ZmqTransport {
             tracing::error!(error = %e, "cannot create a ZMQ context with a raised socket cap");
             ZmqContext::new(1023).expect("a libzmq context")
         });
-        ZmqTransport { ctx, cfg }
+        ZmqTransport {
+            ctx,
+            cfg,
+            labels: Labels::default(),
+        }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// The context (tests share it for inproc sockets).
@@ -153,6 +164,7 @@ impl ZmqTransport {
             handshaken: false,
             broken: None,
             max_msg_size: self.cfg.max_msg_size,
+            labels: self.labels.clone(),
             _ctx: self.ctx.clone(),
         };
         Ok(ch)
@@ -174,6 +186,7 @@ struct Channel {
     /// The connection failed; reported once the replies queued before it are delivered.
     broken: Option<TransportError>,
     max_msg_size: i64,
+    labels: Labels,
     /// Last: the sockets above close before this reference to their context goes.
     _ctx: ZmqContext,
 }
@@ -282,7 +295,7 @@ impl Channel {
     }
 }
 
-fn count(e: &TransportError) {
+fn count(labels: &Labels, e: &TransportError) {
     let kind = match e {
         TransportError::Local { .. } => "local",
         TransportError::Connect { .. } => "connect",
@@ -290,7 +303,9 @@ fn count(e: &TransportError) {
         TransportError::Recv { .. } => "recv",
         TransportError::Closed { .. } => "closed",
     };
-    metrics::counter!(m::TRANSPORT_ERRORS, "kind" => kind).increment(1);
+    labels
+        .counter_by(m::TRANSPORT_ERRORS, "kind", kind)
+        .increment(1);
     tracing::warn!(error = %e, "side channel failed");
 }
 
@@ -299,7 +314,7 @@ impl PeerTransport for ZmqTransport {
         let ch = match self.open(peer) {
             Ok(ch) => ch,
             Err(err) => {
-                count(&err);
+                count(&self.labels, &err);
                 return stream::once(async move { Err(err) }).boxed_local();
             }
         };
@@ -313,14 +328,14 @@ impl PeerTransport for ZmqTransport {
                         peer: ch.peer.clone(),
                         reason: e.to_string(),
                     };
-                    count(&err);
+                    count(&ch.labels, &err);
                     return Some((Err(err), None));
                 }
             }
             match ch.next().await {
                 Step::Reply(f) => Some((Ok(f), Some((ch, None)))),
                 Step::Fail(e) => {
-                    count(&e);
+                    count(&ch.labels, &e);
                     Some((Err(e), None))
                 }
             }

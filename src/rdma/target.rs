@@ -1,6 +1,7 @@
 //! kvrecv as a Mooncake TE target: registered memory, the advertised windows, landing permits,
 //! the handshake daemon and the TCP data server, started together on a tokio runtime.
 
+use crate::metrics::Labels;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -60,6 +61,9 @@ pub struct TargetConfig {
     pub max_data_connections: usize,
     /// Handshakes in progress at most (default [`DEFAULT_MAX_HANDSHAKES`]); same treatment.
     pub max_handshakes: usize,
+    /// Labels of the target's metrics: the coordinator's (engine, ranks), so two targets in one
+    /// process keep distinct series.
+    pub labels: Labels,
 }
 
 impl TargetConfig {
@@ -81,6 +85,7 @@ impl TargetConfig {
             device_memory: None,
             max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            labels: Labels::default(),
         }
     }
 }
@@ -137,7 +142,7 @@ impl TcpTarget {
             (None, Some(h)) => RegisteredMemory::host_owned(h.clone(), &map.region_spans())?,
             (None, None) => RegisteredMemory::new(cfg.memory, map.span())?,
         });
-        let mut table = PermitTable::new(map.clone(), cfg.permits);
+        let mut table = PermitTable::new(map.clone(), cfg.permits).with_labels(cfg.labels.clone());
         if !cfg.epoch_rule {
             table = table.without_epoch_rule();
         }
@@ -189,7 +194,11 @@ impl TcpTarget {
         if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
             return Err(TargetError::DescriptorTooLarge(wire_len));
         }
-        let daemon = Arc::new(Daemon::new(&descriptor).with_max_concurrent(cfg.max_handshakes));
+        let daemon = Arc::new(
+            Daemon::new(&descriptor)
+                .with_max_concurrent(cfg.max_handshakes)
+                .with_labels(cfg.labels.clone()),
+        );
         let plane = Arc::new(
             DataPlane::new(permits.clone(), memory, cfg.idle_timeout)
                 .with_max_connections(cfg.max_data_connections),

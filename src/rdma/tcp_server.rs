@@ -3,6 +3,7 @@
 //! straight from the socket into destination memory (no per-request buffer) inside the landing
 //! permit's gate; the v2 OK frame goes out only once the last byte is in destination memory.
 
+use crate::metrics::Labels;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -151,9 +152,16 @@ enum ConnEnd {
 
 /// Refuse a connection over a listener's cap: close it at once, count it, and warn (on the
 /// 1st, 2nd, 4th, 8th... refusal, so a connection flood does not also flood the log).
-pub(crate) fn refuse_over_cap(listener: &'static str, cap: usize, refused: &AtomicU64) {
+pub(crate) fn refuse_over_cap(
+    labels: &Labels,
+    listener: &'static str,
+    cap: usize,
+    refused: &AtomicU64,
+) {
     let n = refused.fetch_add(1, Ordering::Relaxed) + 1;
-    metrics::counter!(m::CONNECTIONS_REFUSED, "listener" => listener).increment(1);
+    labels
+        .counter_by(m::CONNECTIONS_REFUSED, "listener", listener)
+        .increment(1);
     if n.is_power_of_two() {
         tracing::warn!(
             listener,
@@ -180,7 +188,12 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             // Closed before reading anything: P fails that lane's request. Counted first, so a
             // client that saw the close also sees the counter.
-            refuse_over_cap("data", plane.max_connections, &plane.stats.refused_over_cap);
+            refuse_over_cap(
+                plane.permits.labels(),
+                "data",
+                plane.max_connections,
+                &plane.stats.refused_over_cap,
+            );
             drop(stream);
             continue;
         };
@@ -235,7 +248,11 @@ async fn reject(
     reason: RejectReason,
 ) -> ConnEnd {
     plane.stats.rejected(reason).fetch_add(1, Ordering::Relaxed);
-    metrics::counter!(m::WRITES_REJECTED, "reason" => reason.label()).increment(1);
+    plane
+        .permits
+        .labels()
+        .counter_by(m::WRITES_REJECTED, "reason", reason.label())
+        .increment(1);
     tracing::debug!(
         addr = h.addr,
         size = h.size,
@@ -346,8 +363,9 @@ fn landed(plane: &DataPlane, admitted: &Admitted, size: u64) {
     admitted.landed(size);
     plane.stats.bytes_landed.fetch_add(size, Ordering::Relaxed);
     plane.stats.writes_landed.fetch_add(1, Ordering::Relaxed);
-    metrics::counter!(m::BYTES_LANDED).increment(size);
-    metrics::counter!(m::WRITES_LANDED).increment(1);
+    let labels = plane.permits.labels();
+    labels.counter(m::BYTES_LANDED).increment(size);
+    labels.counter(m::WRITES_LANDED).increment(1);
 }
 
 /// [`land`] for memory the server cannot address (the host's device regions): socket bytes
