@@ -22,6 +22,7 @@ pub enum Policy {
 }
 
 impl Policy {
+    /// The name used in config and logs.
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::Settle => "settle",
@@ -45,14 +46,18 @@ impl Policy {
 #[serde(rename_all = "lowercase")]
 pub enum LoadFailurePolicy {
     #[default]
+    /// End the request with an error at once; keep its blocks until the completion.
     Fail,
+    /// Keep the request waiting and recompute into the same blocks after the completion.
     Recompute,
 }
 
 /// Everything the coordinator needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvRecvConfig {
+    /// When a request's receive is over (`settle` unless proving the bug).
     pub policy: Policy,
+    /// vLLM's `kv_load_failure_policy`, for the host scheduler to act on.
     pub load_failure_policy: LoadFailurePolicy,
     /// `kv_connector_extra_config.mooncake_protocol` (`tcp` or `rdma`).
     pub mooncake_protocol: String,
@@ -61,7 +66,9 @@ pub struct KvRecvConfig {
     pub pull_timeout: Duration,
     /// Last resort for a quarantine that cannot be fenced.
     pub quarantine_deadline: Duration,
+    /// Backoff before a failed peer is used again; doubled per consecutive failure.
     pub peer_backoff_base: Duration,
+    /// Cap of the peer backoff.
     pub peer_backoff_max: Duration,
     /// Requests live at once (loaded, not yet drained); more are refused with
     /// `BatchError::Backpressure`.
@@ -70,8 +77,11 @@ pub struct KvRecvConfig {
     /// or a peer it names is down): base, doubled per attempt, capped. The cap bounds how long
     /// after a P engine comes back on new ports D keeps failing its requests.
     pub topology_retry_base: Duration,
+    /// Cap of the topology lookup backoff.
     pub topology_retry_max: Duration,
+    /// This D worker's TP/PP rank and sizes (which P ranks it pulls from).
     pub d_rank: DRank,
+    /// Where P writes: regions, block sizes, block count. Required (never defaulted silently).
     pub layout: KvLayout,
     /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
     /// coordinators sharing one process and recorder keep their series apart.
@@ -99,18 +109,28 @@ impl Default for KvRecvConfig {
 }
 
 #[derive(Debug, Error)]
+/// Why a configuration is refused.
 pub enum ConfigError {
     #[error("kv_transfer_config is not valid JSON: {0}")]
+    /// Not JSON, or a typed key with the wrong type.
     Json(#[from] serde_json::Error),
     #[error("kv_role must be \"kv_consumer\" for kvrecv, got {0:?}")]
+    /// kvrecv is the consumer side only.
     Role(String),
     #[error("kv_connector must be \"MooncakeConnector\", got {0:?}")]
+    /// kvrecv speaks only Mooncake's protocol.
     Connector(String),
     #[error("mooncake_protocol must be \"tcp\" or \"rdma\", got {0:?}")]
+    /// Mooncake's transfer engine protocols kvrecv serves.
     Protocol(String),
     #[error("{key} must be > 0")]
-    Zero { key: &'static str },
+    /// A count or duration that must be positive.
+    Zero {
+        /// The key.
+        key: &'static str,
+    },
     #[error("invalid layout: {0}")]
+    /// The layout is inconsistent (empty, overlapping groups, zero sizes).
     Layout(String),
     /// A silently assumed layout would advertise addresses P writes real bytes to.
     #[error(

@@ -69,37 +69,68 @@ impl Default for Labels {
     }
 }
 
+/// Pulls sent to prefill peers.
 pub const PULLS: &str = "kvrecv_pulls_total";
-pub const SETTLES: &str = "kvrecv_settles_total"; // label outcome
+/// Per-peer settles of a request, by outcome; label outcome.
+pub const SETTLES: &str = "kvrecv_settles_total";
+/// Reply ids not pending for that pull (unknown, duplicate, late).
 pub const STALE_SETTLES: &str = "kvrecv_stale_settles_total";
+/// Undecodable or multi-frame replies.
 pub const MALFORMED_REPLIES: &str = "kvrecv_malformed_replies_total";
+/// Pulls abandoned at the D-side deadline.
 pub const DEADLINE_EXPIRIES: &str = "kvrecv_pull_deadline_expiries_total";
+/// Supervised restarts of a peer actor.
 pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
+/// Requests whose first failure was reported.
 pub const FIRST_FAILURES: &str = "kvrecv_first_failures_total";
-pub const COMPLETIONS: &str = "kvrecv_completions_total"; // label outcome
+/// Completions, by outcome; label outcome.
+pub const COMPLETIONS: &str = "kvrecv_completions_total";
+/// Batches failed because the P topology was unavailable.
 pub const TOPOLOGY_FAILURES: &str = "kvrecv_topology_failures_total";
+/// Cached topologies dropped and asked again because a peer they name failed.
 pub const TOPOLOGY_REFRESHES: &str = "kvrecv_topology_refreshes_total";
-pub const UNREACHABLE_BATCHES: &str = "kvrecv_unreachable_batches_total"; // label reason
+/// Pulls failed at once without being sent: peer down, or bootstrap in backoff (by reason); label reason.
+pub const UNREACHABLE_BATCHES: &str = "kvrecv_unreachable_batches_total";
+/// Destination blocks held until a fence.
 pub const QUARANTINED_BLOCKS: &str = "kvrecv_quarantined_blocks";
+/// Quarantines released by the last-resort deadline.
 pub const QUARANTINE_FORCED: &str = "kvrecv_quarantine_forced_releases_total";
+/// Completion to fence confirmation.
 pub const FENCE_LATENCY: &str = "kvrecv_fence_latency_seconds";
+/// Pull sent to its last reply.
 pub const PULL_LATENCY: &str = "kvrecv_pull_latency_seconds";
+/// load_kv to completion.
 pub const COMPLETION_LATENCY: &str = "kvrecv_completion_latency_seconds";
+/// Bytes written into destination memory.
 pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
+/// Writes landed in destination memory.
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
-pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total"; // label reason
+/// Writes refused by the data plane, by reason; label reason.
+pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total";
+/// Open landing permits.
 pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
+/// Landing windows poisoned because their writer may still write.
 pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
+/// Landing windows out of rotation until their last-resort deadline.
 pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
+/// Pulls that found no clean landing window (their writes are refused).
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
-pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total"; // label listener
-pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
-pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
-pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
+/// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
+pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
+/// Side-channel failures (connect, send, recv, closed); label kind.
+pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total";
+/// Topology lookups, by result (cached, queried, joined, failed); label result.
+pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total";
+/// GET /query requests sent, by result (ok, error); label result.
+pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total";
+/// GET /query round trip.
 pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
+/// Pulls not sent because their metadata could not be encoded (settled Failed).
 pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
-pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total"; // label reason
-pub const ABORTS: &str = "kvrecv_aborts_total"; // label stage
+/// Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use); label reason.
+pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total";
+/// Requests aborted by the host, by stage (in_flight, before_dispatch, unknown); label stage.
+pub const ABORTS: &str = "kvrecv_aborts_total";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {

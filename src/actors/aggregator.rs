@@ -13,6 +13,8 @@ use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 
+/// One actor per awaited request: collects every peer's settle and publishes the first failure and
+/// the completion exactly once.
 pub struct RequestAggregator {
     state: AggregatorState,
     block_manager: Addr<BlockManager>,
@@ -24,6 +26,7 @@ pub struct RequestAggregator {
 }
 
 impl RequestAggregator {
+    /// An aggregator waiting for `peers` to settle `req` under `policy`.
     pub fn new(
         req: SharedRequest,
         peers: Vec<PeerId>,

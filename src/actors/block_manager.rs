@@ -19,6 +19,8 @@ use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
 
+/// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
+/// peers are fenced, and hands released requests to the host's drain.
 pub struct BlockManager {
     ledger: BlockLedger,
     landing: Arc<dyn Landing>,
@@ -28,6 +30,7 @@ pub struct BlockManager {
 }
 
 impl BlockManager {
+    /// A block manager over `ledger`, fencing through `landing`.
     pub fn new(
         ledger: BlockLedger,
         landing: Arc<dyn Landing>,

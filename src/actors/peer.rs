@@ -26,7 +26,9 @@ use super::transport::{Frames, PeerTransport, TransportError};
 pub struct PeerConfig {
     /// Longest silence tolerated during a pull (restarted by every reply).
     pub pull_timeout: Duration,
+    /// Backoff after the first consecutive failure; doubled per failure.
     pub backoff_base: Duration,
+    /// Cap of the doubled backoff.
     pub backoff_max: Duration,
 }
 
@@ -51,12 +53,15 @@ impl PeerConfig {
 
 /// What came off one pull's channel.
 pub enum ChannelEvent {
+    /// A reply's frames.
     Reply(Frames),
+    /// The channel failed; the pull's unsettled requests are decided by the state machine.
     Failed(TransportError),
     /// The channel ended (after its last reply, or without one).
     Ended,
 }
 
+/// A channel event tagged with its pull (the Peer's stream item).
 pub struct PullEvent {
     pull_id: PullId,
     event: ChannelEvent,
@@ -69,6 +74,8 @@ struct Live {
     span: tracing::Span,
 }
 
+/// One actor per prefill peer (ZMQ endpoint): sends pulls, matches replies to pending ids, and
+/// settles every request it was given exactly once.
 pub struct Peer {
     state: PeerState,
     transport: Rc<dyn PeerTransport>,
@@ -85,6 +92,8 @@ pub struct Peer {
 }
 
 impl Peer {
+    /// A peer `id` talking through `transport`; `health` reports its failures to the Receiver's
+    /// rediscovery.
     pub fn new(
         id: PeerId,
         transport: Rc<dyn PeerTransport>,

@@ -32,6 +32,8 @@ use super::rediscovery::{
 use super::topology::{EngineTopology, TopologyError, TopologySource};
 use super::transport::PeerTransport;
 
+/// Entry of the coordinator: validates `load_kv` batches, finds each P engine's peers and starts
+/// one aggregator per awaited request before any pull is sent.
 pub struct Receiver {
     cfg: KvRecvConfig,
     topology: Rc<dyn TopologySource>,
@@ -53,6 +55,7 @@ pub struct Receiver {
 }
 
 impl Receiver {
+    /// A receiver that hands quarantines to `block_manager` and lands writes through `landing`.
     pub fn new(
         cfg: KvRecvConfig,
         topology: Rc<dyn TopologySource>,

@@ -67,6 +67,7 @@ pub struct HttpTopology {
 }
 
 impl HttpTopology {
+    /// A client with no cached topology; a lookup queries `GET /query` and caches complete engines.
     pub fn new(cfg: BootstrapConfig) -> Self {
         HttpTopology {
             inner: Rc::default(),

@@ -43,6 +43,7 @@ pub struct ZmqTransportConfig {
     /// I/O thread even while P's Python code is busy): detects a host that vanished without
     /// closing TCP. Zero disables.
     pub heartbeat_ivl: Duration,
+    /// How long without any traffic (PONG included) before the connection counts as dead.
     pub heartbeat_timeout: Duration,
     /// `ZMQ_MAX_SOCKETS` of the transport's context: each pull in flight holds three sockets
     /// (libzmq's default cap of 1023 allows only 341 pulls at once).

@@ -19,20 +19,35 @@ use thiserror::Error;
 const ALIGN: usize = 4096;
 
 #[derive(Debug, Error)]
+/// Why destination memory could not be set up or written.
 pub enum MemoryError {
     #[error("cannot allocate {0} bytes of destination memory")]
+    /// The allocation of that many bytes failed.
     Alloc(u64),
     #[error("range {offset}+{len} is outside the {size}-byte registered memory")]
-    OutOfBounds { offset: u64, len: u64, size: u64 },
+    /// A write outside the registered memory.
+    OutOfBounds {
+        /// Start of the write.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// Bytes registered.
+        size: u64,
+    },
     #[error("no CUDA driver library found (libcuda.so); GPU destination memory is unavailable")]
+    /// Built with CUDA, but no driver was found at run time.
     NoCudaDriver,
     #[error("kvrecv was built without the `cuda` feature")]
+    /// CUDA memory asked for in a build without the `cuda` feature.
     CudaNotBuilt,
     #[error("CUDA: {0}")]
+    /// A CUDA driver call failed.
     Cuda(String),
     #[error("host memory: {0}")]
+    /// The host's regions do not match the layout.
     HostRegions(String),
     #[error("device memory: {0}")]
+    /// The host's device regions do not match the layout.
     DeviceRegions(String),
 }
 
@@ -40,9 +55,14 @@ pub enum MemoryError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MemoryKind {
     #[default]
+    /// Pinned host memory kvrecv allocates.
     Host,
     /// Device memory on GPU `ordinal` (feature `cuda`).
-    Cuda { ordinal: usize },
+    /// Device memory kvrecv allocates on GPU `ordinal`.
+    Cuda {
+        /// The GPU.
+        ordinal: usize,
+    },
 }
 
 /// One KV cache region the host allocated and registers with kvrecv: a (pointer, length).
@@ -203,6 +223,7 @@ pub struct FakeDevice {
     bytes: std::sync::Mutex<Vec<u8>>,
     /// Copies into the device, and the largest one (bounded by [`STAGING_CHUNK`]).
     pub uploads: std::sync::atomic::AtomicU64,
+    /// The largest single copy, in bytes.
     pub largest_upload: std::sync::atomic::AtomicU64,
 }
 
@@ -585,6 +606,7 @@ impl RegisteredMemory {
         self.len
     }
 
+    /// Whether there are no regions.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -30,6 +30,7 @@ pub const DEFAULT_WINDOWS: u32 = 16_384;
 /// How to start a target.
 #[derive(Debug, Clone)]
 pub struct TargetConfig {
+    /// The destination layout (the builder copies it from the config).
     pub layout: KvLayout,
     /// Handshake daemon listen address (port 0: any).
     pub handshake_bind: SocketAddr,
@@ -45,7 +46,9 @@ pub struct TargetConfig {
     /// The epoch rule (DESIGN.md §5): a window whose writer may still write is poisoned until
     /// the last-resort deadline. Off only to prove the rule matters (tests, `repro`).
     pub epoch_rule: bool,
+    /// First advertised address (P writes to virtual addresses from here).
     pub base_addr: u64,
+    /// A data connection silent for longer is closed.
     pub idle_timeout: Duration,
     /// What kvrecv allocates when `host_memory` is `None`.
     pub memory: MemoryKind,
@@ -91,18 +94,26 @@ impl TargetConfig {
 }
 
 #[derive(Debug, Error)]
+/// Why the data target could not start.
 pub enum TargetError {
     #[error("address windows: {0}")]
+    /// The address windows do not fit.
     Windows(#[from] WindowError),
     #[error("destination memory: {0}")]
+    /// Destination memory could not be set up.
     Memory(#[from] MemoryError),
     #[error("cannot bind {what} on {addr}: {source}")]
+    /// A listener could not bind.
     Bind {
+        /// Which listener.
         what: &'static str,
+        /// Where.
         addr: SocketAddr,
+        /// The OS error.
         source: std::io::Error,
     },
     #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap; use fewer windows")]
+    /// The segment descriptor does not fit the handshake frame.
     DescriptorTooLarge(usize),
 }
 
@@ -260,10 +271,12 @@ impl TcpTarget {
         &self.descriptor.name
     }
 
+    /// Where the handshake daemon listens.
     pub fn handshake_addr(&self) -> SocketAddr {
         self.handshake_addr
     }
 
+    /// Where the data server listens.
     pub fn data_addr(&self) -> SocketAddr {
         self.data_addr
     }
