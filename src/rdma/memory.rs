@@ -90,7 +90,8 @@ impl HostRegion {
     ///
     /// # Safety
     /// The caller guarantees, for as long as any [`crate::embed::KvRecv`] handle (or
-    /// [`super::TcpTarget`]) built with this region exists, and until its shutdown completed:
+    /// [`super::TcpTarget`], or RDMA target, which registers it with the NIC until it is
+    /// dropped) built with this region exists, and until its shutdown completed:
     /// - `ptr..ptr + len` is valid, writable memory of one allocation, and stays allocated and
     ///   at the same address (pinned: not freed, moved, reallocated or unmapped);
     /// - kvrecv may write any block of it whose request is loaded and not yet released, from
@@ -112,6 +113,11 @@ impl HostRegion {
     /// Bytes.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Start of the region (what a NIC registration covers).
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 
     /// Whether the region has no bytes (never: the constructor refuses it).
