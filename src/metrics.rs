@@ -4,7 +4,8 @@
 use std::sync::Arc;
 
 use metrics::{
-    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label, Unit,
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label,
+    SharedString, Unit,
 };
 
 /// The labels every series of one coordinator carries: `engine` (this D worker's engine id) and
@@ -17,10 +18,13 @@ pub struct Labels(Arc<[Label]>);
 impl Labels {
     /// Labels of D worker `engine` at (TP, PP) rank (`tp_rank`, `pp_rank`).
     pub fn new(engine: &str, tp_rank: u32, pp_rank: u32) -> Self {
+        // Shared values: a series lookup clones the labels, and an `Arc` clone does not allocate
+        // (the data plane records per write).
+        let shared = |v: &str| SharedString::from_shared(Arc::<str>::from(v));
         Labels(Arc::from(vec![
-            Label::new("engine", engine.to_owned()),
-            Label::new("tp_rank", tp_rank.to_string()),
-            Label::new("pp_rank", pp_rank.to_string()),
+            Label::new("engine", shared(engine)),
+            Label::new("tp_rank", shared(&tp_rank.to_string())),
+            Label::new("pp_rank", shared(&pp_rank.to_string())),
         ]))
     }
 
