@@ -29,18 +29,21 @@ pub struct BlockOwnership {
 /// One block's state as the audit sees it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BlockState {
+    /// Bumped at every allocation of the block, so a writer told an older one is late.
     pub generation: u32,
     /// `None` when the block is free.
     pub owner_tag: Option<u32>,
 }
 
 impl BlockOwnership {
+    /// A table of `num_blocks` free blocks.
     pub fn new(num_blocks: u32) -> Self {
         BlockOwnership {
             slots: (0..num_blocks).map(|_| AtomicU64::new(0)).collect(),
         }
     }
 
+    /// The block's state now; `None` outside the table.
     pub fn get(&self, block: u32) -> Option<BlockState> {
         let v = self.slots.get(block as usize)?.load(Ordering::Acquire);
         let tag = v as u32;
@@ -57,10 +60,12 @@ impl BlockOwnership {
         );
     }
 
+    /// Blocks in the table.
     pub fn len(&self) -> u32 {
         self.slots.len() as u32
     }
 
+    /// Whether the table has no block.
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }

@@ -21,6 +21,7 @@ pub enum Policy {
 }
 
 impl Policy {
+    /// The name used in config and logs.
     pub fn as_str(self) -> &'static str {
         match self {
             Policy::Settle => "settle",
@@ -44,16 +45,22 @@ impl Policy {
 #[serde(rename_all = "lowercase")]
 pub enum LoadFailurePolicy {
     #[default]
+    /// End the request with an error at once; keep its blocks until the completion.
     Fail,
+    /// Keep the request waiting and recompute into the same blocks after the completion.
     Recompute,
 }
 
 /// This D worker's place in its own engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct DRank {
+    /// D's tensor-parallel size (maps D ranks onto P ranks).
     pub tp_size: u32,
+    /// This D worker's TP rank.
     pub tp_rank: u32,
+    /// D's pipeline-parallel size.
     pub pp_size: u32,
+    /// This D worker's PP rank.
     pub pp_rank: u32,
 }
 
@@ -71,7 +78,9 @@ impl Default for DRank {
 /// Everything the coordinator needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvRecvConfig {
+    /// When a request's receive is over (`settle` unless proving the bug).
     pub policy: Policy,
+    /// vLLM's `kv_load_failure_policy`, for the host scheduler to act on.
     pub load_failure_policy: LoadFailurePolicy,
     /// `kv_connector_extra_config.mooncake_protocol` (`tcp` or `rdma`).
     pub mooncake_protocol: String,
@@ -80,7 +89,9 @@ pub struct KvRecvConfig {
     pub pull_timeout: Duration,
     /// Last resort for a quarantine that cannot be fenced.
     pub quarantine_deadline: Duration,
+    /// Backoff before a failed peer is used again; doubled per consecutive failure.
     pub peer_backoff_base: Duration,
+    /// Cap of the peer backoff.
     pub peer_backoff_max: Duration,
     /// Requests live at once (loaded, not yet drained); more are refused with
     /// `BatchError::Backpressure`.
@@ -89,9 +100,15 @@ pub struct KvRecvConfig {
     /// or a peer it names is down): base, doubled per attempt, capped. The cap bounds how long
     /// after a P engine comes back on new ports D keeps failing its requests.
     pub topology_retry_base: Duration,
+    /// Cap of the topology lookup backoff.
     pub topology_retry_max: Duration,
+    /// This D worker's TP/PP rank and sizes (which P ranks it pulls from).
     pub d_rank: DRank,
+    /// Where P writes: regions, block sizes, block count. Required (never defaulted silently).
     pub layout: KvLayout,
+    /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
+    /// coordinators sharing one process and recorder keep their series apart.
+    pub engine_id: String,
 }
 
 impl Default for KvRecvConfig {
@@ -109,23 +126,34 @@ impl Default for KvRecvConfig {
             topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
             layout: KvLayout::default(),
+            engine_id: String::new(),
         }
     }
 }
 
 #[derive(Debug, Error)]
+/// Why a configuration is refused.
 pub enum ConfigError {
     #[error("kv_transfer_config is not valid JSON: {0}")]
+    /// Not JSON, or a typed key with the wrong type.
     Json(#[from] serde_json::Error),
     #[error("kv_role must be \"kv_consumer\" for kvrecv, got {0:?}")]
+    /// kvrecv is the consumer side only.
     Role(String),
     #[error("kv_connector must be \"MooncakeConnector\", got {0:?}")]
+    /// kvrecv speaks only Mooncake's protocol.
     Connector(String),
     #[error("mooncake_protocol must be \"tcp\" or \"rdma\", got {0:?}")]
+    /// Mooncake's transfer engine protocols kvrecv serves.
     Protocol(String),
     #[error("{key} must be > 0")]
-    Zero { key: &'static str },
+    /// A count or duration that must be positive.
+    Zero {
+        /// The key.
+        key: &'static str,
+    },
     #[error("invalid layout: {0}")]
+    /// The layout is inconsistent (empty, overlapping groups, zero sizes).
     Layout(String),
     /// A silently assumed layout would advertise addresses P writes real bytes to.
     #[error(
@@ -158,10 +186,9 @@ struct RawKvTransfer {
     kv_load_failure_policy: LoadFailurePolicy,
     #[serde(default)]
     kv_connector_extra_config: RawExtra,
-    // Accepted and ignored: they configure vLLM itself.
     #[serde(default)]
-    #[allow(dead_code)]
     engine_id: Option<String>,
+    // Accepted and ignored: they configure vLLM itself.
     #[serde(default)]
     #[allow(dead_code)]
     kv_rank: Option<i64>,
@@ -254,6 +281,7 @@ impl KvRecvConfig {
         }
         let mut cfg = KvRecvConfig {
             load_failure_policy: raw.kv_load_failure_policy,
+            engine_id: raw.engine_id.unwrap_or_default(),
             ..KvRecvConfig::default()
         };
         if let Some(p) = raw.kv_connector_extra_config.mooncake_protocol {
@@ -440,6 +468,7 @@ mod tests {
         assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);
         assert_eq!(c.mooncake_protocol, "rdma");
         assert_eq!(c.d_rank.tp_rank, 1);
+        assert_eq!(c.engine_id, "x", "the metrics' engine label");
         assert_eq!(c.quarantine_deadline, Duration::from_millis(5));
         assert_eq!(KvRecvConfig::default().policy, Policy::Settle);
     }

@@ -38,14 +38,19 @@ use crate::rdma::{TargetConfig, TcpLanding, TcpTarget};
 #[derive(Debug, Error)]
 pub enum StartError {
     #[error("configuration: {0}")]
+    /// The configuration was refused.
     Config(#[from] ConfigError),
     #[error("data plane: {0}")]
+    /// The data target could not start (bind, memory).
     Target(#[from] TargetError),
     #[error("cannot start kvrecv's thread or runtime: {0}")]
+    /// The OS refused a thread or runtime.
     Runtime(#[from] std::io::Error),
     #[error("kvrecv's thread ended during start-up")]
+    /// kvrecv's thread died before it reported readiness.
     ThreadEnded,
     #[error("no advertised host: binding {0} needs advertise_host (the address P reaches)")]
+    /// A wildcard bind needs the address P should connect to.
     NoAdvertiseHost(IpAddr),
 }
 
@@ -200,6 +205,9 @@ impl KvRecvBuilder {
             worker_threads,
         } = self;
         target.layout = config.layout.clone();
+        // One label set for the whole worker: the coordinator derives the same from `config`.
+        let labels = crate::metrics::Labels::for_config(&config);
+        target.labels = labels.clone();
         let (sink, rx) = sink(events);
         spawn_worker(
             config.load_failure_policy,
@@ -210,8 +218,8 @@ impl KvRecvBuilder {
                 let landing = tcp.landing();
                 let coord = Coordinator::start(CoordinatorParts {
                     config,
-                    topology: Rc::new(HttpTopology::new(bootstrap)),
-                    transport: Rc::new(ZmqTransport::new(zmq)),
+                    topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
+                    transport: Rc::new(ZmqTransport::new(zmq).with_labels(labels)),
                     landing: landing.clone(),
                     events: sink,
                     builtin_pool,
@@ -365,14 +373,19 @@ pub struct Stats {
 /// Data-plane counters (a snapshot).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DataPlaneStats {
+    /// Data connections accepted.
     pub connections: u64,
+    /// Bytes written into destination memory.
     pub bytes_landed: u64,
+    /// Writes landed.
     pub writes_landed: u64,
     /// Late writes refused because their request was revoked (the fence at work).
     pub rejected_revoked: u64,
     /// Writes refused because no permit covered them.
     pub rejected_no_permit: u64,
+    /// Writes refused because they fell outside the advertised windows.
     pub rejected_out_of_range: u64,
+    /// Mooncake handshakes served.
     pub handshakes: u64,
     /// Landing permits open now.
     pub live_permits: u64,

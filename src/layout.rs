@@ -6,8 +6,11 @@ use serde::{Deserialize, Serialize};
 /// One registered region (vLLM: one layer's KV cache tensor view).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Region {
+    /// vLLM's layer name (reported to P in the descriptor).
     pub layer_name: String,
+    /// Position of the layer in the model.
     pub layer_index: u32,
+    /// KV-cache group the region belongs to (hybrid models have several).
     pub group_index: u32,
     /// Block stride in bytes.
     pub block_len: u64,
@@ -18,6 +21,7 @@ pub struct Region {
 /// The whole destination layout of one D worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KvLayout {
+    /// One region per layer (and K/V split), each `num_blocks` blocks long.
     pub regions: Vec<Region>,
     /// Blocks per region (the pool size).
     pub num_blocks: u32,

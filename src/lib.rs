@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! kvrecv: the decode-side (D) receive coordinator for prefill/decode-disaggregated LLM serving.
 //!
 //! Prefill peers push KV-cache blocks into D's destination blocks. kvrecv asks every peer for its
@@ -20,8 +21,10 @@ pub mod layout;
 pub mod messages;
 pub mod metrics;
 pub mod rdma;
+#[doc(hidden)]
 #[cfg(feature = "cli")]
 pub mod repro;
+#[doc(hidden)]
 #[cfg(feature = "sim")]
 pub mod sim;
 

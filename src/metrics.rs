@@ -1,40 +1,142 @@
 //! Metric names (Prometheus text exposition through `metrics-exporter-prometheus`) and the
 //! exporter. Every counter an operator asks about in DESIGN.md §8 is named here, once.
 
-use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
+use std::sync::Arc;
 
+use metrics::{
+    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label,
+    SharedString, Unit,
+};
+
+/// The labels every series of one coordinator carries: `engine` (this D worker's engine id) and
+/// `tp_rank`/`pp_rank`, so two coordinators in one process (one per rank, or one per engine) keep
+/// distinct series in the host's recorder. Built once per coordinator and cloned (an `Arc`) into
+/// every actor and data-plane core that records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Labels(Arc<[Label]>);
+
+impl Labels {
+    /// Labels of D worker `engine` at (TP, PP) rank (`tp_rank`, `pp_rank`).
+    pub fn new(engine: &str, tp_rank: u32, pp_rank: u32) -> Self {
+        // Shared values: a series lookup clones the labels, and an `Arc` clone does not allocate
+        // (the data plane records per write).
+        let shared = |v: &str| SharedString::from_shared(Arc::<str>::from(v));
+        Labels(Arc::from(vec![
+            Label::new("engine", shared(engine)),
+            Label::new("tp_rank", shared(&tp_rank.to_string())),
+            Label::new("pp_rank", shared(&pp_rank.to_string())),
+        ]))
+    }
+
+    /// The labels of the coordinator `cfg` configures.
+    pub fn for_config(cfg: &crate::config::KvRecvConfig) -> Self {
+        Self::new(&cfg.engine_id, cfg.d_rank.tp_rank, cfg.d_rank.pp_rank)
+    }
+
+    fn with(&self, key: &'static str, value: &'static str) -> Vec<Label> {
+        let mut v = self.0.to_vec();
+        v.push(Label::from_static_parts(key, value));
+        v
+    }
+
+    /// Counter `name` in the current recorder (a no-op without one).
+    pub fn counter(&self, name: &'static str) -> Counter {
+        metrics::counter!(name, self.0.to_vec())
+    }
+
+    /// Counter `name` with one more label (`outcome`, `reason`, ...).
+    pub fn counter_by(
+        &self,
+        name: &'static str,
+        key: &'static str,
+        value: &'static str,
+    ) -> Counter {
+        metrics::counter!(name, self.with(key, value))
+    }
+
+    /// Gauge `name` in the current recorder.
+    pub fn gauge(&self, name: &'static str) -> Gauge {
+        metrics::gauge!(name, self.0.to_vec())
+    }
+
+    /// Histogram `name` in the current recorder.
+    pub fn histogram(&self, name: &'static str) -> Histogram {
+        metrics::histogram!(name, self.0.to_vec())
+    }
+}
+
+/// Engine `""`, ranks 0: the same label set as a configured coordinator, so every series of a
+/// metric has the same label names.
+impl Default for Labels {
+    fn default() -> Self {
+        Labels::new("", 0, 0)
+    }
+}
+
+/// Pulls sent to prefill peers.
 pub const PULLS: &str = "kvrecv_pulls_total";
-pub const SETTLES: &str = "kvrecv_settles_total"; // label outcome
+/// Per-peer settles of a request, by outcome; label outcome.
+pub const SETTLES: &str = "kvrecv_settles_total";
+/// Reply ids not pending for that pull (unknown, duplicate, late).
 pub const STALE_SETTLES: &str = "kvrecv_stale_settles_total";
+/// Undecodable or multi-frame replies.
 pub const MALFORMED_REPLIES: &str = "kvrecv_malformed_replies_total";
+/// Pulls abandoned at the D-side deadline.
 pub const DEADLINE_EXPIRIES: &str = "kvrecv_pull_deadline_expiries_total";
+/// Supervised restarts of a peer actor.
 pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
+/// Requests whose first failure was reported.
 pub const FIRST_FAILURES: &str = "kvrecv_first_failures_total";
-pub const COMPLETIONS: &str = "kvrecv_completions_total"; // label outcome
+/// Completions, by outcome; label outcome.
+pub const COMPLETIONS: &str = "kvrecv_completions_total";
+/// Batches failed because the P topology was unavailable.
 pub const TOPOLOGY_FAILURES: &str = "kvrecv_topology_failures_total";
+/// Cached topologies dropped and asked again because a peer they name failed.
 pub const TOPOLOGY_REFRESHES: &str = "kvrecv_topology_refreshes_total";
-pub const UNREACHABLE_BATCHES: &str = "kvrecv_unreachable_batches_total"; // label reason
+/// Pulls failed at once without being sent: peer down, or bootstrap in backoff (by reason); label reason.
+pub const UNREACHABLE_BATCHES: &str = "kvrecv_unreachable_batches_total";
+/// Destination blocks held until a fence.
 pub const QUARANTINED_BLOCKS: &str = "kvrecv_quarantined_blocks";
+/// Quarantines released by the last-resort deadline.
 pub const QUARANTINE_FORCED: &str = "kvrecv_quarantine_forced_releases_total";
+/// Completion to fence confirmation.
 pub const FENCE_LATENCY: &str = "kvrecv_fence_latency_seconds";
+/// Pull sent to its last reply.
 pub const PULL_LATENCY: &str = "kvrecv_pull_latency_seconds";
+/// load_kv to completion.
 pub const COMPLETION_LATENCY: &str = "kvrecv_completion_latency_seconds";
+/// Bytes written into destination memory.
 pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
+/// Writes landed in destination memory.
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
-pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total"; // label reason
+/// Writes refused by the data plane, by reason; label reason.
+pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total";
+/// Open landing permits.
 pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
+/// Landing windows poisoned because their writer may still write.
 pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
+/// Landing windows out of rotation until their last-resort deadline.
 pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
+/// Pulls that found no clean landing window (their writes are refused).
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
-pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total"; // label listener
-pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total"; // label kind
-pub const SIDE_CHANNELS: &str = "kvrecv_side_channels_total"; // label how: opened, reused
-pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total"; // label result
-pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total"; // label result
+/// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
+pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
+/// Side-channel failures (connect, send, recv, closed); label kind.
+pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total";
+/// Side-channel DEALERs handed to pulls; label how (opened, reused).
+pub const SIDE_CHANNELS: &str = "kvrecv_side_channels_total";
+/// Topology lookups, by result (cached, queried, joined, failed); label result.
+pub const BOOTSTRAP_LOOKUPS: &str = "kvrecv_bootstrap_lookups_total";
+/// GET /query requests sent, by result (ok, error); label result.
+pub const BOOTSTRAP_QUERIES: &str = "kvrecv_bootstrap_queries_total";
+/// GET /query round trip.
 pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
+/// Pulls not sent because their metadata could not be encoded (settled Failed).
 pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
-pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total"; // label reason
-pub const ABORTS: &str = "kvrecv_aborts_total"; // label stage
+/// Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use); label reason.
+pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total";
+/// Requests aborted by the host, by stage (in_flight, before_dispatch, unknown); label stage.
+pub const ABORTS: &str = "kvrecv_aborts_total";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
@@ -141,4 +243,30 @@ pub fn serve_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
         .map_err(|e| e.to_string())?;
     describe();
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_coordinators_labels_name_its_engine_and_ranks() {
+        let mut cfg = crate::config::KvRecvConfig {
+            engine_id: "d-7".into(),
+            ..Default::default()
+        };
+        cfg.d_rank.tp_size = 4;
+        cfg.d_rank.tp_rank = 3;
+        cfg.d_rank.pp_size = 2;
+        cfg.d_rank.pp_rank = 1;
+        let l = Labels::for_config(&cfg);
+        let pairs: Vec<(&str, &str)> = l.0.iter().map(|l| (l.key(), l.value())).collect();
+        assert_eq!(
+            pairs,
+            [("engine", "d-7"), ("tp_rank", "3"), ("pp_rank", "1")]
+        );
+        let by = l.with("outcome", "ok");
+        assert_eq!(by.len(), 4);
+        assert_eq!((by[3].key(), by[3].value()), ("outcome", "ok"));
+    }
 }

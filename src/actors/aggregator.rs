@@ -7,12 +7,14 @@ use actix::{Actor, ActorContext, Addr, Context, Handler};
 
 use crate::config::Policy;
 use crate::messages::{KvEvent, PeerId, Settle, SharedRequest};
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 
 use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 
+/// One actor per awaited request: collects every peer's settle and publishes the first failure and
+/// the completion exactly once.
 pub struct RequestAggregator {
     state: AggregatorState,
     block_manager: Addr<BlockManager>,
@@ -20,9 +22,11 @@ pub struct RequestAggregator {
     /// Set for a request with no possible writer: fail and complete as soon as started.
     fail_on_start: Option<String>,
     since: Instant,
+    labels: Labels,
 }
 
 impl RequestAggregator {
+    /// An aggregator waiting for `peers` to settle `req` under `policy`.
     pub fn new(
         req: SharedRequest,
         peers: Vec<PeerId>,
@@ -49,7 +53,14 @@ impl RequestAggregator {
             events,
             fail_on_start: None,
             since: Instant::now(),
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// A request whose batch has no writer (topology failure, DESIGN.md §4 rule 7).
@@ -67,7 +78,7 @@ impl RequestAggregator {
     fn publish(&mut self, fx: AggEffects, ctx: &mut Context<Self>) {
         if let Some(ff) = fx.first_failure {
             tracing::warn!(req_id = %ff.req.req_id, peer = ?ff.peer, reason = %ff.reason, "first failure");
-            metrics::counter!(m::FIRST_FAILURES).increment(1);
+            self.labels.counter(m::FIRST_FAILURES).increment(1);
             let ev = KvEvent::FirstFailure {
                 req_id: ff.req.req_id.clone(),
                 peer: ff.peer.clone(),
@@ -81,8 +92,12 @@ impl RequestAggregator {
         if let Some(c) = fx.completion {
             let label = if c.outcome.is_ok() { "ok" } else { "failed" };
             tracing::info!(req_id = %c.req.req_id, outcome = label, uncertain = c.uncertain_peers.len(), "completion");
-            metrics::counter!(m::COMPLETIONS, "outcome" => label).increment(1);
-            metrics::histogram!(m::COMPLETION_LATENCY).record(self.since.elapsed().as_secs_f64());
+            self.labels
+                .counter_by(m::COMPLETIONS, "outcome", label)
+                .increment(1);
+            self.labels
+                .histogram(m::COMPLETION_LATENCY)
+                .record(self.since.elapsed().as_secs_f64());
             let ev = KvEvent::Completion {
                 req_id: c.req.req_id.clone(),
                 outcome: c.outcome.clone(),
@@ -111,9 +126,11 @@ impl Handler<Settle> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, s: Settle, ctx: &mut Context<Self>) {
+        // Everything logged while handling a settle names the request and the peer it came from.
+        let _span = tracing::info_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
         let fx = self.state.on_settle(&s);
         if fx.stale {
-            metrics::counter!(m::STALE_SETTLES).increment(1);
+            self.labels.counter(m::STALE_SETTLES).increment(1);
             return;
         }
         self.publish(fx, ctx);

@@ -12,21 +12,25 @@ use crate::messages::{
     Admit, Allocate, BatchError, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
     LedgerStats, ReqId,
 };
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 
 use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
 
+/// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
+/// peers are fenced, and hands released requests to the host's drain.
 pub struct BlockManager {
     ledger: BlockLedger,
     landing: Arc<dyn Landing>,
     policy: Policy,
     events: EventSink,
+    labels: Labels,
 }
 
 impl BlockManager {
+    /// A block manager over `ledger`, fencing through `landing`.
     pub fn new(
         ledger: BlockLedger,
         landing: Arc<dyn Landing>,
@@ -38,7 +42,14 @@ impl BlockManager {
             landing,
             policy,
             events,
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// The built-in pool's ownership table (for the data plane's audit), if there is a pool.
@@ -52,14 +63,18 @@ impl BlockManager {
             return;
         };
         if fenced {
-            metrics::histogram!(m::FENCE_LATENCY).record(rel.held_for.as_secs_f64());
+            self.labels
+                .histogram(m::FENCE_LATENCY)
+                .record(rel.held_for.as_secs_f64());
             tracing::info!(req_id = %req_id, held_ms = rel.held_for.as_millis() as u64, "fenced, released");
         } else {
-            metrics::counter!(m::QUARANTINE_FORCED).increment(1);
+            self.labels.counter(m::QUARANTINE_FORCED).increment(1);
             tracing::warn!(req_id = %req_id, held_ms = rel.held_for.as_millis() as u64,
                 "quarantine deadline passed without a fence; releasing blocks a peer may still write");
         }
-        metrics::gauge!(m::QUARANTINED_BLOCKS).set(self.ledger.quarantined_blocks() as f64);
+        self.labels
+            .gauge(m::QUARANTINED_BLOCKS)
+            .set(self.ledger.quarantined_blocks() as f64);
         self.events.emit(KvEvent::Released {
             req_id: req_id.clone(),
             blocks: rel.blocks,
@@ -150,7 +165,9 @@ impl BlockManager {
                 deadline,
             } => {
                 tracing::info!(req_id = %req_id, blocks = blocks.len(), peers = ?peers, "quarantined until fenced");
-                metrics::gauge!(m::QUARANTINED_BLOCKS).set(self.ledger.quarantined_blocks() as f64);
+                self.labels
+                    .gauge(m::QUARANTINED_BLOCKS)
+                    .set(self.ledger.quarantined_blocks() as f64);
                 self.events.emit(KvEvent::Quarantined {
                     req_id: req_id.clone(),
                     blocks,

@@ -17,16 +17,19 @@ impl EventSink {
         (EventSink(Some(tx)), rx)
     }
 
+    /// A sink that drops every event (no observer attached).
     pub fn none() -> Self {
         EventSink(None)
     }
 
+    /// Hand `ev` to the observer, if any; never blocks an actor.
     pub fn emit(&self, ev: KvEvent) {
         if let Some(tx) = &self.0 {
             let _ = tx.send(ev);
         }
     }
 
+    /// Whether an observer is attached (lets callers skip building events nobody reads).
     pub fn is_attached(&self) -> bool {
         self.0.is_some()
     }

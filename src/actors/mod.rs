@@ -2,15 +2,21 @@
 //! plain struct it owns (`*_state`, `block_ledger`, `block_pool`, `topology`), tested directly.
 
 pub mod aggregator;
+#[doc(hidden)]
 pub mod aggregator_state;
+#[doc(hidden)]
 pub mod block_ledger;
 pub mod block_manager;
+#[doc(hidden)]
 pub mod block_pool;
 pub mod event_sink;
 pub mod peer;
+#[doc(hidden)]
 pub mod peer_state;
 pub mod receiver;
+#[doc(hidden)]
 pub mod rediscovery;
+#[doc(hidden)]
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted_transport;
 pub mod system;

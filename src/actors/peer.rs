@@ -15,7 +15,7 @@ use actix::{
 use futures::StreamExt;
 
 use crate::messages::{AbortAtPeer, KvEvent, PeerId, Pull, PullId, UnsentPull, ABORTED_BY_HOST};
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
@@ -27,7 +27,9 @@ use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 pub struct PeerConfig {
     /// Longest silence tolerated during a pull (restarted by every reply).
     pub pull_timeout: Duration,
+    /// Backoff after the first consecutive failure; doubled per failure.
     pub backoff_base: Duration,
+    /// Cap of the doubled backoff.
     pub backoff_max: Duration,
 }
 
@@ -52,12 +54,15 @@ impl PeerConfig {
 
 /// What came off one pull's channel.
 pub enum ChannelEvent {
+    /// A reply's frames.
     Reply(Frames),
+    /// The channel failed; the pull's unsettled requests are decided by the state machine.
     Failed(TransportError),
     /// The channel ended (after its last reply, or without one).
     Ended,
 }
 
+/// A channel event tagged with its pull (the Peer's stream item).
 pub struct PullEvent {
     pull_id: PullId,
     event: ChannelEvent,
@@ -72,6 +77,8 @@ struct Live {
     finish: CleanFinish,
 }
 
+/// One actor per prefill peer (ZMQ endpoint): sends pulls, matches replies to pending ids, and
+/// settles every request it was given exactly once.
 pub struct Peer {
     state: PeerState,
     transport: Rc<dyn PeerTransport>,
@@ -84,9 +91,12 @@ pub struct Peer {
     backoff_until: Option<Instant>,
     /// The channel error that stopped the previous incarnation (for the health record).
     last_failure: Option<String>,
+    labels: Labels,
 }
 
 impl Peer {
+    /// A peer `id` talking through `transport`; `health` reports its failures to the Receiver's
+    /// rediscovery.
     pub fn new(
         id: PeerId,
         transport: Rc<dyn PeerTransport>,
@@ -105,7 +115,14 @@ impl Peer {
             consecutive_failures: 0,
             backoff_until: None,
             last_failure: None,
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     fn id(&self) -> &PeerId {
@@ -114,10 +131,11 @@ impl Peer {
 
     fn start_pull(&mut self, pull: Pull, ctx: &mut Context<Self>) {
         let pull_id = pull.pull_id;
-        let span =
-            tracing::info_span!("pull", peer = %self.id(), pull_id, requests = pull.requests.len());
+        // The pull's requests by id, so a log line inside the pull finds its requests.
+        let req_ids: Vec<&str> = pull.requests.iter().map(|r| &*r.meta.req_id).collect();
+        let span = tracing::info_span!("pull", peer = %self.id(), pull_id, req_id = ?req_ids);
         span.in_scope(|| tracing::debug!("sending pull"));
-        metrics::counter!(m::PULLS).increment(1);
+        self.labels.counter(m::PULLS).increment(1);
         self.state.start(&pull);
         let finish = CleanFinish::default();
         let replies = self.transport.pull(self.id(), pull.payload, finish.clone());
@@ -152,7 +170,7 @@ impl Peer {
     fn arm_deadline(&self, pull_id: PullId, ctx: &mut Context<Self>) -> SpawnHandle {
         let timeout = self.cfg.pull_timeout;
         ctx.run_later(timeout, move |act, ctx| {
-            metrics::counter!(m::DEADLINE_EXPIRIES).increment(1);
+            act.labels.counter(m::DEADLINE_EXPIRIES).increment(1);
             let fx = act.state.abandon(
                 pull_id,
                 format!("no reply within the {timeout:?} pull deadline"),
@@ -170,12 +188,14 @@ impl Peer {
             .unwrap_or_else(tracing::Span::none);
         let _g = span.enter();
         if let Some(reason) = &fx.malformed {
-            metrics::counter!(m::MALFORMED_REPLIES).increment(1);
+            self.labels.counter(m::MALFORMED_REPLIES).increment(1);
             tracing::warn!(%reason, "malformed reply");
         }
         if !fx.stale.is_empty() {
             let StaleIds { count, sample } = fx.stale;
-            metrics::counter!(m::STALE_SETTLES).increment(count as u64);
+            self.labels
+                .counter(m::STALE_SETTLES)
+                .increment(count as u64);
             tracing::debug!(count, ?sample, "stale ids in reply");
             self.events.emit(KvEvent::Stale {
                 peer: self.id().clone(),
@@ -185,7 +205,9 @@ impl Peer {
             });
         }
         for (to, s) in fx.settles {
-            metrics::counter!(m::SETTLES, "outcome" => s.outcome.label()).increment(1);
+            self.labels
+                .counter_by(m::SETTLES, "outcome", s.outcome.label())
+                .increment(1);
             tracing::debug!(req_id = %s.req_id, outcome = s.outcome.label(), reason = s.outcome.reason(), "settle");
             self.events.emit(KvEvent::Settled {
                 peer: s.peer.clone(),
@@ -214,7 +236,9 @@ impl Peer {
         if let Some(l) = self.live.remove(&pull_id) {
             ctx.cancel_future(l.stream); // drops the channel: the DEALER closes with linger 0
             ctx.cancel_future(l.deadline);
-            metrics::histogram!(m::PULL_LATENCY).record(l.started.elapsed().as_secs_f64());
+            self.labels
+                .histogram(m::PULL_LATENCY)
+                .record(l.started.elapsed().as_secs_f64());
         }
     }
 
@@ -222,7 +246,9 @@ impl Peer {
     /// before we failed). It is settled at once instead of waiting out the backoff; nothing was
     /// sent, so no peer can write for it: Failed, not Uncertain.
     fn refuse(&mut self, pull: Pull, until: Instant, ctx: &mut Context<Self>) {
-        metrics::counter!(m::UNREACHABLE_BATCHES, "reason" => "peer_backoff").increment(1);
+        self.labels
+            .counter_by(m::UNREACHABLE_BATCHES, "reason", "peer_backoff")
+            .increment(1);
         let left = until.saturating_duration_since(Instant::now());
         tracing::warn!(peer = %self.id(), pull_id = pull.pull_id, backoff_left_ms = left.as_millis() as u64,
             "pull refused: peer is in its restart backoff");
@@ -264,7 +290,7 @@ impl Supervised for Peer {
         // Marks the engines that list this peer stale: P may have come back elsewhere.
         let cause = self.last_failure.take().unwrap_or(reason);
         self.health.down(self.state.peer(), until, cause);
-        metrics::counter!(m::PEER_RESTARTS).increment(1);
+        self.labels.counter(m::PEER_RESTARTS).increment(1);
         tracing::warn!(peer = %self.id(), restarts = self.restarts, backoff_ms = backoff.as_millis() as u64, "peer restarted");
         self.events.emit(KvEvent::PeerRestarted {
             peer: self.id().clone(),

@@ -18,7 +18,7 @@ use crate::messages::{
     PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta, SharedRequest, UnsentPull, WireError,
     ABORTED_BY_HOST,
 };
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 use crate::rdma::{Landing, PullWindow};
 
 use super::aggregator::RequestAggregator;
@@ -32,6 +32,8 @@ use super::rediscovery::{
 use super::topology::{EngineTopology, TopologyError, TopologySource};
 use super::transport::PeerTransport;
 
+/// Entry of the coordinator: validates `load_kv` batches, finds each P engine's peers and starts
+/// one aggregator per awaited request before any pull is sent.
 pub struct Receiver {
     cfg: KvRecvConfig,
     topology: Rc<dyn TopologySource>,
@@ -49,9 +51,11 @@ pub struct Receiver {
     aborted: HashSet<ReqId>,
     /// Metadata encoder (a seam so a test can make it fail).
     encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
+    labels: Labels,
 }
 
 impl Receiver {
+    /// A receiver that hands quarantines to `block_manager` and lands writes through `landing`.
     pub fn new(
         cfg: KvRecvConfig,
         topology: Rc<dyn TopologySource>,
@@ -77,7 +81,14 @@ impl Receiver {
             undispatched: HashSet::new(),
             aborted: HashSet::new(),
             encode: MooncakeXferMetadata::encode,
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// Layout-level checks on top of [`crate::messages::KvRequest::validate`].
@@ -111,14 +122,17 @@ impl Receiver {
             backoff_max: self.cfg.peer_backoff_max,
         };
         let health = PeerHealth::new(self.rediscovery.clone());
-        let addr = Supervisor::start(move |_| Peer::new(pid, transport, cfg, events, health));
+        let labels = self.labels.clone();
+        let addr = Supervisor::start(move |_| {
+            Peer::new(pid, transport, cfg, events, health).with_labels(labels)
+        });
         self.peers.insert(id.clone(), addr.clone());
         addr
     }
 
     /// No writer exists for this batch (DESIGN.md §4 rule 7).
     fn fail_batch(&mut self, key: &EngineKey, group: Vec<SharedRequest>, err: TopologyError) {
-        metrics::counter!(m::TOPOLOGY_FAILURES).increment(1);
+        self.labels.counter(m::TOPOLOGY_FAILURES).increment(1);
         tracing::warn!(error = %err, requests = group.len(), "topology failure; failing the batch");
         self.rediscovery
             .borrow_mut()
@@ -135,7 +149,9 @@ impl Receiver {
             Unreachable::PeerDown { .. } => "peer_down",
             Unreachable::LookupBackoff { .. } => "lookup_backoff",
         };
-        metrics::counter!(m::UNREACHABLE_BATCHES, "reason" => reason).increment(1);
+        self.labels
+            .counter_by(m::UNREACHABLE_BATCHES, "reason", reason)
+            .increment(1);
         tracing::warn!(error = %why, requests = group.len(), "failing the batch at once");
         self.fail_awaiting(group, why.to_string());
     }
@@ -148,6 +164,7 @@ impl Receiver {
                 self.block_manager.clone(),
                 self.events.clone(),
             )
+            .with_labels(self.labels.clone())
             .start();
         }
     }
@@ -198,6 +215,7 @@ impl Receiver {
                         self.block_manager.clone(),
                         self.events.clone(),
                     )
+                    .with_labels(self.labels.clone())
                     .start()
                     .recipient()
                 }),
@@ -224,7 +242,7 @@ impl Receiver {
                 Err(e) => {
                     // Nothing was sent, so nothing can be written: the peer settles the pull
                     // Failed and every aggregator still reaches zero.
-                    metrics::counter!(m::UNSENT_PULLS).increment(1);
+                    self.labels.counter(m::UNSENT_PULLS).increment(1);
                     tracing::error!(error = %e, %peer, pull_id, "cannot encode metadata; failing the pull");
                     self.peer(peer).do_send(UnsentPull {
                         pull_id,
@@ -329,7 +347,9 @@ impl Handler<Abort> for Receiver {
     fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
         if self.undispatched.contains(&msg.req_id) {
             self.aborted.insert(msg.req_id.clone());
-            metrics::counter!(m::ABORTS, "stage" => "before_dispatch").increment(1);
+            self.labels
+                .counter_by(m::ABORTS, "stage", "before_dispatch")
+                .increment(1);
             tracing::info!(req_id = %msg.req_id, "request aborted by the host before dispatch");
             return Box::pin(actix::fut::ready(AbortReply {
                 peers_settled: 0,
@@ -346,28 +366,28 @@ impl Handler<Abort> for Receiver {
             })
             .collect();
         let req_id = msg.req_id;
-        Box::pin(
-            futures::future::join_all(asks)
-                .into_actor(self)
-                .map(move |answers, _, _| {
-                    // A peer that is restarting settles everything it owed itself.
-                    let peers_settled = answers
-                        .into_iter()
-                        .filter(|a| matches!(a, Ok(n) if *n > 0))
-                        .count();
-                    let stage = if peers_settled > 0 {
-                        "in_flight"
-                    } else {
-                        "unknown"
-                    };
-                    metrics::counter!(m::ABORTS, "stage" => stage).increment(1);
-                    tracing::info!(%req_id, peers_settled, "request aborted by the host");
-                    AbortReply {
-                        peers_settled,
-                        before_dispatch: false,
-                    }
-                }),
-        )
+        Box::pin(futures::future::join_all(asks).into_actor(self).map(
+            move |answers, act: &mut Self, _| {
+                // A peer that is restarting settles everything it owed itself.
+                let peers_settled = answers
+                    .into_iter()
+                    .filter(|a| matches!(a, Ok(n) if *n > 0))
+                    .count();
+                let stage = if peers_settled > 0 {
+                    "in_flight"
+                } else {
+                    "unknown"
+                };
+                act.labels
+                    .counter_by(m::ABORTS, "stage", stage)
+                    .increment(1);
+                tracing::info!(%req_id, peers_settled, "request aborted by the host");
+                AbortReply {
+                    peers_settled,
+                    before_dispatch: false,
+                }
+            },
+        ))
     }
 }
 
@@ -401,7 +421,9 @@ impl Receiver {
         }
         rejected.sort_by_key(|(i, _)| *i);
         for (_, e) in &rejected {
-            metrics::counter!(m::LOAD_KV_REJECTED, "reason" => e.kind()).increment(1);
+            self.labels
+                .counter_by(m::LOAD_KV_REJECTED, "reason", e.kind())
+                .increment(1);
             tracing::warn!(error = %e, "request refused at load_kv");
         }
         reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
@@ -417,7 +439,7 @@ impl Receiver {
                 }
                 Plan::Refresh => {
                     // A peer of this engine failed: P may have restarted on new ports.
-                    metrics::counter!(m::TOPOLOGY_REFRESHES).increment(1);
+                    self.labels.counter(m::TOPOLOGY_REFRESHES).increment(1);
                     tracing::info!(bootstrap = %key.0, engine = %key.1, "a peer failed; asking bootstrap again");
                     self.topology.invalidate(&key.0, &key.1);
                 }

@@ -20,10 +20,15 @@ use super::transport::PeerTransport;
 
 /// Everything a coordinator is made of.
 pub struct CoordinatorParts {
+    /// Timeouts, policy, layout and this worker's rank.
     pub config: KvRecvConfig,
+    /// How P engines' peers are found (the HTTP bootstrap client in production).
     pub topology: Rc<dyn TopologySource>,
+    /// The side channel to P's peers (ZMQ in production).
     pub transport: Rc<dyn PeerTransport>,
+    /// The data plane: opens windows for pulls and fences uncertain peers.
     pub landing: Arc<dyn Landing>,
+    /// Where events go (a channel, or nowhere).
     pub events: EventSink,
     /// Use kvrecv's built-in block pool (hosts without their own, the demo).
     pub builtin_pool: bool,
@@ -32,7 +37,9 @@ pub struct CoordinatorParts {
 /// Running actors of one D worker.
 #[derive(Clone)]
 pub struct Coordinator {
+    /// Takes `LoadKv` and `Abort`.
     pub receiver: Addr<Receiver>,
+    /// Takes `Drain`; owns the destination-block ledger.
     pub block_manager: Addr<BlockManager>,
     /// The built-in pool's ownership table, for the data plane's audit.
     pub ownership: Option<Arc<BlockOwnership>>,
@@ -42,6 +49,7 @@ impl Coordinator {
     /// Start on the current arbiter (inside an actix `System`).
     pub fn start(parts: CoordinatorParts) -> Coordinator {
         let cfg = parts.config;
+        let labels = crate::metrics::Labels::for_config(&cfg);
         let pool = parts
             .builtin_pool
             .then(|| BlockPool::new(cfg.layout.num_blocks));
@@ -54,6 +62,7 @@ impl Coordinator {
             cfg.policy,
             parts.events.clone(),
         )
+        .with_labels(labels.clone())
         .start();
         let receiver = Receiver::new(
             cfg,
@@ -63,6 +72,7 @@ impl Coordinator {
             block_manager.clone(),
             parts.events,
         )
+        .with_labels(labels)
         .start();
         Coordinator {
             receiver,

@@ -14,28 +14,57 @@ use crate::messages::PeerId;
 /// One P engine (one DP rank): TP rank -> PP rank -> side-channel address.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EngineTopology {
+    /// P's engine id, as the bootstrap server knows it.
     pub engine_id: String,
+    /// P's tensor-parallel size.
     pub tp_size: u32,
+    /// P's pipeline-parallel size.
     pub pp_size: u32,
     /// `workers[tp][pp]`.
     pub workers: Vec<Vec<PeerId>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+/// Why no writer can be found for a batch: its awaited requests fail at once (DESIGN.md §4 rule 7).
 pub enum TopologyError {
     #[error("engine {engine_id} is not registered at {bootstrap}")]
+    /// The bootstrap server does not know the engine.
     UnknownEngine {
+        /// The engine asked for.
         engine_id: String,
+        /// The bootstrap server asked.
         bootstrap: String,
     },
     #[error("bootstrap {bootstrap} failed: {reason}")]
-    Bootstrap { bootstrap: String, reason: String },
+    /// The bootstrap server could not be queried or answered nonsense.
+    Bootstrap {
+        /// The bootstrap server.
+        bootstrap: String,
+        /// Why.
+        reason: String,
+    },
     #[error("engine {engine_id} topology incomplete: {reason}")]
-    Incomplete { engine_id: String, reason: String },
+    /// The engine has not registered all its ranks (yet).
+    Incomplete {
+        /// The engine.
+        engine_id: String,
+        /// What is missing.
+        reason: String,
+    },
     #[error("TP sizes do not divide: P TP {p_tp}, D TP {d_tp}")]
-    TpRatio { p_tp: u32, d_tp: u32 },
+    /// P's and D's TP sizes do not divide each other.
+    TpRatio {
+        /// P's TP size.
+        p_tp: u32,
+        /// D's TP size.
+        d_tp: u32,
+    },
     #[error("engine {engine_id} has no worker for this D rank")]
-    NoPeers { engine_id: String },
+    /// No P rank serves this D rank.
+    NoPeers {
+        /// The engine.
+        engine_id: String,
+    },
 }
 
 impl EngineTopology {
@@ -192,6 +221,7 @@ pub struct StaticTopology {
 }
 
 impl StaticTopology {
+    /// A fixed set of engines (tests, and hosts that know P's topology).
     pub fn new(engines: impl IntoIterator<Item = EngineTopology>) -> Self {
         StaticTopology {
             engines: engines

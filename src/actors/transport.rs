@@ -1,6 +1,6 @@
 //! The Peer's view of its socket: get a channel for the pull (fresh, or one whose previous pull
 //! ended with a clean FINISH), send one request, stream the replies. The ZMQ implementation
-//! lives in `control`; tests use [`super::ScriptedTransport`].
+//! lives in `control`; tests use `ScriptedTransport` (feature `testing`).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,15 +19,43 @@ pub enum TransportError {
     /// D could not create the pull's socket (out of sockets or descriptors): nothing was sent,
     /// so the peer can neither have the request nor be blamed for it.
     #[error("D cannot create a channel to {peer}: {reason}")]
-    Local { peer: PeerId, reason: String },
+    /// The socket could not be created here.
+    Local {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
     #[error("cannot open a channel to {peer}: {reason}")]
-    Connect { peer: PeerId, reason: String },
+    /// The peer could not be reached.
+    Connect {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
     #[error("send to {peer} failed: {reason}")]
-    Send { peer: PeerId, reason: String },
+    /// The pull could not be sent.
+    Send {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
     #[error("receive from {peer} failed: {reason}")]
-    Recv { peer: PeerId, reason: String },
+    /// A reply could not be received.
+    Recv {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
     #[error("peer {peer} went away")]
-    Closed { peer: PeerId },
+    /// The peer closed the connection.
+    Closed {
+        /// The peer.
+        peer: PeerId,
+    },
 }
 
 /// Replies of one pull, in order. The stream ends when the channel is closed by the other side;

@@ -417,7 +417,13 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         }
     }
     let permits = tcfg.permits;
-    let target = match TcpTarget::start(tcfg).await {
+    let labels = kvrecv::metrics::Labels::for_config(&cfg);
+    let target = match TcpTarget::start(TargetConfig {
+        labels: labels.clone(),
+        ..tcfg
+    })
+    .await
+    {
         Ok(t) => t,
         Err(e) => {
             emit(
@@ -451,11 +457,14 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
     let bases = landing.permits().map().region_bases(0);
     let coord = Coordinator::start(CoordinatorParts {
         config: cfg.clone(),
-        topology: Rc::new(HttpTopology::new(bootstrap)),
-        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig {
-            max_msg_size: args.max_msg_size,
-            ..ZmqTransportConfig::default()
-        })),
+        topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
+        transport: Rc::new(
+            ZmqTransport::new(ZmqTransportConfig {
+                max_msg_size: args.max_msg_size,
+                ..ZmqTransportConfig::default()
+            })
+            .with_labels(labels),
+        ),
         landing: landing.clone() as Arc<dyn kvrecv::rdma::Landing>,
         events,
         builtin_pool: false,

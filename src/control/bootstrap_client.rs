@@ -19,7 +19,7 @@ use hyper::{Method, StatusCode};
 
 use crate::actors::topology::{EngineTopology, TopologyError, TopologySource};
 use crate::messages::bootstrap::{parse_query, QueryResponse};
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 
 use super::http::{request, BaseUrl};
 
@@ -63,14 +63,23 @@ struct Inner {
 pub struct HttpTopology {
     inner: Rc<RefCell<Inner>>,
     cfg: BootstrapConfig,
+    labels: Labels,
 }
 
 impl HttpTopology {
+    /// A client with no cached topology; a lookup queries `GET /query` and caches complete engines.
     pub fn new(cfg: BootstrapConfig) -> Self {
         HttpTopology {
             inner: Rc::default(),
             cfg,
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// Whether a topology is cached (for tests and operators).
@@ -88,7 +97,9 @@ impl HttpTopology {
         }
         let gen = inner.next_gen;
         inner.next_gen += 1;
-        let fut = fetch(bootstrap.to_owned(), self.cfg).boxed_local().shared();
+        let fut = fetch(bootstrap.to_owned(), self.cfg, self.labels.clone())
+            .boxed_local()
+            .shared();
         inner
             .inflight
             .insert(bootstrap.to_owned(), (gen, fut.clone()));
@@ -96,7 +107,7 @@ impl HttpTopology {
     }
 }
 
-async fn fetch(bootstrap: String, cfg: BootstrapConfig) -> QueryResult {
+async fn fetch(bootstrap: String, cfg: BootstrapConfig, labels: Labels) -> QueryResult {
     let started = Instant::now();
     let span = tracing::info_span!("bootstrap_query", %bootstrap);
     let fail = |reason: String| TopologyError::Bootstrap {
@@ -123,14 +134,20 @@ async fn fetch(bootstrap: String, cfg: BootstrapConfig) -> QueryResult {
     }
     .await;
     let _g = span.enter();
-    metrics::histogram!(m::BOOTSTRAP_LATENCY).record(started.elapsed().as_secs_f64());
+    labels
+        .histogram(m::BOOTSTRAP_LATENCY)
+        .record(started.elapsed().as_secs_f64());
     match &result {
         Ok(q) => {
-            metrics::counter!(m::BOOTSTRAP_QUERIES, "result" => "ok").increment(1);
+            labels
+                .counter_by(m::BOOTSTRAP_QUERIES, "result", "ok")
+                .increment(1);
             tracing::debug!(engines = q.len(), "bootstrap answered");
         }
         Err(e) => {
-            metrics::counter!(m::BOOTSTRAP_QUERIES, "result" => "error").increment(1);
+            labels
+                .counter_by(m::BOOTSTRAP_QUERIES, "result", "error")
+                .increment(1);
             tracing::warn!(error = %e, "bootstrap query failed");
         }
     }
@@ -162,12 +179,15 @@ impl TopologySource for HttpTopology {
     ) -> LocalBoxFuture<'static, Result<EngineTopology, TopologyError>> {
         let key = (bootstrap.to_owned(), engine_id.to_owned());
         if let Some(t) = self.inner.borrow().cache.get(&key).cloned() {
-            metrics::counter!(m::BOOTSTRAP_LOOKUPS, "result" => "cached").increment(1);
+            self.labels
+                .counter_by(m::BOOTSTRAP_LOOKUPS, "result", "cached")
+                .increment(1);
             return Box::pin(async move { Ok(t) });
         }
         let (gen, fut, joined) = self.query(bootstrap);
         let inner = self.inner.clone();
         let expected = self.cfg.expected_p_sizes;
+        let labels = self.labels.clone();
         Box::pin(async move {
             let q = fut.await;
             let mut st = inner.borrow_mut();
@@ -181,12 +201,19 @@ impl TopologySource for HttpTopology {
                 .and_then(|t| check_sizes(t, expected));
             match &topo {
                 Ok(t) => {
-                    metrics::counter!(m::BOOTSTRAP_LOOKUPS, "result" => if joined { "joined" } else { "queried" })
+                    labels
+                        .counter_by(
+                            m::BOOTSTRAP_LOOKUPS,
+                            "result",
+                            if joined { "joined" } else { "queried" },
+                        )
                         .increment(1);
                     st.cache.insert(key, t.clone());
                 }
                 Err(e) => {
-                    metrics::counter!(m::BOOTSTRAP_LOOKUPS, "result" => "failed").increment(1);
+                    labels
+                        .counter_by(m::BOOTSTRAP_LOOKUPS, "result", "failed")
+                        .increment(1);
                     tracing::warn!(bootstrap = %key.0, engine = %key.1, error = %e, "topology lookup failed");
                 }
             }

@@ -1,8 +1,11 @@
 //! The control plane on real sockets: the ZMQ peer transport and the HTTP bootstrap client.
 
+#[doc(hidden)]
 pub mod async_socket;
 pub mod bootstrap_client;
+#[doc(hidden)]
 pub mod http;
+#[doc(hidden)]
 pub mod zmq_context;
 pub mod zmq_transport;
 

@@ -38,7 +38,7 @@ use futures::StreamExt;
 
 use crate::actors::transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};
 use crate::messages::PeerId;
-use crate::metrics as m;
+use crate::metrics::{self as m, Labels};
 
 use super::async_socket::{AsyncSocket, SocketError};
 use super::zmq_context::{ZmqContext, DEFAULT_MAX_SOCKETS};
@@ -54,6 +54,7 @@ pub struct ZmqTransportConfig {
     /// I/O thread even while P's Python code is busy): detects a host that vanished without
     /// closing TCP. Zero disables.
     pub heartbeat_ivl: Duration,
+    /// How long without any traffic (PONG included) before the connection counts as dead.
     pub heartbeat_timeout: Duration,
     /// `ZMQ_MAX_SOCKETS` of the transport's context: each pull in flight, and each pooled
     /// DEALER, holds three sockets (libzmq's default cap of 1023 allows only 341 at once).
@@ -84,6 +85,7 @@ pub struct ZmqTransport {
     ctx: ZmqContext,
     cfg: ZmqTransportConfig,
     pool: Rc<Pool>,
+    labels: Labels,
 }
 
 /// How often the pool looks for DEALERs idle past their timeout.
@@ -216,7 +218,18 @@ impl ZmqTransport {
             ZmqContext::new(1023).expect("a libzmq context")
         });
         let pool = Rc::new(Pool::new(&cfg));
-        ZmqTransport { ctx, cfg, pool }
+        ZmqTransport {
+            ctx,
+            cfg,
+            pool,
+            labels: Labels::default(),
+        }
+    }
+
+    /// Record metrics under `labels` (the coordinator's engine and ranks).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// The context (tests share it for inproc sockets).
@@ -229,10 +242,14 @@ impl ZmqTransport {
     /// peer's address was refused.
     fn channel(&self, peer: &PeerId) -> Result<Channel, TransportError> {
         if let Some(ch) = self.pool.take(peer) {
-            metrics::counter!(m::SIDE_CHANNELS, "how" => "reused").increment(1);
+            self.labels
+                .counter_by(m::SIDE_CHANNELS, "how", "reused")
+                .increment(1);
             return Ok(ch);
         }
-        metrics::counter!(m::SIDE_CHANNELS, "how" => "opened").increment(1);
+        self.labels
+            .counter_by(m::SIDE_CHANNELS, "how", "opened")
+            .increment(1);
         self.open(peer)
     }
 
@@ -287,6 +304,7 @@ impl ZmqTransport {
             handshaken: false,
             broken: None,
             max_msg_size: self.cfg.max_msg_size,
+            labels: self.labels.clone(),
             _ctx: self.ctx.clone(),
         };
         Ok(ch)
@@ -308,6 +326,7 @@ struct Channel {
     /// The connection failed; reported once the replies queued before it are delivered.
     broken: Option<TransportError>,
     max_msg_size: i64,
+    labels: Labels,
     /// Last: the sockets above close before this reference to their context goes.
     _ctx: ZmqContext,
 }
@@ -442,7 +461,7 @@ impl Channel {
     }
 }
 
-fn count(e: &TransportError) {
+fn count(labels: &Labels, e: &TransportError) {
     let kind = match e {
         TransportError::Local { .. } => "local",
         TransportError::Connect { .. } => "connect",
@@ -450,7 +469,9 @@ fn count(e: &TransportError) {
         TransportError::Recv { .. } => "recv",
         TransportError::Closed { .. } => "closed",
     };
-    metrics::counter!(m::TRANSPORT_ERRORS, "kind" => kind).increment(1);
+    labels
+        .counter_by(m::TRANSPORT_ERRORS, "kind", kind)
+        .increment(1);
     tracing::warn!(error = %e, "side channel failed");
 }
 
@@ -459,7 +480,7 @@ impl PeerTransport for ZmqTransport {
         let ch = match self.channel(peer) {
             Ok(ch) => ch,
             Err(err) => {
-                count(&err);
+                count(&self.labels, &err);
                 return stream::once(async move { Err(err) }).boxed_local();
             }
         };
@@ -479,14 +500,14 @@ impl PeerTransport for ZmqTransport {
                         peer: ch.peer.clone(),
                         reason: e.to_string(),
                     };
-                    count(&err);
+                    count(&ch.labels, &err);
                     return Some((Err(err), None));
                 }
             }
             match ch.next().await {
                 Step::Reply(f) => Some((Ok(f), Some((lease, None)))),
                 Step::Fail(e) => {
-                    count(&e);
+                    count(&ch.labels, &e);
                     Some((Err(e), None))
                 }
             }

@@ -14,6 +14,7 @@ pub const ABORTED_BY_HOST: &str = "aborted by the host";
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "AbortReply")]
 pub struct Abort {
+    /// The request the host stopped waiting for.
     pub req_id: ReqId,
 }
 
@@ -32,5 +33,6 @@ pub struct AbortReply {
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "usize")]
 pub struct AbortAtPeer {
+    /// The request to settle at this peer.
     pub req_id: ReqId,
 }

@@ -11,5 +11,6 @@ use super::batch::{BatchError, SharedRequest};
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Vec<Result<(), BatchError>>")]
 pub struct Admit {
+    /// The awaited requests of the batch, in order.
     pub requests: Vec<SharedRequest>,
 }

@@ -37,58 +37,107 @@ pub enum BatchError {
     #[error(
         "request {req_id}: missing `{field}` in kv_transfer_params; no pull can be started for it"
     )]
-    MissingField { req_id: String, field: &'static str },
-    #[error("request {req_id}: `{field}` is empty")]
-    EmptyField { req_id: String, field: &'static str },
-    #[error("request {req_id} appears twice in the batch")]
-    Duplicate { req_id: String },
-    #[error("request {req_id}: block id {block} is outside the pool of {num_blocks} blocks")]
-    BlockOutOfRange {
+    /// A field the request needs is absent.
+    MissingField {
+        /// The request refused.
         req_id: String,
+        /// The field.
+        field: &'static str,
+    },
+    #[error("request {req_id}: `{field}` is empty")]
+    /// A field the request needs is empty.
+    EmptyField {
+        /// The request refused.
+        req_id: String,
+        /// The field.
+        field: &'static str,
+    },
+    #[error("request {req_id} appears twice in the batch")]
+    /// The same request twice in one batch.
+    Duplicate {
+        /// The request refused.
+        req_id: String,
+    },
+    #[error("request {req_id}: block id {block} is outside the pool of {num_blocks} blocks")]
+    /// A block id outside the layout's pool.
+    BlockOutOfRange {
+        /// The request refused.
+        req_id: String,
+        /// The offending block.
         block: u32,
+        /// Blocks in the pool.
         num_blocks: u32,
     },
     #[error("request {req_id}: {groups} KV-cache groups, the layout has {expected}")]
+    /// Block lists for a different number of KV-cache groups than the layout.
     GroupCount {
+        /// The request refused.
         req_id: String,
+        /// Groups the request lists.
         groups: usize,
+        /// Groups the layout has.
         expected: usize,
     },
     #[error("request {req_id}: remote_bootstrap_addr {addr:?} is not http://host:port ({reason})")]
+    /// The bootstrap address is not an `http://host:port` URL.
     BadBootstrapAddr {
+        /// The request refused.
         req_id: String,
+        /// The address given.
         addr: String,
+        /// What is wrong with it.
         reason: &'static str,
     },
     #[error("request {req_id}: block {block} is listed twice in KV-cache group {group}")]
+    /// A block listed twice in one group: two peers would write it.
     DuplicateBlock {
+        /// The request refused.
         req_id: String,
+        /// The group.
         group: usize,
+        /// The block.
         block: u32,
     },
     #[error(
         "request {req_id} is still in flight or its completion was not drained yet; \
          load it again only after drain returned it"
     )]
-    AlreadyLive { req_id: String },
+    /// The request id is still live (loaded, not yet drained).
+    AlreadyLive {
+        /// The request refused.
+        req_id: String,
+    },
     #[error(
         "request {req_id}: block {block} of KV-cache group {group} belongs to request {owner}, \
          which is still in flight or quarantined"
     )]
+    /// A block still held by another live request.
     BlockInUse {
+        /// The request refused.
         req_id: String,
+        /// The group.
         group: usize,
+        /// The block.
         block: u32,
+        /// The live request holding it.
         owner: String,
     },
     #[error("request {req_id}: the coordinator is not running")]
-    Unavailable { req_id: String },
+    /// The coordinator is not running.
+    Unavailable {
+        /// The request refused.
+        req_id: String,
+    },
     #[error(
         "request {req_id}: {live} requests are live (the limit is {limit}); drain, then retry"
     )]
+    /// Too many live requests; retry after a drain.
     Backpressure {
+        /// The request refused.
         req_id: String,
+        /// Requests live now.
         live: usize,
+        /// The configured limit.
         limit: usize,
     },
 }
@@ -184,10 +233,15 @@ pub fn check_bootstrap_addr(addr: &str) -> Result<(), &'static str> {
 /// A validated request, shared (`Arc`) by every actor that needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RequestMeta {
+    /// vLLM's request id (the key of every event and drain).
     pub req_id: ReqId,
+    /// P's transfer id for the request.
     pub transfer_id: String,
+    /// P's engine id.
     pub engine_id: String,
+    /// P's bootstrap server.
     pub bootstrap_addr: String,
+    /// Destination blocks, one list per KV-cache group.
     pub block_ids: Vec<Vec<u32>>,
 }
 
@@ -271,14 +325,18 @@ impl KvRequest {
 #[derive(Debug, Message)]
 #[rtype(result = "LoadKvReply")]
 pub struct LoadKv {
+    /// The batch, in vLLM's order.
     pub requests: Vec<KvRequest>,
 }
 
 /// Reply to [`LoadKv`]: the valid requests proceed, each invalid one is refused with its reason.
 #[derive(Debug, Clone, Default, PartialEq, Eq, actix::MessageResponse)]
 pub struct LoadKvReply {
+    /// Requests taken (awaited or not).
     pub accepted: usize,
+    /// Of those, the ones awaiting a receive.
     pub awaiting: usize,
+    /// Requests refused, with why; nothing was started for them.
     pub rejected: Vec<BatchError>,
 }
 

@@ -12,9 +12,11 @@ use super::ids::{PeerId, ReqId};
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct FirstFailure {
+    /// The request.
     pub req: SharedRequest,
     /// `None` when no peer was involved (topology failure).
     pub peer: Option<PeerId>,
+    /// Why (the first failing peer's reason).
     pub reason: String,
 }
 
@@ -22,14 +24,19 @@ pub struct FirstFailure {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "outcome", rename_all = "snake_case")]
 pub enum Outcome {
+    /// Every peer settled Ok: the blocks hold the KV.
     Ok,
+    /// Some peer did not deliver; the blocks must be recomputed.
     Failed {
+        /// The first failing peer, if a peer failed (not the topology).
         peer: Option<PeerId>,
+        /// Why.
         reason: String,
     },
 }
 
 impl Outcome {
+    /// Whether every peer delivered.
     pub fn is_ok(&self) -> bool {
         matches!(self, Outcome::Ok)
     }
@@ -40,7 +47,9 @@ impl Outcome {
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct Completion {
+    /// The request.
     pub req: SharedRequest,
+    /// How its receive ended.
     pub outcome: Outcome,
     /// Peers whose settle was Uncertain: they may still be writing.
     pub uncertain_peers: Vec<PeerId>,
@@ -53,6 +62,7 @@ pub struct Completion {
 }
 
 impl Completion {
+    /// The request's id.
     pub fn req_id(&self) -> &ReqId {
         &self.req.req_id
     }

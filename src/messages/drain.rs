@@ -17,6 +17,7 @@ pub struct StepOutput {
 }
 
 impl StepOutput {
+    /// Whether there is nothing to report this step.
     pub fn is_empty(&self) -> bool {
         self.finished_recving.is_empty()
             && self.failed_recving.is_empty()

@@ -19,6 +19,7 @@ pub type PullId = u64;
 pub struct PeerId(Arc<str>);
 
 impl PeerId {
+    /// A peer at ZMQ address `addr` (`tcp://host:port`).
     pub fn new(addr: impl AsRef<str>) -> Self {
         PeerId(Arc::from(addr.as_ref()))
     }

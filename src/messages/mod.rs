@@ -4,16 +4,21 @@
 pub mod abort;
 pub mod admit;
 pub mod batch;
+#[doc(hidden)]
 pub mod bootstrap;
 pub mod completion;
 pub mod drain;
 pub mod event;
+#[doc(hidden)]
 pub mod handshake;
 pub mod ids;
+#[doc(hidden)]
 pub mod msgpack_strict;
+#[doc(hidden)]
 pub mod pool;
 pub mod pull;
 pub mod settle;
+#[doc(hidden)]
 pub mod wire;
 
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};

@@ -9,6 +9,7 @@ use super::settle::Settle;
 /// One request inside a pull, with where its settle goes.
 #[derive(Clone)]
 pub struct PullRequest {
+    /// The request and its destination blocks.
     pub meta: SharedRequest,
     /// The request's aggregator; `None` for a request nobody awaits (empty pull): it is still
     /// sent and settled, but its settle goes nowhere.
@@ -20,8 +21,11 @@ pub struct PullRequest {
 #[derive(Clone, Message)]
 #[rtype(result = "()")]
 pub struct Pull {
+    /// Unique per coordinator; matches replies and events to the pull.
     pub pull_id: PullId,
+    /// The encoded `MooncakeXferMetadata` sent to P.
     pub payload: Vec<u8>,
+    /// The requests it asks for.
     pub requests: Vec<PullRequest>,
 }
 
@@ -31,8 +35,11 @@ pub struct Pull {
 #[derive(Clone, Message)]
 #[rtype(result = "()")]
 pub struct UnsentPull {
+    /// The pull that was not sent.
     pub pull_id: PullId,
+    /// Its requests (each settled Failed).
     pub requests: Vec<PullRequest>,
+    /// Why it could not be encoded.
     pub reason: String,
 }
 

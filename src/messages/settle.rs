@@ -19,10 +19,12 @@ pub enum SettleOutcome {
 }
 
 impl SettleOutcome {
+    /// Whether P reported the write done.
     pub fn is_ok(&self) -> bool {
         matches!(self, SettleOutcome::Ok)
     }
 
+    /// The failure reason, if any.
     pub fn reason(&self) -> Option<&str> {
         match self {
             SettleOutcome::Ok => None,
@@ -30,6 +32,7 @@ impl SettleOutcome {
         }
     }
 
+    /// The metric label of the outcome.
     pub fn label(&self) -> &'static str {
         match self {
             SettleOutcome::Ok => "ok",
@@ -43,8 +46,12 @@ impl SettleOutcome {
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
 pub struct Settle {
+    /// The settling peer.
     pub peer: PeerId,
+    /// The pull it settled in.
     pub pull_id: PullId,
+    /// The request settled.
     pub req_id: ReqId,
+    /// How.
     pub outcome: SettleOutcome,
 }

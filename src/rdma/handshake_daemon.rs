@@ -8,6 +8,7 @@
 //! (TCP descriptor, Connection refused) or [`RdmaService`] (RDMA descriptor, Connection handed to
 //! the passive endpoint handshake, PROTOCOL.md §6).
 
+use crate::metrics::Labels;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -218,6 +219,8 @@ pub struct Daemon {
     pub stats: Arc<HandshakeStats>,
     /// Handshakes served at once at most; more are closed at accept, never queued.
     pub max_concurrent: usize,
+    /// The coordinator's metric labels.
+    pub labels: Labels,
 }
 
 impl std::fmt::Debug for Daemon {
@@ -249,7 +252,14 @@ impl Daemon {
             service,
             stats: Arc::default(),
             max_concurrent: DEFAULT_MAX_HANDSHAKES,
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels`.
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// Cap the handshakes served at once (at least one).
@@ -330,6 +340,7 @@ pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
         let Ok(slot) = slots.clone().try_acquire_owned() else {
             // The initiator sees the close and fails (then retries) its handshake.
             super::accept_cap::refuse_over_cap(
+                &daemon.labels,
                 "handshake",
                 daemon.max_concurrent,
                 &daemon.stats.refused_over_cap,

@@ -13,7 +13,9 @@ use crate::messages::{PeerId, PullId, RequestMeta};
 /// The pull a window is opened for.
 #[derive(Debug, Clone)]
 pub struct PullWindow<'a> {
+    /// The pull (its window's owner).
     pub pull_id: PullId,
+    /// The writer the window is for.
     pub peer: &'a PeerId,
     /// Awaiting requests of the pull (each with its destination blocks).
     pub requests: &'a [Arc<RequestMeta>],
@@ -31,6 +33,7 @@ pub enum Revocation {
 /// What the BlockManager revokes at a completion.
 #[derive(Debug, Clone, Copy)]
 pub struct RevokeRequest<'a> {
+    /// The completed request.
     pub req: &'a RequestMeta,
     /// Peers that may still write into the request's blocks: settled Uncertain, failed by the
     /// transport engine, or not settled at all (policy `naive`). The address windows of their
@@ -42,6 +45,7 @@ pub struct RevokeRequest<'a> {
 
 /// The result of a revocation.
 pub struct Revoked {
+    /// What the revocation proves.
     pub revocation: Revocation,
     /// Windows (epochs) this revocation poisoned.
     pub poisoned: usize,
@@ -72,11 +76,19 @@ impl std::fmt::Debug for Revoked {
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+/// Why a fence could not be confirmed: the blocks stay quarantined until the deadline.
 pub enum FenceError {
     #[error("this data plane cannot fence peers: {0}")]
+    /// This data plane cannot fence (no such mechanism configured).
     Unavailable(String),
     #[error("fence of {peer} failed: {reason}")]
-    Failed { peer: PeerId, reason: String },
+    /// Fencing a peer failed.
+    Failed {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
 }
 
 /// The data plane, as the Receiver (windows) and the BlockManager (revoke, fence) see it.
@@ -126,6 +138,8 @@ pub struct StaticLanding {
 }
 
 impl StaticLanding {
+    /// A landing at (`host`, `port`) with one base address per region; it admits and fences nothing
+    /// (test double).
     pub fn new(host: &str, port: u32, bases: Vec<u64>) -> Self {
         StaticLanding {
             host: host.to_owned(),

@@ -1,5 +1,5 @@
 //! Registered destination memory, laid out like the KV layout (see
-//! [`super::windows::WindowMap`] for the offsets). By default kvrecv allocates it: one
+//! [`super::tcp::windows::WindowMap`] for the offsets). By default kvrecv allocates it: one
 //! contiguous host allocation, or (feature `cuda`) device memory behind a host staging mirror:
 //! TCP bytes land in the mirror and are copied to the device by [`RegisteredMemory::commit`]
 //! before the write is acknowledged. With [`HostMemory`] the host registers its own KV regions
@@ -19,20 +19,35 @@ use thiserror::Error;
 const ALIGN: usize = 4096;
 
 #[derive(Debug, Error)]
+/// Why destination memory could not be set up or written.
 pub enum MemoryError {
     #[error("cannot allocate {0} bytes of destination memory")]
+    /// The allocation of that many bytes failed.
     Alloc(u64),
     #[error("range {offset}+{len} is outside the {size}-byte registered memory")]
-    OutOfBounds { offset: u64, len: u64, size: u64 },
+    /// A write outside the registered memory.
+    OutOfBounds {
+        /// Start of the write.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// Bytes registered.
+        size: u64,
+    },
     #[error("no CUDA driver library found (libcuda.so); GPU destination memory is unavailable")]
+    /// Built with CUDA, but no driver was found at run time.
     NoCudaDriver,
     #[error("kvrecv was built without the `cuda` feature")]
+    /// CUDA memory asked for in a build without the `cuda` feature.
     CudaNotBuilt,
     #[error("CUDA: {0}")]
+    /// A CUDA driver call failed.
     Cuda(String),
     #[error("host memory: {0}")]
+    /// The host's regions do not match the layout.
     HostRegions(String),
     #[error("device memory: {0}")]
+    /// The host's device regions do not match the layout.
     DeviceRegions(String),
 }
 
@@ -40,9 +55,14 @@ pub enum MemoryError {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MemoryKind {
     #[default]
+    /// Pinned host memory kvrecv allocates.
     Host,
     /// Device memory on GPU `ordinal` (feature `cuda`).
-    Cuda { ordinal: usize },
+    /// Device memory kvrecv allocates on GPU `ordinal`.
+    Cuda {
+        /// The GPU.
+        ordinal: usize,
+    },
 }
 
 /// One KV cache region the host allocated and registers with kvrecv: a (pointer, length).
@@ -70,7 +90,8 @@ impl HostRegion {
     ///
     /// # Safety
     /// The caller guarantees, for as long as any [`crate::embed::KvRecv`] handle (or
-    /// [`super::TcpTarget`]) built with this region exists, and until its shutdown completed:
+    /// [`super::TcpTarget`], or RDMA target, which registers it with the NIC until it is
+    /// dropped) built with this region exists, and until its shutdown completed:
     /// - `ptr..ptr + len` is valid, writable memory of one allocation, and stays allocated and
     ///   at the same address (pinned: not freed, moved, reallocated or unmapped);
     /// - kvrecv may write any block of it whose request is loaded and not yet released, from
@@ -92,6 +113,11 @@ impl HostRegion {
     /// Bytes.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Start of the region (what a NIC registration covers).
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
     }
 
     /// Whether the region has no bytes (never: the constructor refuses it).
@@ -203,6 +229,7 @@ pub struct FakeDevice {
     bytes: std::sync::Mutex<Vec<u8>>,
     /// Copies into the device, and the largest one (bounded by [`STAGING_CHUNK`]).
     pub uploads: std::sync::atomic::AtomicU64,
+    /// The largest single copy, in bytes.
     pub largest_upload: std::sync::atomic::AtomicU64,
 }
 
@@ -469,7 +496,7 @@ impl RegisteredMemory {
     }
 
     /// The host's own regions as the destination: `spans` are the layout's `(start, length)`
-    /// per region ([`super::windows::WindowMap::region_spans`]); region `i` of `host` backs span
+    /// per region ([`super::tcp::windows::WindowMap::region_spans`]); region `i` of `host` backs span
     /// `i` and must be at least as long. Nothing is allocated or zeroed.
     pub fn host_owned(host: HostMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
         if host.regions().len() != spans.len() {
@@ -585,6 +612,7 @@ impl RegisteredMemory {
         self.len
     }
 
+    /// Whether there are no regions.
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -3,12 +3,16 @@
 //! and the audit. `tcp/` is kvrecv's TCP target (windows, permits, data server); `verbs/` the
 //! RDMA target (the libibverbs backend behind feature `rdma`).
 
+#[doc(hidden)]
 pub mod accept_cap;
+#[doc(hidden)]
 pub mod audit;
+#[doc(hidden)]
 pub mod handshake_daemon;
 pub mod landing;
 pub mod memory;
 pub mod tcp;
+#[doc(hidden)]
 pub mod verbs;
 
 pub use landing::{

@@ -2,10 +2,14 @@
 //! that admit a write only for its own pull, the data server and the wire format it speaks, and
 //! the target that starts them with the shared handshake daemon.
 
+#[doc(hidden)]
 pub mod permits;
+#[doc(hidden)]
 pub mod server;
 pub mod target;
+#[doc(hidden)]
 pub mod windows;
+#[doc(hidden)]
 pub mod wire;
 
 pub use permits::TcpLanding;

@@ -17,6 +17,7 @@
 //! With permits off (upstream behaviour) every pull shares window 0, every in-range write is
 //! admitted, and `revoke` proves nothing.
 
+use crate::metrics::Labels;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -247,6 +248,7 @@ pub struct PermitTable {
     inner: Mutex<Inner>,
     live: AtomicU64,
     epochs: EpochStats,
+    labels: Labels,
 }
 
 impl std::fmt::Debug for PermitTable {
@@ -271,7 +273,19 @@ impl PermitTable {
             live: AtomicU64::new(0),
             poison: true,
             epochs: EpochStats::default(),
+            labels: Labels::default(),
         }
+    }
+
+    /// Record metrics under `labels` (the data plane records under the same ones).
+    pub fn with_labels(mut self, labels: Labels) -> Self {
+        self.labels = labels;
+        self
+    }
+
+    /// The labels this table's target records metrics under.
+    pub fn labels(&self) -> &Labels {
+        &self.labels
     }
 
     /// Turn the epoch rule off: a window whose writer may still write is reused as soon as it
@@ -325,6 +339,7 @@ impl PermitTable {
             }),
             live: AtomicU64::new(self.live.load(Ordering::SeqCst)),
             epochs: EpochStats::default(),
+            labels: self.labels.clone(),
         }
     }
 
@@ -432,7 +447,7 @@ impl PermitTable {
                 inner.windowless.insert(r.req_id.clone());
             }
             self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!(m::WINDOWS_EXHAUSTED).increment(1);
+            self.labels.counter(m::WINDOWS_EXHAUSTED).increment(1);
             tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
                 poisoned = inner.poisoned.len(),
                 "no clean landing window is free; this pull gets the window that admits nothing");
@@ -486,7 +501,7 @@ impl PermitTable {
         }
         inner.by_pull.insert(pull.pull_id, permit);
         let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
-        metrics::gauge!(m::LIVE_PERMITS).set(live as f64);
+        self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
         window
     }
 
@@ -497,7 +512,9 @@ impl PermitTable {
             Some(&until) if until <= now => {
                 inner.poisoned.remove(&w);
                 self.epochs.poison_expired.fetch_add(1, Ordering::Relaxed);
-                metrics::gauge!(m::POISONED_WINDOWS).set(inner.poisoned.len() as f64);
+                self.labels
+                    .gauge(m::POISONED_WINDOWS)
+                    .set(inner.poisoned.len() as f64);
                 tracing::warn!(
                     window = w,
                     "poisoned landing window back in rotation at its last-resort deadline"
@@ -524,7 +541,7 @@ impl PermitTable {
                 && p.open_count.fetch_sub(1, Ordering::AcqRel) == 1
             {
                 let live = self.live.fetch_sub(1, Ordering::Relaxed) - 1;
-                metrics::gauge!(m::LIVE_PERMITS).set(live as f64);
+                self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
             }
             if self.poison && r.suspects.contains(&p.peer) {
                 let until = inner.poisoned.entry(p.window).or_insert(r.poison_until);
@@ -538,8 +555,12 @@ impl PermitTable {
             self.epochs
                 .poisoned
                 .fetch_add(poisoned as u64, Ordering::Relaxed);
-            metrics::counter!(m::WINDOWS_POISONED).increment(poisoned as u64);
-            metrics::gauge!(m::POISONED_WINDOWS).set(inner.poisoned.len() as f64);
+            self.labels
+                .counter(m::WINDOWS_POISONED)
+                .increment(poisoned as u64);
+            self.labels
+                .gauge(m::POISONED_WINDOWS)
+                .set(inner.poisoned.len() as f64);
         }
         drop(inner);
         // Reads admitted before the swap finish their current socket read (bounded: one

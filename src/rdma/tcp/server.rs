@@ -164,6 +164,7 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
             // Closed before reading anything: P fails that lane's request. Counted first, so a
             // client that saw the close also sees the counter.
             crate::rdma::accept_cap::refuse_over_cap(
+                plane.permits.labels(),
                 "data",
                 plane.max_connections,
                 &plane.stats.refused_over_cap,
@@ -222,7 +223,11 @@ async fn reject(
     reason: RejectReason,
 ) -> ConnEnd {
     plane.stats.rejected(reason).fetch_add(1, Ordering::Relaxed);
-    metrics::counter!(m::WRITES_REJECTED, "reason" => reason.label()).increment(1);
+    plane
+        .permits
+        .labels()
+        .counter_by(m::WRITES_REJECTED, "reason", reason.label())
+        .increment(1);
     tracing::debug!(
         addr = h.addr,
         size = h.size,
@@ -333,8 +338,9 @@ fn landed(plane: &DataPlane, admitted: &Admitted, size: u64) {
     admitted.landed(size);
     plane.stats.bytes_landed.fetch_add(size, Ordering::Relaxed);
     plane.stats.writes_landed.fetch_add(1, Ordering::Relaxed);
-    metrics::counter!(m::BYTES_LANDED).increment(size);
-    metrics::counter!(m::WRITES_LANDED).increment(1);
+    let labels = plane.permits.labels();
+    labels.counter(m::BYTES_LANDED).increment(size);
+    labels.counter(m::WRITES_LANDED).increment(1);
 }
 
 /// [`land`] for memory the server cannot address (the host's device regions): socket bytes

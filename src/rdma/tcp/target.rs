@@ -1,6 +1,7 @@
 //! kvrecv as a Mooncake TE target: registered memory, the advertised windows, landing permits,
 //! the handshake daemon and the TCP data server, started together on a tokio runtime.
 
+use crate::metrics::Labels;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,6 +30,7 @@ pub const DEFAULT_WINDOWS: u32 = 16_384;
 /// How to start a target.
 #[derive(Debug, Clone)]
 pub struct TargetConfig {
+    /// The destination layout (the builder copies it from the config).
     pub layout: KvLayout,
     /// Handshake daemon listen address (port 0: any).
     pub handshake_bind: SocketAddr,
@@ -44,7 +46,9 @@ pub struct TargetConfig {
     /// The epoch rule (DESIGN.md §5): a window whose writer may still write is poisoned until
     /// the last-resort deadline. Off only to prove the rule matters (tests, `repro`).
     pub epoch_rule: bool,
+    /// First advertised address (P writes to virtual addresses from here).
     pub base_addr: u64,
+    /// A data connection silent for longer is closed.
     pub idle_timeout: Duration,
     /// What kvrecv allocates when `host_memory` is `None`.
     pub memory: MemoryKind,
@@ -60,6 +64,9 @@ pub struct TargetConfig {
     pub max_data_connections: usize,
     /// Handshakes in progress at most (default [`DEFAULT_MAX_HANDSHAKES`]); same treatment.
     pub max_handshakes: usize,
+    /// Labels of the target's metrics: the coordinator's (engine, ranks), so two targets in one
+    /// process keep distinct series.
+    pub labels: Labels,
 }
 
 impl TargetConfig {
@@ -81,23 +88,32 @@ impl TargetConfig {
             device_memory: None,
             max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            labels: Labels::default(),
         }
     }
 }
 
 #[derive(Debug, Error)]
+/// Why the data target could not start.
 pub enum TargetError {
     #[error("address windows: {0}")]
+    /// The address windows do not fit.
     Windows(#[from] WindowError),
     #[error("destination memory: {0}")]
+    /// Destination memory could not be set up.
     Memory(#[from] MemoryError),
     #[error("cannot bind {what} on {addr}: {source}")]
+    /// A listener could not bind.
     Bind {
+        /// Which listener.
         what: &'static str,
+        /// Where.
         addr: SocketAddr,
+        /// The OS error.
         source: std::io::Error,
     },
     #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap; use fewer windows")]
+    /// The segment descriptor does not fit the handshake frame.
     DescriptorTooLarge(usize),
 }
 
@@ -137,7 +153,7 @@ impl TcpTarget {
             (None, Some(h)) => RegisteredMemory::host_owned(h.clone(), &map.region_spans())?,
             (None, None) => RegisteredMemory::new(cfg.memory, map.span())?,
         });
-        let mut table = PermitTable::new(map.clone(), cfg.permits);
+        let mut table = PermitTable::new(map.clone(), cfg.permits).with_labels(cfg.labels.clone());
         if !cfg.epoch_rule {
             table = table.without_epoch_rule();
         }
@@ -189,7 +205,11 @@ impl TcpTarget {
         if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
             return Err(TargetError::DescriptorTooLarge(wire_len));
         }
-        let daemon = Arc::new(Daemon::new(&descriptor).with_max_concurrent(cfg.max_handshakes));
+        let daemon = Arc::new(
+            Daemon::new(&descriptor)
+                .with_max_concurrent(cfg.max_handshakes)
+                .with_labels(cfg.labels.clone()),
+        );
         let plane = Arc::new(
             DataPlane::new(permits.clone(), memory, cfg.idle_timeout)
                 .with_max_connections(cfg.max_data_connections),
@@ -251,10 +271,12 @@ impl TcpTarget {
         &self.descriptor.name
     }
 
+    /// Where the handshake daemon listens.
     pub fn handshake_addr(&self) -> SocketAddr {
         self.handshake_addr
     }
 
+    /// Where the data server listens.
     pub fn data_addr(&self) -> SocketAddr {
         self.data_addr
     }

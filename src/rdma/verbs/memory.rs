@@ -1,13 +1,17 @@
-//! Host memory registered for P's one-sided writes. The registry owns the buffers it registers,
+//! Host memory registered for P's one-sided writes. The registry owns the buffers it allocates,
 //! which is what makes registration safe: a buffer cannot be freed while a NIC may write to it.
+//! The host's own regions ([`HostRegion`]) are registered in place: their constructor's contract
+//! keeps them allocated until the target that registered them is dropped (and deregistered).
 
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::descriptor::RegisteredRegion;
+use crate::rdma::memory::HostRegion;
 
-/// Owned host buffers and their registrations, in registration order (descriptor order).
+/// Registered host buffers, in registration order (descriptor order): kvrecv's own (`Some`
+/// buffer) or the host's (`None`: the host owns the bytes).
 #[derive(Debug, Default)]
 pub struct RegisteredMemory {
-    entries: Vec<(Box<[u8]>, RegisteredRegion)>,
+    entries: Vec<(Option<Box<[u8]>>, RegisteredRegion)>,
 }
 
 impl RegisteredMemory {
@@ -35,7 +39,31 @@ impl RegisteredMemory {
             length,
             keys,
         };
-        self.entries.push((buf, region));
+        self.entries.push((Some(buf), region));
+        Ok(&self.entries[self.entries.len() - 1].1)
+    }
+
+    /// Register the host's own `region` in place on every device of `backend`: kvrecv
+    /// allocates nothing, P writes straight into the host's memory.
+    pub fn register_host_region<B: VerbsBackend>(
+        &mut self,
+        backend: &mut B,
+        location: impl Into<String>,
+        region: &HostRegion,
+        access: MrAccess,
+    ) -> Result<&RegisteredRegion, VerbsError> {
+        let addr = region.as_ptr() as u64;
+        let length = region.len() as u64;
+        // SAFETY: `HostRegion::new`'s contract keeps the range allocated and pinned until the
+        // target holding this registry is dropped, and its Drop deregisters first.
+        let keys = unsafe { backend.register_memory(addr, length, access)? };
+        let region = RegisteredRegion {
+            location: location.into(),
+            addr,
+            length,
+            keys,
+        };
+        self.entries.push((None, region));
         Ok(&self.entries[self.entries.len() - 1].1)
     }
 
@@ -44,9 +72,10 @@ impl RegisteredMemory {
         self.entries.iter().map(|(_, r)| r.clone()).collect()
     }
 
-    /// Read access to a registered buffer's bytes (what P wrote).
+    /// Read access to a kvrecv-owned buffer's bytes (what P wrote); `None` for the host's
+    /// regions (the host reads its own memory).
     pub fn bytes(&self, index: usize) -> Option<&[u8]> {
-        self.entries.get(index).map(|(b, _)| &**b)
+        self.entries.get(index).and_then(|(b, _)| b.as_deref())
     }
 
     /// Deregister every buffer and free it. A buffer whose deregistration fails is leaked, not

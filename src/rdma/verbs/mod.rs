@@ -5,7 +5,7 @@
 //! ([`crate::rdma::handshake_daemon::RdmaService`]).
 //!
 //! Every verbs call goes through [`VerbsBackend`]. The logic here compiles and is tested without
-//! the `rdma` feature against [`FakeVerbs`]; only [`ibverbs_device`] (feature `rdma`) links
+//! the `rdma` feature against [`FakeVerbs`]; only `ibverbs_device` (feature `rdma`) links
 //! libibverbs.
 
 pub mod backend;

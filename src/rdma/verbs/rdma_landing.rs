@@ -4,7 +4,7 @@
 //! - `open_pull`: the **registered** base address of every layout region. On RDMA the NIC
 //!   resolves P's addresses through the memory registration, so there are no synthetic
 //!   per-pull windows (PROTOCOL.md §5.4) and no per-pull permit;
-//! - `revoke`: nothing can be revoked per request, so always [`Revocation::NotExact`];
+//! - `revoke`: nothing can be revoked per request, so always [`Revocation::NotExact`](crate::rdma::Revocation::NotExact);
 //! - `fence`: [`RdmaFence`], the bound peers' queue pairs to ERR. A peer with no segment binding
 //!   cannot be fenced, so its blocks stay quarantined until the core's last-resort deadline.
 

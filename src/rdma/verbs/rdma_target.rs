@@ -17,6 +17,7 @@ use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::rdma_landing::{RdmaLanding, RdmaLandingError};
 use crate::layout::KvLayout;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
+use crate::rdma::memory::HostMemory;
 
 /// How to start an RDMA target.
 #[derive(Debug, Clone)]
@@ -30,6 +31,10 @@ pub struct RdmaTargetConfig {
     /// Descriptor buffer name of the host memory (`cpu:<numa node>`).
     pub location: String,
     pub access: MrAccess,
+    /// The host's own KV regions (one per layout region, layout order): registered in place,
+    /// one descriptor buffer each, and kvrecv allocates no KV memory. `None`: one kvrecv-owned
+    /// buffer holding every region back to back.
+    pub host_memory: Option<HostMemory>,
 }
 
 impl RdmaTargetConfig {
@@ -42,6 +47,7 @@ impl RdmaTargetConfig {
             handshake: HandshakeConfig::default(),
             location: "cpu:0".into(),
             access: MrAccess::default(),
+            host_memory: None,
         }
     }
 }
@@ -55,6 +61,9 @@ pub enum RdmaTargetError {
     },
     #[error("the KV layout needs more bytes than this host can address")]
     LayoutTooLarge,
+    /// Checked before anything is registered, so a refused start leaves no registration.
+    #[error("host regions: {0}")]
+    HostRegions(String),
     #[error("memory registration: {0}")]
     Register(#[from] VerbsError),
     #[error("RDMA descriptor: {0}")]
@@ -87,9 +96,9 @@ impl<B: VerbsBackend + 'static> std::fmt::Debug for RdmaTarget<B> {
 }
 
 impl<B: VerbsBackend + 'static> RdmaTarget<B> {
-    /// Bind the daemon, register one host buffer holding every layout region back to back on
-    /// every device of `backend`, build the descriptor and start serving (needs a tokio
-    /// runtime).
+    /// Bind the daemon, register on every device of `backend` the host's regions (with
+    /// `host_memory`) or else one kvrecv-owned buffer holding every layout region back to back,
+    /// build the descriptor and start serving (needs a tokio runtime).
     pub async fn start(backend: B, cfg: RdmaTargetConfig) -> Result<Self, RdmaTargetError> {
         let listener = TcpListener::bind(cfg.handshake_bind)
             .await
@@ -110,15 +119,32 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             cfg.handshake.clone(),
         )));
         let len = layout_bytes(&cfg.layout).ok_or(RdmaTargetError::LayoutTooLarge)?;
+        if let Some(host) = &cfg.host_memory {
+            check_host_regions(&cfg.layout, host)?;
+        }
         let mut memory = RegisteredMemory::new();
         let (nics, regions) = {
             let mut hs = handshake.lock().unwrap_or_else(|p| p.into_inner());
-            memory.register_host(
-                hs.backend_mut(),
-                cfg.location.clone(),
-                vec![0u8; len].into_boxed_slice(),
-                cfg.access,
-            )?;
+            match &cfg.host_memory {
+                Some(host) => {
+                    for r in host.regions() {
+                        memory.register_host_region(
+                            hs.backend_mut(),
+                            cfg.location.clone(),
+                            r,
+                            cfg.access,
+                        )?;
+                    }
+                }
+                None => {
+                    memory.register_host(
+                        hs.backend_mut(),
+                        cfg.location.clone(),
+                        vec![0u8; len].into_boxed_slice(),
+                        cfg.access,
+                    )?;
+                }
+            }
             (hs.backend().nics().to_vec(), memory.regions())
         };
         let descriptor = RdmaSegmentDesc::build(&name, &nics, &regions, timestamp())?;
@@ -175,7 +201,8 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         &self.daemon.stats
     }
 
-    /// What P wrote into the registered host buffer.
+    /// What P wrote into kvrecv's registered buffer (`None` with `host_memory`: the host
+    /// reads its own regions).
     pub fn bytes(&self) -> Option<&[u8]> {
         self.memory.bytes(0)
     }
@@ -189,6 +216,28 @@ impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
         }
     }
+}
+
+/// One host region per layout region, each large enough for its blocks.
+fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTargetError> {
+    let regions = host.regions();
+    if regions.len() != layout.regions.len() {
+        return Err(RdmaTargetError::HostRegions(format!(
+            "{} regions for a layout of {}",
+            regions.len(),
+            layout.regions.len()
+        )));
+    }
+    for (i, (h, l)) in regions.iter().zip(&layout.regions).enumerate() {
+        let needed = l.block_len.checked_mul(u64::from(layout.num_blocks));
+        if needed.is_none_or(|n| (h.len() as u64) < n) {
+            return Err(RdmaTargetError::HostRegions(format!(
+                "region {i} has {} bytes, the layout needs {needed:?}",
+                h.len()
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Bytes of every layout region, without overflow.
