@@ -75,6 +75,16 @@ impl Default for DRank {
     }
 }
 
+/// The Mooncake transport P writes with (vLLM's `mooncake_protocol`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MooncakeProtocol {
+    /// TCP: kvrecv's own target, landing permits revoke per request.
+    #[default]
+    Tcp,
+    /// RDMA: one-sided writes; a transfer-engine failure is fenced like an uncertain peer.
+    Rdma,
+}
+
 /// Everything the coordinator needs.
 #[derive(Debug, Clone, PartialEq)]
 pub struct KvRecvConfig {
@@ -82,8 +92,8 @@ pub struct KvRecvConfig {
     pub policy: Policy,
     /// vLLM's `kv_load_failure_policy`, for the host scheduler to act on.
     pub load_failure_policy: LoadFailurePolicy,
-    /// `kv_connector_extra_config.mooncake_protocol` (`tcp` or `rdma`).
-    pub mooncake_protocol: String,
+    /// `kv_connector_extra_config.mooncake_protocol`.
+    pub mooncake_protocol: MooncakeProtocol,
     /// D-side per-pull deadline: the longest silence tolerated from a peer during a pull. The
     /// default allows P's 480 s readiness wait plus time queued behind P's 20 serving tasks.
     pub pull_timeout: Duration,
@@ -116,7 +126,7 @@ impl Default for KvRecvConfig {
         KvRecvConfig {
             policy: Policy::Settle,
             load_failure_policy: LoadFailurePolicy::Fail,
-            mooncake_protocol: "tcp".into(),
+            mooncake_protocol: MooncakeProtocol::Tcp,
             pull_timeout: Duration::from_secs(600),
             quarantine_deadline: Duration::from_secs(900),
             peer_backoff_base: Duration::from_millis(100),
@@ -285,10 +295,11 @@ impl KvRecvConfig {
             ..KvRecvConfig::default()
         };
         if let Some(p) = raw.kv_connector_extra_config.mooncake_protocol {
-            if p != "tcp" && p != "rdma" {
-                return Err(ConfigError::Protocol(p));
-            }
-            cfg.mooncake_protocol = p;
+            cfg.mooncake_protocol = match p.as_str() {
+                "tcp" => MooncakeProtocol::Tcp,
+                "rdma" => MooncakeProtocol::Rdma,
+                _ => return Err(ConfigError::Protocol(p)),
+            };
         }
         let k = raw.kv_connector_extra_config.kvrecv;
         let ms = |v: Option<u64>, key: &'static str, dflt: Duration| match v {
@@ -466,7 +477,7 @@ mod tests {
         .config;
         assert_eq!(c.policy, Policy::Naive);
         assert_eq!(c.load_failure_policy, LoadFailurePolicy::Recompute);
-        assert_eq!(c.mooncake_protocol, "rdma");
+        assert_eq!(c.mooncake_protocol, MooncakeProtocol::Rdma);
         assert_eq!(c.d_rank.tp_rank, 1);
         assert_eq!(c.engine_id, "x", "the metrics' engine label");
         assert_eq!(c.quarantine_deadline, Duration::from_millis(5));

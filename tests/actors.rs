@@ -3,6 +3,7 @@
 
 mod common;
 
+use kvrecv::messages::Cause;
 use std::time::Duration;
 
 use common::*;
@@ -91,7 +92,7 @@ async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
     b.respond(Continue, &[], &[], None);
     h.wait_for("A uncertain", is_settled(&a.peer, "r1")).await;
     assert!(
-        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("deadline"))
+        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("deadline"))
     );
     assert!(!a.is_open(), "the abandoned pull's channel is closed");
     assert_eq!(h.count(is_completion("r1")), 0);
@@ -117,7 +118,7 @@ async fn err_reqs_in_continue_fails_the_request_for_that_peer_only() {
     h.wait_for("r1 completion", is_completion("r1")).await;
     h.wait_for("r2 completion", is_completion("r2")).await;
     assert!(
-        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Failed(m)] if m.contains("returned -1"))
+        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Failed { reason: m, .. }] if m.contains("returned -1"))
     );
     assert_eq!(h.count(is_first_failure("r2")), 0);
 }
@@ -135,7 +136,7 @@ async fn continue_ok_then_error_keeps_ok_and_makes_the_rest_uncertain() {
     assert_eq!(settled_outcome(&h, &a.peer, "r1"), vec![SettleOutcome::Ok]);
     assert!(matches!(
         &settled_outcome(&h, &a.peer, "r2")[..],
-        [SettleOutcome::Uncertain(_)]
+        [SettleOutcome::Uncertain { .. }]
     ));
     b.respond(Finish, &["r1", "r2"], &[], None);
     let c1 = h.wait_for("r1", is_completion("r1")).await;
@@ -161,7 +162,7 @@ async fn finish_omitting_a_request_fails_it_for_that_peer() {
     h.wait_for("r2 completion", is_completion("r2")).await;
     assert_eq!(
         settled_outcome(&h, &a.peer, "r2"),
-        vec![SettleOutcome::Failed(OMITTED.into())]
+        vec![SettleOutcome::failed(Cause::Omitted, OMITTED)]
     );
     assert_eq!(h.count(is_first_failure("r2")), 1);
 }
@@ -215,7 +216,7 @@ async fn an_id_in_both_lists_of_one_reply_settles_failed() {
     h.wait_for("first failure", is_first_failure("r1")).await;
     assert_eq!(
         settled_outcome(&h, &a.peer, "r1"),
-        vec![SettleOutcome::Failed("te failed".into())]
+        vec![SettleOutcome::failed(Cause::PeerError, "te failed")]
     );
     b.respond(Finish, &["r1"], &[], None);
     let c = h.wait_for("completion", is_completion("r1")).await;
@@ -249,7 +250,7 @@ async fn a_reply_naming_a_million_ids_is_refused_and_the_receiver_keeps_serving(
     // Informational only, never asserted.
     eprintln!("1,000,000-id reply settled in {:?}", t.elapsed());
     assert!(
-        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("malformed") && r.contains("1000000")),
+        matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("malformed") && r.contains("1000000")),
         "{:?}",
         settled_outcome(&h, &a.peer, "r1")
     );
@@ -355,10 +356,10 @@ async fn restart_mid_pull_settles_once_and_next_pull_works() {
     h.wait_for("r2", is_completion("r2")).await;
     let me = peer(0, 0);
     assert!(
-        matches!(&settled_outcome(&h, &me, "r1")[..], [SettleOutcome::Uncertain(r)] if r.contains("socket error"))
+        matches!(&settled_outcome(&h, &me, "r1")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("socket error"))
     );
     assert!(
-        matches!(&settled_outcome(&h, &me, "r2")[..], [SettleOutcome::Uncertain(r)] if r.contains("restarted"))
+        matches!(&settled_outcome(&h, &me, "r2")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("restarted"))
     );
     assert!(!p2.is_open(), "the old incarnation's channels are closed");
     // The same peer serves the next batch.

@@ -5,6 +5,7 @@
 #[path = "net/mod.rs"]
 mod common;
 
+use kvrecv::messages::Cause;
 use std::time::Duration;
 
 use common::*;
@@ -85,7 +86,7 @@ async fn err_reqs_from_one_peer_fail_the_request_after_both_settle() {
     assert_eq!(h.settle("d-1", &a[0]).await, SettleOutcome::Ok);
     assert!(matches!(
         h.settle("d-1", &a[1]).await,
-        SettleOutcome::Failed(_)
+        SettleOutcome::Failed { .. }
     ));
     h.wait_for("first failure", |e| {
         matches!(e, KvEvent::FirstFailure { .. })
@@ -147,7 +148,10 @@ async fn error_naming_the_subset_fails_those_and_leaves_the_rest_uncertain() {
     // Only t-1 becomes ready: the ERROR names d-1 and never answers d-2.
     s.mark_ready("t-1");
     let a = &addrs(&s)[0];
-    assert!(matches!(h.settle("d-1", a).await, SettleOutcome::Failed(_)));
+    assert!(matches!(
+        h.settle("d-1", a).await,
+        SettleOutcome::Failed { .. }
+    ));
     assert!(is_uncertain(&h.settle("d-2", a).await));
 }
 
@@ -204,7 +208,7 @@ async fn finish_omitting_a_request_settles_it_failed() {
     .await;
     assert_eq!(
         h.settle("d-1", &addrs(&s)[0]).await,
-        SettleOutcome::Failed(OMITTED.into())
+        SettleOutcome::failed(Cause::Omitted, OMITTED)
     );
     let (outcome, uncertain) = h.completion("d-1").await;
     assert!(!outcome.is_ok() && uncertain.is_empty());
@@ -230,7 +234,7 @@ async fn readiness_timeout_finish_fails_the_pending_requests() {
     .await;
     assert_eq!(
         h.settle("d-1", &addrs(&s)[0]).await,
-        SettleOutcome::Failed(READINESS_TIMEOUT_MSG.into())
+        SettleOutcome::failed(Cause::PeerError, READINESS_TIMEOUT_MSG)
     );
 }
 

@@ -146,7 +146,7 @@ async fn abort_settles_the_pending_peer_and_releases_only_once_fenced() {
     let seen = until(&mut w.events, released("a")).await;
     let at = |pred: &dyn Fn(&KvEvent) -> bool| seen.iter().position(pred);
     let settled = at(&|e| {
-        matches!(e, KvEvent::Settled { req_id, outcome: SettleOutcome::Uncertain(r), .. }
+        matches!(e, KvEvent::Settled { req_id, outcome: SettleOutcome::Uncertain { reason: r, .. }, .. }
             if &**req_id == "a" && r == ABORTED_BY_HOST)
     })
     .expect("the pending peer settled Uncertain");

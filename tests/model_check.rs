@@ -33,11 +33,11 @@ use std::time::{Duration, Instant};
 use kvrecv::actors::aggregator_state::AggregatorState;
 use kvrecv::actors::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use kvrecv::actors::block_pool::{owner_tag, BlockPool};
-use kvrecv::actors::peer_state::{PeerState, OMITTED};
+use kvrecv::actors::peer_state::PeerState;
 use kvrecv::config::Policy;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{
-    Completion, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta,
+    Cause, Completion, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta,
     Settle, SettleOutcome, XferStatus,
 };
 use kvrecv::rdma::tcp::permits::PermitTable;
@@ -298,7 +298,13 @@ impl Kv {
     fn settle(&self, s: &mut State, settles: Vec<Settle>) {
         for st in settles {
             if self.cfg.drop_omitted_settles
-                && matches!(&st.outcome, SettleOutcome::Failed(r) if r == OMITTED)
+                && matches!(
+                    &st.outcome,
+                    SettleOutcome::Failed {
+                        cause: Cause::Omitted,
+                        ..
+                    }
+                )
             {
                 continue;
             }
@@ -541,7 +547,7 @@ impl Model for Kv {
                 self.settle(&mut s, settles);
             }
             Action::Deadline(peer, pull) => {
-                let fx = s.peers[peer].abandon(pull, "deadline".into());
+                let fx = s.peers[peer].abandon(pull, Cause::Timeout, "deadline".into());
                 let settles = fx.settles.into_iter().map(|(_, st)| st).collect();
                 self.settle(&mut s, settles);
             }

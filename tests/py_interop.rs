@@ -5,6 +5,7 @@
 #[path = "net/mod.rs"]
 mod common;
 
+use kvrecv::messages::Cause;
 use std::io::{BufRead, BufReader, Write};
 use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, Stdio};
@@ -129,7 +130,7 @@ async fn python_pyzmq_msgspec_peer_drives_the_ugly_cases() {
     assert_eq!(h.completion("omit-a").await.0, Outcome::Ok);
     assert_eq!(
         h.settle("omit-b", &w[0]).await,
-        SettleOutcome::Failed(OMITTED.into())
+        SettleOutcome::failed(Cause::Omitted, OMITTED)
     );
     assert!(!h.completion("omit-b").await.0.is_ok());
 

@@ -91,7 +91,11 @@ impl Rig {
         let (events_tx, events) = EventSink::channel();
         let config = KvRecvConfig {
             policy: Policy::Settle,
-            mooncake_protocol: protocol.into(),
+            mooncake_protocol: if protocol == "rdma" {
+                kvrecv::config::MooncakeProtocol::Rdma
+            } else {
+                kvrecv::config::MooncakeProtocol::Tcp
+            },
             pull_timeout: Duration::from_secs(60),
             quarantine_deadline,
             peer_backoff_base: Duration::from_millis(1),

@@ -312,7 +312,11 @@ impl World {
                 self.route(peer, fx);
             }
             Ev::Deadline { peer } => {
-                let fx = self.peers[peer].abandon(self.pull_of[peer], "deadline".into());
+                let fx = self.peers[peer].abandon(
+                    self.pull_of[peer],
+                    kvrecv::messages::Cause::Timeout,
+                    "deadline".into(),
+                );
                 self.route(peer, fx);
             }
             Ev::Restart { peer } => {

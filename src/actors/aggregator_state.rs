@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use crate::config::Policy;
 use crate::messages::{
-    Completion, FirstFailure, Outcome, PeerId, Settle, SettleOutcome, SharedRequest,
+    Cause, Completion, FirstFailure, Outcome, PeerId, Settle, SettleOutcome, SharedRequest,
 };
 use crate::rdma::Landing;
 
@@ -33,8 +33,7 @@ pub struct AggregatorState {
     verifier: Option<Arc<dyn Landing>>,
 }
 
-/// How P reports a transfer-engine failure in `err_reqs` (PROTOCOL.md §2.6).
-pub const TE_FAILURE: &str = "Mooncake transfer engine returned";
+pub use super::peer_state::TE_FAILURE;
 
 impl AggregatorState {
     /// `outstanding` starts at the number of peers.
@@ -160,7 +159,7 @@ impl AggregatorState {
             if let Some(Err(reason)) = self.verifier.as_ref().map(|l| l.verify_ok(&self.req)) {
                 tracing::warn!(req_id = %self.req.req_id, %reason, "peers' ok not backed by landed bytes");
                 for (_, o) in &mut self.settled {
-                    *o = Some(SettleOutcome::Uncertain(reason.clone()));
+                    *o = Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone()));
                 }
                 self.first_failure = Some((None, reason.clone()));
                 fx.first_failure = Some(FirstFailure {
@@ -190,8 +189,11 @@ impl AggregatorState {
             .settled
             .iter()
             .filter(|(_, o)| match o {
-                Some(SettleOutcome::Uncertain(_)) => true,
-                Some(SettleOutcome::Failed(r)) => te_uncertain && r.contains(TE_FAILURE),
+                Some(SettleOutcome::Uncertain { .. }) => true,
+                Some(SettleOutcome::Failed {
+                    cause: Cause::TransportEngine,
+                    ..
+                }) => te_uncertain,
                 _ => false,
             })
             .map(|(p, _)| p.clone())
@@ -205,7 +207,15 @@ impl AggregatorState {
         let transport_failed_peers = self
             .settled
             .iter()
-            .filter(|(_, o)| matches!(o, Some(SettleOutcome::Failed(r)) if r.contains(TE_FAILURE)))
+            .filter(|(_, o)| {
+                matches!(
+                    o,
+                    Some(SettleOutcome::Failed {
+                        cause: Cause::TransportEngine,
+                        ..
+                    })
+                )
+            })
             .map(|(p, _)| p.clone())
             .collect();
         Completion {
@@ -251,11 +261,11 @@ mod tests {
             vec![PeerId::new("a"), PeerId::new("b")],
             Policy::Settle,
         );
-        let fx = a.on_settle(&settle("a", SettleOutcome::Uncertain("x".into())));
+        let fx = a.on_settle(&settle("a", SettleOutcome::uncertain(Cause::Timeout, "x")));
         assert!(fx.first_failure.is_some() && fx.completion.is_none());
         let fx = a.on_settle(&settle("a", SettleOutcome::Ok));
         assert!(fx.stale, "a second settle from the same peer is stale");
-        let fx = a.on_settle(&settle("b", SettleOutcome::Failed("y".into())));
+        let fx = a.on_settle(&settle("b", SettleOutcome::failed(Cause::PeerError, "y")));
         assert!(fx.first_failure.is_none(), "first failure once");
         let c = fx.completion.unwrap();
         assert_eq!(c.uncertain_peers, vec![PeerId::new("a")]);
@@ -270,7 +280,7 @@ mod tests {
             vec![PeerId::new("a"), PeerId::new("b")],
             Policy::Naive,
         );
-        let fx = a.on_settle(&settle("a", SettleOutcome::Failed("x".into())));
+        let fx = a.on_settle(&settle("a", SettleOutcome::failed(Cause::PeerError, "x")));
         let c = fx.completion.unwrap();
         assert_eq!(c.unsettled_peers, vec![PeerId::new("b")]);
         assert!(a.on_settle(&settle("b", SettleOutcome::Ok)).stale);
@@ -278,7 +288,12 @@ mod tests {
 
     #[test]
     fn te_failures_count_as_uncertain_only_when_asked() {
-        let te = || settle("a", SettleOutcome::Failed(format!("{TE_FAILURE} -1")));
+        let te = || {
+            settle(
+                "a",
+                SettleOutcome::failed(Cause::TransportEngine, format!("{TE_FAILURE} -1")),
+            )
+        };
         let mut plain = AggregatorState::new(req(), vec![PeerId::new("a")], Policy::Settle);
         assert!(plain
             .on_settle(&te())
@@ -294,7 +309,10 @@ mod tests {
         );
         let mut other = AggregatorState::new(req(), vec![PeerId::new("a")], Policy::Settle)
             .transport_failures_uncertain(true);
-        let f = settle("a", SettleOutcome::Failed("KV group count mismatch".into()));
+        let f = settle(
+            "a",
+            SettleOutcome::failed(Cause::PeerError, "KV group count mismatch"),
+        );
         assert!(other
             .on_settle(&f)
             .completion

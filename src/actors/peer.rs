@@ -14,7 +14,9 @@ use actix::{
 };
 use futures::StreamExt;
 
-use crate::messages::{AbortAtPeer, KvEvent, PeerId, Pull, PullId, UnsentPull, ABORTED_BY_HOST};
+use crate::messages::{
+    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, UnsentPull, ABORTED_BY_HOST,
+};
 use crate::metrics::{self as m, Labels};
 
 use super::event_sink::EventSink;
@@ -173,6 +175,7 @@ impl Peer {
             act.labels.counter(m::DEADLINE_EXPIRIES).increment(1);
             let fx = act.state.abandon(
                 pull_id,
+                Cause::Timeout,
                 format!("no reply within the {timeout:?} pull deadline"),
             );
             act.apply(pull_id, fx, ctx);
@@ -364,14 +367,16 @@ impl StreamHandler<PullEvent> for Peer {
             }
             ChannelEvent::Failed(e) => {
                 self.last_failure = Some(e.to_string());
-                let fx = self.state.abandon(pull_id, e.to_string());
+                let fx = self.state.abandon(pull_id, Cause::Channel, e.to_string());
                 self.apply(pull_id, fx, ctx);
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
             }
             ChannelEvent::Ended => {
-                let fx = self
-                    .state
-                    .abandon(pull_id, "channel closed before FINISH".into());
+                let fx = self.state.abandon(
+                    pull_id,
+                    Cause::Channel,
+                    "channel closed before FINISH".into(),
+                );
                 self.apply(pull_id, fx, ctx);
             }
         }

@@ -4,7 +4,7 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::messages::{
-    MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, Settle, SettleOutcome,
+    Cause, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, Settle, SettleOutcome,
     UnsentPull, XferStatus,
 };
 
@@ -49,6 +49,9 @@ impl StaleIds {
         self.count == 0
     }
 }
+
+/// How P words a transfer-engine failure in `err_reqs` (PROTOCOL.md §2.6).
+pub const TE_FAILURE: &str = "Mooncake transfer engine returned";
 
 /// Reason used for requests a FINISH did not mention (rule 3).
 pub const OMITTED: &str = "peer finished without reporting the request";
@@ -141,7 +144,7 @@ impl PeerState {
                     peer: self.peer.clone(),
                     pull_id: pull.pull_id,
                     req_id: r.meta.req_id.clone(),
-                    outcome: SettleOutcome::Failed(pull.reason.clone()),
+                    outcome: SettleOutcome::failed(Cause::NotSent, pull.reason.clone()),
                 },
             ));
         }
@@ -203,7 +206,11 @@ impl PeerState {
             Err(e) => {
                 let reason = format!("malformed reply: {e}");
                 fx.malformed = Some(reason.clone());
-                self.settle_rest(&mut fx, pull_id, SettleOutcome::Uncertain(reason));
+                self.settle_rest(
+                    &mut fx,
+                    pull_id,
+                    SettleOutcome::uncertain(Cause::Malformed, reason),
+                );
                 return fx;
             }
         };
@@ -211,13 +218,19 @@ impl PeerState {
             .err_msg
             .clone()
             .unwrap_or_else(|| "peer reported failure".into());
+        // Classified once, here: P's transfer-engine failures are told apart by their text.
+        let err_cause = if err_reason.contains(TE_FAILURE) {
+            Cause::TransportEngine
+        } else {
+            Cause::PeerError
+        };
         // err_reqs first: an id in both lists is a failure (its ok entry is then stale).
         for id in resp.err() {
             self.settle(
                 &mut fx,
                 pull_id,
                 id,
-                SettleOutcome::Failed(err_reason.clone()),
+                SettleOutcome::failed(err_cause, err_reason.clone()),
             );
         }
         for id in resp.ok() {
@@ -228,14 +241,18 @@ impl PeerState {
             XferStatus::Continue => {}
             XferStatus::Finish => {
                 fx.finished_cleanly = true;
-                self.settle_rest(&mut fx, pull_id, SettleOutcome::Failed(OMITTED.into()));
+                self.settle_rest(
+                    &mut fx,
+                    pull_id,
+                    SettleOutcome::failed(Cause::Omitted, OMITTED),
+                );
             }
             XferStatus::Error => {
                 let msg = resp.err_msg.as_deref().unwrap_or("no message");
                 self.settle_rest(
                     &mut fx,
                     pull_id,
-                    SettleOutcome::Uncertain(format!("peer ERROR: {msg}")),
+                    SettleOutcome::uncertain(Cause::PeerWideError, format!("peer ERROR: {msg}")),
                 );
             }
         }
@@ -243,10 +260,10 @@ impl PeerState {
     }
 
     /// The pull ended without FINISH/ERROR: channel error, channel closed, deadline (rule 4).
-    pub fn abandon(&mut self, pull_id: PullId, reason: String) -> Effects {
+    pub fn abandon(&mut self, pull_id: PullId, cause: Cause, reason: String) -> Effects {
         let mut fx = Effects::default();
         if self.pulls.contains_key(&pull_id) {
-            self.settle_rest(&mut fx, pull_id, SettleOutcome::Uncertain(reason));
+            self.settle_rest(&mut fx, pull_id, SettleOutcome::uncertain(cause, reason));
         }
         fx
     }
@@ -256,7 +273,11 @@ impl PeerState {
     pub fn fail_unsent(&mut self, pull_id: PullId, reason: String) -> Effects {
         let mut fx = Effects::default();
         if self.pulls.contains_key(&pull_id) {
-            self.settle_rest(&mut fx, pull_id, SettleOutcome::Failed(reason));
+            self.settle_rest(
+                &mut fx,
+                pull_id,
+                SettleOutcome::failed(Cause::NotSent, reason),
+            );
         }
         fx
     }
@@ -278,7 +299,7 @@ impl PeerState {
                 &mut fx,
                 *id,
                 req_id,
-                SettleOutcome::Uncertain(reason.to_owned()),
+                SettleOutcome::uncertain(Cause::Aborted, reason),
             );
         }
         (fx, ids.len())
@@ -290,7 +311,11 @@ impl PeerState {
         let mut ids: Vec<PullId> = self.pulls.keys().copied().collect();
         ids.sort_unstable();
         for id in &ids {
-            self.settle_rest(&mut fx, *id, SettleOutcome::Uncertain(reason.to_owned()));
+            self.settle_rest(
+                &mut fx,
+                *id,
+                SettleOutcome::uncertain(Cause::Channel, reason),
+            );
         }
         (fx, ids)
     }
@@ -353,11 +378,11 @@ mod tests {
             vec![
                 (
                     "a".into(),
-                    SettleOutcome::Uncertain("aborted by the host".into())
+                    SettleOutcome::uncertain(Cause::Aborted, "aborted by the host")
                 ),
                 (
                     "a".into(),
-                    SettleOutcome::Uncertain("aborted by the host".into())
+                    SettleOutcome::uncertain(Cause::Aborted, "aborted by the host")
                 ),
             ]
         );
@@ -390,7 +415,7 @@ mod tests {
             vec![
                 (
                     "r1".into(),
-                    SettleOutcome::Failed("peer reported failure".into())
+                    SettleOutcome::failed(Cause::PeerError, "peer reported failure")
                 ),
                 ("r2".into(), SettleOutcome::Ok),
             ]
@@ -433,7 +458,7 @@ mod tests {
         assert!(fx.pull_done);
         assert!(outcomes(&fx)
             .iter()
-            .all(|(_, o)| matches!(o, SettleOutcome::Uncertain(_))));
+            .all(|(_, o)| matches!(o, SettleOutcome::Uncertain { .. })));
         assert_eq!(
             fx.settles.len(),
             2,
@@ -453,8 +478,14 @@ mod tests {
         assert_eq!(
             outcomes(&fx),
             vec![
-                ("r1".into(), SettleOutcome::Failed("not sent".into())),
-                ("r2".into(), SettleOutcome::Failed("not sent".into())),
+                (
+                    "r1".into(),
+                    SettleOutcome::failed(Cause::NotSent, "not sent")
+                ),
+                (
+                    "r2".into(),
+                    SettleOutcome::failed(Cause::NotSent, "not sent")
+                ),
             ]
         );
         assert_eq!(st.in_flight(), 0);

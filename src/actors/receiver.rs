@@ -208,7 +208,9 @@ impl Receiver {
                 meta: req.clone(),
                 aggregator: req.is_awaiting().then(|| {
                     let state = AggregatorState::new(req.clone(), peers.clone(), self.cfg.policy)
-                        .transport_failures_uncertain(self.cfg.mooncake_protocol == "rdma")
+                        .transport_failures_uncertain(
+                            self.cfg.mooncake_protocol == crate::config::MooncakeProtocol::Rdma,
+                        )
                         .verified_by(self.landing.clone());
                     RequestAggregator::with_state(
                         state,
@@ -517,9 +519,9 @@ mod tests {
             }
         };
         assert_eq!(settles.len(), 2, "both peers settled");
-        assert!(settles
-            .iter()
-            .all(|s| matches!(s, SettleOutcome::Failed(r) if r.contains("not sent"))));
+        assert!(settles.iter().all(
+            |s| matches!(s, SettleOutcome::Failed { reason: r, .. } if r.contains("not sent"))
+        ));
         assert!(matches!(outcome, Outcome::Failed { .. }));
         let step = bm.send(Drain).await.unwrap();
         assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);

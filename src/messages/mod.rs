@@ -30,5 +30,5 @@ pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
-pub use settle::{Settle, SettleOutcome};
+pub use settle::{Cause, Settle, SettleOutcome};
 pub use wire::{MooncakeXferMetadata, MooncakeXferResponse, WireError, XferStatus};

@@ -5,20 +5,74 @@ use serde::Serialize;
 
 use super::ids::{PeerId, PullId, ReqId};
 
+/// Why a settle was not Ok, classified once, where the reply is decoded or the pull ends; the
+/// fence decision and the repro's accounting match on it, never on the reason's text.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Cause {
+    /// `err_reqs` for a reason P gave (not its transfer engine).
+    PeerError,
+    /// `err_reqs` from P's transfer engine ("Mooncake transfer engine returned N"): its
+    /// transport may still touch D's memory (PROTOCOL.md §5.3).
+    TransportEngine,
+    /// FINISH without the request (DESIGN.md §4 rule 3).
+    Omitted,
+    /// The pull never left D (socket, encoding, peer known down): no peer can write for it.
+    NotSent,
+    /// D's pull deadline passed.
+    Timeout,
+    /// The side channel failed or closed, or the peer actor restarted.
+    Channel,
+    /// The reply could not be decoded.
+    Malformed,
+    /// A peer-wide ERROR.
+    PeerWideError,
+    /// The host aborted the request.
+    Aborted,
+    /// Every peer said ok, but what landed does not back it (v1 accounting, no window).
+    Unbacked,
+}
+
 /// How one peer settled one request (DESIGN.md §2).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-#[serde(tag = "kind", content = "reason", rename_all = "snake_case")]
+#[serde(tag = "kind", rename_all = "snake_case")]
 pub enum SettleOutcome {
     /// The peer reported the request in `ok_reqs`.
     Ok,
-    /// The peer answered: `err_reqs`, or FINISH without the request.
-    Failed(String),
+    /// The peer answered: `err_reqs`, or FINISH without the request (or nothing was sent).
+    Failed {
+        /// What kind of failure.
+        cause: Cause,
+        /// The peer's words, or D's.
+        reason: String,
+    },
     /// D stopped waiting without an answer (deadline, socket error, malformed reply, peer-wide
-    /// ERROR, restart): the peer may still be writing.
-    Uncertain(String),
+    /// ERROR, restart, abort): the peer may still be writing.
+    Uncertain {
+        /// What kind of uncertainty.
+        cause: Cause,
+        /// What happened.
+        reason: String,
+    },
 }
 
 impl SettleOutcome {
+    /// A Failed settle.
+    pub fn failed(cause: Cause, reason: impl Into<String>) -> Self {
+        SettleOutcome::Failed {
+            cause,
+            reason: reason.into(),
+        }
+    }
+
+    /// An Uncertain settle.
+    pub fn uncertain(cause: Cause, reason: impl Into<String>) -> Self {
+        SettleOutcome::Uncertain {
+            cause,
+            reason: reason.into(),
+        }
+    }
+
     /// Whether P reported the write done.
     pub fn is_ok(&self) -> bool {
         matches!(self, SettleOutcome::Ok)
@@ -28,7 +82,19 @@ impl SettleOutcome {
     pub fn reason(&self) -> Option<&str> {
         match self {
             SettleOutcome::Ok => None,
-            SettleOutcome::Failed(r) | SettleOutcome::Uncertain(r) => Some(r),
+            SettleOutcome::Failed { reason, .. } | SettleOutcome::Uncertain { reason, .. } => {
+                Some(reason)
+            }
+        }
+    }
+
+    /// The cause, if not Ok.
+    pub fn cause(&self) -> Option<Cause> {
+        match self {
+            SettleOutcome::Ok => None,
+            SettleOutcome::Failed { cause, .. } | SettleOutcome::Uncertain { cause, .. } => {
+                Some(*cause)
+            }
         }
     }
 
@@ -36,8 +102,8 @@ impl SettleOutcome {
     pub fn label(&self) -> &'static str {
         match self {
             SettleOutcome::Ok => "ok",
-            SettleOutcome::Failed(_) => "failed",
-            SettleOutcome::Uncertain(_) => "uncertain",
+            SettleOutcome::Failed { .. } => "failed",
+            SettleOutcome::Uncertain { .. } => "uncertain",
         }
     }
 }

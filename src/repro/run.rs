@@ -15,14 +15,15 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 use tokio::sync::Notify;
 
-use crate::actors::aggregator_state::TE_FAILURE;
 use crate::actors::block_pool::{owner_tag, PoolError};
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
 use crate::config::DRank;
 use crate::config::KvRecvConfig;
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::layout::KvLayout;
-use crate::messages::{Allocate, GetLedgerStats, KvEvent, KvRequest, LoadKv, ReqId, SettleOutcome};
+use crate::messages::{
+    Allocate, Cause, GetLedgerStats, KvEvent, KvRequest, LoadKv, ReqId, SettleOutcome,
+};
 use crate::rdma::{TargetConfig, TcpTarget};
 use crate::sim::initiator::InitiatorConfig;
 use crate::sim::te_writer::TeWriter;
@@ -201,8 +202,13 @@ async fn run_variant(
                         t.settled += 1;
                         // The seed's fault is peer 0's; peer 1 may fail too when permits refuse
                         // its late write, which is not an injected failure.
-                        let injected =
-                            matches!(&outcome, SettleOutcome::Failed(r) if r.contains(TE_FAILURE));
+                        let injected = matches!(
+                            &outcome,
+                            SettleOutcome::Failed {
+                                cause: Cause::TransportEngine,
+                                ..
+                            }
+                        );
                         if injected && peer.addr() == failing_peer {
                             t.injected += 1;
                         }

@@ -162,7 +162,7 @@ pub fn req(id: &str, tid: &str, engine: &str, bootstrap: &str, blocks: &[u32]) -
 }
 
 pub fn is_uncertain(s: &SettleOutcome) -> bool {
-    matches!(s, SettleOutcome::Uncertain(_))
+    matches!(s, SettleOutcome::Uncertain { .. })
 }
 
 pub fn reason(s: &SettleOutcome) -> String {
