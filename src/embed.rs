@@ -206,7 +206,7 @@ impl KvRecvBuilder {
         } = self;
         target.layout = config.layout.clone();
         // One label set for the whole worker: the coordinator derives the same from `config`.
-        let labels = crate::metrics::Labels::for_config(&config);
+        let labels = crate::telemetry::Labels::for_config(&config);
         target.labels = labels.clone();
         let (sink, rx) = sink(events);
         spawn_worker(

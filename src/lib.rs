@@ -19,7 +19,6 @@ pub mod control;
 pub mod embed;
 pub mod layout;
 pub mod messages;
-pub mod metrics;
 pub mod rdma;
 #[doc(hidden)]
 #[cfg(feature = "cli")]
@@ -27,6 +26,7 @@ pub mod repro;
 #[doc(hidden)]
 #[cfg(feature = "sim")]
 pub mod sim;
+pub mod telemetry;
 
 pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
 pub use embed::{

@@ -14,10 +14,10 @@ use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::{EventStream, KvRecv};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest};
-use kvrecv::metrics as m;
 use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{PrefillSim, SimConfig};
+use kvrecv::telemetry as m;
 use metrics::{Counter, Gauge, Histogram, Key, KeyName, Metadata, Recorder, SharedString, Unit};
 
 /// Safety net only: every wait ends on an event long before this.

@@ -7,7 +7,7 @@ use actix::{Actor, ActorContext, Addr, Context, Handler};
 
 use crate::config::Policy;
 use crate::messages::{KvEvent, PeerId, Settle, SharedRequest};
-use crate::metrics::{self as m, Labels};
+use crate::telemetry::{self as m, Labels};
 
 use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;

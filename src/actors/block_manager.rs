@@ -12,8 +12,8 @@ use crate::messages::{
     Admit, Allocate, BatchError, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
     LedgerStats, ReqId,
 };
-use crate::metrics::{self as m, Labels};
 use crate::rdma::{Landing, Revocation, RevokeRequest};
+use crate::telemetry::{self as m, Labels};
 
 use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};

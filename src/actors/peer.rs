@@ -17,7 +17,7 @@ use futures::StreamExt;
 use crate::messages::{
     AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, UnsentPull, ABORTED_BY_HOST,
 };
-use crate::metrics::{self as m, Labels};
+use crate::telemetry::{self as m, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};

@@ -18,8 +18,8 @@ use crate::messages::{
     PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta, SharedRequest, UnsentPull, WireError,
     ABORTED_BY_HOST,
 };
-use crate::metrics::{self as m, Labels};
 use crate::rdma::{Landing, PullWindow};
+use crate::telemetry::{self as m, Labels};
 
 use super::aggregator::RequestAggregator;
 use super::aggregator_state::AggregatorState;

@@ -49,7 +49,7 @@ impl Coordinator {
     /// Start on the current arbiter (inside an actix `System`).
     pub fn start(parts: CoordinatorParts) -> Coordinator {
         let cfg = parts.config;
-        let labels = crate::metrics::Labels::for_config(&cfg);
+        let labels = crate::telemetry::Labels::for_config(&cfg);
         let pool = parts
             .builtin_pool
             .then(|| BlockPool::new(cfg.layout.num_blocks));

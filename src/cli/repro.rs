@@ -135,7 +135,7 @@ pub fn run(args: ReproArgs) -> ExitCode {
                 return ExitCode::from(2);
             }
         };
-        let r = rt.block_on(async { kvrecv::metrics::serve_prometheus(addr) });
+        let r = rt.block_on(async { kvrecv::telemetry::serve_prometheus(addr) });
         if let Err(e) = r {
             eprintln!("error: metrics on {addr}: {e}");
             return ExitCode::from(2);

@@ -409,7 +409,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         }
     };
     if let Some(addr) = args.metrics {
-        if let Err(e) = kvrecv::metrics::serve_prometheus(addr) {
+        if let Err(e) = kvrecv::telemetry::serve_prometheus(addr) {
             emit(
                 &out,
                 json!({"event": "error", "error": format!("metrics: {e}")}),
@@ -417,7 +417,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         }
     }
     let permits = tcfg.permits;
-    let labels = kvrecv::metrics::Labels::for_config(&cfg);
+    let labels = kvrecv::telemetry::Labels::for_config(&cfg);
     let target = match TcpTarget::start(TargetConfig {
         labels: labels.clone(),
         ..tcfg

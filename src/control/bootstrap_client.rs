@@ -19,7 +19,7 @@ use hyper::{Method, StatusCode};
 
 use crate::actors::topology::{EngineTopology, TopologyError, TopologySource};
 use crate::messages::bootstrap::{parse_query, QueryResponse};
-use crate::metrics::{self as m, Labels};
+use crate::telemetry::{self as m, Labels};
 
 use super::http::{request, BaseUrl};
 

@@ -38,7 +38,7 @@ use futures::StreamExt;
 
 use crate::actors::transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};
 use crate::messages::PeerId;
-use crate::metrics::{self as m, Labels};
+use crate::telemetry::{self as m, Labels};
 
 use super::async_socket::{AsyncSocket, SocketError};
 use super::zmq_context::{ZmqContext, DEFAULT_MAX_SOCKETS};

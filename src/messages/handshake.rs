@@ -105,23 +105,7 @@ pub struct ProbeReply {
     pub status: String,
 }
 
-/// RDMA endpoint handshake (type 0, PROTOCOL.md §6). A TCP-only target answers it with a
-/// non-empty `reply_msg` (a rejection).
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct HandShakeDesc {
-    #[serde(default)]
-    pub local_gid: String,
-    #[serde(default)]
-    pub local_lid: u32,
-    #[serde(default)]
-    pub local_nic_path: String,
-    #[serde(default)]
-    pub peer_nic_path: String,
-    #[serde(default)]
-    pub qp_num: Vec<u32>,
-    #[serde(default)]
-    pub reply_msg: String,
-}
+pub use crate::messages::handshake_desc::HandShakeDesc;
 
 #[cfg(test)]
 mod tests {

@@ -11,6 +11,7 @@ pub mod drain;
 pub mod event;
 #[doc(hidden)]
 pub mod handshake;
+pub mod handshake_desc;
 pub mod ids;
 #[doc(hidden)]
 pub mod msgpack_strict;

@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::metrics::{self as m, Labels};
+use crate::telemetry::{self as m, Labels};
 
 /// Refuse a connection over a listener's cap: close it at once, count it, and warn (on the
 /// 1st, 2nd, 4th, 8th... refusal, so a connection flood does not also flood the log).

@@ -8,7 +8,7 @@
 //! (TCP descriptor, Connection refused) or [`RdmaService`] (RDMA descriptor, Connection handed to
 //! the passive endpoint handshake, PROTOCOL.md §6).
 
-use crate::metrics::Labels;
+use crate::telemetry::Labels;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -161,12 +161,12 @@ impl HandshakeService for TcpService {
 
     fn connection(&self, body: &[u8]) -> Vec<u8> {
         // Unknown keys and a malformed body are tolerated: the answer is a refusal anyway.
-        let req: HandShakeDesc = serde_json::from_slice(body).unwrap_or_default();
-        json_line(serde_json::to_vec(&HandShakeDesc {
+        let req = HandShakeDesc::from_json(body).unwrap_or_default();
+        HandShakeDesc {
             peer_nic_path: req.local_nic_path,
-            reply_msg: "kvrecv: TCP-only target, no RDMA endpoint".into(),
-            ..Default::default()
-        }))
+            ..HandShakeDesc::rejection("kvrecv: TCP-only target, no RDMA endpoint".into())
+        }
+        .to_json_line()
     }
 }
 

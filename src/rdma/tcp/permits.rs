@@ -17,7 +17,7 @@
 //! With permits off (upstream behaviour) every pull shares window 0, every in-range write is
 //! admitted, and `revoke` proves nothing.
 
-use crate::metrics::Labels;
+use crate::telemetry::Labels;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
@@ -27,7 +27,7 @@ use futures::future::LocalBoxFuture;
 use tokio::sync::Notify;
 
 use crate::messages::{PeerId, PullId, ReqId, RequestMeta};
-use crate::metrics as m;
+use crate::telemetry as m;
 
 use super::windows::{Resolved, WindowMap};
 use crate::rdma::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};

@@ -14,7 +14,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
 
 use crate::block_ownership::BlockOwnership;
-use crate::metrics as m;
+use crate::telemetry as m;
 
 use super::permits::{Admitted, PermitTable, RejectReason};
 use super::windows::{Resolved, WindowMap};

@@ -1,7 +1,7 @@
 //! kvrecv as a Mooncake TE target: registered memory, the advertised windows, landing permits,
 //! the handshake daemon and the TCP data server, started together on a tokio runtime.
 
-use crate::metrics::Labels;
+use crate::telemetry::Labels;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

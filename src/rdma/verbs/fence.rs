@@ -103,9 +103,9 @@ impl<B: VerbsBackend + 'static> RdmaFence<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::messages::handshake_desc::HandShakeDesc;
     use crate::rdma::verbs::endpoint::EndpointState;
     use crate::rdma::verbs::fake::FakeVerbs;
-    use crate::rdma::verbs::handshake_desc::HandShakeDesc;
     use crate::rdma::verbs::nic::LocalNic;
     use crate::rdma::verbs::passive::HandshakeConfig;
     use crate::rdma::verbs::qp_attrs::{Mtu, QpState};

@@ -10,13 +10,13 @@ use crate::rdma::memory::HostRegion;
 /// Registered host buffers, in registration order (descriptor order): kvrecv's own (`Some`
 /// buffer) or the host's (`None`: the host owns the bytes).
 #[derive(Debug, Default)]
-pub struct RegisteredMemory {
+pub struct MemoryRegistrations {
     entries: Vec<(Option<Box<[u8]>>, RegisteredRegion)>,
 }
 
-impl RegisteredMemory {
+impl MemoryRegistrations {
     pub fn new() -> Self {
-        RegisteredMemory::default()
+        MemoryRegistrations::default()
     }
 
     /// Register `buf` on every device of `backend` (REMOTE_WRITE, plus REMOTE_READ if asked)
@@ -92,7 +92,7 @@ impl RegisteredMemory {
     }
 }
 
-impl Drop for RegisteredMemory {
+impl Drop for MemoryRegistrations {
     /// Dropped while still registered (no backend at hand to deregister): leak the buffers
     /// rather than hand memory a NIC can write to back to the allocator.
     fn drop(&mut self) {
@@ -124,7 +124,7 @@ mod tests {
     #[test]
     fn registers_write_only_by_default_with_one_key_pair_per_device() {
         let mut b = fake(2);
-        let mut mem = RegisteredMemory::new();
+        let mut mem = MemoryRegistrations::new();
         let r = mem
             .register_host(
                 &mut b,
@@ -160,7 +160,7 @@ mod tests {
     #[test]
     fn empty_buffer_is_a_typed_error() {
         let mut b = fake(1);
-        let mut mem = RegisteredMemory::new();
+        let mut mem = MemoryRegistrations::new();
         let err = mem
             .register_host(&mut b, "cpu:0", Box::new([]), MrAccess::default())
             .unwrap_err();

@@ -14,7 +14,6 @@ pub mod endpoint;
 pub mod fake;
 pub mod fence;
 pub mod gid;
-pub mod handshake_desc;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
 pub mod memory;
@@ -25,16 +24,16 @@ pub mod qp_attrs;
 pub mod rdma_landing;
 pub mod rdma_target;
 
+pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 pub use descriptor::{DescriptorError, RdmaSegmentDesc, RegisteredRegion};
 pub use endpoint::{Endpoint, EndpointState};
 pub use fake::FakeVerbs;
 pub use fence::{RdmaFence, SharedHandshake};
 pub use gid::Gid;
-pub use handshake_desc::{HandShakeDesc, HandShakeDescError};
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
-pub use memory::RegisteredMemory;
+pub use memory::MemoryRegistrations;
 pub use nic::LocalNic;
 pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};
 pub use rdma_landing::{RdmaLanding, RdmaLandingError};

@@ -7,9 +7,9 @@ use thiserror::Error;
 use super::backend::{VerbsBackend, VerbsError};
 use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
 use super::gid::{Gid, GidParseError};
-use super::handshake_desc::HandShakeDesc;
 use super::nic_path::NicPath;
 use super::qp_attrs::Mtu;
+use crate::messages::handshake_desc::HandShakeDesc;
 
 /// Mooncake's defaults: `MC_NUM_QP_PER_EP` and `MC_MTU`.
 #[derive(Debug, Clone, PartialEq, Eq)]

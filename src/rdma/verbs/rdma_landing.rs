@@ -71,7 +71,7 @@ fn region_len(layout: &KvLayout, i: usize) -> Result<u64, RdmaLandingError> {
 
 impl<B: VerbsBackend + 'static> RdmaLanding<B> {
     /// `host`/`port`: where P reaches D's handshake daemon (the segment name). `regions`: the
-    /// registrations (as `RegisteredMemory::regions` lists them), either one per layout region
+    /// registrations (as `MemoryRegistrations::regions` lists them), either one per layout region
     /// in layout order, or one holding every layout region back to back. Checks that every
     /// address P can compute from the advertised bases lies inside a registration.
     pub fn new(
@@ -172,12 +172,12 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+    use crate::messages::handshake_desc::HandShakeDesc;
     use crate::rdma::verbs::backend::{MrAccess, MrKeys};
     use crate::rdma::verbs::endpoint::EndpointState;
     use crate::rdma::verbs::fake::FakeVerbs;
     use crate::rdma::verbs::fence::SharedHandshake;
-    use crate::rdma::verbs::handshake_desc::HandShakeDesc;
-    use crate::rdma::verbs::memory::RegisteredMemory;
+    use crate::rdma::verbs::memory::MemoryRegistrations;
     use crate::rdma::verbs::nic::LocalNic;
     use crate::rdma::verbs::passive::{HandshakeConfig, PassiveHandshake};
     use crate::rdma::verbs::qp_attrs::{Mtu, QpState};
@@ -265,7 +265,7 @@ mod tests {
     #[test]
     fn bases_come_from_actual_registrations() {
         let t = shared();
-        let mut mem = RegisteredMemory::new();
+        let mut mem = MemoryRegistrations::new();
         {
             let mut g = t.lock().unwrap();
             mem.register_host(

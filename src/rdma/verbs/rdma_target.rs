@@ -12,7 +12,7 @@ use tokio::task::JoinHandle;
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::descriptor::{DescriptorError, RdmaSegmentDesc};
 use super::fence::{RdmaFence, SharedHandshake};
-use super::memory::RegisteredMemory;
+use super::memory::MemoryRegistrations;
 use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::rdma_landing::{RdmaLanding, RdmaLandingError};
 use crate::layout::KvLayout;
@@ -78,7 +78,7 @@ pub enum RdmaTargetError {
 /// whose deregistration fails is leaked, never freed).
 pub struct RdmaTarget<B: VerbsBackend + 'static> {
     handshake: SharedHandshake<B>,
-    memory: RegisteredMemory,
+    memory: MemoryRegistrations,
     landing: Arc<RdmaLanding<B>>,
     daemon: Arc<Daemon>,
     descriptor: RdmaSegmentDesc,
@@ -122,7 +122,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         if let Some(host) = &cfg.host_memory {
             check_host_regions(&cfg.layout, host)?;
         }
-        let mut memory = RegisteredMemory::new();
+        let mut memory = MemoryRegistrations::new();
         let (nics, regions) = {
             let mut hs = handshake.lock().unwrap_or_else(|p| p.into_inner());
             match &cfg.host_memory {

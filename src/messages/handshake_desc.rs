@@ -39,6 +39,7 @@ pub struct HandShakeDesc {
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum HandShakeDescError {
     #[error("malformed handshake JSON: {0}")]
+    /// Not a JSON object, or a value of the wrong type.
     Malformed(String),
 }
 

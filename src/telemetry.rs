@@ -1,5 +1,6 @@
-//! Metric names (Prometheus text exposition through `metrics-exporter-prometheus`) and the
-//! exporter. Every counter an operator asks about in DESIGN.md §8 is named here, once.
+//! Telemetry: metric names (Prometheus text exposition through `metrics-exporter-prometheus`),
+//! the per-worker labels, and the exporter. Every counter an operator asks about in DESIGN.md §8
+//! is named here, once. (Named `telemetry` so it does not shadow the `metrics` crate.)
 
 use std::sync::Arc;
 
