@@ -5,6 +5,8 @@ pub mod aggregator;
 #[doc(hidden)]
 pub mod aggregator_state;
 #[doc(hidden)]
+pub mod batch_plan;
+#[doc(hidden)]
 pub mod block_ledger;
 pub mod block_manager;
 #[doc(hidden)]

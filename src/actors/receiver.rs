@@ -15,7 +15,7 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata,
-    PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta, SharedRequest, UnsentPull, WireError,
+    PeerId, Pull, PullId, PullRequest, ReqId, SharedRequest, UnsentPull, WireError,
     ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
@@ -23,6 +23,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::aggregator::RequestAggregator;
 use super::aggregator_state::AggregatorState;
+use super::batch_plan;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 use super::peer::{Peer, PeerConfig};
@@ -89,26 +90,6 @@ impl Receiver {
     pub fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
-    }
-
-    /// Layout-level checks on top of [`crate::messages::KvRequest::validate`].
-    fn check_blocks(&self, r: &RequestMeta) -> Result<(), BatchError> {
-        let l = &self.cfg.layout;
-        if r.is_awaiting() && r.block_ids.len() != l.num_groups as usize {
-            return Err(BatchError::GroupCount {
-                req_id: r.req_id.to_string(),
-                groups: r.block_ids.len(),
-                expected: l.num_groups as usize,
-            });
-        }
-        match r.all_blocks().find(|b| *b >= l.num_blocks) {
-            Some(block) => Err(BatchError::BlockOutOfRange {
-                req_id: r.req_id.to_string(),
-                block,
-                num_blocks: l.num_blocks,
-            }),
-            None => Ok(()),
-        }
     }
 
     fn peer(&mut self, id: &PeerId) -> Addr<Peer> {
@@ -234,7 +215,13 @@ impl Receiver {
                 peer,
                 requests: &awaiting,
             });
-            let md = self.metadata(&host, port, &group, bases);
+            let md = batch_plan::pull_metadata(
+                &self.cfg.layout,
+                self.cfg.d_rank,
+                (&host, port),
+                &group,
+                bases,
+            );
             match (self.encode)(&md) {
                 Ok(payload) => self.peer(peer).do_send(Pull {
                     pull_id,
@@ -255,39 +242,6 @@ impl Receiver {
             }
         }
     }
-
-    fn metadata(
-        &self,
-        host: &str,
-        port: u32,
-        group: &[SharedRequest],
-        bases: Vec<u64>,
-    ) -> MooncakeXferMetadata {
-        let l = &self.cfg.layout;
-        let d = self.cfg.d_rank;
-        let mut md = MooncakeXferMetadata::minimal(host, port, d.tp_size, d.tp_rank);
-        md.remote_pp_size = d.pp_size;
-        for r in group {
-            // Cleanup pulls and full prefix hits send an empty outer list, as vLLM does.
-            let blocks = if r.is_awaiting() {
-                r.block_ids
-                    .iter()
-                    .map(|g| g.iter().map(|&b| u64::from(b)).collect())
-                    .collect()
-            } else {
-                vec![]
-            };
-            md.req_blocks
-                .insert(r.req_id.to_string(), (r.transfer_id.clone(), blocks));
-        }
-        md.kv_caches_base_addr = bases;
-        md.block_lens = l.regions.iter().map(|r| r.block_len).collect();
-        md.kv_block_lens = l.regions.iter().map(|r| r.kv_block_len).collect();
-        md.registered_layer_names = l.regions.iter().map(|r| r.layer_name.clone()).collect();
-        md.registered_layer_indices = l.regions.iter().map(|r| r.layer_index).collect();
-        md.registered_group_indices = l.regions.iter().map(|r| r.group_index).collect();
-        md
-    }
 }
 
 impl Actor for Receiver {
@@ -300,21 +254,8 @@ impl Handler<LoadKv> for Receiver {
     /// Validate here, then ask the BlockManager to admit what is valid (it owns the live set:
     /// request ids not yet drained, blocks not yet released), then start the pulls.
     fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
-        let mut rejected: Vec<(usize, BatchError)> = Vec::new();
-        let mut valid: Vec<(usize, SharedRequest)> = Vec::new();
-        let mut seen = HashSet::new();
-        for (i, kv) in batch.requests.into_iter().enumerate() {
-            match kv.validate().and_then(|m| self.check_blocks(&m).map(|_| m)) {
-                Ok(m) if !seen.insert(m.req_id.clone()) => rejected.push((
-                    i,
-                    BatchError::Duplicate {
-                        req_id: m.req_id.to_string(),
-                    },
-                )),
-                Ok(m) => valid.push((i, Arc::new(m))),
-                Err(e) => rejected.push((i, e)),
-            }
-        }
+        let batch_plan::Validated { valid, rejected } =
+            batch_plan::validate(batch.requests, &self.cfg.layout);
         let admit = Admit {
             requests: valid.iter().map(|(_, m)| m.clone()).collect(),
         };
@@ -404,7 +345,7 @@ impl Receiver {
         ctx: &mut Context<Self>,
     ) -> LoadKvReply {
         let mut reply = LoadKvReply::default();
-        let mut groups: Vec<((String, String), Vec<SharedRequest>)> = Vec::new();
+        let mut admitted = Vec::new();
         for ((i, meta), verdict) in valid.into_iter().zip(verdicts) {
             if let Err(e) = verdict {
                 rejected.push((i, e));
@@ -415,12 +356,9 @@ impl Receiver {
             if meta.is_awaiting() {
                 self.undispatched.insert(meta.req_id.clone());
             }
-            let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
-            match groups.iter_mut().find(|(k, _)| *k == key) {
-                Some((_, v)) => v.push(meta),
-                None => groups.push((key, vec![meta])),
-            }
+            admitted.push(meta);
         }
+        let groups = batch_plan::group_by_engine(admitted);
         rejected.sort_by_key(|(i, _)| *i);
         for (_, e) in &rejected {
             self.labels

@@ -1,0 +1,208 @@
+//! The Receiver's logic without actors: which requests of a `load_kv` batch are valid, how the
+//! admitted ones group into one pull per P engine, and the `MooncakeXferMetadata` each pull
+//! carries (PROTOCOL.md §2.3). The Receiver actor only wires these to the BlockManager's
+//! admission, the topology lookups and the Peers.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use crate::config::DRank;
+use crate::layout::KvLayout;
+use crate::messages::{BatchError, KvRequest, MooncakeXferMetadata, RequestMeta, SharedRequest};
+
+use super::rediscovery::EngineKey;
+
+/// A batch split by validation, each request with its index in the batch.
+#[derive(Debug, Default)]
+pub struct Validated {
+    /// Requests that passed validation, in batch order.
+    pub valid: Vec<(usize, SharedRequest)>,
+    /// Requests refused, with why.
+    pub rejected: Vec<(usize, BatchError)>,
+}
+
+/// Validate every request of a batch against the wire rules ([`KvRequest::validate`]) and the
+/// layout (group count, block range), refusing an id listed twice in the batch.
+pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout) -> Validated {
+    let mut out = Validated::default();
+    let mut seen = HashSet::new();
+    for (i, kv) in requests.into_iter().enumerate() {
+        match kv
+            .validate()
+            .and_then(|m| check_blocks(&m, layout).map(|_| m))
+        {
+            Ok(m) if !seen.insert(m.req_id.clone()) => out.rejected.push((
+                i,
+                BatchError::Duplicate {
+                    req_id: m.req_id.to_string(),
+                },
+            )),
+            Ok(m) => out.valid.push((i, Arc::new(m))),
+            Err(e) => out.rejected.push((i, e)),
+        }
+    }
+    out
+}
+
+/// Layout-level checks on top of [`KvRequest::validate`].
+fn check_blocks(r: &RequestMeta, l: &KvLayout) -> Result<(), BatchError> {
+    if r.is_awaiting() && r.block_ids.len() != l.num_groups as usize {
+        return Err(BatchError::GroupCount {
+            req_id: r.req_id.to_string(),
+            groups: r.block_ids.len(),
+            expected: l.num_groups as usize,
+        });
+    }
+    match r.all_blocks().find(|b| *b >= l.num_blocks) {
+        Some(block) => Err(BatchError::BlockOutOfRange {
+            req_id: r.req_id.to_string(),
+            block,
+            num_blocks: l.num_blocks,
+        }),
+        None => Ok(()),
+    }
+}
+
+/// Group requests by (bootstrap address, engine), engines in order of first appearance and
+/// requests in arrival order: one pull per engine and peer.
+pub fn group_by_engine(
+    requests: impl IntoIterator<Item = SharedRequest>,
+) -> Vec<(EngineKey, Vec<SharedRequest>)> {
+    let mut groups: Vec<(EngineKey, Vec<SharedRequest>)> = Vec::new();
+    for meta in requests {
+        let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
+        match groups.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(meta),
+            None => groups.push((key, vec![meta])),
+        }
+    }
+    groups
+}
+
+/// The metadata of one pull: D's endpoint, every request of the group (cleanup pulls and full
+/// prefix hits with an empty outer list, as vLLM sends them), the pull's advertised `bases` and
+/// the layout's per-region arrays.
+pub fn pull_metadata(
+    layout: &KvLayout,
+    d: DRank,
+    (host, port): (&str, u32),
+    group: &[SharedRequest],
+    bases: Vec<u64>,
+) -> MooncakeXferMetadata {
+    let mut md = MooncakeXferMetadata::minimal(host, port, d.tp_size, d.tp_rank);
+    md.remote_pp_size = d.pp_size;
+    for r in group {
+        let blocks = if r.is_awaiting() {
+            r.block_ids
+                .iter()
+                .map(|g| g.iter().map(|&b| u64::from(b)).collect())
+                .collect()
+        } else {
+            vec![]
+        };
+        md.req_blocks
+            .insert(r.req_id.to_string(), (r.transfer_id.clone(), blocks));
+    }
+    md.kv_caches_base_addr = bases;
+    md.block_lens = layout.regions.iter().map(|r| r.block_len).collect();
+    md.kv_block_lens = layout.regions.iter().map(|r| r.kv_block_len).collect();
+    md.registered_layer_names = layout
+        .regions
+        .iter()
+        .map(|r| r.layer_name.clone())
+        .collect();
+    md.registered_layer_indices = layout.regions.iter().map(|r| r.layer_index).collect();
+    md.registered_group_indices = layout.regions.iter().map(|r| r.group_index).collect();
+    md
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kv(id: &str, engine: &str, blocks: Vec<Vec<u32>>) -> KvRequest {
+        KvRequest {
+            req_id: id.into(),
+            transfer_id: Some(format!("t-{id}")),
+            remote_engine_id: Some(engine.into()),
+            remote_bootstrap_addr: Some("http://p:1".into()),
+            block_ids: blocks,
+        }
+    }
+
+    #[test]
+    fn validation_keeps_batch_order_and_names_each_refusal() {
+        let l = KvLayout::uniform(2, 4096, 8);
+        let v = validate(
+            vec![
+                kv("a", "e", vec![vec![1]]),
+                kv("b", "e", vec![vec![8]]),
+                kv("a", "e", vec![vec![2]]),
+                kv("c", "e", vec![vec![1], vec![2]]),
+                kv("d", "e", vec![]),
+            ],
+            &l,
+        );
+        let ok: Vec<(usize, &str)> = v.valid.iter().map(|(i, m)| (*i, &*m.req_id)).collect();
+        assert_eq!(
+            ok,
+            [(0, "a"), (4, "d")],
+            "a cleanup pull without blocks is valid"
+        );
+        let kinds: Vec<(usize, &str)> = v.rejected.iter().map(|(i, e)| (*i, e.kind())).collect();
+        assert_eq!(
+            kinds,
+            [
+                (1, "block_out_of_range"),
+                (2, "duplicate_in_batch"),
+                (3, "group_count")
+            ]
+        );
+    }
+
+    #[test]
+    fn grouping_is_per_engine_in_arrival_order() {
+        let l = KvLayout::uniform(1, 4096, 8);
+        let v = validate(
+            vec![
+                kv("a", "e1", vec![vec![1]]),
+                kv("b", "e2", vec![vec![2]]),
+                kv("c", "e1", vec![vec![3]]),
+            ],
+            &l,
+        );
+        let g = group_by_engine(v.valid.into_iter().map(|(_, m)| m));
+        let shape: Vec<(&str, Vec<&str>)> = g
+            .iter()
+            .map(|(k, rs)| (k.1.as_str(), rs.iter().map(|r| &*r.req_id).collect()))
+            .collect();
+        assert_eq!(shape, [("e1", vec!["a", "c"]), ("e2", vec!["b"])]);
+    }
+
+    #[test]
+    fn metadata_carries_the_pull_bases_and_empty_lists_for_cleanup_pulls() {
+        let l = KvLayout::uniform(2, 4096, 8);
+        let v = validate(
+            vec![kv("a", "e", vec![vec![3, 4]]), kv("z", "e", vec![])],
+            &l,
+        );
+        let group: Vec<SharedRequest> = v.valid.into_iter().map(|(_, m)| m).collect();
+        let d = DRank {
+            tp_size: 2,
+            tp_rank: 1,
+            pp_size: 1,
+            pp_rank: 0,
+        };
+        let md = pull_metadata(&l, d, ("10.0.0.7", 15000), &group, vec![0x10, 0x20]);
+        assert_eq!(
+            (md.remote_hostname.as_str(), md.remote_port),
+            ("10.0.0.7", 15000)
+        );
+        assert_eq!((md.remote_tp_size, md.remote_tp_rank), (2, 1));
+        assert_eq!(md.req_blocks["a"], ("t-a".to_string(), vec![vec![3, 4]]));
+        assert_eq!(md.req_blocks["z"].1, Vec::<Vec<u64>>::new());
+        assert_eq!(md.kv_caches_base_addr, [0x10, 0x20]);
+        assert_eq!(md.block_lens, [4096, 4096]);
+        assert_eq!(md.registered_layer_names.len(), 2);
+    }
+}
