@@ -13,6 +13,7 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
+use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::Notify;
 
 use crate::actors::block_pool::{owner_tag, PoolError};
@@ -24,6 +25,7 @@ use crate::layout::KvLayout;
 use crate::messages::{
     Allocate, Cause, GetLedgerStats, KvEvent, KvRequest, LoadKv, ReqId, SettleOutcome,
 };
+use crate::rdma::audit::AuditCounters;
 use crate::rdma::{TargetConfig, TcpTarget};
 use crate::sim::initiator::InitiatorConfig;
 use crate::sim::te_writer::TeWriter;
@@ -77,21 +79,24 @@ fn blocks_needed(r: &TraceRequest, scn: &Scenario) -> usize {
     r.blocks(scn.block_tokens)
 }
 
-async fn run_variant(
+/// One variant's D: the TCP target (audit on), the coordinator with the built-in pool.
+struct DSide {
+    target: TcpTarget,
+    coord: Coordinator,
+    audit: Arc<AuditCounters>,
+}
+
+async fn start_d(
     scn: &Scenario,
     v: Variant,
-    trace: &[TraceRequest],
-    progress: bool,
-) -> Result<VariantReport, ReproError> {
-    let span = tracing::info_span!("variant", variant = v.label());
-    let _g = span.enter();
+) -> Result<(DSide, UnboundedReceiver<KvEvent>), ReproError> {
     let layout = KvLayout::uniform(scn.layers, scn.block_bytes, scn.pool_blocks);
     let mut tcfg = TargetConfig::loopback(layout.clone());
     tcfg.permits = v.permits();
     tcfg.epoch_rule = v.epoch_rule();
     tcfg.windows = scn.windows;
     let target = TcpTarget::start(tcfg).await?;
-    let (sink, mut events) = EventSink::channel();
+    let (sink, events) = EventSink::channel();
     let config = KvRecvConfig {
         policy: v.policy(),
         pull_timeout: scn.pull_timeout,
@@ -123,6 +128,36 @@ async fn run_variant(
         .clone()
         .ok_or_else(|| ReproError::Scenario("no pool".into()))?;
     let audit = target.install_audit(ownership);
+    Ok((
+        DSide {
+            target,
+            coord,
+            audit,
+        },
+        events,
+    ))
+}
+
+/// The seed's faults: peer 0 reports failures after writing; the other peer writes late.
+fn base_faults(scn: &Scenario) -> impl Fn(u32) -> Faults + Clone + 'static {
+    let (fail_rate, delay_ms, p_tp) = (scn.fail_rate, scn.delay_ms, scn.p_tp);
+    move |tp: u32| {
+        let mut f = Faults::default();
+        if tp == 0 {
+            f.failure_rate = fail_rate;
+        }
+        if tp == 1 % p_tp {
+            f.write_delay_ms = delay_ms;
+        }
+        f
+    }
+}
+
+/// One variant's P: the simulator whose workers write real stamped bytes, with the seed's faults.
+async fn start_p(
+    scn: &Scenario,
+    v: Variant,
+) -> Result<(PrefillSim, Arc<CountingWriter<TeWriter>>), ReproError> {
     let writer = Arc::new(CountingWriter::new(TeWriter::new(
         InitiatorConfig::default(),
     )));
@@ -137,116 +172,107 @@ async fn run_variant(
         writer.clone(),
     )
     .await?;
-    // The seed's faults: peer 0 reports failures after writing; the other peer writes late.
-    let (fail_rate, delay_ms, p_tp) = (scn.fail_rate, scn.delay_ms, scn.p_tp);
-    let base_faults = move |tp: u32| -> Faults {
-        let mut f = Faults::default();
-        if tp == 0 {
-            f.failure_rate = fail_rate;
-        }
-        if tp == 1 % p_tp {
-            f.write_delay_ms = delay_ms;
-        }
-        f
-    };
+    let faults = base_faults(scn);
     for tp in 0..scn.p_tp {
         for pp in 0..scn.p_pp {
-            sim.set_faults(tp, pp, base_faults(tp));
+            sim.set_faults(tp, pp, faults(tp));
         }
     }
-    let sim = Rc::new(tokio::sync::Mutex::new(sim));
-    let peers = (scn.p_tp * scn.p_pp) as usize / scn.d_tp.min(scn.p_tp) as usize;
-    let peers = peers.max(1);
+    Ok((sim, writer))
+}
 
-    // Observer: completions, latencies, settles, injected failures; wakes waiting allocations.
-    let track = Rc::new(RefCell::new(Track {
-        latency_us: Histogram::new(3).ok(),
-        ..Track::default()
-    }));
-    let released = Rc::new(Notify::new());
-    let progressed = Rc::new(Notify::new());
-    let bar = if progress {
-        let b = ProgressBar::new(trace.len() as u64);
-        b.set_style(
-            ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} completed {msg}")
-                .unwrap_or_else(|_| ProgressStyle::default_bar()),
-        );
-        b.set_prefix(v.label());
-        b
-    } else {
-        ProgressBar::hidden()
-    };
-    let failing_peer = sim.lock().await.worker(0, 0).addr().to_owned();
-    let observer = {
-        let (track, released, progressed, bar) = (
-            track.clone(),
-            released.clone(),
-            progressed.clone(),
-            bar.clone(),
-        );
-        actix::spawn(async move {
-            while let Some(ev) = events.recv().await {
-                let mut t = track.borrow_mut();
-                match ev {
-                    KvEvent::Completion { req_id, .. } => {
-                        if let (Some(at), Some(h)) =
-                            (t.loaded_at.get(&req_id).copied(), t.latency_us.as_mut())
-                        {
-                            let _ = h.record(at.elapsed().as_micros() as u64);
-                        }
-                        *t.completions.entry(req_id).or_default() += 1;
-                        bar.inc(1);
-                        progressed.notify_one();
-                    }
-                    KvEvent::Settled { outcome, peer, .. } => {
-                        t.settled += 1;
-                        // The seed's fault is peer 0's; peer 1 may fail too when permits refuse
-                        // its late write, which is not an injected failure.
-                        let injected = matches!(
-                            &outcome,
-                            SettleOutcome::Failed {
-                                cause: Cause::TransportEngine,
-                                ..
-                            }
-                        );
-                        if injected && peer.addr() == failing_peer {
-                            t.injected += 1;
-                        }
-                        progressed.notify_one();
-                    }
-                    KvEvent::Released { .. } => released.notify_one(),
-                    _ => {}
-                }
-            }
-        })
-    };
-    // The host's scheduler step: drain once every few milliseconds.
-    let stepper = {
-        let coord = coord.clone();
-        actix::spawn(async move {
-            let mut iv = tokio::time::interval(Duration::from_millis(5));
-            loop {
-                iv.tick().await;
-                if coord.drain().await.is_err() {
-                    break;
-                }
-            }
-        })
-    };
-    let soaker = scn.soak.clone().map(|s| {
-        actix::spawn(soak(
-            s,
-            sim.clone(),
-            scn.p_tp,
-            scn.p_pp,
-            scn.seed,
-            scn.pull_timeout,
-            base_faults,
-        ))
-    });
+fn progress_bar(show: bool, len: usize, v: Variant) -> ProgressBar {
+    if !show {
+        return ProgressBar::hidden();
+    }
+    let b = ProgressBar::new(len as u64);
+    b.set_style(
+        ProgressStyle::with_template("{prefix:>14} [{bar:30}] {pos}/{len} completed {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar()),
+    );
+    b.set_prefix(v.label());
+    b
+}
 
-    let url = sim.lock().await.bootstrap_url();
-    let engine = sim.lock().await.engine_id().to_owned();
+/// Wake-ups the observer gives the host loop.
+#[derive(Clone, Default)]
+struct Signals {
+    /// Blocks went back to the pool.
+    released: Rc<Notify>,
+    /// A completion or a settle arrived.
+    progressed: Rc<Notify>,
+}
+
+/// The observer: completions, latencies, settles, injected failures (peer 0's transport-engine
+/// failures); wakes the host loop.
+fn observe(
+    mut events: UnboundedReceiver<KvEvent>,
+    track: Rc<RefCell<Track>>,
+    signals: Signals,
+    bar: ProgressBar,
+    failing_peer: String,
+) -> tokio::task::JoinHandle<()> {
+    actix::spawn(async move {
+        while let Some(ev) = events.recv().await {
+            let mut t = track.borrow_mut();
+            match ev {
+                KvEvent::Completion { req_id, .. } => {
+                    if let (Some(at), Some(h)) =
+                        (t.loaded_at.get(&req_id).copied(), t.latency_us.as_mut())
+                    {
+                        let _ = h.record(at.elapsed().as_micros() as u64);
+                    }
+                    *t.completions.entry(req_id).or_default() += 1;
+                    bar.inc(1);
+                    signals.progressed.notify_one();
+                }
+                KvEvent::Settled { outcome, peer, .. } => {
+                    t.settled += 1;
+                    // The seed's fault is peer 0's; peer 1 may fail too when permits refuse
+                    // its late write, which is not an injected failure.
+                    let injected = matches!(
+                        &outcome,
+                        SettleOutcome::Failed {
+                            cause: Cause::TransportEngine,
+                            ..
+                        }
+                    );
+                    if injected && peer.addr() == failing_peer {
+                        t.injected += 1;
+                    }
+                    signals.progressed.notify_one();
+                }
+                KvEvent::Released { .. } => signals.released.notify_one(),
+                _ => {}
+            }
+        }
+    })
+}
+
+/// The host's scheduler step: drain once every few milliseconds.
+fn step_host(coord: Coordinator) -> tokio::task::JoinHandle<()> {
+    actix::spawn(async move {
+        let mut iv = tokio::time::interval(Duration::from_millis(5));
+        loop {
+            iv.tick().await;
+            if coord.drain().await.is_err() {
+                break;
+            }
+        }
+    })
+}
+
+/// Replay the trace: allocate blocks from the bounded pool (waiting for releases when it is
+/// empty), `load_kv` each due batch. Returns the awaited request ids.
+async fn replay(
+    scn: &Scenario,
+    v: Variant,
+    trace: &[TraceRequest],
+    coord: &Coordinator,
+    (url, engine): (&str, &str),
+    track: &Rc<RefCell<Track>>,
+    released: &Notify,
+) -> Result<Vec<ReqId>, ReproError> {
     let start = Instant::now();
     let ts0 = trace.first().map_or(0, |r| r.timestamp);
     let due = |r: &TraceRequest| {
@@ -287,8 +313,8 @@ async fn run_variant(
             batch.push(KvRequest {
                 req_id,
                 transfer_id: Some(transfer_id),
-                remote_engine_id: Some(engine.clone()),
-                remote_bootstrap_addr: Some(url.clone()),
+                remote_engine_id: Some(engine.to_owned()),
+                remote_bootstrap_addr: Some(url.to_owned()),
                 block_ids: vec![blocks],
             });
             i += 1;
@@ -302,10 +328,20 @@ async fn run_variant(
             }
         }
     }
-    let load_phase = start.elapsed();
+    Ok(awaited)
+}
 
-    // Every awaited request completes (or is counted as leaked), then every peer's write for it
-    // is over: P writes before it answers, so a settle from every peer means no write is left.
+/// Wait until every awaited request completed (or is counted as leaked) and every peer's write
+/// for it is over: P writes before it answers, so a settle from every peer means no write is
+/// left. Gives up after the deadlines could all have passed.
+async fn settle_down(
+    scn: &Scenario,
+    awaited: &[ReqId],
+    peers: usize,
+    track: &Rc<RefCell<Track>>,
+    writer: &CountingWriter<TeWriter>,
+    progressed: &Notify,
+) {
     let give_up =
         Instant::now() + scn.pull_timeout * 3 + scn.quarantine_deadline + Duration::from_secs(10);
     let expected_settles = awaited.len() * peers;
@@ -332,22 +368,73 @@ async fn run_variant(
             break;
         }
     }
+}
+
+async fn run_variant(
+    scn: &Scenario,
+    v: Variant,
+    trace: &[TraceRequest],
+    progress: bool,
+) -> Result<VariantReport, ReproError> {
+    let span = tracing::info_span!("variant", variant = v.label());
+    let _g = span.enter();
+    let (d, events) = start_d(scn, v).await?;
+    let (sim, writer) = start_p(scn, v).await?;
+    let failing_peer = sim.worker(0, 0).addr().to_owned();
+    let (url, engine) = (sim.bootstrap_url(), sim.engine_id().to_owned());
+    let sim = Rc::new(tokio::sync::Mutex::new(sim));
+    let peers = ((scn.p_tp * scn.p_pp) as usize / scn.d_tp.min(scn.p_tp) as usize).max(1);
+    let track = Rc::new(RefCell::new(Track {
+        latency_us: Histogram::new(3).ok(),
+        ..Track::default()
+    }));
+    let signals = Signals::default();
+    let bar = progress_bar(progress, trace.len(), v);
+    let observer = observe(
+        events,
+        track.clone(),
+        signals.clone(),
+        bar.clone(),
+        failing_peer,
+    );
+    let stepper = step_host(d.coord.clone());
+    let soaker = scn.soak.clone().map(|s| {
+        actix::spawn(soak(
+            s,
+            sim.clone(),
+            scn.p_tp,
+            scn.p_pp,
+            scn.seed,
+            scn.pull_timeout,
+            base_faults(scn),
+        ))
+    });
+
+    let start = Instant::now();
+    let awaited = replay(
+        scn,
+        v,
+        trace,
+        &d.coord,
+        (&url, &engine),
+        &track,
+        &signals.released,
+    )
+    .await?;
+    let load_phase = start.elapsed();
+    settle_down(scn, &awaited, peers, &track, &writer, &signals.progressed).await;
     if let Some(s) = soaker {
         s.abort();
     }
     bar.finish();
     stepper.abort();
     let pulls = sim.lock().await.pulls_received();
-    let stats = coord.block_manager.send(GetLedgerStats).await?;
-    let audit = audit.snapshot();
+    let stats = d.coord.block_manager.send(GetLedgerStats).await?;
+    let audit = d.audit.snapshot();
     let relaxed = std::sync::atomic::Ordering::Relaxed;
-    let late = target.stats().rejected_revoked.load(relaxed);
-    let landing = target.landing();
+    let late = d.target.stats().rejected_revoked.load(relaxed);
+    let landing = d.target.landing();
     let epochs = landing.permits().epochs();
-    let (windows_poisoned, pulls_without_window) = (
-        epochs.poisoned.load(relaxed),
-        epochs.exhausted.load(relaxed),
-    );
     let t = track.borrow();
     let counts: Vec<usize> = awaited
         .iter()
@@ -367,8 +454,8 @@ async fn run_variant(
         writes_after_free: audit.writes_after_free + audit.writes_after_realloc,
         writes_after_realloc: audit.writes_after_realloc,
         late_writes_rejected: late,
-        windows_poisoned,
-        pulls_without_window,
+        windows_poisoned: epochs.poisoned.load(relaxed),
+        pulls_without_window: epochs.exhausted.load(relaxed),
         leaked: counts.iter().filter(|c| **c == 0).count(),
         completions_min: counts.iter().copied().min().unwrap_or(0),
         completions_max: counts.iter().copied().max().unwrap_or(0),
