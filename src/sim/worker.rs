@@ -316,23 +316,7 @@ async fn serve_pull(
 ) {
     let faults = lock(&sh.faults).clone();
     let send = |r: &MooncakeXferResponse| {
-        let body = match &faults.malformed {
-            None => r.encode().unwrap_or_default(),
-            Some(Malformed::Garbage) => b"\xc1 this is not msgpack".to_vec(),
-            Some(Malformed::BadStatus) => {
-                vec![0x81, 0xa6, b's', b't', b'a', b't', b'u', b's', 0x03]
-            }
-            Some(Malformed::Oversized(n)) => vec![0xc0; *n],
-            Some(Malformed::MultiFrame) => {
-                let _ = out.send(Out::Send(vec![
-                    identity.clone(),
-                    r.encode().unwrap_or_default(),
-                    b"extra".to_vec(),
-                ]));
-                return;
-            }
-        };
-        let _ = out.send(Out::Send(vec![identity.clone(), body]));
+        let _ = out.send(Out::Send(reply_frames(&faults, &identity, r)));
     };
     if faults.hang {
         std::future::pending::<()>().await;
@@ -341,28 +325,10 @@ async fn serve_pull(
         let _ = out.send(Out::Crash);
         return;
     }
-    let md = match MooncakeXferMetadata::decode(&payload) {
-        Ok(md) => Arc::new(md),
-        Err(e) => {
-            return send(&response(
-                XferStatus::Error,
-                vec![],
-                vec![],
-                Some(e.to_string()),
-            ))
-        }
+    let md = match accept_pull(sh, &faults, &payload) {
+        Ok(md) => md,
+        Err(refusal) => return send(&refusal),
     };
-    if let Some(msg) = &faults.reject_pulls {
-        return send(&response(
-            XferStatus::Error,
-            vec![],
-            vec![],
-            Some(msg.clone()),
-        ));
-    }
-    if let Err(msg) = validate(&sh.cfg, &md) {
-        return send(&response(XferStatus::Error, vec![], vec![], Some(msg)));
-    }
     let mut pending: Vec<(String, String)> = md
         .req_blocks
         .iter()
@@ -410,14 +376,7 @@ async fn serve_pull(
         } else {
             XferStatus::Continue
         };
-        let mut ok_list = ok.clone();
-        if faults.duplicate_ids {
-            ok_list.extend(ok.iter().cloned());
-            ok_list.extend(previous_ok.iter().cloned());
-        }
-        if faults.unknown_ids {
-            ok_list.push("never-asked-for".to_owned());
-        }
+        let ok_list = ok_with_faults(&faults, &ok, &previous_ok);
         previous_ok = ok;
         let msg = (!reasons.is_empty()).then(|| reasons.join("; "));
         send(&response(status, ok_list, err, msg));
@@ -426,6 +385,52 @@ async fn serve_pull(
             return;
         }
     }
+}
+
+/// The frames of one answer, broken the way `faults.malformed` asks.
+fn reply_frames(faults: &Faults, identity: &[u8], r: &MooncakeXferResponse) -> Vec<Vec<u8>> {
+    let body = match &faults.malformed {
+        None => r.encode().unwrap_or_default(),
+        Some(Malformed::Garbage) => b"\xc1 this is not msgpack".to_vec(),
+        Some(Malformed::BadStatus) => vec![0x81, 0xa6, b's', b't', b'a', b't', b'u', b's', 0x03],
+        Some(Malformed::Oversized(n)) => vec![0xc0; *n],
+        Some(Malformed::MultiFrame) => {
+            return vec![
+                identity.to_vec(),
+                r.encode().unwrap_or_default(),
+                b"extra".to_vec(),
+            ]
+        }
+    };
+    vec![identity.to_vec(), body]
+}
+
+/// Decode and check a pull as P does; `Err` is the peer-wide ERROR to answer instead.
+fn accept_pull(
+    sh: &WorkerShared,
+    faults: &Faults,
+    payload: &[u8],
+) -> Result<Arc<MooncakeXferMetadata>, MooncakeXferResponse> {
+    let error = |msg: String| response(XferStatus::Error, vec![], vec![], Some(msg));
+    let md = MooncakeXferMetadata::decode(payload).map_err(|e| error(e.to_string()))?;
+    if let Some(msg) = &faults.reject_pulls {
+        return Err(error(msg.clone()));
+    }
+    validate(&sh.cfg, &md).map_err(error)?;
+    Ok(Arc::new(md))
+}
+
+/// `ok_reqs` as a faulty P words it: duplicates, ids of the previous answer, unknown ids.
+fn ok_with_faults(faults: &Faults, ok: &[String], previous: &[String]) -> Vec<String> {
+    let mut list = ok.to_vec();
+    if faults.duplicate_ids {
+        list.extend(ok.iter().cloned());
+        list.extend(previous.iter().cloned());
+    }
+    if faults.unknown_ids {
+        list.push("never-asked-for".to_owned());
+    }
+    list
 }
 
 /// One ready subset: omissions, checks, one write, injected failures. Returns (ok, err, reasons).
