@@ -395,6 +395,61 @@ fn stats(target: &TcpTarget, line: u64) -> serde_json::Value {
     })
 }
 
+/// The `ready` line: where P and the host reach this worker, and the layout it serves.
+fn ready_line(
+    args: &ServeArgs,
+    cfg: &KvRecvConfig,
+    target: &TcpTarget,
+    permits: bool,
+) -> serde_json::Value {
+    let landing = target.landing();
+    let (host, port) = kvrecv::rdma::Landing::endpoint(&*landing);
+    let map = landing.permits().map();
+    let regions: Vec<_> = cfg
+        .layout
+        .regions
+        .iter()
+        .zip(map.region_bases(0))
+        .map(|(r, b)| {
+            json!({"layer_name": r.layer_name, "layer_index": r.layer_index, "group_index": r.group_index,
+                   "block_len": r.block_len, "kv_block_len": r.kv_block_len, "base_addr": b})
+        })
+        .collect();
+    let d = cfg.d_rank;
+    json!({
+        "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
+        "endpoint": {"host": host, "port": port},
+        "handshake": {"listen": target.handshake_addr().to_string(), "segment_name": target.segment_name()},
+        "data": {"listen": target.data_addr().to_string(), "host": target.descriptor().tcp_data_host,
+                 "port": target.descriptor().tcp_data_port, "proto_version": target.descriptor().tcp_proto_version},
+        "permits": permits, "windows": map.windows(),
+        "metrics": args.metrics.map(|a| a.to_string()),
+        "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
+        "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
+        "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
+    })
+}
+
+/// The answer line to one input op (line `n`); `shutdown` is the caller's.
+async fn answer(op: Op, n: u64, coord: &Coordinator, target: &TcpTarget) -> serde_json::Value {
+    match op {
+        Op::Shutdown => json!({"event": "shutdown"}),
+        Op::Stats => stats(target, n),
+        Op::Drain => match coord.drain().await {
+            Ok(s) => json!({"event": "drain", "line": n, "finished_recving": s.finished_recving,
+                            "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids}),
+            Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
+        },
+        Op::LoadKv { requests } => match coord.load_kv(LoadKv { requests }).await {
+            Ok(r) => {
+                json!({"event": "load_kv", "line": n, "accepted": r.accepted, "awaiting": r.awaiting,
+                            "rejected": r.rejected.iter().map(|e| e.to_string()).collect::<Vec<_>>()})
+            }
+            Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
+        },
+    }
+}
+
 async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCode {
     let (out, out_rx) = unbounded_channel::<String>();
     let writer = match Writer::start(out_rx) {
@@ -452,9 +507,6 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         ..BootstrapConfig::default()
     };
     let landing = target.landing();
-    let (host, port) = kvrecv::rdma::Landing::endpoint(&*landing);
-    let windows = landing.permits().map().windows();
-    let bases = landing.permits().map().region_bases(0);
     let coord = Coordinator::start(CoordinatorParts {
         config: cfg.clone(),
         topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
@@ -469,32 +521,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
         events,
         builtin_pool: false,
     });
-    let regions: Vec<_> = cfg
-        .layout
-        .regions
-        .iter()
-        .zip(&bases)
-        .map(|(r, b)| {
-            json!({"layer_name": r.layer_name, "layer_index": r.layer_index, "group_index": r.group_index,
-                   "block_len": r.block_len, "kv_block_len": r.kv_block_len, "base_addr": b})
-        })
-        .collect();
-    let d = cfg.d_rank;
-    emit(
-        &out,
-        json!({
-            "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
-            "endpoint": {"host": host, "port": port},
-            "handshake": {"listen": target.handshake_addr().to_string(), "segment_name": target.segment_name()},
-            "data": {"listen": target.data_addr().to_string(), "host": target.descriptor().tcp_data_host,
-                     "port": target.descriptor().tcp_data_port, "proto_version": target.descriptor().tcp_proto_version},
-            "permits": permits, "windows": windows,
-            "metrics": args.metrics.map(|a| a.to_string()),
-            "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
-            "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
-            "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
-        }),
-    );
+    emit(&out, ready_line(&args, &cfg, &target, permits));
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
@@ -538,17 +565,7 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
                 match serde_json::from_str::<Op>(&line) {
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
                     Ok(Op::Shutdown) => break,
-                    Ok(Op::Stats) => emit(&out, stats(&target, n)),
-                    Ok(Op::Drain) => match coord.drain().await {
-                        Ok(s) => emit(&out, json!({"event": "drain", "line": n, "finished_recving": s.finished_recving,
-                                                   "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids})),
-                        Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
-                    },
-                    Ok(Op::LoadKv { requests }) => match coord.load_kv(LoadKv { requests }).await {
-                        Ok(r) => emit(&out, json!({"event": "load_kv", "line": n, "accepted": r.accepted, "awaiting": r.awaiting,
-                                                   "rejected": r.rejected.iter().map(|e| e.to_string()).collect::<Vec<_>>()})),
-                        Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
-                    },
+                    Ok(op) => emit(&out, answer(op, n, &coord, &target).await),
                 }
             }
         }
