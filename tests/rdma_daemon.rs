@@ -7,8 +7,8 @@ use kvrecv::layout::KvLayout;
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
 use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState};
 use kvrecv::rdma::verbs::{
-    EndpointState, FakeVerbs, HandShakeDesc, LocalNic, RdmaSegmentDesc, RdmaTarget,
-    RdmaTargetConfig,
+    EndpointState, FakeVerbs, HandShakeDesc, LocalNic, RdmaTarget, RdmaTargetConfig,
+    SegmentDescriptor,
 };
 
 const T: Duration = Duration::from_secs(10);
@@ -179,7 +179,7 @@ async fn metadata_returns_the_rdma_descriptor_compact_alphabetical_newline_termi
         .await
         .unwrap();
     assert_eq!(ty, Some(1));
-    assert_eq!(body, t.descriptor().to_json_line());
+    assert_eq!(body, t.descriptor().to_wire());
     assert_eq!(body.last(), Some(&b'\n'));
     assert_eq!(body.iter().filter(|&&b| b == b'\n').count(), 1);
     assert!(!body.contains(&b' '), "compact");
@@ -188,7 +188,7 @@ async fn metadata_returns_the_rdma_descriptor_compact_alphabetical_newline_termi
     let mut sorted = serde_json::to_vec(&v).unwrap();
     sorted.push(b'\n');
     assert_eq!(body, sorted, "keys alphabetical at every level");
-    let d: RdmaSegmentDesc = serde_json::from_slice(&body).unwrap();
+    let d: SegmentDescriptor = serde_json::from_slice(&body).unwrap();
     assert_eq!(d.protocol, "rdma");
     assert_eq!(d.name, t.segment_name());
     assert_eq!(

@@ -249,9 +249,12 @@ fn valid_descriptor_json() -> impl Strategy<Value = Vec<u8>> {
                     addr,
                     length,
                     name: "10.0.0.7:15000".into(),
+                    ..Default::default()
                 })
                 .collect(),
+            devices: vec![],
             name: "10.0.0.7:15000".into(),
+            priority_matrix: Default::default(),
             protocol: "tcp".into(),
             rdma_server_name: String::new(),
             tcp_data_host: Some("10.0.0.7".into()),
@@ -387,7 +390,9 @@ proptest! {
 fn daemon() -> Daemon {
     let d = SegmentDescriptor {
         buffers: vec![],
+        devices: vec![],
         name: "127.0.0.1:1".into(),
+        priority_matrix: Default::default(),
         protocol: "tcp".into(),
         rdma_server_name: String::new(),
         tcp_data_host: None,

@@ -5,29 +5,57 @@
 //! `serde_json` writes struct fields in declaration order, so every struct below declares its
 //! fields alphabetically.
 
+use std::collections::BTreeMap;
+
 use serde::{Deserialize, Serialize};
 
-/// One advertised address range of a segment descriptor.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// One buffer of a segment descriptor: on TCP an advertised address range, on RDMA one
+/// registered region with its keys per device.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct BufferDesc {
-    /// First advertised address (non-zero; kvrecv keeps it below 2^53).
+    /// First address (non-zero; TCP: advertised, kept below 2^53; RDMA: the registered one).
     pub addr: u64,
     /// Bytes covered (non-zero).
     pub length: u64,
-    /// The segment name (P discards a descriptor with an empty buffer name).
+    /// RDMA: local key per device, in `devices` order. Absent on TCP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub lkey: Vec<u32>,
+    /// TCP: the segment name; RDMA: the location (`cpu:0`, `cuda:0`), the key into
+    /// `priority_matrix`. P discards a descriptor with an empty buffer name.
+    pub name: String,
+    /// RDMA: remote key per device, in `devices` order. Absent on TCP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rkey: Vec<u32>,
+}
+
+/// `devices[]` of an RDMA descriptor: one per opened NIC, in key-array order.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DeviceDesc {
+    /// Port GID, 16 `:`-joined hex bytes.
+    pub gid: String,
+    /// Port LID.
+    pub lid: u16,
+    /// Device name (`mlx5_0`).
     pub name: String,
 }
 
-/// The TCP segment descriptor D serves for a Metadata (type 1) request.
+/// The segment descriptor D serves for a Metadata (type 1) request, TCP or RDMA: one wire
+/// concept, with the RDMA-only fields left out of a TCP descriptor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SegmentDescriptor {
-    /// Every address window D will ever hand out.
+    /// TCP: every address window D will ever hand out; RDMA: every registered region.
     pub buffers: Vec<BufferDesc>,
+    /// RDMA: the NICs. Absent on TCP.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<DeviceDesc>,
     /// `"host:port"` of the handshake daemon.
     pub name: String,
-    /// `"tcp"`: P chooses its transport from this.
+    /// RDMA: location -> [preferred device names, other available device names]. Absent on TCP.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub priority_matrix: BTreeMap<String, [Vec<String>; 2]>,
+    /// `"tcp"` or `"rdma"`: P chooses its transport from this.
     pub protocol: String,
-    /// Always `""` for TCP.
+    /// Only for dual-NIC RDMA setups; `""` otherwise.
     #[serde(default)]
     pub rdma_server_name: String,
     /// Host of the TCP data server (0.3.13+; older P uses the host part of `name`).
@@ -118,8 +146,11 @@ mod tests {
                 addr: 1 << 40,
                 length: 4096,
                 name: "127.0.0.1:1".into(),
+                ..BufferDesc::default()
             }],
+            devices: vec![],
             name: "127.0.0.1:1".into(),
+            priority_matrix: Default::default(),
             protocol: "tcp".into(),
             rdma_server_name: String::new(),
             tcp_data_host: Some("127.0.0.1".into()),

@@ -21,7 +21,7 @@ use tokio::sync::Semaphore;
 
 use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
 
-use super::verbs::{RdmaSegmentDesc, SharedHandshake, VerbsBackend};
+use super::verbs::{SharedHandshake, VerbsBackend};
 
 /// Largest accepted frame (`MC_HANDSHAKE_MAX_LENGTH`).
 pub const MAX_FRAME: u64 = 1 << 20;
@@ -178,9 +178,9 @@ pub struct RdmaService<B> {
 }
 
 impl<B> RdmaService<B> {
-    pub fn new(descriptor: &RdmaSegmentDesc, handshake: SharedHandshake<B>) -> Self {
+    pub fn new(descriptor: &SegmentDescriptor, handshake: SharedHandshake<B>) -> Self {
         RdmaService {
-            descriptor: descriptor.to_json_line(),
+            descriptor: descriptor.to_wire(),
             handshake,
         }
     }
@@ -240,7 +240,7 @@ impl Daemon {
 
     /// RDMA mode: serve `descriptor` and route Connection frames to `handshake`.
     pub fn rdma<B: VerbsBackend + 'static>(
-        descriptor: &RdmaSegmentDesc,
+        descriptor: &SegmentDescriptor,
         handshake: SharedHandshake<B>,
     ) -> Self {
         Daemon::with_service(Arc::new(RdmaService::new(descriptor, handshake)))

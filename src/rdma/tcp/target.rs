@@ -186,7 +186,10 @@ impl TcpTarget {
                 addr,
                 length,
                 name: name.clone(),
+                ..BufferDesc::default()
             }],
+            devices: vec![],
+            priority_matrix: Default::default(),
             name,
             protocol: "tcp".into(),
             rdma_server_name: String::new(),

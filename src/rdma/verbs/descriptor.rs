@@ -6,52 +6,11 @@
 
 use std::collections::BTreeMap;
 
-use serde::{Deserialize, Serialize};
 use thiserror::Error;
 
 use super::backend::MrKeys;
 use super::nic::LocalNic;
-
-/// `devices[]`: one per opened NIC, in key-array order.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct DeviceDesc {
-    pub gid: String,
-    pub lid: u16,
-    pub name: String,
-}
-
-/// `buffers[]`: one registered region.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RdmaBufferDesc {
-    /// Registered (virtual) address: on RDMA the NIC resolves P's addresses through the
-    /// registration, so this is the real address, not a synthetic window (PROTOCOL.md §5.4).
-    pub addr: u64,
-    pub length: u64,
-    /// One per device, in `devices` order.
-    pub lkey: Vec<u32>,
-    /// Location (`cpu:0`, `cuda:0`): the key into `priority_matrix`.
-    pub name: String,
-    /// One per device, in `devices` order.
-    pub rkey: Vec<u32>,
-}
-
-/// The whole descriptor.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct RdmaSegmentDesc {
-    pub buffers: Vec<RdmaBufferDesc>,
-    pub devices: Vec<DeviceDesc>,
-    /// Segment name, `host:port` of D's handshake daemon.
-    pub name: String,
-    /// location → [preferred device names, other available device names].
-    pub priority_matrix: BTreeMap<String, [Vec<String>; 2]>,
-    pub protocol: String,
-    /// Only for dual-NIC setups; the wheel emits it empty (PROTOCOL.md §5.1).
-    pub rdma_server_name: String,
-    /// Unused with protocol "rdma"; emitted because Mooncake always emits it.
-    pub tcp_data_port: u16,
-    pub tcp_proto_version: u32,
-    pub timestamp: String,
-}
+use crate::messages::handshake::{BufferDesc, DeviceDesc, SegmentDescriptor};
 
 /// One registered region as the descriptor needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -83,77 +42,68 @@ pub enum DescriptorError {
     },
 }
 
-impl RdmaSegmentDesc {
-    /// Build the descriptor for `nics` (device order) and `regions`. Every device is listed as
-    /// preferred for every location: without a PCIe/NUMA topology D has no better ranking, and
-    /// P then spreads its writes over all of D's NICs.
-    pub fn build(
-        segment_name: &str,
-        nics: &[LocalNic],
-        regions: &[RegisteredRegion],
-        timestamp: String,
-    ) -> Result<RdmaSegmentDesc, DescriptorError> {
-        if segment_name.is_empty() {
-            return Err(DescriptorError::EmptyName);
+/// Build the RDMA segment descriptor (PROTOCOL.md §6) for `nics` (device order) and `regions`.
+/// Every device is listed as preferred for every location: without a PCIe/NUMA topology D has no
+/// better ranking, and P then spreads its writes over all of D's NICs.
+pub fn build(
+    segment_name: &str,
+    nics: &[LocalNic],
+    regions: &[RegisteredRegion],
+    timestamp: String,
+) -> Result<SegmentDescriptor, DescriptorError> {
+    if segment_name.is_empty() {
+        return Err(DescriptorError::EmptyName);
+    }
+    if nics.is_empty() {
+        return Err(DescriptorError::NoDevices);
+    }
+    if regions.is_empty() {
+        return Err(DescriptorError::NoBuffers);
+    }
+    let mut buffers = Vec::with_capacity(regions.len());
+    let mut priority_matrix = BTreeMap::new();
+    let all: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
+    for (index, r) in regions.iter().enumerate() {
+        if r.location.is_empty() || r.addr == 0 || r.length == 0 {
+            return Err(DescriptorError::BadBuffer { index });
         }
-        if nics.is_empty() {
-            return Err(DescriptorError::NoDevices);
-        }
-        if regions.is_empty() {
-            return Err(DescriptorError::NoBuffers);
-        }
-        let mut buffers = Vec::with_capacity(regions.len());
-        let mut priority_matrix = BTreeMap::new();
-        let all: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
-        for (index, r) in regions.iter().enumerate() {
-            if r.location.is_empty() || r.addr == 0 || r.length == 0 {
-                return Err(DescriptorError::BadBuffer { index });
-            }
-            if r.keys.len() != nics.len() {
-                return Err(DescriptorError::KeyCountMismatch {
-                    index,
-                    keys: r.keys.len(),
-                    devices: nics.len(),
-                });
-            }
-            buffers.push(RdmaBufferDesc {
-                addr: r.addr,
-                length: r.length,
-                lkey: r.keys.iter().map(|k| k.lkey).collect(),
-                name: r.location.clone(),
-                rkey: r.keys.iter().map(|k| k.rkey).collect(),
+        if r.keys.len() != nics.len() {
+            return Err(DescriptorError::KeyCountMismatch {
+                index,
+                keys: r.keys.len(),
+                devices: nics.len(),
             });
-            priority_matrix
-                .entry(r.location.clone())
-                .or_insert_with(|| [all.clone(), Vec::new()]);
         }
-        Ok(RdmaSegmentDesc {
-            buffers,
-            devices: nics
-                .iter()
-                .map(|n| DeviceDesc {
-                    gid: n.gid.to_string(),
-                    lid: n.lid,
-                    name: n.name.clone(),
-                })
-                .collect(),
-            name: segment_name.to_owned(),
-            priority_matrix,
-            protocol: "rdma".to_owned(),
-            rdma_server_name: String::new(),
-            tcp_data_port: 0,
-            tcp_proto_version: 2,
-            timestamp,
-        })
+        buffers.push(BufferDesc {
+            addr: r.addr,
+            length: r.length,
+            lkey: r.keys.iter().map(|k| k.lkey).collect(),
+            name: r.location.clone(),
+            rkey: r.keys.iter().map(|k| k.rkey).collect(),
+        });
+        priority_matrix
+            .entry(r.location.clone())
+            .or_insert_with(|| [all.clone(), Vec::new()]);
     }
-
-    /// Encode for a reply frame: compact, alphabetical keys, terminated by `\n`.
-    pub fn to_json_line(&self) -> Vec<u8> {
-        // Only strings, integers, arrays and string-keyed maps: serialization cannot fail.
-        let mut out = serde_json::to_vec(self).unwrap_or_default();
-        out.push(b'\n');
-        out
-    }
+    Ok(SegmentDescriptor {
+        buffers,
+        devices: nics
+            .iter()
+            .map(|n| DeviceDesc {
+                gid: n.gid.to_string(),
+                lid: n.lid,
+                name: n.name.clone(),
+            })
+            .collect(),
+        name: segment_name.to_owned(),
+        priority_matrix,
+        protocol: "rdma".to_owned(),
+        rdma_server_name: String::new(),
+        tcp_data_host: None,
+        tcp_data_port: 0,
+        tcp_proto_version: 2,
+        timestamp,
+    })
 }
 
 #[cfg(test)]
@@ -193,14 +143,14 @@ mod tests {
 
     #[test]
     fn encodes_the_protocol_shape() {
-        let d = RdmaSegmentDesc::build(
+        let d = crate::rdma::verbs::descriptor::build(
             "10.0.0.7:15000",
             &nics(),
             &[region(0x7f00_0000_0000, &[(1, 2), (3, 4)])],
             "1767225600.123456".into(),
         )
         .unwrap();
-        let line = String::from_utf8(d.to_json_line()).unwrap();
+        let line = String::from_utf8(d.to_wire()).unwrap();
         assert_eq!(
             line,
             concat!(
@@ -213,15 +163,20 @@ mod tests {
                 "\n"
             )
         );
-        let back: RdmaSegmentDesc = serde_json::from_str(&line).unwrap();
+        let back: SegmentDescriptor = serde_json::from_str(&line).unwrap();
         assert_eq!(back, d);
     }
 
     #[test]
     fn keys_are_alphabetical_at_every_level() {
-        let d = RdmaSegmentDesc::build("h:1", &nics(), &[region(1, &[(1, 2), (3, 4)])], "t".into())
-            .unwrap();
-        let line = d.to_json_line();
+        let d = crate::rdma::verbs::descriptor::build(
+            "h:1",
+            &nics(),
+            &[region(1, &[(1, 2), (3, 4)])],
+            "t".into(),
+        )
+        .unwrap();
+        let line = d.to_wire();
         // serde_json's Map is a BTreeMap (no preserve_order): re-encoding a Value sorts keys.
         let v: serde_json::Value = serde_json::from_slice(&line).unwrap();
         let mut sorted = serde_json::to_vec(&v).unwrap();
@@ -235,20 +190,20 @@ mod tests {
         let ok = region(1, &[(1, 2), (3, 4)]);
         let t = || "t".to_string();
         assert_eq!(
-            RdmaSegmentDesc::build("", &n, std::slice::from_ref(&ok), t()),
+            crate::rdma::verbs::descriptor::build("", &n, std::slice::from_ref(&ok), t()),
             Err(DescriptorError::EmptyName)
         );
         assert_eq!(
-            RdmaSegmentDesc::build("h:1", &[], std::slice::from_ref(&ok), t()),
+            crate::rdma::verbs::descriptor::build("h:1", &[], std::slice::from_ref(&ok), t()),
             Err(DescriptorError::NoDevices)
         );
         assert_eq!(
-            RdmaSegmentDesc::build("h:1", &n, &[], t()),
+            crate::rdma::verbs::descriptor::build("h:1", &n, &[], t()),
             Err(DescriptorError::NoBuffers)
         );
         let short = region(1, &[(1, 2)]);
         assert_eq!(
-            RdmaSegmentDesc::build("h:1", &n, &[ok.clone(), short], t()),
+            crate::rdma::verbs::descriptor::build("h:1", &n, &[ok.clone(), short], t()),
             Err(DescriptorError::KeyCountMismatch {
                 index: 1,
                 keys: 1,
@@ -270,7 +225,7 @@ mod tests {
             },
         ] {
             assert_eq!(
-                RdmaSegmentDesc::build("h:1", &n, &[bad], t()),
+                crate::rdma::verbs::descriptor::build("h:1", &n, &[bad], t()),
                 Err(DescriptorError::BadBuffer { index: 0 })
             );
         }

@@ -67,7 +67,7 @@ impl MemoryRegistrations {
         Ok(&self.entries[self.entries.len() - 1].1)
     }
 
-    /// The regions, for `RdmaSegmentDesc::build`.
+    /// The regions, for `SegmentDescriptor::build`.
     pub fn regions(&self) -> Vec<RegisteredRegion> {
         self.entries.iter().map(|(_, r)| r.clone()).collect()
     }

@@ -24,9 +24,10 @@ pub mod qp_attrs;
 pub mod rdma_landing;
 pub mod rdma_target;
 
+pub use crate::messages::handshake::SegmentDescriptor;
 pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
-pub use descriptor::{DescriptorError, RdmaSegmentDesc, RegisteredRegion};
+pub use descriptor::{DescriptorError, RegisteredRegion};
 pub use endpoint::{Endpoint, EndpointState};
 pub use fake::FakeVerbs;
 pub use fence::{RdmaFence, SharedHandshake};

@@ -10,12 +10,13 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
-use super::descriptor::{DescriptorError, RdmaSegmentDesc};
+use super::descriptor::DescriptorError;
 use super::fence::{RdmaFence, SharedHandshake};
 use super::memory::MemoryRegistrations;
 use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::rdma_landing::{RdmaLanding, RdmaLandingError};
 use crate::layout::KvLayout;
+use crate::messages::handshake::SegmentDescriptor;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
 use crate::rdma::memory::HostMemory;
 
@@ -81,7 +82,7 @@ pub struct RdmaTarget<B: VerbsBackend + 'static> {
     memory: MemoryRegistrations,
     landing: Arc<RdmaLanding<B>>,
     daemon: Arc<Daemon>,
-    descriptor: RdmaSegmentDesc,
+    descriptor: SegmentDescriptor,
     handshake_addr: SocketAddr,
     task: JoinHandle<()>,
 }
@@ -147,8 +148,9 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             }
             (hs.backend().nics().to_vec(), memory.regions())
         };
-        let descriptor = RdmaSegmentDesc::build(&name, &nics, &regions, timestamp())?;
-        let wire_len = descriptor.to_json_line().len();
+        let descriptor =
+            crate::rdma::verbs::descriptor::build(&name, &nics, &regions, timestamp())?;
+        let wire_len = descriptor.to_wire().len();
         if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
             return Err(RdmaTargetError::DescriptorTooLarge(wire_len));
         }
@@ -184,7 +186,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
     }
 
     /// The descriptor served to Metadata requests.
-    pub fn descriptor(&self) -> &RdmaSegmentDesc {
+    pub fn descriptor(&self) -> &SegmentDescriptor {
         &self.descriptor
     }
 
