@@ -198,28 +198,6 @@ struct RawKvTransfer {
     kv_connector_extra_config: RawExtra,
     #[serde(default)]
     engine_id: Option<String>,
-    // Accepted and ignored: they configure vLLM itself.
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_rank: Option<i64>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_parallel_size: Option<i64>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_ip: Option<String>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_port: Option<i64>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_buffer_device: Option<String>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_buffer_size: Option<f64>,
-    #[serde(default)]
-    #[allow(dead_code)]
-    kv_connector_module_path: Option<String>,
     #[serde(flatten)]
     unknown: std::collections::BTreeMap<String, serde_json::Value>,
 }
@@ -231,6 +209,17 @@ struct RawExtra {
     #[serde(default)]
     kvrecv: RawKvRecv,
 }
+
+/// `kv_transfer_config` keys that configure vLLM itself: accepted without a warning.
+const VLLM_KEYS: &[&str] = &[
+    "kv_rank",
+    "kv_parallel_size",
+    "kv_ip",
+    "kv_port",
+    "kv_buffer_device",
+    "kv_buffer_size",
+    "kv_connector_module_path",
+];
 
 /// kvrecv's own keys: unknown ones are refused, because they can only be typos of ours.
 #[derive(Deserialize, Default)]
@@ -277,7 +266,13 @@ impl KvRecvConfig {
     /// Parse without requiring a layout; logs one warning naming every ignored key.
     pub fn parse_kv_transfer_config(json: &str) -> Result<ParsedKvTransfer, ConfigError> {
         let raw: RawKvTransfer = serde_json::from_str(json)?;
-        let ignored_keys: Vec<String> = raw.unknown.keys().cloned().collect();
+        // vLLM's own keys configure vLLM itself: accepted silently; anything else is named.
+        let ignored_keys: Vec<String> = raw
+            .unknown
+            .keys()
+            .filter(|k| !VLLM_KEYS.contains(&k.as_str()))
+            .cloned()
+            .collect();
         if !ignored_keys.is_empty() {
             tracing::warn!(keys = ?ignored_keys, "kv_transfer_config keys kvrecv does not know; ignored");
         }
@@ -424,12 +419,14 @@ mod tests {
         let json = format!(
             r#"{{"kv_connector":"MooncakeConnector","kv_role":"kv_consumer",
                 "enable_permute_local_kv":false,"some_future_key":{{"a":1}},
+                "kv_rank":1,"kv_buffer_size":1e9,
                 "kv_connector_extra_config":{{"kvrecv":{{{LAYOUT}}}}}}}"#
         );
         let p = KvRecvConfig::parse_kv_transfer_config(&json).unwrap();
         assert_eq!(
             p.ignored_keys,
-            vec!["enable_permute_local_kv", "some_future_key"]
+            vec!["enable_permute_local_kv", "some_future_key"],
+            "vLLM's own keys are not named"
         );
         assert!(p.layout_given);
         assert_eq!(p.config.layout.num_blocks, 8);
