@@ -429,7 +429,11 @@ mod tests {
             bm.clone(),
             events,
         );
-        receiver.encode = |_| Err(WireError::TooLarge { len: 1, cap: 0 });
+        receiver.encode = |_| {
+            Err(WireError::Encode(rmp_serde::encode::Error::Syntax(
+                "simulated".into(),
+            )))
+        };
         let receiver = receiver.start();
         let reply = receiver
             .send(LoadKv {

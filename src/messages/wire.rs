@@ -80,8 +80,6 @@ pub enum WireError {
     Decode(#[from] rmp_serde::decode::Error),
     #[error("cannot encode: {0}")]
     Encode(#[from] rmp_serde::encode::Error),
-    #[error("message of {len} bytes exceeds the cap of {cap}")]
-    TooLarge { len: usize, cap: usize },
 }
 
 fn encode_named<T: Serialize>(v: &T) -> Result<Vec<u8>, WireError> {
