@@ -57,14 +57,6 @@ impl KvLayout {
     pub fn region_bytes(&self) -> u64 {
         self.regions.first().map_or(0, |r| r.block_len) * u64::from(self.num_blocks)
     }
-
-    /// Bytes of all regions.
-    pub fn total_bytes(&self) -> u64 {
-        self.regions
-            .iter()
-            .map(|r| r.block_len * u64::from(self.num_blocks))
-            .sum()
-    }
 }
 
 impl Default for KvLayout {

@@ -28,9 +28,4 @@ impl EventSink {
             let _ = tx.send(ev);
         }
     }
-
-    /// Whether an observer is attached (lets callers skip building events nobody reads).
-    pub fn is_attached(&self) -> bool {
-        self.0.is_some()
-    }
 }

@@ -222,14 +222,6 @@ impl PeerHealth {
         PeerHealth(shared)
     }
 
-    /// A handle to a record nobody reads (tests that start a Peer alone).
-    pub fn detached() -> Self {
-        PeerHealth(Rc::new(RefCell::new(Rediscovery::new(RediscoveryConfig {
-            base: Duration::ZERO,
-            max: Duration::ZERO,
-        }))))
-    }
-
     pub fn down(&self, peer: &PeerId, until: Instant, reason: String) {
         self.0.borrow_mut().peer_down(peer, until, reason);
     }

@@ -129,19 +129,6 @@ impl BootstrapServer {
     pub fn register(&self, w: &RegisterWorker) -> Result<(), String> {
         register(&self.state, w)
     }
-
-    /// Forget a worker (a P worker that left).
-    pub fn unregister(&self, dp_rank: u32, tp_rank: u32, pp_rank: u32) {
-        let mut reg = lock(&self.state.registry);
-        if let Some(e) = reg.engines.get_mut(&dp_rank) {
-            if let Some(t) = e.worker_addr.get_mut(&tp_rank.to_string()) {
-                t.remove(&pp_rank.to_string());
-                if t.is_empty() {
-                    e.worker_addr.remove(&tp_rank.to_string());
-                }
-            }
-        }
-    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

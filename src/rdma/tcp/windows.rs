@@ -185,11 +185,6 @@ impl WindowMap {
         self.group[region]
     }
 
-    /// Start of `region` inside the registered memory.
-    pub fn region_mem_offset(&self, region: usize) -> u64 {
-        self.region_start[region]
-    }
-
     /// Advertised base address of every region in `window` (what `kv_caches_base_addr` carries).
     pub fn region_bases(&self, window: u32) -> Vec<u64> {
         let w = self.window_base(window);

@@ -132,11 +132,6 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
         })
     }
 
-    /// The fence (to bind peers to the Mooncake segments they write from).
-    pub fn fence_handle(&self) -> &RdmaFence<B> {
-        &self.fence
-    }
-
     /// Record that `peer` writes from Mooncake segment `segment` (`host:port`).
     pub fn bind_peer(&self, peer: PeerId, segment: impl Into<String>) {
         self.fence.bind_peer(peer, segment);
