@@ -1,6 +1,6 @@
-//! The front door: one builder that starts a whole D worker (TCP data target with landing
-//! permits, control plane, coordinator) on kvrecv's own thread, and one handle ([`KvRecv`]) a
-//! host calls from any tokio runtime, with no actix in the host.
+//! The front door: one builder that starts a whole D worker (the data target: TCP with landing
+//! permits, or RDMA when configured; control plane; coordinator) on kvrecv's own thread, and one
+//! handle ([`KvRecv`]) a host calls from any tokio runtime, with no actix in the host.
 //!
 //! kvrecv's thread runs its own actix `System` on its own multi-thread tokio runtime: the actors
 //! live on that thread, the data server's connections on its runtime's workers. The host's
@@ -21,8 +21,10 @@ use thiserror::Error;
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::oneshot;
 
+use futures::future::LocalBoxFuture;
+
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
-use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy};
+use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol};
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::messages::{
     Abort, AbortReply, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv, LoadKvReply, ReqId,
@@ -32,7 +34,10 @@ use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
 use crate::rdma::tcp::server::DataStats;
 use crate::rdma::tcp::target::TargetError;
-use crate::rdma::{TargetConfig, TcpLanding, TcpTarget};
+use crate::rdma::verbs::{
+    PeerBinding, RdmaTarget, RdmaTargetConfig, RdmaTargetError, VerbsBackend, VerbsError,
+};
+use crate::rdma::{Landing, TargetConfig, TcpLanding, TcpTarget};
 
 /// Why a D worker could not start.
 #[derive(Debug, Error)]
@@ -52,6 +57,22 @@ pub enum StartError {
     #[error("no advertised host: binding {0} needs advertise_host (the address P reaches)")]
     /// A wildcard bind needs the address P should connect to.
     NoAdvertiseHost(IpAddr),
+    /// The RDMA devices could not be opened (none, no driver, a named one missing).
+    #[error("RDMA devices: {0}")]
+    RdmaDevices(#[from] VerbsError),
+    /// The RDMA target could not start (bind, registration, descriptor).
+    #[error("RDMA target: {0}")]
+    Rdma(#[from] RdmaTargetError),
+    /// `mooncake_protocol` is `rdma` but this build has no verbs backend (feature `rdma`) and
+    /// none was given with [`KvRecvBuilder::rdma`].
+    #[error(
+        "mooncake_protocol is \"rdma\" but kvrecv was built without the `rdma` feature: rebuild \
+         with --features rdma, or give a verbs backend with KvRecvBuilder::rdma"
+    )]
+    RdmaNotBuilt,
+    /// Device memory is not registered for RDMA yet (GPUDirect needs nvidia-peermem or dma-buf).
+    #[error("the RDMA target registers host memory only; device memory needs the TCP target")]
+    RdmaDeviceMemory,
 }
 
 /// Why a call on a running handle failed.
@@ -68,8 +89,11 @@ pub enum KvRecvError {
 
 /// Starts one D worker. Defaults: TCP target on 127.0.0.1 (ephemeral ports), landing permits
 /// and the epoch rule on, kvrecv-owned host memory, no built-in block pool (the host allocates
-/// blocks), no event stream.
-#[derive(Debug, Clone)]
+/// blocks), no event stream. With `mooncake_protocol = "rdma"` (or [`KvRecvBuilder::rdma`]) the
+/// data target is the RDMA one: same handshake daemon address, the same host memory
+/// registered with the NICs, and each peer bound to its Mooncake segments by host so that an
+/// uncertain peer's queue pairs are fenced ([`PeerBinding`]).
+#[derive(Clone)]
 pub struct KvRecvBuilder {
     config: KvRecvConfig,
     target: TargetConfig,
@@ -78,6 +102,57 @@ pub struct KvRecvBuilder {
     events: bool,
     builtin_pool: bool,
     worker_threads: usize,
+    rdma: Option<RdmaStarter>,
+    peer_binding: PeerBinding,
+}
+
+impl std::fmt::Debug for KvRecvBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KvRecvBuilder")
+            .field("config", &self.config)
+            .field("target", &self.target)
+            .field("events", &self.events)
+            .field("builtin_pool", &self.builtin_pool)
+            .field("rdma_backend", &self.rdma.is_some())
+            .field("peer_binding", &self.peer_binding)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What an RDMA data plane hands the worker.
+struct RdmaStarted {
+    landing: Arc<dyn Landing>,
+    handshake: Arc<HandshakeStats>,
+    handshake_addr: SocketAddr,
+    segment_name: String,
+    keep: Box<dyn std::any::Any>,
+}
+
+/// Opens a verbs backend and starts the RDMA target on it (on kvrecv's thread).
+type RdmaStarter = Arc<
+    dyn Fn(RdmaTargetConfig) -> LocalBoxFuture<'static, Result<RdmaStarted, StartError>>
+        + Send
+        + Sync,
+>;
+
+fn rdma_starter<B, F>(open: F) -> RdmaStarter
+where
+    B: VerbsBackend + 'static,
+    F: Fn() -> Result<B, VerbsError> + Send + Sync + 'static,
+{
+    Arc::new(move |cfg| {
+        let backend = open();
+        Box::pin(async move {
+            let target = RdmaTarget::start(backend?, cfg).await?;
+            Ok(RdmaStarted {
+                landing: target.landing(),
+                handshake: Arc::clone(target.handshake_stats()),
+                handshake_addr: target.handshake_addr(),
+                segment_name: target.segment_name().to_owned(),
+                keep: Box::new(target),
+            })
+        })
+    })
 }
 
 impl KvRecvBuilder {
@@ -92,6 +167,8 @@ impl KvRecvBuilder {
             events: false,
             builtin_pool: false,
             worker_threads: 2,
+            rdma: None,
+            peer_binding: PeerBinding::default(),
         }
     }
 
@@ -184,6 +261,33 @@ impl KvRecvBuilder {
         self
     }
 
+    /// Be an RDMA target on the verbs backend `open` returns (called on kvrecv's thread at
+    /// start): sets `mooncake_protocol = "rdma"`. The handshake daemon binds as for TCP; the
+    /// layout's memory (the host's, with [`Self::host_memory`]) is registered on every device.
+    /// Production code uses `rdma_devices` (feature `rdma`); tests pass a fake backend.
+    pub fn rdma<B, F>(mut self, open: F) -> Self
+    where
+        B: VerbsBackend + 'static,
+        F: Fn() -> Result<B, VerbsError> + Send + Sync + 'static,
+    {
+        self.rdma = Some(rdma_starter(open));
+        self.config.mooncake_protocol = MooncakeProtocol::Rdma;
+        self
+    }
+
+    /// Be an RDMA target on this host's RDMA devices (libibverbs; feature `rdma`). Without this
+    /// call, `mooncake_protocol = "rdma"` opens every device with the default settings.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_devices(self, devices: crate::rdma::verbs::DeviceConfig) -> Self {
+        self.rdma(move || crate::rdma::verbs::IbvDevices::open(&devices))
+    }
+
+    /// How the RDMA fence finds the queue pairs of a peer to fence (default: by host).
+    pub fn peer_binding(mut self, binding: PeerBinding) -> Self {
+        self.peer_binding = binding;
+        self
+    }
+
     /// The effective configuration.
     pub fn config(&self) -> &KvRecvConfig {
         &self.config
@@ -203,8 +307,18 @@ impl KvRecvBuilder {
             events,
             builtin_pool,
             worker_threads,
+            rdma,
+            peer_binding,
         } = self;
         target.layout = config.layout.clone();
+        let rdma = match (config.mooncake_protocol, rdma) {
+            (MooncakeProtocol::Tcp, _) => None,
+            (MooncakeProtocol::Rdma, Some(r)) => Some(r),
+            (MooncakeProtocol::Rdma, None) => Some(default_rdma()?),
+        };
+        if rdma.is_some() && target.device_memory.is_some() {
+            return Err(StartError::RdmaDeviceMemory);
+        }
         // One label set for the whole worker: the coordinator derives the same from `config`.
         let labels = crate::telemetry::Labels::for_config(&config);
         target.labels = labels.clone();
@@ -214,27 +328,70 @@ impl KvRecvBuilder {
             worker_threads,
             rx,
             move || async move {
-                let tcp = TcpTarget::start(target).await?;
-                let landing = tcp.landing();
+                let (landing, data, keep) = match rdma {
+                    Some(start_rdma) => {
+                        let r = start_rdma(RdmaTargetConfig {
+                            handshake_bind: target.handshake_bind,
+                            advertise_host: target.advertise_host.clone(),
+                            host_memory: target.host_memory.clone(),
+                            peer_binding,
+                            ..RdmaTargetConfig::loopback(config.layout.clone())
+                        })
+                        .await?;
+                        let data = DataPlaneHandle {
+                            handshake: r.handshake,
+                            handshake_addr: r.handshake_addr,
+                            segment_name: r.segment_name,
+                            tcp: None,
+                        };
+                        (r.landing, data, r.keep)
+                    }
+                    None => {
+                        let tcp = TcpTarget::start(target).await?;
+                        let landing = tcp.landing();
+                        let data = DataPlaneHandle {
+                            handshake: tcp.handshake_stats().clone(),
+                            handshake_addr: tcp.handshake_addr(),
+                            segment_name: tcp.segment_name().to_owned(),
+                            tcp: Some(TcpParts {
+                                stats: tcp.stats().clone(),
+                                landing: landing.clone(),
+                                data_addr: tcp.data_addr(),
+                            }),
+                        };
+                        (
+                            landing as Arc<dyn Landing>,
+                            data,
+                            Box::new(tcp) as Box<dyn std::any::Any>,
+                        )
+                    }
+                };
                 let coord = Coordinator::start(CoordinatorParts {
                     config,
                     topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
                     transport: Rc::new(ZmqTransport::new(zmq).with_labels(labels)),
-                    landing: landing.clone(),
+                    landing,
                     events: sink,
                     builtin_pool,
                 });
-                let data = DataPlaneHandle {
-                    stats: tcp.stats().clone(),
-                    handshake: tcp.handshake_stats().clone(),
-                    landing,
-                    handshake_addr: tcp.handshake_addr(),
-                    data_addr: tcp.data_addr(),
-                    segment_name: tcp.segment_name().to_owned(),
-                };
-                Ok((coord, Some(data), Box::new(tcp) as Box<dyn std::any::Any>))
+                Ok((coord, Some(data), keep))
             },
         )
+    }
+}
+
+/// `mooncake_protocol = "rdma"` with no backend given: this host's devices, if built with them.
+fn default_rdma() -> Result<RdmaStarter, StartError> {
+    #[cfg(feature = "rdma")]
+    {
+        let devices = crate::rdma::verbs::DeviceConfig::default();
+        Ok(rdma_starter(move || {
+            crate::rdma::verbs::IbvDevices::open(&devices)
+        }))
+    }
+    #[cfg(not(feature = "rdma"))]
+    {
+        Err(StartError::RdmaNotBuilt)
     }
 }
 
@@ -313,12 +470,17 @@ where
 
 /// What the handle keeps of the data plane (counters are shared atomics).
 struct DataPlaneHandle {
-    stats: Arc<DataStats>,
     handshake: Arc<HandshakeStats>,
-    landing: Arc<TcpLanding>,
     handshake_addr: SocketAddr,
-    data_addr: SocketAddr,
     segment_name: String,
+    /// The TCP target's data server (`None` on RDMA: the NICs write, nothing is served).
+    tcp: Option<TcpParts>,
+}
+
+struct TcpParts {
+    stats: Arc<DataStats>,
+    landing: Arc<TcpLanding>,
+    data_addr: SocketAddr,
 }
 
 struct Inner {
@@ -370,9 +532,12 @@ pub struct Stats {
     pub data: Option<DataPlaneStats>,
 }
 
-/// Data-plane counters (a snapshot).
+/// Data-plane counters (a snapshot). On RDMA the NICs write without D's CPU, so only the
+/// handshakes are counted.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct DataPlaneStats {
+    /// The data target's transport.
+    pub protocol: MooncakeProtocol,
     /// Data connections accepted.
     pub connections: u64,
     /// Bytes written into destination memory.
@@ -385,7 +550,7 @@ pub struct DataPlaneStats {
     pub rejected_no_permit: u64,
     /// Writes refused because they fell outside the advertised windows.
     pub rejected_out_of_range: u64,
-    /// Mooncake handshakes served.
+    /// Mooncake handshakes served (segment metadata requests and RDMA endpoint connections).
     pub handshakes: u64,
     /// Landing permits open now.
     pub live_permits: u64,
@@ -476,16 +641,25 @@ impl KvRecv {
         let ledger = self.inner.coord.block_manager.send(GetLedgerStats).await?;
         let data = self.inner.data.as_ref().map(|d| {
             let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-            DataPlaneStats {
-                connections: n(&d.stats.connections),
-                bytes_landed: n(&d.stats.bytes_landed),
-                writes_landed: n(&d.stats.writes_landed),
-                rejected_revoked: n(&d.stats.rejected_revoked),
-                rejected_no_permit: n(&d.stats.rejected_no_permit),
-                rejected_out_of_range: n(&d.stats.rejected_out_of_range),
-                handshakes: n(&d.handshake.metadata),
-                live_permits: d.landing.permits().live(),
-                poisoned_windows: d.landing.permits().poisoned_windows(),
+            let handshakes = n(&d.handshake.metadata) + n(&d.handshake.connection);
+            match &d.tcp {
+                Some(t) => DataPlaneStats {
+                    protocol: MooncakeProtocol::Tcp,
+                    connections: n(&t.stats.connections),
+                    bytes_landed: n(&t.stats.bytes_landed),
+                    writes_landed: n(&t.stats.writes_landed),
+                    rejected_revoked: n(&t.stats.rejected_revoked),
+                    rejected_no_permit: n(&t.stats.rejected_no_permit),
+                    rejected_out_of_range: n(&t.stats.rejected_out_of_range),
+                    handshakes,
+                    live_permits: t.landing.permits().live(),
+                    poisoned_windows: t.landing.permits().poisoned_windows(),
+                },
+                None => DataPlaneStats {
+                    protocol: MooncakeProtocol::Rdma,
+                    handshakes,
+                    ..DataPlaneStats::default()
+                },
             }
         });
         Ok(Stats { ledger, data })
@@ -496,12 +670,16 @@ impl KvRecv {
         self.inner.data.as_ref().map(|d| d.segment_name.as_str())
     }
 
-    /// Where the handshake daemon and the data server listen.
+    /// Where the TCP target's handshake daemon and data server listen (`None` on RDMA: see
+    /// [`Self::handshake_addr`]).
     pub fn listen_addrs(&self) -> Option<(SocketAddr, SocketAddr)> {
-        self.inner
-            .data
-            .as_ref()
-            .map(|d| (d.handshake_addr, d.data_addr))
+        let d = self.inner.data.as_ref()?;
+        Some((d.handshake_addr, d.tcp.as_ref()?.data_addr))
+    }
+
+    /// Where the handshake daemon listens (TCP and RDMA).
+    pub fn handshake_addr(&self) -> Option<SocketAddr> {
+        self.inner.data.as_ref().map(|d| d.handshake_addr)
     }
 
     /// vLLM's `kv_load_failure_policy` from the configuration: what the host's scheduler does

@@ -18,7 +18,8 @@ use kvrecv::messages::{KvEvent, KvRequest, LoadKv, PeerId, XferStatus};
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
 use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState};
 use kvrecv::rdma::verbs::{
-    EndpointState, FakeVerbs, HandShakeDesc, LocalNic, QpId, RdmaTarget, RdmaTargetConfig,
+    EndpointState, FakeVerbs, HandShakeDesc, LocalNic, PeerBinding, QpId, RdmaTarget,
+    RdmaTargetConfig,
 };
 
 /// Safety net only: every wait ends on an event long before this.
@@ -58,9 +59,17 @@ impl Rig {
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
         };
+        // Unbound: explicit bindings only (by host, see tests/rdma_front_door.rs).
         let target = RdmaTarget::start(
             FakeVerbs::new(vec![nic]),
-            RdmaTargetConfig::loopback(layout()),
+            RdmaTargetConfig {
+                peer_binding: if bind {
+                    PeerBinding::ByHost
+                } else {
+                    PeerBinding::Explicit
+                },
+                ..RdmaTargetConfig::loopback(layout())
+            },
         )
         .await
         .unwrap();

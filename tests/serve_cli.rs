@@ -381,6 +381,46 @@ async fn a_wildcard_bind_needs_an_advertised_host() {
     assert!(!status.success());
 }
 
+/// `mooncake_protocol = "rdma"` (or `--protocol rdma`) never silently serves TCP: on a host with
+/// no RDMA device (this one, or a build without the `rdma` feature) serve says why and exits.
+#[tokio::test]
+async fn rdma_protocol_is_honoured_or_refused_never_served_over_tcp() {
+    let cfg =
+        r#"{"kv_role":"kv_consumer","kv_connector_extra_config":{"mooncake_protocol":"rdma"}}"#;
+    for args in [
+        &[
+            "--protocol",
+            "rdma",
+            "--layers",
+            "1",
+            "--block-len",
+            "64",
+            "--num-blocks",
+            "4",
+        ][..],
+        &[
+            "--kv-transfer-config",
+            cfg,
+            "--layers",
+            "1",
+            "--block-len",
+            "64",
+            "--num-blocks",
+            "4",
+        ],
+    ] {
+        let mut s = Serve::start(args);
+        let e = s.wait("error", |v| ev(v, "error") || ev(v, "ready")).await;
+        assert!(ev(&e, "error"), "no RDMA device here, yet: {e}");
+        assert!(e["error"].as_str().unwrap().to_lowercase().contains("rdma"), "{e}");
+        let status = tokio::time::timeout(SAFETY, s.child.wait())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(status.code(), Some(2));
+    }
+}
+
 /// `--events completions` prints only `completion` lines of the coordinator's events, `--events
 /// none` none at all; answers to input lines are printed either way, and `drain` still reports.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

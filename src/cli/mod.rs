@@ -6,3 +6,4 @@ pub mod logging;
 pub mod prefill_sim;
 pub mod repro;
 pub mod serve;
+pub mod serve_target;

@@ -16,9 +16,10 @@
 //! epoll, on the actors' own thread: no blocking-pool read per chunk of input, no other thread
 //! woken per burst of output.
 //!
-//! The process is a Mooncake TE target (TCP): a handshake daemon (what P's TE reaches through
-//! `remote_hostname:remote_port`) and a data server, both bound on `--bind`, with landing permits
-//! on unless `--no-permits`. Nothing authenticates either listener: bind the interface P uses,
+//! The process is a Mooncake TE target: a handshake daemon (what P's TE reaches through
+//! `remote_hostname:remote_port`) and, on TCP, a data server, both bound on `--bind`, with
+//! landing permits on unless `--no-permits`. With `--protocol rdma` (feature `rdma`) it is the
+//! RDMA target instead ([`DataTarget`]). Nothing authenticates either listener: bind the interface P uses,
 //! never a public one.
 
 use std::io::Write;
@@ -26,8 +27,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
 use std::process::ExitCode;
 use std::rc::Rc;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
@@ -37,15 +36,16 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::line_reader::{Line, LineReader};
+use super::serve_target::DataTarget;
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
-use kvrecv::config::{KvRecvConfig, Policy};
+use kvrecv::config::{KvRecvConfig, MooncakeProtocol, Policy};
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
 use kvrecv::rdma::tcp::server::DEFAULT_IDLE_TIMEOUT;
 use kvrecv::rdma::tcp::windows::DEFAULT_BASE;
-use kvrecv::rdma::{TargetConfig, TcpTarget};
+use kvrecv::rdma::TargetConfig;
 
 /// Flags of `kvrecv serve`. Flags given explicitly override `--kv-transfer-config`.
 #[derive(clap::Args, Debug)]
@@ -79,6 +79,10 @@ pub struct ServeArgs {
     pub pull_timeout_ms: Option<u64>,
     #[arg(long, value_enum)]
     pub policy: Option<Policy>,
+    /// The transport P writes with (overrides `mooncake_protocol`): `tcp` (kvrecv's TCP target)
+    /// or `rdma` (the RDMA target on this host's devices; needs a build with `--features rdma`).
+    #[arg(long, value_enum)]
+    pub protocol: Option<Protocol>,
     /// Interface the TE handshake daemon and data server listen on. Nothing authenticates
     /// them (any host that reaches them can write into the advertised windows while a permit is
     /// open): bind the interface the prefill nodes use, never a public one.
@@ -139,6 +143,13 @@ pub struct ServeArgs {
     /// Log filter when RUST_LOG is unset.
     #[arg(long, default_value = "info")]
     pub log_level: String,
+}
+
+/// `--protocol`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Protocol {
+    Tcp,
+    Rdma,
 }
 
 /// Which coordinator events `serve` prints.
@@ -214,6 +225,11 @@ impl ServeArgs {
         }
         if let Some(p) = self.policy {
             cfg.policy = p;
+        }
+        match self.protocol {
+            Some(Protocol::Tcp) => cfg.mooncake_protocol = MooncakeProtocol::Tcp,
+            Some(Protocol::Rdma) => cfg.mooncake_protocol = MooncakeProtocol::Rdma,
+            None => {}
         }
         cfg.validate().map_err(|e| e.to_string())?;
         Ok(cfg)
@@ -375,66 +391,47 @@ pub fn run(args: ServeArgs) -> ExitCode {
     sys.block_on(serve(args, cfg, target))
 }
 
-/// The `stats` answer: data-plane counters.
-fn stats(target: &TcpTarget, line: u64) -> serde_json::Value {
-    let d = target.stats();
-    let h = target.handshake_stats();
-    let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-    json!({
-        "event": "stats", "line": line,
-        "data": {"connections": n(&d.connections), "bytes_landed": n(&d.bytes_landed),
-                 "writes_landed": n(&d.writes_landed), "reads_served": n(&d.reads_served),
-                 "rejected_out_of_range": n(&d.rejected_out_of_range),
-                 "rejected_bad_opcode": n(&d.rejected_bad_opcode),
-                 "rejected_no_permit": n(&d.rejected_no_permit),
-                 "rejected_revoked": n(&d.rejected_revoked), "idle_timeouts": n(&d.idle_timeouts),
-                 "v1_requests": n(&d.v1_requests), "broken": n(&d.broken)},
-        "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
-                      "connection": n(&h.connection), "refused": n(&h.refused)},
-        "live_permits": target.landing().permits().live(),
-    })
-}
-
 /// The `ready` line: where P and the host reach this worker, and the layout it serves.
-fn ready_line(
-    args: &ServeArgs,
-    cfg: &KvRecvConfig,
-    target: &TcpTarget,
-    permits: bool,
-) -> serde_json::Value {
-    let landing = target.landing();
-    let (host, port) = kvrecv::rdma::Landing::endpoint(&*landing);
-    let map = landing.permits().map();
+fn ready_line(args: &ServeArgs, cfg: &KvRecvConfig, target: &DataTarget) -> serde_json::Value {
+    let (host, port) = target.landing().endpoint();
+    let (data_plane, bases) = target.ready();
     let regions: Vec<_> = cfg
         .layout
         .regions
         .iter()
-        .zip(map.region_bases(0))
+        .zip(bases)
         .map(|(r, b)| {
             json!({"layer_name": r.layer_name, "layer_index": r.layer_index, "group_index": r.group_index,
                    "block_len": r.block_len, "kv_block_len": r.kv_block_len, "base_addr": b})
         })
         .collect();
     let d = cfg.d_rank;
-    json!({
+    let mut v = json!({
         "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
         "endpoint": {"host": host, "port": port},
-        "handshake": {"listen": target.handshake_addr().to_string(), "segment_name": target.segment_name()},
-        "data": {"listen": target.data_addr().to_string(), "host": target.descriptor().tcp_data_host,
-                 "port": target.descriptor().tcp_data_port, "proto_version": target.descriptor().tcp_proto_version},
-        "permits": permits, "windows": map.windows(),
         "metrics": args.metrics.map(|a| a.to_string()),
         "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
         "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
         "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
-    })
+    });
+    if let (Some(v), serde_json::Value::Object(extra)) = (v.as_object_mut(), data_plane) {
+        v.extend(extra);
+    }
+    v
 }
 
 /// The answer line to one input op (line `n`); `shutdown` is the caller's.
-async fn answer(op: Op, n: u64, coord: &Coordinator, target: &TcpTarget) -> serde_json::Value {
+async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> serde_json::Value {
     match op {
         Op::Shutdown => json!({"event": "shutdown"}),
-        Op::Stats => stats(target, n),
+        Op::Stats => {
+            let mut v = json!({"event": "stats", "line": n});
+            if let (Some(v), serde_json::Value::Object(data)) = (v.as_object_mut(), target.stats())
+            {
+                v.extend(data);
+            }
+            v
+        }
         Op::Drain => match coord.drain().await {
             Ok(s) => json!({"event": "drain", "line": n, "finished_recving": s.finished_recving,
                             "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids}),
@@ -471,14 +468,12 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
             );
         }
     }
-    let permits = tcfg.permits;
     let labels = kvrecv::telemetry::Labels::for_config(&cfg);
-    let target = match TcpTarget::start(TargetConfig {
+    let tcfg = TargetConfig {
         labels: labels.clone(),
         ..tcfg
-    })
-    .await
-    {
+    };
+    let target = match DataTarget::start(&cfg, tcfg).await {
         Ok(t) => t,
         Err(e) => {
             emit(
@@ -517,11 +512,11 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
             })
             .with_labels(labels),
         ),
-        landing: landing.clone() as Arc<dyn kvrecv::rdma::Landing>,
+        landing,
         events,
         builtin_pool: false,
     });
-    emit(&out, ready_line(&args, &cfg, &target, permits));
+    emit(&out, ready_line(&args, &cfg, &target));
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;

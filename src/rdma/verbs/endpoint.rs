@@ -91,6 +91,16 @@ impl<B: VerbsBackend> EndpointTable<B> {
         self.qps_per_endpoint
     }
 
+    /// The distinct segment names (server part of P's NIC path) that have an endpoint.
+    pub fn servers(&self) -> Vec<String> {
+        let servers: std::collections::BTreeSet<String> = self
+            .endpoints
+            .keys()
+            .filter_map(|k| NicPath::parse(k).ok().map(|p| p.server))
+            .collect();
+        servers.into_iter().collect()
+    }
+
     pub fn get(&self, peer_path: &str) -> Option<&Endpoint> {
         self.endpoints.get(peer_path)
     }

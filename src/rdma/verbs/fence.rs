@@ -2,10 +2,12 @@
 //! (its ZMQ side-channel address) to the Mooncake segment(s) its TE connects from, and move the
 //! QPs of those segments' endpoints to ERR.
 //!
-//! The binding peer → segment is registered by whoever learns it (the control plane knows the
-//! peer, the handshake knows the segment; they meet in the wiring). A peer with no binding
-//! cannot be fenced: its blocks stay quarantined until the last-resort deadline, which is the
-//! safe answer when D cannot tell which queue pairs are its.
+//! The binding peer → segment is by host unless configured otherwise ([`PeerBinding`]): the
+//! landing notes every peer it opens a pull for, and a fence stops every segment on that
+//! peer's host (or the segments no known peer can claim). `bind_peer` adds explicit bindings.
+//! In [`PeerBinding::Explicit`] mode a peer with no binding cannot be fenced: its blocks stay
+//! quarantined until the last-resort deadline, the safe answer when D cannot tell which queue
+//! pairs are its.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -14,6 +16,7 @@ use futures::future::LocalBoxFuture;
 
 use super::backend::VerbsBackend;
 use super::passive::PassiveHandshake;
+use super::peer_binding::{peer_host, segments_to_fence, PeerBinding};
 use crate::messages::PeerId;
 use crate::rdma::FenceError;
 
@@ -23,13 +26,25 @@ pub type SharedHandshake<B> = Arc<Mutex<PassiveHandshake<B>>>;
 /// Fences peers on RDMA. Cheap to clone; clones share bindings and endpoints.
 pub struct RdmaFence<B> {
     target: SharedHandshake<B>,
-    bindings: Arc<Mutex<BTreeMap<PeerId, BTreeSet<String>>>>,
+    mode: PeerBinding,
+    bindings: Arc<Mutex<Bindings>>,
+}
+
+/// What the fence knows of peers: explicit bindings and the hosts of every peer seen.
+#[derive(Default)]
+struct Bindings {
+    explicit: BTreeMap<PeerId, BTreeSet<String>>,
+    /// Segments some peer was bound to explicitly (never an orphan).
+    claimed: BTreeSet<String>,
+    /// Canonical hosts of the peers pulls were opened for (and of bound peers).
+    known_hosts: BTreeSet<String>,
 }
 
 impl<B> Clone for RdmaFence<B> {
     fn clone(&self) -> Self {
         RdmaFence {
             target: Arc::clone(&self.target),
+            mode: self.mode,
             bindings: Arc::clone(&self.bindings),
         }
     }
@@ -42,40 +57,78 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl<B: VerbsBackend + 'static> RdmaFence<B> {
+    /// Peers bound by host ([`PeerBinding::ByHost`]) plus whatever `bind_peer` adds.
     pub fn new(target: SharedHandshake<B>) -> Self {
+        Self::with_binding(target, PeerBinding::default())
+    }
+
+    pub fn with_binding(target: SharedHandshake<B>, mode: PeerBinding) -> Self {
         RdmaFence {
             target,
-            bindings: Arc::new(Mutex::new(BTreeMap::new())),
+            mode,
+            bindings: Arc::new(Mutex::new(Bindings::default())),
+        }
+    }
+
+    /// Note a peer D pulls from: its host is then a known one (see [`PeerBinding::ByHost`]).
+    pub fn note_peer(&self, peer: &PeerId) {
+        if let Some(host) = peer_host(peer.addr()) {
+            let mut b = lock(&self.bindings);
+            if !b.known_hosts.contains(&host) {
+                b.known_hosts.insert(host);
+            }
         }
     }
 
     /// Record that `peer` writes from Mooncake segment `segment` (`host:port`, the server part
     /// of its NIC paths). A peer may have several (one per TE it runs).
     pub fn bind_peer(&self, peer: PeerId, segment: impl Into<String>) {
-        lock(&self.bindings)
-            .entry(peer)
-            .or_default()
-            .insert(segment.into());
+        let segment = segment.into();
+        self.note_peer(&peer);
+        let mut b = lock(&self.bindings);
+        b.claimed.insert(segment.clone());
+        b.explicit.entry(peer).or_default().insert(segment);
     }
 
-    /// Forget a peer's bindings (peer gone for good).
+    /// Forget a peer's explicit bindings (peer gone for good).
     pub fn unbind_peer(&self, peer: &PeerId) {
-        lock(&self.bindings).remove(peer);
+        let mut b = lock(&self.bindings);
+        b.explicit.remove(peer);
+        let claimed = b.explicit.values().flatten().cloned().collect();
+        b.claimed = claimed;
     }
 
-    /// Fence now, synchronously: every QP of every endpoint of every bound segment goes to ERR
+    /// Fence now, synchronously: every QP of every endpoint of the peers' segments goes to ERR
     /// and is confirmed. Stops at the first peer that cannot be fenced.
     pub fn fence_now(&self, peers: &[PeerId]) -> Result<(), FenceError> {
         for peer in peers {
-            let segments = lock(&self.bindings).get(peer).cloned().unwrap_or_default();
+            let mut target = lock(&self.target);
+            let segments = {
+                let b = lock(&self.bindings);
+                let none = BTreeSet::new();
+                let host = peer_host(peer.addr());
+                let servers = target.servers();
+                segments_to_fence(
+                    self.mode,
+                    host.as_deref(),
+                    b.explicit.get(peer).unwrap_or(&none),
+                    servers.iter().map(String::as_str),
+                    &b.known_hosts,
+                    &b.claimed,
+                )
+            };
             if segments.is_empty() {
+                if self.mode == PeerBinding::ByHost {
+                    // No connected segment can be this peer's: none of its QPs exists to write.
+                    tracing::debug!(%peer, "RDMA fence: no segment of this peer is connected");
+                    continue;
+                }
                 return Err(FenceError::Failed {
                     peer: peer.clone(),
                     reason: "no Mooncake segment bound to this peer: its queue pairs are unknown"
                         .into(),
                 });
             }
-            let mut target = lock(&self.target);
             for segment in &segments {
                 target
                     .fence_server(segment)
@@ -145,7 +198,7 @@ mod tests {
         let t = shared();
         connect(&t, "10.0.0.5:16001@mlx5_0");
         connect(&t, "10.0.0.5:16002@mlx5_0");
-        let fence = RdmaFence::new(Arc::clone(&t));
+        let fence = RdmaFence::with_binding(Arc::clone(&t), PeerBinding::Explicit);
         let p0 = PeerId::new("tcp://10.0.0.5:41233");
         fence.bind_peer(p0.clone(), "10.0.0.5:16001");
         futures::executor::block_on(fence.fence(std::slice::from_ref(&p0))).unwrap();
@@ -165,7 +218,7 @@ mod tests {
     fn unbound_peer_is_a_fence_failure_not_a_silent_success() {
         let t = shared();
         connect(&t, "10.0.0.5:16001@mlx5_0");
-        let fence = RdmaFence::new(Arc::clone(&t));
+        let fence = RdmaFence::with_binding(Arc::clone(&t), PeerBinding::Explicit);
         let p = PeerId::new("tcp://10.0.0.5:41233");
         let err = fence.fence_now(std::slice::from_ref(&p)).unwrap_err();
         assert!(matches!(err, FenceError::Failed { ref peer, .. } if *peer == p));
@@ -176,6 +229,61 @@ mod tests {
             lock(&t).endpoint("10.0.0.5:16001@mlx5_0").unwrap().state,
             EndpointState::Connected
         );
+    }
+
+    fn states(t: &SharedHandshake<FakeVerbs>, path: &str) -> Vec<Option<QpState>> {
+        let g = lock(t);
+        let ep = g.endpoint(path).unwrap();
+        ep.local_qps.iter().map(|q| g.backend().state(*q)).collect()
+    }
+
+    const RTS: [Option<QpState>; 2] = [Some(QpState::Rts); 2];
+    const ERR: [Option<QpState>; 2] = [Some(QpState::Err); 2];
+
+    #[test]
+    fn by_host_fences_the_peers_host_without_any_binding() {
+        let t = shared();
+        connect(&t, "10.0.0.5:16001@mlx5_0");
+        connect(&t, "10.0.0.5:16002@mlx5_0");
+        connect(&t, "10.0.0.6:16001@mlx5_0");
+        let fence = RdmaFence::new(Arc::clone(&t));
+        let p5 = PeerId::new("tcp://10.0.0.5:41233");
+        let p6 = PeerId::new("tcp://10.0.0.6:41233");
+        fence.note_peer(&p5);
+        fence.note_peer(&p6);
+        fence.fence_now(std::slice::from_ref(&p5)).unwrap();
+        assert_eq!(states(&t, "10.0.0.5:16001@mlx5_0"), ERR);
+        assert_eq!(
+            states(&t, "10.0.0.5:16002@mlx5_0"),
+            ERR,
+            "co-located TE too"
+        );
+        assert_eq!(states(&t, "10.0.0.6:16001@mlx5_0"), RTS, "another host's");
+    }
+
+    #[test]
+    fn by_host_peer_on_no_segment_host_fences_the_orphans() {
+        let t = shared();
+        // The peer's TE connected from another interface than its side channel.
+        connect(&t, "192.168.0.5:16001@mlx5_0");
+        connect(&t, "10.0.0.6:16001@mlx5_0");
+        let fence = RdmaFence::new(Arc::clone(&t));
+        let p5 = PeerId::new("tcp://10.0.0.5:41233");
+        fence.note_peer(&p5);
+        fence.note_peer(&PeerId::new("tcp://10.0.0.6:41233"));
+        fence.fence_now(std::slice::from_ref(&p5)).unwrap();
+        assert_eq!(states(&t, "192.168.0.5:16001@mlx5_0"), ERR);
+        assert_eq!(states(&t, "10.0.0.6:16001@mlx5_0"), RTS);
+    }
+
+    #[test]
+    fn by_host_with_nothing_connected_has_nothing_to_fence() {
+        let t = shared();
+        let fence = RdmaFence::new(Arc::clone(&t));
+        let p = PeerId::new("tcp://10.0.0.5:41233");
+        fence.note_peer(&p);
+        fence.fence_now(&[p]).unwrap();
+        assert_eq!(lock(&t).backend().live_qps(), 0);
     }
 
     #[test]

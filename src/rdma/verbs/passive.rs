@@ -89,6 +89,11 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
         self.table.backend_mut()
     }
 
+    /// The segment names P's endpoints connected from.
+    pub fn servers(&self) -> Vec<String> {
+        self.table.servers()
+    }
+
     /// The endpoint keyed by P's NIC path, if any.
     pub fn endpoint(&self, peer_nic_path: &str) -> Option<&Endpoint> {
         self.table.get(peer_nic_path)

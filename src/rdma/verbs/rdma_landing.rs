@@ -5,8 +5,9 @@
 //!   resolves P's addresses through the memory registration, so there are no synthetic
 //!   per-pull windows (PROTOCOL.md §5.4) and no per-pull permit;
 //! - `revoke`: nothing can be revoked per request, so always [`Revocation::NotExact`](crate::rdma::Revocation::NotExact);
-//! - `fence`: [`RdmaFence`], the bound peers' queue pairs to ERR. A peer with no segment binding
-//!   cannot be fenced, so its blocks stay quarantined until the core's last-resort deadline.
+//! - `fence`: [`RdmaFence`], the queue pairs of the peers' segments to ERR (segments found by
+//!   host unless [`PeerBinding::Explicit`](super::PeerBinding) is configured; then an unbound
+//!   peer cannot be fenced, so its blocks stay quarantined until the last-resort deadline).
 
 use futures::future::LocalBoxFuture;
 use thiserror::Error;
@@ -148,7 +149,9 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
         (self.host.clone(), self.port)
     }
 
-    fn open_pull(&self, _window: &PullWindow<'_>) -> Vec<u64> {
+    fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64> {
+        // The peer's host becomes a known one: segments there are its, not orphans.
+        self.fence.note_peer(window.peer);
         self.bases.clone()
     }
 
@@ -366,7 +369,17 @@ mod tests {
                 ..HandShakeDesc::default()
             })
             .unwrap();
-        let l = landing(&t);
+        let layout = KvLayout::uniform(2, 64, 4);
+        let fence =
+            RdmaFence::with_binding(Arc::clone(&t), crate::rdma::verbs::PeerBinding::Explicit);
+        let l = RdmaLanding::new(
+            "10.0.0.7",
+            15000,
+            &layout,
+            &[region(0x1000, 256), region(0x9000, 256)],
+            fence,
+        )
+        .unwrap();
         let stranger = PeerId::new("tcp://10.0.0.9:1");
         let err =
             futures::executor::block_on(l.fence(std::slice::from_ref(&stranger))).unwrap_err();

@@ -14,6 +14,7 @@ use super::descriptor::DescriptorError;
 use super::fence::{RdmaFence, SharedHandshake};
 use super::memory::MemoryRegistrations;
 use super::passive::{HandshakeConfig, PassiveHandshake};
+use super::peer_binding::PeerBinding;
 use super::rdma_landing::{RdmaLanding, RdmaLandingError};
 use crate::layout::KvLayout;
 use crate::messages::handshake::SegmentDescriptor;
@@ -36,6 +37,8 @@ pub struct RdmaTargetConfig {
     /// one descriptor buffer each, and kvrecv allocates no KV memory. `None`: one kvrecv-owned
     /// buffer holding every region back to back.
     pub host_memory: Option<HostMemory>,
+    /// How the fence finds a peer's segments (by host unless told otherwise).
+    pub peer_binding: PeerBinding,
 }
 
 impl RdmaTargetConfig {
@@ -49,6 +52,7 @@ impl RdmaTargetConfig {
             location: "cpu:0".into(),
             access: MrAccess::default(),
             host_memory: None,
+            peer_binding: PeerBinding::default(),
         }
     }
 }
@@ -159,7 +163,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             handshake_addr.port(),
             &cfg.layout,
             &regions,
-            RdmaFence::new(Arc::clone(&handshake)),
+            RdmaFence::with_binding(Arc::clone(&handshake), cfg.peer_binding),
         )?);
         let daemon = Arc::new(Daemon::rdma(&descriptor, Arc::clone(&handshake)));
         let task = tokio::spawn(handshake_daemon::serve(listener, Arc::clone(&daemon)));

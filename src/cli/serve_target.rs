@@ -1,0 +1,123 @@
+//! `kvrecv serve`'s data target: kvrecv's TCP target, or (feature `rdma`, `--protocol rdma` or
+//! `mooncake_protocol = "rdma"`) the RDMA target on this host's devices, peers bound to their
+//! Mooncake segments by host so that an uncertain peer's queue pairs are fenced.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use serde_json::{json, Value};
+
+use kvrecv::config::KvRecvConfig;
+use kvrecv::rdma::{Landing, TargetConfig, TcpTarget};
+
+/// The running data target.
+pub enum DataTarget {
+    Tcp(TcpTarget),
+    #[cfg(feature = "rdma")]
+    Rdma(kvrecv::rdma::verbs::RdmaTarget<kvrecv::rdma::verbs::IbvDevices>),
+}
+
+fn n(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+impl DataTarget {
+    /// Start the target `cfg.mooncake_protocol` names; an error is one line for the operator.
+    pub async fn start(cfg: &KvRecvConfig, tcp: TargetConfig) -> Result<DataTarget, String> {
+        match cfg.mooncake_protocol {
+            kvrecv::config::MooncakeProtocol::Tcp => TcpTarget::start(tcp)
+                .await
+                .map(DataTarget::Tcp)
+                .map_err(|e| e.to_string()),
+            kvrecv::config::MooncakeProtocol::Rdma => Self::start_rdma(tcp).await,
+        }
+    }
+
+    #[cfg(feature = "rdma")]
+    async fn start_rdma(tcp: TargetConfig) -> Result<DataTarget, String> {
+        use kvrecv::rdma::verbs::{DeviceConfig, IbvDevices, RdmaTarget, RdmaTargetConfig};
+        let devices =
+            IbvDevices::open(&DeviceConfig::default()).map_err(|e| format!("RDMA devices: {e}"))?;
+        let cfg = RdmaTargetConfig {
+            handshake_bind: tcp.handshake_bind,
+            advertise_host: tcp.advertise_host.clone(),
+            ..RdmaTargetConfig::loopback(tcp.layout.clone())
+        };
+        RdmaTarget::start(devices, cfg)
+            .await
+            .map(DataTarget::Rdma)
+            .map_err(|e| format!("RDMA target: {e}"))
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    async fn start_rdma(_tcp: TargetConfig) -> Result<DataTarget, String> {
+        Err(kvrecv::embed::StartError::RdmaNotBuilt.to_string())
+    }
+
+    /// The core's view of it.
+    pub fn landing(&self) -> Arc<dyn Landing> {
+        match self {
+            DataTarget::Tcp(t) => t.landing(),
+            #[cfg(feature = "rdma")]
+            DataTarget::Rdma(t) => t.landing(),
+        }
+    }
+
+    /// The `stats` answer's data-plane part.
+    pub fn stats(&self) -> Value {
+        match self {
+            DataTarget::Tcp(t) => {
+                let d = t.stats();
+                let h = t.handshake_stats();
+                json!({
+                    "data": {"connections": n(&d.connections), "bytes_landed": n(&d.bytes_landed),
+                             "writes_landed": n(&d.writes_landed), "reads_served": n(&d.reads_served),
+                             "rejected_out_of_range": n(&d.rejected_out_of_range),
+                             "rejected_bad_opcode": n(&d.rejected_bad_opcode),
+                             "rejected_no_permit": n(&d.rejected_no_permit),
+                             "rejected_revoked": n(&d.rejected_revoked), "idle_timeouts": n(&d.idle_timeouts),
+                             "v1_requests": n(&d.v1_requests), "broken": n(&d.broken)},
+                    "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
+                                  "connection": n(&h.connection), "refused": n(&h.refused)},
+                    "live_permits": t.landing().permits().live(),
+                })
+            }
+            #[cfg(feature = "rdma")]
+            DataTarget::Rdma(t) => {
+                let h = t.handshake_stats();
+                json!({
+                    "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
+                                  "connection": n(&h.connection), "refused": n(&h.refused)},
+                })
+            }
+        }
+    }
+
+    /// The `ready` line's data-plane part, and each layout region's advertised base address.
+    pub fn ready(&self) -> (Value, Vec<u64>) {
+        match self {
+            DataTarget::Tcp(t) => {
+                let landing = t.landing();
+                let map = landing.permits().map();
+                let d = t.descriptor();
+                let v = json!({
+                    "protocol": "tcp",
+                    "handshake": {"listen": t.handshake_addr().to_string(), "segment_name": t.segment_name()},
+                    "data": {"listen": t.data_addr().to_string(), "host": d.tcp_data_host,
+                             "port": d.tcp_data_port, "proto_version": d.tcp_proto_version},
+                    "permits": landing.permits().enabled(), "windows": map.windows(),
+                });
+                (v, map.region_bases(0))
+            }
+            #[cfg(feature = "rdma")]
+            DataTarget::Rdma(t) => {
+                let v = json!({
+                    "protocol": "rdma",
+                    "handshake": {"listen": t.handshake_addr().to_string(), "segment_name": t.segment_name()},
+                    "devices": t.descriptor().devices.iter().map(|d| d.name.clone()).collect::<Vec<_>>(),
+                });
+                (v, t.landing().bases().to_vec())
+            }
+        }
+    }
+}

@@ -1,0 +1,266 @@
+//! The RDMA target through the front door (issue 10 item 6): the builder starts the RDMA
+//! target on a verbs backend (the fake one, shared with the test so it can read QP states), P's
+//! TE connects its endpoint through the real handshake daemon on loopback, and the simulator's
+//! P answers pulls over real ZMQ. No `bind_peer` anywhere: an uncertain peer's queue pairs are
+//! found by host and fenced before its blocks are released.
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use kvrecv::config::{KvRecvConfig, MooncakeProtocol};
+use kvrecv::embed::{EventStream, KvRecv};
+use kvrecv::layout::KvLayout;
+use kvrecv::messages::{KvEvent, KvRequest};
+use kvrecv::rdma::handshake_daemon::{request, FrameType};
+use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState, QpTransition};
+use kvrecv::rdma::verbs::{
+    FakeVerbs, HandShakeDesc, LocalNic, MrAccess, MrKeys, QpId, VerbsBackend, VerbsError,
+};
+use kvrecv::sim::writer::NoopWriter;
+use kvrecv::sim::{Faults, PrefillSim, SimConfig};
+
+/// Safety net only: every wait ends on an event long before this.
+const PATIENCE: Duration = Duration::from_secs(30);
+const P_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:7f:00:00:01";
+
+/// The fake backend, shared: kvrecv's thread owns one handle, the test reads QP states with
+/// the other.
+#[derive(Clone)]
+struct SharedVerbs {
+    inner: Arc<Mutex<FakeVerbs>>,
+    nics: Vec<LocalNic>,
+}
+
+impl SharedVerbs {
+    fn new() -> Self {
+        let nics = vec![LocalNic {
+            name: "mlx5_0".into(),
+            port: 1,
+            lid: 0,
+            gid: P_GID.parse().unwrap(),
+            gid_index: 3,
+            active_mtu: Mtu::Mtu4096,
+        }];
+        SharedVerbs {
+            inner: Arc::new(Mutex::new(FakeVerbs::new(nics.clone()))),
+            nics,
+        }
+    }
+
+    fn state(&self, qp: QpId) -> Option<QpState> {
+        self.inner.lock().unwrap().state(qp)
+    }
+}
+
+impl VerbsBackend for SharedVerbs {
+    fn nics(&self) -> &[LocalNic] {
+        &self.nics
+    }
+    fn create_rc_qps(&mut self, nic: usize, count: usize) -> Result<Vec<QpId>, VerbsError> {
+        self.inner.lock().unwrap().create_rc_qps(nic, count)
+    }
+    fn modify_qp(&mut self, qp: QpId, t: &QpTransition) -> Result<(), VerbsError> {
+        self.inner.lock().unwrap().modify_qp(qp, t)
+    }
+    fn query_qp_state(&self, qp: QpId) -> Result<QpState, VerbsError> {
+        self.inner.lock().unwrap().query_qp_state(qp)
+    }
+    fn destroy_qp(&mut self, qp: QpId) -> Result<(), VerbsError> {
+        self.inner.lock().unwrap().destroy_qp(qp)
+    }
+    unsafe fn register_memory(
+        &mut self,
+        addr: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        // SAFETY: forwarded as is; the caller's contract is the fake's.
+        unsafe {
+            self.inner
+                .lock()
+                .unwrap()
+                .register_memory(addr, length, access)
+        }
+    }
+    fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {
+        self.inner.lock().unwrap().deregister_memory(addr)
+    }
+}
+
+struct World {
+    kv: KvRecv,
+    events: EventStream,
+    sim: PrefillSim,
+    verbs: SharedVerbs,
+}
+
+async fn world() -> World {
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        pull_timeout: Duration::from_secs(3600),
+        // A release inside the test's time can only come from a fence.
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let verbs = SharedVerbs::new();
+    let backend = verbs.clone();
+    let kv = KvRecv::builder(config)
+        .rdma(move || Ok(backend.clone()))
+        .events(true)
+        .start()
+        .unwrap();
+    let events = kv.events().unwrap();
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(NoopWriter))
+        .await
+        .unwrap();
+    World {
+        kv,
+        events,
+        sim,
+        verbs,
+    }
+}
+
+/// P's TE connects one endpoint from `segment` (`host:port`) to D's daemon; its QPs on D.
+async fn connect(w: &World, segment: &str) -> Vec<QpId> {
+    let req = HandShakeDesc {
+        local_gid: P_GID.into(),
+        local_nic_path: format!("{segment}@mlx5_0"),
+        peer_nic_path: format!("{}@mlx5_0", w.kv.segment_name().unwrap()),
+        qp_num: vec![0x51, 0x52],
+        ..HandShakeDesc::default()
+    };
+    let (_, body) = request(
+        w.kv.handshake_addr().unwrap(),
+        Some(FrameType::Connection),
+        &req.to_json_line(),
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    // D's QP numbers for this endpoint, as the fake numbered them.
+    reply
+        .qp_num
+        .iter()
+        .map(|&qp_num| QpId { nic: 0, qp_num })
+        .collect()
+}
+
+fn states(w: &World, qps: &[QpId]) -> Vec<Option<QpState>> {
+    qps.iter().map(|q| w.verbs.state(*q)).collect()
+}
+
+fn req(w: &World, id: &str, blocks: &[u32]) -> KvRequest {
+    KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
+        remote_engine_id: Some(w.sim.engine_id().to_owned()),
+        remote_bootstrap_addr: Some(w.sim.bootstrap_url()),
+        block_ids: vec![blocks.to_vec()],
+    }
+}
+
+async fn released(events: &mut EventStream, id: &str) -> KvEvent {
+    loop {
+        let ev = tokio::time::timeout(PATIENCE, events.recv())
+            .await
+            .expect("an event in time")
+            .expect("events open");
+        if matches!(&ev, KvEvent::Released { req_id, .. } if &**req_id == id) {
+            return ev;
+        }
+    }
+}
+
+const RTS: [Option<QpState>; 2] = [Some(QpState::Rts); 2];
+const ERR: [Option<QpState>; 2] = [Some(QpState::Err); 2];
+
+fn fenced(ev: &KvEvent) -> bool {
+    matches!(
+        ev,
+        KvEvent::Released {
+            fenced: true,
+            forced: false,
+            ..
+        }
+    )
+}
+
+/// P's side channel and TE share a host (as vLLM builds both from `get_ip()`): a failed peer's
+/// endpoint goes to ERR, a segment on another host does not, and no binding was given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_uncertain_peer_is_fenced_by_host_without_manual_binding() {
+    let mut w = world().await;
+    let p_qps = connect(&w, "127.0.0.1:16001").await;
+    let other_qps = connect(&w, "10.9.9.9:16001").await;
+    assert_eq!(states(&w, &p_qps), RTS);
+
+    // A healthy pull: nothing is fenced.
+    w.kv.load_kv(vec![req(&w, "ok", &[1, 2])]).await.unwrap();
+    let ev = released(&mut w.events, "ok").await;
+    assert!(
+        matches!(ev, KvEvent::Released { fenced: false, .. }),
+        "{ev:?}"
+    );
+    assert_eq!(states(&w, &p_qps), RTS, "an Ok settle fences nothing");
+
+    // P answers ERROR: the peer is uncertain; the release waits for the fence.
+    w.sim.set_faults(
+        0,
+        0,
+        Faults {
+            reject_pulls: Some("exception while serving".into()),
+            ..Faults::default()
+        },
+    );
+    w.kv.load_kv(vec![req(&w, "bad", &[3])]).await.unwrap();
+    let ev = released(&mut w.events, "bad").await;
+    assert!(fenced(&ev), "{ev:?}");
+    assert_eq!(states(&w, &p_qps), ERR, "P's queue pairs are in ERR");
+    assert_eq!(states(&w, &other_qps), RTS, "another host's are untouched");
+    let stats = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(stats.protocol, MooncakeProtocol::Rdma);
+    assert_eq!(stats.handshakes, 2);
+    w.kv.shutdown().await;
+}
+
+/// P's TE connected from an address that is no peer's side-channel host: D cannot attribute
+/// it, so a failed peer on no segment's host fences it rather than claim a silent success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_whose_te_uses_another_address_fences_the_orphan_segment() {
+    let mut w = world().await;
+    let te_qps = connect(&w, "10.9.9.9:16001").await;
+    w.sim.set_faults(
+        0,
+        0,
+        Faults {
+            reject_pulls: Some("boom".into()),
+            ..Faults::default()
+        },
+    );
+    w.kv.load_kv(vec![req(&w, "bad", &[4])]).await.unwrap();
+    let ev = released(&mut w.events, "bad").await;
+    assert!(fenced(&ev), "{ev:?}");
+    assert_eq!(states(&w, &te_qps), ERR);
+    w.kv.shutdown().await;
+}
+
+/// `mooncake_protocol = "rdma"` with no verbs backend in the build is refused at start, never
+/// served over TCP (P would write over RDMA into nothing).
+#[cfg(not(feature = "rdma"))]
+#[test]
+fn rdma_protocol_without_the_feature_is_a_typed_start_error() {
+    let json = r#"{"kv_role":"kv_consumer","kv_connector_extra_config":{"mooncake_protocol":"rdma",
+        "kvrecv":{"layout":{"num_blocks":4,"num_groups":1,"regions":[{"layer_name":"l0",
+        "layer_index":0,"group_index":0,"block_len":64,"kv_block_len":64}]}}}}"#;
+    let err = kvrecv::embed::KvRecvBuilder::from_kv_transfer_config(json)
+        .unwrap()
+        .start()
+        .unwrap_err();
+    assert!(
+        matches!(err, kvrecv::embed::StartError::RdmaNotBuilt),
+        "{err}"
+    );
+}
