@@ -131,6 +131,7 @@ async def py_d(a):
                 registered_group_indices=[0] * LAYERS,
             )
             await sock.send(encoder.encode(meta))
+            sent["n"] += 1
             while pending:
                 resp = decoder.decode(await sock.recv())
                 for r in resp.err_reqs or ():
@@ -149,6 +150,7 @@ async def py_d(a):
                 finish_one(r, False)
 
     tasks = set()
+    sent = {"n": 0}
 
     def submit(first, n):
         now = time.perf_counter()
@@ -163,6 +165,27 @@ async def py_d(a):
             t = asyncio.ensure_future(receive_kv(w, req_blocks))
             tasks.add(t)
             t.add_done_callback(tasks.discard)
+
+    if a.hold:
+        # Memory mode: the driver reads this process's RSS before and after.
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        ctx.set(zmq.MAX_SOCKETS, 1 << 20)
+        loop = asyncio.get_running_loop()
+        print(json.dumps({"event": "idle", "pid": os.getpid()}), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        nxt = 0
+        while nxt < a.hold:
+            n = min(a.batch, a.hold - nxt)
+            submit(nxt, n)
+            nxt += n
+        pulls = -(-a.hold // a.batch) * len(workers)
+        while sent["n"] < pulls:
+            await asyncio.sleep(0.01)
+        print(json.dumps({"event": "loaded", "requests": a.hold}), flush=True)
+        await loop.run_in_executor(None, sys.stdin.readline)
+        os._exit(0)
 
     # Warm-up: one batch.
     submit(0, 1)
@@ -315,14 +338,103 @@ def run_serve(a, cfg):
     return asyncio.run(asyncio.wait_for(serve_d(ns), 600))
 
 
-def start_p(a, tp):
+def start_p(a, tp, wait_ready=False):
     p = subprocess.Popen(
-        [a.kvrecv, "prefill-sim", "--bootstrap-port", "0", "--tp", str(tp), "--log-level", "warn"],
+        [a.kvrecv, "prefill-sim", "--bootstrap-port", "0", "--tp", str(tp), "--log-level", "warn"]
+        + (["--wait-ready"] if wait_ready else []),
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )
     ready = json.loads(p.stdout.readline())
     assert ready["event"] == "ready", ready
     return p, ready
+
+
+def rss_bytes(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")
+
+
+def p_stats(p):
+    p.stdin.write('{"op":"stats"}\n')
+    p.stdin.flush()
+    while True:
+        v = json.loads(p.stdout.readline())
+        if v.get("event") == "stats":
+            return v["pulls_received"]
+
+
+def held_rss(a, p, ready, d):
+    """RSS per in-flight request of D `d`: `a.memory` requests loaded in batches of
+    `a.memory_batch` into a D in its own process, against P (`--wait-ready`: it answers nothing);
+    RSS read from /proc by this driver before the first load and once P received every pull."""
+    n, batch, tp = a.memory, a.memory_batch, 2
+    pulls = -(-n // batch) * tp
+    if d == "python":
+        cmd = [sys.executable, os.path.abspath(__file__), "py-d", "--bootstrap", ready["bootstrap"],
+               "--batch", str(batch), "--hold", str(n)]
+    elif d == "lib":
+        cmd = [a.kvrecv, "bench", "--bootstrap", ready["bootstrap"], "--engine-id", ready["engine_id"],
+               "--peers", str(tp), "--batch", str(batch), "--hold", str(n)]
+    else:
+        cmd = [a.kvrecv, "serve", "--layers", str(LAYERS), "--block-len", "64",
+               "--num-blocks", str(n + 64), "--events", "none", "--log-level", "warn",
+               "--pull-timeout-ms", "3600000"]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        first = json.loads(proc.stdout.readline())
+        assert first["event"] in ("idle", "ready"), first
+        before_p = p_stats(p)
+        rss0 = rss_bytes(proc.pid)
+        if d == "serve":
+            for i in range(0, n, batch):
+                reqs = [{"req_id": f"d-{j}", "transfer_id": f"t-{j}", "remote_engine_id": ready["engine_id"],
+                         "remote_bootstrap_addr": ready["bootstrap"], "block_ids": [[j]]}
+                        for j in range(i, min(n, i + batch))]
+                proc.stdin.write(json.dumps({"op": "load_kv", "requests": reqs}) + "\n")
+            proc.stdin.flush()
+            answered = 0
+            while answered < -(-n // batch):
+                v = json.loads(proc.stdout.readline())
+                if v["event"] == "load_kv":
+                    assert not v["rejected"], v
+                    answered += 1
+                elif v["event"] == "error":
+                    raise RuntimeError(v)
+        else:
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            v = json.loads(proc.stdout.readline())
+            assert v["event"] == "loaded", v
+        deadline = time.time() + 120
+        while p_stats(p) - before_p < pulls:
+            if time.time() > deadline:
+                raise RuntimeError(f"{d}: P received {p_stats(p) - before_p} of {pulls} pulls")
+            time.sleep(0.05)
+        rss1 = rss_bytes(proc.pid)
+        return {"requests": n, "batch": batch, "rss_before": rss0, "rss_after": rss1,
+                "bytes_per_request": (rss1 - rss0) / n}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def memory_phase(a, ds):
+    p, ready = start_p(a, 2, wait_ready=True)
+    try:
+        out = {d: held_rss(a, p, ready, d) for d in ds}
+    finally:
+        p.stdin.write('{"op":"shutdown"}\n')
+        p.stdin.flush()
+        p.wait(timeout=30)
+    if "python" in out:
+        base = out["python"]["bytes_per_request"]
+        for d, r in out.items():
+            if d != "python":
+                r["ratio"] = r["bytes_per_request"] / base if base else None
+    return out
 
 
 def median_of(runs):
@@ -338,7 +450,7 @@ def main_driver(a):
     ds = {k: v for k, v in ds.items() if k in a.ds.split(",")}
     ints = lambda s: [int(x) for x in s.split(",")]
     rows = []
-    for tp in ints(a.tp):
+    for tp in ints(a.tp) if not a.memory_only else []:
         p, ready = start_p(a, tp)
         try:
             for batch in ints(a.batch):
@@ -374,8 +486,16 @@ def main_driver(a):
             p.stdin.write('{"op":"shutdown"}\n')
             p.stdin.flush()
             p.wait(timeout=30)
+    memory = None
+    if a.memory:
+        memory = memory_phase(a, list(ds))
+        if not a.json:
+            print(f"RSS per in-flight request, {a.memory} requests in batches of {a.memory_batch}, P TP2:")
+            for d, r in memory.items():
+                ratio = f"  {r['ratio']:.2f}x" if "ratio" in r else ""
+                print(f"  {d:<7} {r['bytes_per_request']:8.0f} B{ratio}")
     if a.json:
-        print(json.dumps({"rows": rows}))
+        print(json.dumps({"rows": rows, "memory": memory}))
 
 
 def print_row(row, ds):
@@ -385,7 +505,8 @@ def print_row(row, ds):
         r = row[k]
         ratio = ""
         if "cpu_ratio" in r:
-            ratio = f"  CPU {r['cpu_ratio']:.2f}x  pulls/s {r['pulls_ratio']:.2f}x"
+            cpu = "n/a" if r["cpu_ratio"] is None else f"{r['cpu_ratio']:.2f}x"
+            ratio = f"  CPU {cpu}  pulls/s {r['pulls_ratio']:.2f}x"
         print(f"  {k:<7} CPU/req {r['cpu_us_per_request']:8.1f} us  pulls/s {r['pulls_per_s']:9.0f}"
               f"  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  failed {r['failed']}{ratio}")
     sys.stdout.flush()
@@ -399,6 +520,7 @@ def main():
     d.add_argument("--batch", type=int, default=1)
     d.add_argument("--in-flight", type=int, default=1)
     d.add_argument("--requests", type=int, default=2000)
+    d.add_argument("--hold", type=int, default=0, help="memory mode (driven by the driver)")
     ap.add_argument("--kvrecv", default=os.path.join(HERE, "..", "target", "release", "kvrecv"))
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--batch", default="1,16")
@@ -407,6 +529,10 @@ def main():
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--ds", default="python,lib,serve", help="Ds to run, comma-separated")
     ap.add_argument("--small", action="store_true", help="CI scale: TP2, batch 1 and 16, 16 in flight, 200 requests, 1 pair")
+    ap.add_argument("--memory", type=int, default=100000,
+                    help="requests held in flight for the RSS measurement (0: skip)")
+    ap.add_argument("--memory-batch", type=int, default=256)
+    ap.add_argument("--memory-only", action="store_true", help="skip the throughput grid")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     if a.cmd == "py-d":
@@ -414,6 +540,7 @@ def main():
         return
     if a.small:
         a.tp, a.batch, a.in_flight, a.requests, a.pairs = "2", "1,16", "16", 200, 1
+        a.memory = min(a.memory, 2000)
     main_driver(a)
 
 

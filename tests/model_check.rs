@@ -244,7 +244,7 @@ impl Kv {
         let a = &s.attempts[attempt as usize];
         Arc::new(RequestMeta {
             req_id: a.id.into(),
-            transfer_id: transfer(a.id, attempt),
+            transfer_id: transfer(a.id, attempt).into(),
             engine_id: "e".into(),
             bootstrap_addr: "http://p:1".into(),
             block_ids: vec![vec![a.block]],
@@ -515,7 +515,7 @@ impl Model for Kv {
                         payload: vec![],
                         requests: vec![PullRequest {
                             meta: meta.clone(),
-                            aggregator: None,
+                            awaited: true,
                         }],
                     });
                     s.pulls.insert(pull, (attempt, p));

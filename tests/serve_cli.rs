@@ -412,7 +412,10 @@ async fn rdma_protocol_is_honoured_or_refused_never_served_over_tcp() {
         let mut s = Serve::start(args);
         let e = s.wait("error", |v| ev(v, "error") || ev(v, "ready")).await;
         assert!(ev(&e, "error"), "no RDMA device here, yet: {e}");
-        assert!(e["error"].as_str().unwrap().to_lowercase().contains("rdma"), "{e}");
+        assert!(
+            e["error"].as_str().unwrap().to_lowercase().contains("rdma"),
+            "{e}"
+        );
         let status = tokio::time::timeout(SAFETY, s.child.wait())
             .await
             .unwrap()

@@ -146,7 +146,7 @@ impl World {
                 };
                 Arc::new(RequestMeta {
                     req_id: id,
-                    transfer_id: format!("t{i}"),
+                    transfer_id: format!("t{i}").into(),
                     engine_id: "e".into(),
                     bootstrap_addr: "b".into(),
                     block_ids: vec![blocks],
@@ -167,7 +167,7 @@ impl World {
                     .iter()
                     .map(|m| PullRequest {
                         meta: m.clone(),
-                        aggregator: None,
+                        awaited: true,
                     })
                     .collect(),
             };

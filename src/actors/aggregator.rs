@@ -1,58 +1,75 @@
-//! RequestAggregator: one per awaited request. Receives every peer's settle, publishes the first
-//! failure once and the completion once, then stops.
+//! RequestAggregator: receives every peer's settle for every awaited request, publishes each
+//! request's first failure once and its completion once.
+//!
+//! One actor per coordinator, holding one [`AggregatorState`] per awaited request (the
+//! per-request state machine of DESIGN.md §4 rules 5, 8, 9, unchanged). It was one actor per
+//! request; at 100k requests in flight the actor (task, context, mailbox, one boxed recipient
+//! per pull that named it) cost more memory and CPU than the request itself (docs/PERFORMANCE.md
+//! has the figures), while a table keyed by request id gives the same guarantees: the Receiver
+//! registers a batch's states before it hands any Peer the pull (one mailbox, so no settle can
+//! arrive before its state exists). A settle counts only for the attempt whose pulls it came
+//! from (each attempt knows its pull ids), so a late settle of an earlier attempt of the same id
+//! (possible under the naive policy, which completes before every peer settled) is stale.
 
+use std::collections::HashMap;
+use std::ops::Range;
 use std::time::Instant;
 
-use actix::{Actor, ActorContext, Addr, Context, Handler};
+use actix::{Actor, Addr, Context, Handler, Message};
 
-use crate::config::Policy;
-use crate::messages::{KvEvent, PeerId, Settle, SharedRequest};
+use crate::messages::{KvEvent, PullId, ReqId, Settle, SharedRequest};
 use crate::telemetry::{self as m, Labels};
 
 use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 
-/// One actor per awaited request: collects every peer's settle and publishes the first failure and
-/// the completion exactly once.
-pub struct RequestAggregator {
+/// Receiver -> RequestAggregator: start aggregating these requests (before their pulls are
+/// handed to any Peer).
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct Aggregate {
+    /// The pulls of the batch, one per peer (their settles count).
+    pub pulls: Range<PullId>,
+    /// One state per awaited request, its peers already known.
+    pub states: Vec<AggregatorState>,
+}
+
+/// Receiver -> RequestAggregator: these requests have no possible writer (topology failure,
+/// DESIGN.md §4 rule 7, or aborted before anything was sent): fail and complete them now.
+#[derive(Message)]
+#[rtype(result = "()")]
+pub struct FailUnsent {
+    /// The requests.
+    pub requests: Vec<SharedRequest>,
+    /// Why no writer exists.
+    pub reason: String,
+}
+
+struct Entry {
     state: AggregatorState,
+    since: Instant,
+    pulls: Range<PullId>,
+}
+
+/// Collects every peer's settle of every awaited request and publishes the first failure and
+/// the completion of each exactly once.
+pub struct RequestAggregator {
+    /// Boxed: the table's slots stay small, so growing it (and the old table glibc keeps
+    /// resident) costs little per request.
+    live: HashMap<ReqId, Box<Entry>>,
     block_manager: Addr<BlockManager>,
     events: EventSink,
-    /// Set for a request with no possible writer: fail and complete as soon as started.
-    fail_on_start: Option<String>,
-    since: Instant,
     labels: Labels,
 }
 
 impl RequestAggregator {
-    /// An aggregator waiting for `peers` to settle `req` under `policy`.
-    pub fn new(
-        req: SharedRequest,
-        peers: Vec<PeerId>,
-        policy: Policy,
-        block_manager: Addr<BlockManager>,
-        events: EventSink,
-    ) -> Self {
-        Self::with_state(
-            AggregatorState::new(req, peers, policy),
-            block_manager,
-            events,
-        )
-    }
-
-    /// An aggregator around a configured state machine.
-    pub fn with_state(
-        state: AggregatorState,
-        block_manager: Addr<BlockManager>,
-        events: EventSink,
-    ) -> Self {
+    /// An aggregator that hands failures and completions to `block_manager`.
+    pub fn new(block_manager: Addr<BlockManager>, events: EventSink) -> Self {
         RequestAggregator {
-            state,
+            live: HashMap::new(),
             block_manager,
             events,
-            fail_on_start: None,
-            since: Instant::now(),
             labels: Labels::default(),
         }
     }
@@ -63,61 +80,80 @@ impl RequestAggregator {
         self
     }
 
-    /// A request whose batch has no writer (topology failure, DESIGN.md §4 rule 7).
-    pub fn failed(
-        req: SharedRequest,
-        reason: String,
-        block_manager: Addr<BlockManager>,
-        events: EventSink,
-    ) -> Self {
-        let mut a = RequestAggregator::new(req, vec![], Policy::Settle, block_manager, events);
-        a.fail_on_start = Some(reason);
-        a
-    }
-
-    fn publish(&mut self, fx: AggEffects, ctx: &mut Context<Self>) {
+    /// Publish what a request's state machine said; `since` is when aggregation started.
+    fn publish(&self, fx: AggEffects, since: Instant) {
         if let Some(ff) = fx.first_failure {
             tracing::warn!(req_id = %ff.req.req_id, peer = ?ff.peer, reason = %ff.reason, "first failure");
             self.labels.counter(m::FIRST_FAILURES).increment(1);
-            let ev = KvEvent::FirstFailure {
+            let ev = self.events.is_on().then(|| KvEvent::FirstFailure {
                 req_id: ff.req.req_id.clone(),
                 peer: ff.peer.clone(),
                 reason: ff.reason.clone(),
-            };
+            });
             // Queue for the BlockManager before telling observers, so an observer's next
             // message to the BlockManager is handled after this one.
             self.block_manager.do_send(ff);
-            self.events.emit(ev);
+            if let Some(ev) = ev {
+                self.events.emit(ev);
+            }
         }
         if let Some(c) = fx.completion {
             let label = if c.outcome.is_ok() { "ok" } else { "failed" };
-            tracing::info!(req_id = %c.req.req_id, outcome = label, uncertain = c.uncertain_peers.len(), "completion");
+            tracing::debug!(req_id = %c.req.req_id, outcome = label, uncertain = c.uncertain_peers.len(), "completion");
             self.labels
                 .counter_by(m::COMPLETIONS, "outcome", label)
                 .increment(1);
             self.labels
                 .histogram(m::COMPLETION_LATENCY)
-                .record(self.since.elapsed().as_secs_f64());
-            let ev = KvEvent::Completion {
+                .record(since.elapsed().as_secs_f64());
+            let ev = self.events.is_on().then(|| KvEvent::Completion {
                 req_id: c.req.req_id.clone(),
                 outcome: c.outcome.clone(),
                 uncertain_peers: c.uncertain_peers.clone(),
                 unsettled_peers: c.unsettled_peers.clone(),
-            };
+            });
             self.block_manager.do_send(c);
-            self.events.emit(ev);
-            ctx.stop();
+            if let Some(ev) = ev {
+                self.events.emit(ev);
+            }
         }
     }
 }
 
 impl Actor for RequestAggregator {
     type Context = Context<Self>;
+}
 
-    fn started(&mut self, ctx: &mut Context<Self>) {
-        if let Some(reason) = self.fail_on_start.take() {
-            let fx = self.state.fail_now(reason);
-            self.publish(fx, ctx);
+impl Handler<Aggregate> for RequestAggregator {
+    type Result = ();
+
+    fn handle(&mut self, msg: Aggregate, _ctx: &mut Context<Self>) {
+        let since = Instant::now();
+        self.live.reserve(msg.states.len());
+        for state in msg.states {
+            let id = state.req().req_id.clone();
+            let pulls = msg.pulls.clone();
+            self.live.insert(
+                id,
+                Box::new(Entry {
+                    state,
+                    since,
+                    pulls,
+                }),
+            );
+        }
+    }
+}
+
+impl Handler<FailUnsent> for RequestAggregator {
+    type Result = ();
+
+    fn handle(&mut self, msg: FailUnsent, _ctx: &mut Context<Self>) {
+        let since = Instant::now();
+        for req in msg.requests {
+            let mut state = AggregatorState::new(req, vec![], crate::config::Policy::Settle);
+            let fx = state.fail_now(msg.reason.clone());
+            self.publish(fx, since);
         }
     }
 }
@@ -125,14 +161,86 @@ impl Actor for RequestAggregator {
 impl Handler<Settle> for RequestAggregator {
     type Result = ();
 
-    fn handle(&mut self, s: Settle, ctx: &mut Context<Self>) {
+    fn handle(&mut self, s: Settle, _ctx: &mut Context<Self>) {
         // Everything logged while handling a settle names the request and the peer it came from.
-        let _span = tracing::info_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
-        let fx = self.state.on_settle(&s);
+        let _span = tracing::debug_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
+        let Some(entry) = self
+            .live
+            .get_mut(&s.req_id)
+            .filter(|e| e.pulls.contains(&s.pull_id))
+        else {
+            // Its attempt completed already (the naive policy completes early).
+            self.labels.counter(m::STALE_SETTLES).increment(1);
+            return;
+        };
+        let fx = entry.state.on_settle(&s);
         if fx.stale {
             self.labels.counter(m::STALE_SETTLES).increment(1);
             return;
         }
-        self.publish(fx, ctx);
+        let since = entry.since;
+        if fx.completion.is_some() {
+            self.live.remove(&s.req_id);
+        }
+        self.publish(fx, since);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::actors::block_ledger::BlockLedger;
+    use crate::config::Policy;
+    use crate::messages::{PeerId, RequestMeta, SettleOutcome};
+    use crate::rdma::StaticLanding;
+
+    fn settle(pull_id: PullId) -> Settle {
+        Settle {
+            peer: PeerId::new("tcp://p:1"),
+            pull_id,
+            req_id: "r".into(),
+            outcome: SettleOutcome::Ok,
+        }
+    }
+
+    /// A late settle of an earlier attempt of the same id (its pull is not one of this
+    /// attempt's) is stale: it cannot complete the new attempt.
+    #[actix::test]
+    async fn a_settle_counts_only_for_the_attempt_whose_pull_it_came_from() {
+        let (events, mut rx) = EventSink::channel();
+        let landing = Arc::new(StaticLanding::new("h", 1, vec![0]));
+        let bm = BlockManager::new(
+            BlockLedger::new(Duration::from_secs(60), None),
+            landing,
+            Policy::Settle,
+            events.clone(),
+        )
+        .start();
+        let agg = RequestAggregator::new(bm, events).start();
+        let req = Arc::new(RequestMeta {
+            req_id: "r".into(),
+            transfer_id: "t".into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: vec![vec![1]],
+        });
+        let state = AggregatorState::new(req, vec![PeerId::new("tcp://p:1")], Policy::Settle);
+        agg.send(Aggregate {
+            pulls: 7..8,
+            states: vec![state],
+        })
+        .await
+        .unwrap();
+        agg.send(settle(3)).await.unwrap(); // an earlier attempt's pull
+        assert!(rx.try_recv().is_err(), "the stale settle published nothing");
+        agg.send(settle(7)).await.unwrap();
+        let ev = rx.recv().await.unwrap();
+        assert!(
+            matches!(ev, KvEvent::Completion { ref req_id, .. } if &**req_id == "r"),
+            "{ev:?}"
+        );
     }
 }

@@ -3,6 +3,8 @@
 
 use std::sync::Arc;
 
+use smallvec::SmallVec;
+
 use crate::config::Policy;
 use crate::messages::{
     Cause, Completion, FirstFailure, Outcome, PeerId, Settle, SettleOutcome, SharedRequest,
@@ -23,10 +25,16 @@ pub struct AggEffects {
 pub struct AggregatorState {
     req: SharedRequest,
     policy: Policy,
-    /// One slot per peer, in protocol order; `None` until that peer settles.
-    settled: Vec<(PeerId, Option<SettleOutcome>)>,
+    /// The peers, in protocol order (shared by every request of a pull's batch).
+    peers: Arc<[PeerId]>,
+    /// Bit `i`: `peers[i]` settled.
+    settled: SmallVec<[u64; 1]>,
+    /// The settles that were not Ok, by peer index (empty, and unallocated, for a healthy
+    /// request: this state is kept per request in flight).
+    not_ok: Vec<(usize, Option<SettleOutcome>)>,
     outstanding: usize,
-    first_failure: Option<(Option<PeerId>, String)>,
+    /// Boxed: most requests never fail, and this state is kept per in-flight request.
+    first_failure: Option<Box<(Option<PeerId>, String)>>,
     completed: bool,
     transport_failures_uncertain: bool,
     /// The data plane's byte accounting, asked when every peer settled Ok.
@@ -38,11 +46,18 @@ pub use super::peer_state::TE_FAILURE;
 impl AggregatorState {
     /// `outstanding` starts at the number of peers.
     pub fn new(req: SharedRequest, peers: Vec<PeerId>, policy: Policy) -> Self {
+        Self::with_peers(req, peers.into(), policy)
+    }
+
+    /// [`Self::new`] with the peer list shared (one allocation per batch, not per request).
+    pub fn with_peers(req: SharedRequest, peers: Arc<[PeerId]>, policy: Policy) -> Self {
         let outstanding = peers.len();
         AggregatorState {
             req,
             policy,
-            settled: peers.into_iter().map(|p| (p, None)).collect(),
+            settled: smallvec::smallvec![0; peers.len().div_ceil(64)],
+            not_ok: Vec::new(),
+            peers,
             outstanding,
             first_failure: None,
             completed: false,
@@ -74,7 +89,7 @@ impl AggregatorState {
         self.outstanding.hash(h);
         self.completed.hash(h);
         self.first_failure.hash(h);
-        for (p, o) in &self.settled {
+        for (p, o) in self.slots() {
             p.hash(h);
             o.as_ref().map(|o| (o.label(), o.reason())).hash(h);
         }
@@ -100,7 +115,7 @@ impl AggregatorState {
                 ..Default::default()
             };
         }
-        self.first_failure = Some((None, reason.clone()));
+        self.first_failure = Some(Box::new((None, reason.clone())));
         self.completed = true;
         AggEffects {
             first_failure: Some(FirstFailure {
@@ -125,15 +140,16 @@ impl AggregatorState {
             fx.stale = true;
             return fx;
         }
-        let Some(slot) = self
-            .settled
-            .iter_mut()
-            .find(|(p, o)| *p == s.peer && o.is_none())
+        let Some(i) =
+            (0..self.peers.len()).find(|&i| self.peers[i] == s.peer && !self.is_settled(i))
         else {
             fx.stale = true;
             return fx;
         };
-        slot.1 = Some(s.outcome.clone());
+        self.settled[i / 64] |= 1 << (i % 64);
+        if s.outcome != SettleOutcome::Ok {
+            self.not_ok.push((i, Some(s.outcome.clone())));
+        }
         self.outstanding -= 1;
         if let Some(reason) = s.outcome.reason() {
             if self.first_failure.is_none() {
@@ -146,7 +162,7 @@ impl AggregatorState {
                     Some(ctx) => format!("{reason} ({ctx})"),
                     None => reason.to_owned(),
                 };
-                self.first_failure = Some((Some(s.peer.clone()), reason.clone()));
+                self.first_failure = Some(Box::new((Some(s.peer.clone()), reason.clone())));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: Some(s.peer.clone()),
@@ -158,10 +174,15 @@ impl AggregatorState {
         if self.outstanding == 0 && self.first_failure.is_none() {
             if let Some(Err(reason)) = self.verifier.as_ref().map(|l| l.verify_ok(&self.req)) {
                 tracing::warn!(req_id = %self.req.req_id, %reason, "peers' ok not backed by landed bytes");
-                for (_, o) in &mut self.settled {
-                    *o = Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone()));
-                }
-                self.first_failure = Some((None, reason.clone()));
+                self.not_ok = (0..self.peers.len())
+                    .map(|i| {
+                        (
+                            i,
+                            Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone())),
+                        )
+                    })
+                    .collect();
+                self.first_failure = Some(Box::new((None, reason.clone())));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: None,
@@ -175,9 +196,30 @@ impl AggregatorState {
         fx
     }
 
+    /// Each peer with its settle so far.
+    fn slots(&self) -> impl Iterator<Item = (&PeerId, &Option<SettleOutcome>)> {
+        static OK: Option<SettleOutcome> = Some(SettleOutcome::Ok);
+        static NOT_YET: Option<SettleOutcome> = None;
+        self.peers.iter().enumerate().map(move |(i, p)| {
+            let o = if !self.is_settled(i) {
+                &NOT_YET
+            } else {
+                self.not_ok
+                    .iter()
+                    .find(|(j, _)| *j == i)
+                    .map_or(&OK, |(_, o)| o)
+            };
+            (p, o)
+        })
+    }
+
+    fn is_settled(&self, i: usize) -> bool {
+        self.settled[i / 64] & (1 << (i % 64)) != 0
+    }
+
     fn complete(&mut self) -> Completion {
         self.completed = true;
-        let outcome = match &self.first_failure {
+        let outcome = match self.first_failure.as_deref() {
             None => Outcome::Ok,
             Some((peer, reason)) => Outcome::Failed {
                 peer: peer.clone(),
@@ -186,8 +228,7 @@ impl AggregatorState {
         };
         let te_uncertain = self.transport_failures_uncertain;
         let uncertain_peers = self
-            .settled
-            .iter()
+            .slots()
             .filter(|(_, o)| match o {
                 Some(SettleOutcome::Uncertain { .. }) => true,
                 Some(SettleOutcome::Failed {
@@ -199,14 +240,12 @@ impl AggregatorState {
             .map(|(p, _)| p.clone())
             .collect();
         let unsettled_peers = self
-            .settled
-            .iter()
+            .slots()
             .filter(|(_, o)| o.is_none())
             .map(|(p, _)| p.clone())
             .collect();
         let transport_failed_peers = self
-            .settled
-            .iter()
+            .slots()
             .filter(|(_, o)| {
                 matches!(
                     o,

@@ -8,7 +8,9 @@ use std::sync::Arc;
 
 use crate::config::DRank;
 use crate::layout::KvLayout;
-use crate::messages::{BatchError, KvRequest, MooncakeXferMetadata, RequestMeta, SharedRequest};
+use crate::messages::{
+    BatchError, Interner, KvRequest, MooncakeXferMetadata, RequestMeta, SharedRequest,
+};
 
 use super::rediscovery::EngineKey;
 
@@ -23,12 +25,12 @@ pub struct Validated {
 
 /// Validate every request of a batch against the wire rules ([`KvRequest::validate`]) and the
 /// layout (group count, block range), refusing an id listed twice in the batch.
-pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout) -> Validated {
+pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout, interner: &mut Interner) -> Validated {
     let mut out = Validated::default();
-    let mut seen = HashSet::new();
+    let mut seen = HashSet::with_capacity(requests.len());
     for (i, kv) in requests.into_iter().enumerate() {
         match kv
-            .validate()
+            .validate_with(interner)
             .and_then(|m| check_blocks(&m, layout).map(|_| m))
         {
             Ok(m) if !seen.insert(m.req_id.clone()) => out.rejected.push((
@@ -101,7 +103,7 @@ pub fn pull_metadata(
             vec![]
         };
         md.req_blocks
-            .insert(r.req_id.to_string(), (r.transfer_id.clone(), blocks));
+            .insert(r.req_id.to_string(), (r.transfer_id.to_string(), blocks));
     }
     md.kv_caches_base_addr = bases;
     md.block_lens = layout.regions.iter().map(|r| r.block_len).collect();
@@ -142,6 +144,7 @@ mod tests {
                 kv("d", "e", vec![]),
             ],
             &l,
+            &mut Interner::default(),
         );
         let ok: Vec<(usize, &str)> = v.valid.iter().map(|(i, m)| (*i, &*m.req_id)).collect();
         assert_eq!(
@@ -170,11 +173,12 @@ mod tests {
                 kv("c", "e1", vec![vec![3]]),
             ],
             &l,
+            &mut Interner::default(),
         );
         let g = group_by_engine(v.valid.into_iter().map(|(_, m)| m));
         let shape: Vec<(&str, Vec<&str>)> = g
             .iter()
-            .map(|(k, rs)| (k.1.as_str(), rs.iter().map(|r| &*r.req_id).collect()))
+            .map(|(k, rs)| (&*k.1, rs.iter().map(|r| &*r.req_id).collect()))
             .collect();
         assert_eq!(shape, [("e1", vec!["a", "c"]), ("e2", vec!["b"])]);
     }
@@ -185,6 +189,7 @@ mod tests {
         let v = validate(
             vec![kv("a", "e", vec![vec![3, 4]]), kv("z", "e", vec![])],
             &l,
+            &mut Interner::default(),
         );
         let group: Vec<SharedRequest> = v.valid.into_iter().map(|(_, m)| m).collect();
         let d = DRank {

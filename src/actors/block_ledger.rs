@@ -55,7 +55,7 @@ pub struct BlockLedger {
     live: HashSet<ReqId>,
     /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
     /// (quarantine included): two writers into one block are never both admitted.
-    owners: HashMap<(usize, u32), ReqId>,
+    owners: HashMap<(u32, u32), ReqId>,
     /// Most live requests at once (backpressure).
     max_live: usize,
 }
@@ -101,7 +101,7 @@ impl BlockLedger {
         }
         for (group, blocks) in req.block_ids.iter().enumerate() {
             for &block in blocks {
-                if let Some(owner) = self.owners.get(&(group, block)) {
+                if let Some(owner) = self.owners.get(&(group as u32, block)) {
                     return Err(BatchError::BlockInUse {
                         req_id: req.req_id.to_string(),
                         group,
@@ -114,7 +114,8 @@ impl BlockLedger {
         self.live.insert(req.req_id.clone());
         for (group, blocks) in req.block_ids.iter().enumerate() {
             for &block in blocks {
-                self.owners.insert((group, block), req.req_id.clone());
+                self.owners
+                    .insert((group as u32, block), req.req_id.clone());
             }
         }
         Ok(())
@@ -236,7 +237,7 @@ impl BlockLedger {
     fn release_now(&mut self, req: &SharedRequest) {
         for (group, blocks) in req.block_ids.iter().enumerate() {
             for &block in blocks {
-                if let Entry::Occupied(o) = self.owners.entry((group, block)) {
+                if let Entry::Occupied(o) = self.owners.entry((group as u32, block)) {
                     if *o.get() == req.req_id {
                         o.remove();
                     }

@@ -22,6 +22,11 @@ impl EventSink {
         EventSink(None)
     }
 
+    /// Whether an observer is attached (so an event is worth building).
+    pub fn is_on(&self) -> bool {
+        self.0.is_some()
+    }
+
     /// Hand `ev` to the observer, if any; never blocks an actor.
     pub fn emit(&self, ev: KvEvent) {
         if let Some(tx) = &self.0 {

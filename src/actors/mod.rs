@@ -15,6 +15,8 @@ pub mod event_sink;
 pub mod peer;
 #[doc(hidden)]
 pub mod peer_state;
+#[doc(hidden)]
+pub mod pending_set;
 pub mod receiver;
 #[doc(hidden)]
 pub mod rediscovery;

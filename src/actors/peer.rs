@@ -10,12 +10,13 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix::{
-    Actor, ActorContext, AsyncContext, Context, Handler, SpawnHandle, StreamHandler, Supervised,
+    Actor, ActorContext, AsyncContext, Context, Handler, Recipient, SpawnHandle, StreamHandler,
+    Supervised,
 };
 use futures::StreamExt;
 
 use crate::messages::{
-    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, UnsentPull, ABORTED_BY_HOST,
+    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Settle, UnsentPull, ABORTED_BY_HOST,
 };
 use crate::telemetry::{self as m, Labels};
 
@@ -86,6 +87,8 @@ pub struct Peer {
     transport: Rc<dyn PeerTransport>,
     cfg: PeerConfig,
     events: EventSink,
+    /// Where settles of awaited requests go.
+    aggregator: Recipient<Settle>,
     health: PeerHealth,
     live: HashMap<PullId, Live>,
     restarts: u32,
@@ -97,13 +100,14 @@ pub struct Peer {
 }
 
 impl Peer {
-    /// A peer `id` talking through `transport`; `health` reports its failures to the Receiver's
-    /// rediscovery.
+    /// A peer `id` talking through `transport`, settling into `aggregator`; `health` reports
+    /// its failures to the Receiver's rediscovery.
     pub fn new(
         id: PeerId,
         transport: Rc<dyn PeerTransport>,
         cfg: PeerConfig,
         events: EventSink,
+        aggregator: Recipient<Settle>,
         health: PeerHealth,
     ) -> Self {
         Peer {
@@ -111,6 +115,7 @@ impl Peer {
             transport,
             cfg,
             events,
+            aggregator,
             health,
             live: HashMap::new(),
             restarts: 0,
@@ -207,19 +212,21 @@ impl Peer {
                 sample,
             });
         }
-        for (to, s) in fx.settles {
+        for (awaited, s) in fx.settles {
             self.labels
                 .counter_by(m::SETTLES, "outcome", s.outcome.label())
                 .increment(1);
             tracing::debug!(req_id = %s.req_id, outcome = s.outcome.label(), reason = s.outcome.reason(), "settle");
-            self.events.emit(KvEvent::Settled {
-                peer: s.peer.clone(),
-                pull_id: s.pull_id,
-                req_id: s.req_id.clone(),
-                outcome: s.outcome.clone(),
-            });
-            if let Some(to) = to {
-                to.do_send(s);
+            if self.events.is_on() {
+                self.events.emit(KvEvent::Settled {
+                    peer: s.peer.clone(),
+                    pull_id: s.pull_id,
+                    req_id: s.req_id.clone(),
+                    outcome: s.outcome.clone(),
+                });
+            }
+            if awaited {
+                self.aggregator.do_send(s);
             }
         }
         if fx.finished_cleanly {

@@ -4,17 +4,18 @@
 use std::collections::{HashMap, HashSet};
 
 use crate::messages::{
-    Cause, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, Settle, SettleOutcome,
-    UnsentPull, XferStatus,
+    Cause, MooncakeXferResponse, PeerId, Pull, PullId, ReqId, Settle, SettleOutcome, UnsentPull,
+    XferStatus,
 };
 
+use super::pending_set::PendingSet;
 use super::transport::Frames;
 
 /// What the Peer must do after an event.
 #[derive(Default)]
 pub struct Effects {
-    /// Settles to send, each to its request's aggregator (if awaited).
-    pub settles: Vec<(Option<actix::Recipient<Settle>>, Settle)>,
+    /// Settles to send, each flagged whether an aggregator awaits it.
+    pub settles: Vec<(bool, Settle)>,
     /// Ids a reply named that were not pending for that pull: counted, a few kept as a sample.
     pub stale: StaleIds,
     /// The pull is over: close its channel, drop its deadline.
@@ -67,7 +68,7 @@ pub fn max_reply_ids(carried: usize) -> usize {
 
 #[derive(Clone)]
 struct InFlight {
-    pending: HashMap<ReqId, PullRequest>,
+    pending: PendingSet,
     /// Requests the pull carried (the bound on what a reply may name).
     carried: usize,
 }
@@ -101,8 +102,7 @@ impl PeerState {
         for (id, p) in pulls {
             id.hash(h);
             p.carried.hash(h);
-            let mut ids: Vec<&ReqId> = p.pending.keys().collect();
-            ids.sort();
+            let ids: Vec<&ReqId> = p.pending.iter().map(|r| &r.meta.req_id).collect();
             ids.hash(h);
         }
     }
@@ -122,11 +122,7 @@ impl PeerState {
 
     /// Track a new pull. A request listed twice in one pull is tracked once.
     pub fn start(&mut self, pull: &Pull) {
-        let pending: HashMap<_, _> = pull
-            .requests
-            .iter()
-            .map(|r| (r.meta.req_id.clone(), r.clone()))
-            .collect();
+        let pending = PendingSet::new(&pull.requests);
         let carried = pending.len();
         self.pulls
             .insert(pull.pull_id, InFlight { pending, carried });
@@ -139,7 +135,7 @@ impl PeerState {
         let mut seen = HashSet::new();
         for r in pull.requests.iter().filter(|r| seen.insert(&r.meta.req_id)) {
             fx.settles.push((
-                r.aggregator.clone(),
+                r.awaited,
                 Settle {
                     peer: self.peer.clone(),
                     pull_id: pull.pull_id,
@@ -157,7 +153,7 @@ impl PeerState {
         };
         match pull.pending.remove(req_id) {
             Some(req) => fx.settles.push((
-                req.aggregator,
+                req.awaited,
                 Settle {
                     peer: self.peer.clone(),
                     pull_id,
@@ -172,11 +168,9 @@ impl PeerState {
     /// Settle whatever is still pending for the pull and forget it.
     fn settle_rest(&mut self, fx: &mut Effects, pull_id: PullId, outcome: SettleOutcome) {
         if let Some(pull) = self.pulls.remove(&pull_id) {
-            let mut rest: Vec<_> = pull.pending.into_values().collect();
-            rest.sort_by(|a, b| a.meta.req_id.cmp(&b.meta.req_id));
-            for req in rest {
+            for req in pull.pending.iter() {
                 fx.settles.push((
-                    req.aggregator,
+                    req.awaited,
                     Settle {
                         peer: self.peer.clone(),
                         pull_id,
@@ -290,7 +284,7 @@ impl PeerState {
         let mut ids: Vec<PullId> = self
             .pulls
             .iter()
-            .filter(|(_, p)| p.pending.contains_key(req_id))
+            .filter(|(_, p)| p.pending.contains(req_id))
             .map(|(id, _)| *id)
             .collect();
         ids.sort_unstable();
@@ -335,15 +329,15 @@ mod tests {
             payload: vec![],
             requests: reqs
                 .iter()
-                .map(|r| PullRequest {
+                .map(|r| crate::messages::PullRequest {
                     meta: Arc::new(RequestMeta {
                         req_id: (*r).into(),
-                        transfer_id: format!("t-{r}"),
+                        transfer_id: format!("t-{r}").into(),
                         engine_id: "e".into(),
                         bootstrap_addr: "http://b:1".into(),
                         block_ids: vec![vec![1]],
                     }),
-                    aggregator: None,
+                    awaited: true,
                 })
                 .collect(),
         }

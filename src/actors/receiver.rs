@@ -1,5 +1,6 @@
 //! Receiver: takes a batch from the host (`load_kv`), validates it, finds the peers of each P
-//! engine, starts one RequestAggregator per awaited request and hands each Peer its pull.
+//! engine, registers every awaited request with the RequestAggregator and hands each Peer its
+//! pull.
 
 use std::cell::RefCell;
 use std::collections::{HashMap, HashSet};
@@ -14,14 +15,14 @@ use actix::{
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    Abort, AbortAtPeer, AbortReply, Admit, BatchError, LoadKv, LoadKvReply, MooncakeXferMetadata,
-    PeerId, Pull, PullId, PullRequest, ReqId, SharedRequest, UnsentPull, WireError,
-    ABORTED_BY_HOST,
+    Abort, AbortAtPeer, AbortReply, Admit, BatchError, Interner, LoadKv, LoadKvReply,
+    MooncakeXferMetadata, PeerId, Pull, PullId, PullRequest, ReqId, SharedRequest, UnsentPull,
+    WireError, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
 
-use super::aggregator::RequestAggregator;
+use super::aggregator::{Aggregate, FailUnsent, RequestAggregator};
 use super::aggregator_state::AggregatorState;
 use super::batch_plan;
 use super::block_manager::BlockManager;
@@ -41,6 +42,8 @@ pub struct Receiver {
     transport: Rc<dyn PeerTransport>,
     landing: Arc<dyn Landing>,
     block_manager: Addr<BlockManager>,
+    /// Every awaited request's settles are aggregated there (started with the Receiver).
+    aggregator: Option<Addr<RequestAggregator>>,
     events: EventSink,
     peers: HashMap<PeerId, Addr<Peer>>,
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
@@ -50,6 +53,8 @@ pub struct Receiver {
     undispatched: HashSet<ReqId>,
     /// Of those, the ones the host aborted: failed at dispatch instead of sent.
     aborted: HashSet<ReqId>,
+    /// Engine ids and bootstrap addresses, shared by every request that names them.
+    interner: Interner,
     /// Metadata encoder (a seam so a test can make it fail).
     encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
     labels: Labels,
@@ -75,12 +80,14 @@ impl Receiver {
             transport,
             landing,
             block_manager,
+            aggregator: None,
             events,
             peers: HashMap::new(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
             next_pull: 1,
             undispatched: HashSet::new(),
             aborted: HashSet::new(),
+            interner: Interner::default(),
             encode: MooncakeXferMetadata::encode,
             labels: Labels::default(),
         }
@@ -92,11 +99,23 @@ impl Receiver {
         self
     }
 
+    /// The RequestAggregator, started on first use (on this arbiter, like the Receiver).
+    fn aggregator(&mut self) -> Addr<RequestAggregator> {
+        self.aggregator
+            .get_or_insert_with(|| {
+                RequestAggregator::new(self.block_manager.clone(), self.events.clone())
+                    .with_labels(self.labels.clone())
+                    .start()
+            })
+            .clone()
+    }
+
     fn peer(&mut self, id: &PeerId) -> Addr<Peer> {
         if let Some(a) = self.peers.get(id) {
             return a.clone();
         }
         let (pid, transport, events) = (id.clone(), self.transport.clone(), self.events.clone());
+        let aggregator = self.aggregator().recipient();
         let cfg = PeerConfig {
             pull_timeout: self.cfg.pull_timeout,
             backoff_base: self.cfg.peer_backoff_base,
@@ -105,7 +124,7 @@ impl Receiver {
         let health = PeerHealth::new(self.rediscovery.clone());
         let labels = self.labels.clone();
         let addr = Supervisor::start(move |_| {
-            Peer::new(pid, transport, cfg, events, health).with_labels(labels)
+            Peer::new(pid, transport, cfg, events, aggregator, health).with_labels(labels)
         });
         self.peers.insert(id.clone(), addr.clone());
         addr
@@ -138,15 +157,9 @@ impl Receiver {
     }
 
     fn fail_awaiting(&mut self, group: Vec<SharedRequest>, reason: String) {
-        for req in group.into_iter().filter(|r| r.is_awaiting()) {
-            RequestAggregator::failed(
-                req,
-                reason.clone(),
-                self.block_manager.clone(),
-                self.events.clone(),
-            )
-            .with_labels(self.labels.clone())
-            .start();
+        let requests: Vec<_> = group.into_iter().filter(|r| r.is_awaiting()).collect();
+        if !requests.is_empty() {
+            self.aggregator().do_send(FailUnsent { requests, reason });
         }
     }
 
@@ -182,26 +195,31 @@ impl Receiver {
         if let Some(why) = down {
             return self.fail_unreachable(group, why);
         }
-        // Aggregators first, so no settle can arrive before its aggregator exists.
+        // The aggregator learns the requests first, so no settle can arrive before its state
+        // exists (one mailbox). The batch's pulls are the next ids, one per peer.
+        let first_pull = self.next_pull;
+        let rdma = self.cfg.mooncake_protocol == crate::config::MooncakeProtocol::Rdma;
+        let shared_peers: Arc<[PeerId]> = peers.as_slice().into();
+        let states: Vec<AggregatorState> = group
+            .iter()
+            .filter(|r| r.is_awaiting())
+            .map(|req| {
+                AggregatorState::with_peers(req.clone(), shared_peers.clone(), self.cfg.policy)
+                    .transport_failures_uncertain(rdma)
+                    .verified_by(self.landing.clone())
+            })
+            .collect();
+        if !states.is_empty() {
+            self.aggregator().do_send(Aggregate {
+                pulls: first_pull..first_pull + peers.len() as PullId,
+                states,
+            });
+        }
         let requests: Vec<PullRequest> = group
             .iter()
             .map(|req| PullRequest {
                 meta: req.clone(),
-                aggregator: req.is_awaiting().then(|| {
-                    let state = AggregatorState::new(req.clone(), peers.clone(), self.cfg.policy)
-                        .transport_failures_uncertain(
-                            self.cfg.mooncake_protocol == crate::config::MooncakeProtocol::Rdma,
-                        )
-                        .verified_by(self.landing.clone());
-                    RequestAggregator::with_state(
-                        state,
-                        self.block_manager.clone(),
-                        self.events.clone(),
-                    )
-                    .with_labels(self.labels.clone())
-                    .start()
-                    .recipient()
-                }),
+                awaited: req.is_awaiting(),
             })
             .collect();
         let awaiting: Vec<SharedRequest> =
@@ -255,7 +273,7 @@ impl Handler<LoadKv> for Receiver {
     /// request ids not yet drained, blocks not yet released), then start the pulls.
     fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
         let batch_plan::Validated { valid, rejected } =
-            batch_plan::validate(batch.requests, &self.cfg.layout);
+            batch_plan::validate(batch.requests, &self.cfg.layout, &mut self.interner);
         let admit = Admit {
             requests: valid.iter().map(|(_, m)| m.clone()).collect(),
         };

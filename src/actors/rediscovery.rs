@@ -30,7 +30,7 @@ use thiserror::Error;
 use crate::messages::PeerId;
 
 /// `(bootstrap address, engine id)`: one cached topology.
-pub type EngineKey = (String, String);
+pub type EngineKey = (std::sync::Arc<str>, std::sync::Arc<str>);
 
 /// Backoff between lookups of one engine while it is unhealthy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

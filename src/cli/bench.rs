@@ -25,6 +25,11 @@ pub struct BenchArgs {
     /// Engine id of that P.
     #[arg(long, default_value = "prefill-0")]
     pub engine_id: String,
+    /// Memory mode: hold this many requests in flight (against a P that holds every pull, such
+    /// as `kvrecv prefill-sim --wait-ready`), driven over stdin by `benches/baseline.py`, which
+    /// reads this process's RSS.
+    #[arg(long)]
+    pub hold: Option<usize>,
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -42,6 +47,15 @@ pub fn run(a: BenchArgs) -> ExitCode {
         bootstrap: a.bootstrap,
         engine_id: Some(a.engine_id),
     };
+    if let Some(n) = a.hold {
+        return match kvrecv::repro::bench::run_hold(cfg, n) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     match run_bench(cfg) {
         Ok(r) if a.json => match serde_json::to_string(&r) {
             Ok(s) => {

@@ -236,13 +236,38 @@ pub struct RequestMeta {
     /// vLLM's request id (the key of every event and drain).
     pub req_id: ReqId,
     /// P's transfer id for the request.
-    pub transfer_id: String,
-    /// P's engine id.
-    pub engine_id: String,
-    /// P's bootstrap server.
-    pub bootstrap_addr: String,
+    pub transfer_id: Arc<str>,
+    /// P's engine id (shared by every request of the engine, see [`Interner`]).
+    pub engine_id: Arc<str>,
+    /// P's bootstrap server (shared likewise).
+    pub bootstrap_addr: Arc<str>,
     /// Destination blocks, one list per KV-cache group.
     pub block_ids: Vec<Vec<u32>>,
+}
+
+/// Shares the strings many requests repeat (engine ids, bootstrap addresses): one allocation
+/// per distinct value, not one per request. Bounded: past `cap` distinct values (only a host
+/// sending ever-new engines) it starts over, which costs sharing, never correctness.
+#[derive(Debug, Default)]
+pub struct Interner {
+    seen: HashSet<Arc<str>>,
+}
+
+impl Interner {
+    const CAP: usize = 4096;
+
+    /// The shared copy of `s`.
+    pub fn intern(&mut self, s: &str) -> Arc<str> {
+        if let Some(a) = self.seen.get(s) {
+            return a.clone();
+        }
+        if self.seen.len() >= Self::CAP {
+            self.seen.clear();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.seen.insert(a.clone());
+        a
+    }
 }
 
 impl RequestMeta {
@@ -261,6 +286,11 @@ impl KvRequest {
     /// Check the three keys vLLM needs (PROTOCOL.md §4); a missing one would leave the request
     /// waiting forever, so it is refused here instead.
     pub fn validate(&self) -> Result<RequestMeta, BatchError> {
+        self.validate_with(&mut Interner::default())
+    }
+
+    /// [`Self::validate`], sharing engine ids and bootstrap addresses through `interner`.
+    pub fn validate_with(&self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
         fn field<'a>(
             req: &'a KvRequest,
             v: &'a Option<String>,
@@ -296,9 +326,9 @@ impl KvRequest {
         self.check_unique_blocks()?;
         Ok(RequestMeta {
             req_id: ReqId::from(self.req_id.as_str()),
-            transfer_id: transfer_id.to_owned(),
-            engine_id: engine_id.to_owned(),
-            bootstrap_addr: bootstrap.to_owned(),
+            transfer_id: Arc::from(transfer_id),
+            engine_id: interner.intern(engine_id),
+            bootstrap_addr: interner.intern(bootstrap),
             block_ids: self.block_ids.clone(),
         })
     }
@@ -397,7 +427,7 @@ mod tests {
     #[test]
     fn valid_request_keeps_its_blocks_and_trims_the_bootstrap_slash() {
         let m = req().validate().unwrap();
-        assert_eq!(m.bootstrap_addr, "http://127.0.0.1:8998");
+        assert_eq!(&*m.bootstrap_addr, "http://127.0.0.1:8998");
         assert!(m.is_awaiting());
         let empty = KvRequest {
             block_ids: vec![vec![], vec![]],

@@ -24,7 +24,7 @@ pub mod wire;
 
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
-pub use batch::{BatchError, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
+pub use batch::{BatchError, Interner, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
 pub use completion::{Completion, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;

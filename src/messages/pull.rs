@@ -1,19 +1,18 @@
 //! Receiver -> Peer: ask one prefill worker for its share of a batch.
 
-use actix::{Message, Recipient};
+use actix::Message;
 
 use super::batch::SharedRequest;
 use super::ids::PullId;
-use super::settle::Settle;
 
-/// One request inside a pull, with where its settle goes.
+/// One request inside a pull.
 #[derive(Clone)]
 pub struct PullRequest {
     /// The request and its destination blocks.
     pub meta: SharedRequest,
-    /// The request's aggregator; `None` for a request nobody awaits (empty pull): it is still
+    /// Whether an aggregator awaits its settle; a request nobody awaits (empty pull) is still
     /// sent and settled, but its settle goes nowhere.
-    pub aggregator: Option<Recipient<Settle>>,
+    pub awaited: bool,
 }
 
 /// One `MooncakeXferMetadata` for one peer. The payload is already encoded: the Peer only

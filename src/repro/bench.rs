@@ -113,6 +113,15 @@ fn rss_bytes() -> Option<u64> {
     Some(pages * 4096)
 }
 
+/// Peak resident set size of this process so far (`VmHWM`), bytes: read once at the end, so
+/// measuring memory costs the measured phase no syscalls.
+fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
+}
+
 /// This process's CPU time so far (user + sys from /proc/self/stat), seconds.
 pub fn process_cpu_s() -> Option<f64> {
     let s = std::fs::read_to_string("/proc/self/stat").ok()?;
@@ -123,6 +132,86 @@ pub fn process_cpu_s() -> Option<f64> {
     let ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
     // In USER_HZ, which Linux fixes at 100 on x86 and arm64 whatever the kernel's HZ.
     Some(ticks as f64 / 100.0)
+}
+
+/// Memory per in-flight request, driven from outside (`benches/baseline.py`): start a
+/// coordinator against the P at `cfg.bootstrap` (which must hold every pull unanswered, e.g.
+/// `kvrecv prefill-sim --wait-ready`), print `{"event":"idle"}` and wait for a line on stdin;
+/// then load `hold` requests in batches of `cfg.batch`, print `{"event":"loaded"}` and wait for
+/// another line. The driver reads this process's RSS from /proc before and after (once P has
+/// received every pull), so measuring costs this process nothing.
+pub fn run_hold(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
+    let sys = actix_rt::System::with_tokio_rt(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .expect("tokio runtime")
+    });
+    sys.block_on(hold_requests(cfg, hold))
+}
+
+async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
+    use tokio::io::AsyncBufReadExt;
+    let (Some(url), Some(engine)) = (cfg.bootstrap.clone(), cfg.engine_id.clone()) else {
+        return Err(ReproError::Scenario(
+            "--hold needs --bootstrap (a P in its own process)".into(),
+        ));
+    };
+    if cfg.batch == 0 || hold == 0 {
+        return Err(ReproError::Scenario("batch and hold must be > 0".into()));
+    }
+    let blocks =
+        u32::try_from(hold + 64).map_err(|_| ReproError::Scenario("--hold is too large".into()))?;
+    let coord = Coordinator::start(CoordinatorParts {
+        config: KvRecvConfig {
+            layout: KvLayout::uniform(2, 4096, blocks),
+            pull_timeout: Duration::from_secs(3600),
+            max_live_requests: hold + 64,
+            ..KvRecvConfig::default()
+        },
+        topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
+        transport: Rc::new(ZmqTransport::default()),
+        landing: Arc::new(StaticLanding::new(
+            "127.0.0.1",
+            15000,
+            vec![1 << 40, 1 << 41],
+        )),
+        events: EventSink::none(),
+        builtin_pool: false,
+    });
+    let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
+    println!(
+        "{}",
+        serde_json::json!({"event": "idle", "pid": std::process::id()})
+    );
+    let _ = stdin.next_line().await;
+    let mut next = 0usize;
+    while next < hold {
+        let n = cfg.batch.min(hold - next);
+        let requests = (next..next + n)
+            .map(|i| KvRequest {
+                req_id: format!("d-{i}"),
+                transfer_id: Some(format!("t-{i}")),
+                remote_engine_id: Some(engine.clone()),
+                remote_bootstrap_addr: Some(url.clone()),
+                block_ids: vec![vec![i as u32]],
+            })
+            .collect();
+        let reply = coord.load_kv(LoadKv { requests }).await?;
+        if let Some(e) = reply.rejected.first() {
+            return Err(ReproError::Scenario(format!(
+                "load_kv refused a request: {e}"
+            )));
+        }
+        next += n;
+    }
+    println!(
+        "{}",
+        serde_json::json!({"event": "loaded", "requests": hold})
+    );
+    let _ = stdin.next_line().await;
+    Ok(())
 }
 
 /// Run the benchmark in a fresh actix System (blocking).
@@ -199,7 +288,6 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         .await?;
     while !matches!(rx.recv().await, Some(KvEvent::Completion { .. }) | None) {}
     let rss0 = rss_bytes();
-    let mut rss_peak = rss0;
     let cpu0 = process_cpu_s();
     let start = Instant::now();
     let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
@@ -223,11 +311,6 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             next += n;
             outstanding += n;
         }
-        // Sampled once per window of completions, not per completion: reading /proc costs
-        // syscalls that would count in the process CPU this bench reports.
-        if outstanding >= cfg.in_flight && completed % cfg.in_flight.max(64) == 0 {
-            rss_peak = rss_peak.max(rss_bytes());
-        }
         match rx.recv().await {
             Some(KvEvent::Completion {
                 req_id, outcome, ..
@@ -247,6 +330,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     }
     let secs = start.elapsed().as_secs_f64();
     let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| b - a);
+    let rss_peak = peak_rss_bytes();
     let pulls = cfg.requests.div_ceil(cfg.batch) * cfg.peers as usize;
     Ok(BenchReport {
         pulls_per_s: pulls as f64 / secs,

@@ -26,7 +26,7 @@ pub async fn target(permits: bool) -> TcpTarget {
 pub fn req(id: &str, blocks: &[u32]) -> Arc<RequestMeta> {
     Arc::new(RequestMeta {
         req_id: id.into(),
-        transfer_id: format!("xfer-{id}"),
+        transfer_id: format!("xfer-{id}").into(),
         engine_id: "engine".into(),
         bootstrap_addr: "http://127.0.0.1:1".into(),
         block_ids: vec![blocks.to_vec()],

@@ -19,6 +19,8 @@
 
 use crate::telemetry::Labels;
 use std::collections::HashMap;
+
+use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
@@ -61,6 +63,24 @@ impl RejectReason {
 const NO_WINDOW: &str =
     "D had no clean landing window for a pull of this request: its writes were refused";
 
+/// One KV-cache group's blocks of a pull: (block id, index of the owning request), sorted by
+/// block. Eight bytes a block (a hash map and its slack cost four times that, per request in
+/// flight).
+#[derive(Debug, Clone, Default)]
+struct BlockOwners(Vec<(u32, u32)>);
+
+impl BlockOwners {
+    fn get(&self, block: u32) -> Option<usize> {
+        self.0
+            .binary_search_by_key(&block, |&(b, _)| b)
+            .ok()
+            .map(|i| self.0[i].1 as usize)
+    }
+}
+
+/// The permits of one request's pulls, with the request's index in each.
+type PermitsOfRequest = SmallVec<[(Arc<Permit>, usize); 2]>;
+
 /// One pull's permit.
 #[derive(Debug)]
 pub struct Permit {
@@ -68,7 +88,7 @@ pub struct Permit {
     pub peer: PeerId,
     pub window: u32,
     /// Per KV-cache group: block id -> index of the owning request in `reqs`.
-    blocks: Vec<HashMap<u32, usize>>,
+    blocks: Vec<BlockOwners>,
     reqs: Vec<ReqId>,
     open: Vec<AtomicBool>,
     open_count: AtomicUsize,
@@ -216,7 +236,8 @@ pub struct PullBytes {
 #[derive(Default)]
 struct Inner {
     /// Every pull a request is in, with its index in that permit.
-    by_req: HashMap<ReqId, Vec<(Arc<Permit>, usize)>>,
+    /// Inline up to two pulls (TP2 -> TP1) without an allocation per request.
+    by_req: HashMap<ReqId, PermitsOfRequest>,
     /// Pulls whose window has not been reused yet (accounting stays readable until then).
     by_pull: HashMap<PullId, Arc<Permit>>,
     /// Poisoned windows and when each may return to rotation (DESIGN.md §5).
@@ -360,9 +381,7 @@ impl PermitTable {
                         a.load(Ordering::SeqCst).hash(h);
                     }
                     for g in &p.blocks {
-                        let mut b: Vec<_> = g.iter().collect();
-                        b.sort();
-                        b.hash(h);
+                        g.0.hash(h);
                     }
                 }
             }
@@ -460,13 +479,18 @@ impl PermitTable {
             .map(|r| r.block_ids.len())
             .max()
             .unwrap_or(0);
-        let mut blocks: Vec<HashMap<u32, usize>> = vec![HashMap::new(); groups];
+        let mut blocks: Vec<BlockOwners> = vec![BlockOwners::default(); groups];
         for (i, r) in pull.requests.iter().enumerate() {
             for (g, ids) in r.block_ids.iter().enumerate() {
-                for &b in ids {
-                    blocks[g].insert(b, i);
-                }
+                blocks[g].0.extend(ids.iter().map(|&b| (b, i as u32)));
             }
+        }
+        for g in &mut blocks {
+            // The ledger admits a block to one live request at a time; were it listed twice,
+            // the first owner keeps it.
+            g.0.sort_by_key(|&(b, _)| b);
+            g.0.dedup_by_key(|&mut (b, _)| b);
+            g.0.shrink_to_fit();
         }
         let n = pull.requests.len();
         let permit = Arc::new(Permit {
@@ -606,7 +630,7 @@ impl PermitTable {
         let mut reqs: Vec<usize> = Vec::with_capacity(1);
         let mut shares: Vec<(usize, u64)> = Vec::with_capacity(1);
         for b in first..=last {
-            let i = *owners.get(&b).ok_or(RejectReason::NoPermit)?;
+            let i = owners.get(b).ok_or(RejectReason::NoPermit)?;
             let (lo, hi) = (u64::from(b) * bl, u64::from(b) * bl + bl);
             let n = (r.offset + size).min(hi) - r.offset.max(lo);
             match shares.iter_mut().find(|(j, _)| *j == i) {

@@ -1,0 +1,124 @@
+//! The requests one pull still owes, compactly: the pull's requests sorted by id (binary
+//! search) and one bit each for "settled". About 16 bytes a request, where a hash map with its
+//! slack cost 64 (docs/PERFORMANCE.md, memory per in-flight request).
+
+use crate::messages::PullRequest;
+
+/// Pending requests of one pull, each at most once.
+#[derive(Clone, Default)]
+pub struct PendingSet {
+    /// Sorted by `meta.req_id`, without duplicates; kept until the pull is forgotten.
+    requests: Vec<PullRequest>,
+    /// Bit `i` set: `requests[i]` settled.
+    settled: Vec<u64>,
+    left: usize,
+}
+
+impl PendingSet {
+    /// The pull's requests; an id listed twice is kept once.
+    pub fn new(requests: &[PullRequest]) -> Self {
+        let mut v: Vec<PullRequest> = requests.to_vec();
+        v.sort_by(|a, b| a.meta.req_id.cmp(&b.meta.req_id));
+        v.dedup_by(|a, b| a.meta.req_id == b.meta.req_id);
+        v.shrink_to_fit();
+        let left = v.len();
+        PendingSet {
+            settled: vec![0; left.div_ceil(64)],
+            requests: v,
+            left,
+        }
+    }
+
+    fn is_settled(&self, i: usize) -> bool {
+        self.settled[i / 64] & (1 << (i % 64)) != 0
+    }
+
+    /// Index of `req_id` if it is still owed.
+    fn find(&self, req_id: &str) -> Option<usize> {
+        let i = self
+            .requests
+            .binary_search_by(|r| (*r.meta.req_id).cmp(req_id))
+            .ok()?;
+        (!self.is_settled(i)).then_some(i)
+    }
+
+    /// Number of requests still owed.
+    pub fn len(&self) -> usize {
+        self.left
+    }
+
+    /// Whether nothing is owed.
+    pub fn is_empty(&self) -> bool {
+        self.left == 0
+    }
+
+    /// Whether `req_id` is still owed.
+    pub fn contains(&self, req_id: &str) -> bool {
+        self.find(req_id).is_some()
+    }
+
+    /// Mark `req_id` settled if it is still owed, and return it.
+    pub fn remove(&mut self, req_id: &str) -> Option<PullRequest> {
+        let i = self.find(req_id)?;
+        self.settled[i / 64] |= 1 << (i % 64);
+        self.left -= 1;
+        Some(self.requests[i].clone())
+    }
+
+    /// Every request still owed, in id order.
+    pub fn iter(&self) -> impl Iterator<Item = &PullRequest> {
+        self.requests
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| !self.is_settled(*i))
+            .map(|(_, r)| r)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::messages::RequestMeta;
+
+    fn req(id: &str) -> PullRequest {
+        PullRequest {
+            meta: Arc::new(RequestMeta {
+                req_id: id.into(),
+                transfer_id: id.into(),
+                engine_id: "e".into(),
+                bootstrap_addr: "b".into(),
+                block_ids: vec![vec![1]],
+            }),
+            awaited: true,
+        }
+    }
+
+    #[test]
+    fn each_request_is_owed_once_and_settles_once() {
+        let ids = ["r3", "r1", "r2", "r1"];
+        let reqs: Vec<_> = ids.iter().map(|i| req(i)).collect();
+        let mut s = PendingSet::new(&reqs);
+        assert_eq!(s.len(), 3, "a duplicate is tracked once");
+        assert!(s.contains("r2") && !s.contains("r9"));
+        assert_eq!(&*s.remove("r2").unwrap().meta.req_id, "r2");
+        assert!(s.remove("r2").is_none(), "settled once");
+        assert!(!s.contains("r2"));
+        let left: Vec<_> = s.iter().map(|r| r.meta.req_id.to_string()).collect();
+        assert_eq!(left, ["r1", "r3"], "the rest, in id order");
+        s.remove("r1");
+        s.remove("r3");
+        assert!(s.is_empty());
+    }
+
+    #[test]
+    fn bits_past_the_first_word_are_tracked() {
+        let reqs: Vec<_> = (0..130).map(|i| req(&format!("r{i:03}"))).collect();
+        let mut s = PendingSet::new(&reqs);
+        assert!(s.remove("r129").is_some());
+        assert!(s.remove("r064").is_some());
+        assert!(!s.contains("r129") && s.contains("r063") && s.contains("r128"));
+        assert_eq!(s.len(), 128);
+    }
+}
