@@ -2,7 +2,8 @@
 //! the per-worker labels, and the exporter. Every counter an operator asks about in DESIGN.md §8
 //! is named here, once. (Named `telemetry` so it does not shadow the `metrics` crate.)
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 
 use metrics::{
     describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label,
@@ -13,20 +14,66 @@ use metrics::{
 /// `tp_rank`/`pp_rank`, so two coordinators in one process (one per rank, or one per engine) keep
 /// distinct series in the host's recorder. Built once per coordinator and cloned (an `Arc`) into
 /// every actor and data-plane core that records.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Labels(Arc<[Label]>);
+///
+/// Handles are registered once per metric (and extra label) and cached: recording on the hot
+/// path is a lookup, not a key built and registered per event. They are registered with the
+/// recorder installed when first used, so a host installs its recorder before it starts a
+/// worker.
+#[derive(Clone)]
+pub struct Labels(Arc<LabelsInner>);
+
+struct LabelsInner {
+    labels: Vec<Label>,
+    handles: Mutex<HashMap<HandleKey, Handle>>,
+}
+
+/// (metric name, extra label key, extra label value), by address: the names are `'static`
+/// constants, so their addresses identify them.
+type HandleKey = (usize, usize, usize);
+
+#[derive(Clone)]
+enum Handle {
+    Counter(Counter),
+    Gauge(Gauge),
+    Histogram(Histogram),
+}
+
+impl std::fmt::Debug for Labels {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Labels").field(&self.0.labels).finish()
+    }
+}
+
+impl PartialEq for Labels {
+    fn eq(&self, other: &Self) -> bool {
+        self.0.labels == other.0.labels
+    }
+}
+
+impl Eq for Labels {}
+
+fn key(name: &'static str, k: &'static str, v: &'static str) -> HandleKey {
+    (
+        name.as_ptr() as usize,
+        k.as_ptr() as usize,
+        v.as_ptr() as usize,
+    )
+}
 
 impl Labels {
     /// Labels of D worker `engine` at (TP, PP) rank (`tp_rank`, `pp_rank`).
     pub fn new(engine: &str, tp_rank: u32, pp_rank: u32) -> Self {
-        // Shared values: a series lookup clones the labels, and an `Arc` clone does not allocate
-        // (the data plane records per write).
+        // Shared values: registering a series clones the labels, and an `Arc` clone does not
+        // allocate.
         let shared = |v: &str| SharedString::from_shared(Arc::<str>::from(v));
-        Labels(Arc::from(vec![
-            Label::new("engine", shared(engine)),
-            Label::new("tp_rank", shared(&tp_rank.to_string())),
-            Label::new("pp_rank", shared(&pp_rank.to_string())),
-        ]))
+        Labels(Arc::new(LabelsInner {
+            labels: vec![
+                Label::new("engine", shared(engine)),
+                Label::new("tp_rank", shared(&tp_rank.to_string())),
+                Label::new("pp_rank", shared(&pp_rank.to_string())),
+            ],
+            handles: Mutex::new(HashMap::new()),
+        }))
     }
 
     /// The labels of the coordinator `cfg` configures.
@@ -35,14 +82,31 @@ impl Labels {
     }
 
     fn with(&self, key: &'static str, value: &'static str) -> Vec<Label> {
-        let mut v = self.0.to_vec();
-        v.push(Label::from_static_parts(key, value));
+        let mut v = self.0.labels.clone();
+        if !key.is_empty() {
+            v.push(Label::from_static_parts(key, value));
+        }
         v
+    }
+
+    /// The cached handle for (`name`, extra label), registered by `make` on first use.
+    fn handle(
+        &self,
+        name: &'static str,
+        k: &'static str,
+        v: &'static str,
+        make: impl FnOnce(Vec<Label>) -> Handle,
+    ) -> Handle {
+        let mut handles = self.0.handles.lock().unwrap_or_else(|e| e.into_inner());
+        handles
+            .entry(key(name, k, v))
+            .or_insert_with(|| make(self.with(k, v)))
+            .clone()
     }
 
     /// Counter `name` in the current recorder (a no-op without one).
     pub fn counter(&self, name: &'static str) -> Counter {
-        metrics::counter!(name, self.0.to_vec())
+        self.counter_by(name, "", "")
     }
 
     /// Counter `name` with one more label (`outcome`, `reason`, ...).
@@ -52,17 +116,31 @@ impl Labels {
         key: &'static str,
         value: &'static str,
     ) -> Counter {
-        metrics::counter!(name, self.with(key, value))
+        match self.handle(name, key, value, |l| {
+            Handle::Counter(metrics::counter!(name, l))
+        }) {
+            Handle::Counter(c) => c,
+            // One name is one kind of metric (the constants below); a mismatch records nothing.
+            _ => Counter::noop(),
+        }
     }
 
     /// Gauge `name` in the current recorder.
     pub fn gauge(&self, name: &'static str) -> Gauge {
-        metrics::gauge!(name, self.0.to_vec())
+        match self.handle(name, "", "", |l| Handle::Gauge(metrics::gauge!(name, l))) {
+            Handle::Gauge(g) => g,
+            _ => Gauge::noop(),
+        }
     }
 
     /// Histogram `name` in the current recorder.
     pub fn histogram(&self, name: &'static str) -> Histogram {
-        metrics::histogram!(name, self.0.to_vec())
+        match self.handle(name, "", "", |l| {
+            Handle::Histogram(metrics::histogram!(name, l))
+        }) {
+            Handle::Histogram(h) => h,
+            _ => Histogram::noop(),
+        }
     }
 }
 
@@ -261,7 +339,7 @@ mod tests {
         cfg.d_rank.pp_size = 2;
         cfg.d_rank.pp_rank = 1;
         let l = Labels::for_config(&cfg);
-        let pairs: Vec<(&str, &str)> = l.0.iter().map(|l| (l.key(), l.value())).collect();
+        let pairs: Vec<(&str, &str)> = l.0.labels.iter().map(|l| (l.key(), l.value())).collect();
         assert_eq!(
             pairs,
             [("engine", "d-7"), ("tp_rank", "3"), ("pp_rank", "1")]

@@ -9,7 +9,8 @@ use std::sync::Arc;
 use crate::config::DRank;
 use crate::layout::KvLayout;
 use crate::messages::{
-    BatchError, Interner, KvRequest, MooncakeXferMetadata, RequestMeta, SharedRequest,
+    BatchError, Interner, KvRequest, MetadataRef, MooncakeXferMetadata, ReqBlocksRef, RequestMeta,
+    SharedRequest,
 };
 
 use super::rediscovery::EngineKey;
@@ -118,6 +119,68 @@ pub fn pull_metadata(
     md
 }
 
+/// The layout's per-region arrays every pull's metadata carries, built once.
+#[derive(Debug, Clone)]
+pub struct LayoutArrays {
+    block_lens: Vec<u64>,
+    kv_block_lens: Vec<u64>,
+    names: Vec<String>,
+    indices: Vec<u32>,
+    groups: Vec<u32>,
+}
+
+impl LayoutArrays {
+    /// The arrays of `layout`.
+    pub fn new(layout: &KvLayout) -> Self {
+        let r = &layout.regions;
+        LayoutArrays {
+            block_lens: r.iter().map(|r| r.block_len).collect(),
+            kv_block_lens: r.iter().map(|r| r.kv_block_len).collect(),
+            names: r.iter().map(|r| r.layer_name.clone()).collect(),
+            indices: r.iter().map(|r| r.layer_index).collect(),
+            groups: r.iter().map(|r| r.group_index).collect(),
+        }
+    }
+}
+
+/// The `req_blocks` of a group of requests, borrowed and sorted by id (once per batch; every
+/// peer's pull carries the same).
+pub fn req_blocks(group: &[SharedRequest]) -> ReqBlocksRef<'_> {
+    let mut v: Vec<(&str, &str, &[Vec<u32>])> = group
+        .iter()
+        .map(|r| {
+            let blocks: &[Vec<u32>] = if r.is_awaiting() { &r.block_ids } else { &[] };
+            (&*r.req_id, &*r.transfer_id, blocks)
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(b.0));
+    ReqBlocksRef(v)
+}
+
+/// [`pull_metadata`], borrowed: the same bytes on the wire, no per-request copies.
+pub fn pull_metadata_ref<'a>(
+    arrays: &'a LayoutArrays,
+    d: DRank,
+    (host, port): (&'a str, u32),
+    req_blocks: ReqBlocksRef<'a>,
+    bases: &'a [u64],
+) -> MetadataRef<'a> {
+    MetadataRef {
+        remote_hostname: host,
+        remote_port: port,
+        remote_tp_size: d.tp_size,
+        remote_tp_rank: d.tp_rank,
+        req_blocks,
+        kv_caches_base_addr: bases,
+        block_lens: &arrays.block_lens,
+        kv_block_lens: &arrays.kv_block_lens,
+        registered_layer_names: &arrays.names,
+        registered_layer_indices: &arrays.indices,
+        registered_group_indices: &arrays.groups,
+        remote_pp_size: d.pp_size,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -199,6 +262,16 @@ mod tests {
             pp_rank: 0,
         };
         let md = pull_metadata(&l, d, ("10.0.0.7", 15000), &group, vec![0x10, 0x20]);
+        // The borrowed form P receives is byte for byte the owned one.
+        let arrays = LayoutArrays::new(&l);
+        let borrowed = pull_metadata_ref(
+            &arrays,
+            d,
+            ("10.0.0.7", 15000),
+            req_blocks(&group),
+            &[0x10, 0x20],
+        );
+        assert_eq!(borrowed.encode().unwrap(), md.encode().unwrap());
         assert_eq!(
             (md.remote_hostname.as_str(), md.remote_port),
             ("10.0.0.7", 15000)

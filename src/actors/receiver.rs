@@ -15,9 +15,9 @@ use actix::{
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    Abort, AbortAtPeer, AbortReply, Admit, BatchError, Interner, LoadKv, LoadKvReply,
-    MooncakeXferMetadata, PeerId, Pull, PullId, PullRequest, ReqId, SharedRequest, UnsentPull,
-    WireError, ABORTED_BY_HOST,
+    Abort, AbortAtPeer, AbortReply, Admit, BatchError, Interner, LoadKv, LoadKvReply, MetadataRef,
+    PeerId, Pull, PullId, PullRequest, ReqId, SharedRequest, UnsentPull, WireError,
+    ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -56,7 +56,9 @@ pub struct Receiver {
     /// Engine ids and bootstrap addresses, shared by every request that names them.
     interner: Interner,
     /// Metadata encoder (a seam so a test can make it fail).
-    encode: fn(&MooncakeXferMetadata) -> Result<Vec<u8>, WireError>,
+    encode: fn(&MetadataRef<'_>) -> Result<Vec<u8>, WireError>,
+    /// The layout's arrays every pull's metadata carries.
+    layout_arrays: batch_plan::LayoutArrays,
     labels: Labels,
 }
 
@@ -74,6 +76,7 @@ impl Receiver {
             base: cfg.topology_retry_base,
             max: cfg.topology_retry_max,
         });
+        let layout_arrays = batch_plan::LayoutArrays::new(&cfg.layout);
         Receiver {
             cfg,
             topology,
@@ -88,7 +91,8 @@ impl Receiver {
             undispatched: HashSet::new(),
             aborted: HashSet::new(),
             interner: Interner::default(),
-            encode: MooncakeXferMetadata::encode,
+            encode: |md| md.encode(),
+            layout_arrays,
             labels: Labels::default(),
         }
     }
@@ -225,6 +229,7 @@ impl Receiver {
         let awaiting: Vec<SharedRequest> =
             group.iter().filter(|r| r.is_awaiting()).cloned().collect();
         let (host, port) = self.landing.endpoint();
+        let req_blocks = batch_plan::req_blocks(&group);
         for peer in &peers {
             let pull_id = self.next_pull;
             self.next_pull += 1;
@@ -233,14 +238,15 @@ impl Receiver {
                 peer,
                 requests: &awaiting,
             });
-            let md = batch_plan::pull_metadata(
-                &self.cfg.layout,
+            let md = batch_plan::pull_metadata_ref(
+                &self.layout_arrays,
                 self.cfg.d_rank,
                 (&host, port),
-                &group,
-                bases,
+                req_blocks.clone(),
+                &bases,
             );
-            match (self.encode)(&md) {
+            let encoded = (self.encode)(&md);
+            match encoded {
                 Ok(payload) => self.peer(peer).do_send(Pull {
                     pull_id,
                     payload,

@@ -32,4 +32,6 @@ pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
 pub use settle::{Cause, Settle, SettleOutcome};
-pub use wire::{MooncakeXferMetadata, MooncakeXferResponse, WireError, XferStatus};
+pub use wire::{
+    MetadataRef, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError, XferStatus,
+};

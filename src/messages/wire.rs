@@ -41,6 +41,53 @@ pub struct MooncakeXferMetadata {
     pub remote_pp_size: u32,
 }
 
+/// One pull's metadata borrowed from its batch and layout: encodes to exactly the bytes of the
+/// equivalent [`MooncakeXferMetadata`] (same keys, order and omissions) without copying a
+/// request's ids and blocks into owned strings and vectors first (the receive path encodes one
+/// per pull and peer).
+#[derive(Debug, Clone, Serialize)]
+pub struct MetadataRef<'a> {
+    pub remote_hostname: &'a str,
+    pub remote_port: u32,
+    pub remote_tp_size: u32,
+    pub remote_tp_rank: u32,
+    pub req_blocks: ReqBlocksRef<'a>,
+    pub kv_caches_base_addr: &'a [u64],
+    pub block_lens: &'a [u64],
+    pub kv_block_lens: &'a [u64],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub registered_layer_names: &'a [String],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub registered_layer_indices: &'a [u32],
+    #[serde(skip_serializing_if = "<[_]>::is_empty")]
+    pub registered_group_indices: &'a [u32],
+    #[serde(skip_serializing_if = "is_one")]
+    pub remote_pp_size: u32,
+}
+
+/// `req_blocks`, borrowed: (request id, transfer id, blocks per group), sorted by request id
+/// (the order a `BTreeMap` gives the owned form), ids unique.
+#[derive(Debug, Clone, Default)]
+pub struct ReqBlocksRef<'a>(pub Vec<(&'a str, &'a str, &'a [Vec<u32>])>);
+
+impl Serialize for ReqBlocksRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(self.0.len()))?;
+        for (id, transfer, blocks) in &self.0 {
+            m.serialize_entry(id, &(transfer, blocks))?;
+        }
+        m.end()
+    }
+}
+
+impl MetadataRef<'_> {
+    /// The msgpack bytes P receives.
+    pub fn encode(&self) -> Result<Vec<u8>, WireError> {
+        encode_named(self)
+    }
+}
+
 fn one() -> u32 {
     1
 }
