@@ -59,6 +59,12 @@ pub struct BenchReport {
     pub completion_p50_us: u64,
     pub completion_p90_us: u64,
     pub completion_p99_us: u64,
+    /// From the last peer's settle of a request (its `settled` event) to the request's
+    /// completion event, as this host sees them: how long D takes to publish a completion
+    /// once the last answer is in.
+    pub after_last_settle_p50_us: u64,
+    /// The same, 99th percentile.
+    pub after_last_settle_p99_us: u64,
     /// Resident memory growth while `in_flight` requests were outstanding, per request.
     pub bytes_per_in_flight_request: Option<f64>,
     /// Completions that were not ok (none is expected: the simulator is healthy).
@@ -81,6 +87,7 @@ impl BenchReport {
              completion p50 (us)     {:>10}\n\
              completion p90 (us)     {:>10}\n\
              completion p99 (us)     {:>10}\n\
+             after last settle p99 (us){:>8}\n\
              bytes per in-flight req {:>10}\n\
              failed completions      {:>10}\n\
              process CPU per req (us){:>10}\n{}",
@@ -93,6 +100,7 @@ impl BenchReport {
             self.completion_p50_us,
             self.completion_p90_us,
             self.completion_p99_us,
+            self.after_last_settle_p99_us,
             self.bytes_per_in_flight_request
                 .map_or("n/a".into(), |b| format!("{b:.0}")),
             self.failed_completions,
@@ -280,6 +288,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     };
     let mut loaded_at = std::collections::HashMap::new();
     let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
+    let mut after_settle = hist.clone();
     // Warm-up: bootstrap lookup cached, libzmq threads up.
     coord
         .load_kv(LoadKv {
@@ -287,6 +296,16 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         })
         .await?;
     while !matches!(rx.recv().await, Some(KvEvent::Completion { .. }) | None) {}
+    // Events are stamped as they arrive by a task of their own, so the latencies below do not
+    // include the time this loop spends awaiting its own load_kv.
+    let (stamped_tx, mut stamped) = tokio::sync::mpsc::unbounded_channel();
+    actix_rt::spawn(async move {
+        while let Some(ev) = rx.recv().await {
+            if stamped_tx.send((Instant::now(), ev)).is_err() {
+                break;
+            }
+        }
+    });
     let rss0 = rss_bytes();
     let cpu0 = process_cpu_s();
     let start = Instant::now();
@@ -299,7 +318,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             let reqs: Vec<KvRequest> = (next..next + n).map(mk).collect();
             let now = Instant::now();
             for r in &reqs {
-                loaded_at.insert(r.req_id.clone(), now);
+                loaded_at.insert(r.req_id.clone(), (now, None::<Instant>));
             }
             let reply = coord.load_kv(LoadKv { requests: reqs }).await?;
             // A refused request would never complete: stop instead of waiting for it.
@@ -311,21 +330,31 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             next += n;
             outstanding += n;
         }
-        match rx.recv().await {
-            Some(KvEvent::Completion {
+        let Some((at, ev)) = stamped.recv().await else {
+            return Err(ReproError::Scenario("event stream closed".into()));
+        };
+        match ev {
+            KvEvent::Completion {
                 req_id, outcome, ..
-            }) => {
+            } => {
                 if let crate::messages::Outcome::Failed { reason, .. } = outcome {
                     *failure_causes.entry(reason).or_insert(0) += 1;
                 }
-                if let Some(t) = loaded_at.remove(&*req_id) {
-                    let _ = hist.record(t.elapsed().as_micros() as u64);
+                if let Some((t, last_settle)) = loaded_at.remove(&*req_id) {
+                    let _ = hist.record((at - t).as_micros() as u64);
+                    if let Some(s) = last_settle {
+                        let _ = after_settle.record((at - s).as_micros() as u64);
+                    }
                 }
                 outstanding -= 1;
                 completed += 1;
             }
-            Some(_) => {}
-            None => return Err(ReproError::Scenario("event stream closed".into())),
+            KvEvent::Settled { req_id, .. } => {
+                if let Some(e) = loaded_at.get_mut(&*req_id) {
+                    e.1 = Some(at);
+                }
+            }
+            _ => {}
         }
     }
     let secs = start.elapsed().as_secs_f64();
@@ -338,6 +367,8 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         completion_p50_us: hist.value_at_quantile(0.5),
         completion_p90_us: hist.value_at_quantile(0.9),
         completion_p99_us: hist.value_at_quantile(0.99),
+        after_last_settle_p50_us: after_settle.value_at_quantile(0.5),
+        after_last_settle_p99_us: after_settle.value_at_quantile(0.99),
         bytes_per_in_flight_request: match (rss0, rss_peak) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / cfg.in_flight as f64),
             _ => None,
