@@ -272,13 +272,44 @@ impl ServeArgs {
 }
 
 /// One input line.
-#[derive(Deserialize)]
-#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
 enum Op {
     LoadKv { requests: Vec<KvRequest> },
     Drain,
     Stats,
     Shutdown,
+}
+
+/// An input line as parsed: a plain struct, not an internally tagged enum, so that a `load_kv`
+/// line's requests are parsed once, straight into [`KvRequest`]s (a tagged enum buffers the whole
+/// object first).
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OpLine {
+    op: OpName,
+    requests: Option<Vec<KvRequest>>,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum OpName {
+    LoadKv,
+    Drain,
+    Stats,
+    Shutdown,
+}
+
+impl Op {
+    fn parse(line: &str) -> Result<Op, String> {
+        let l: OpLine = serde_json::from_str(line).map_err(|e| e.to_string())?;
+        match (l.op, l.requests) {
+            (OpName::LoadKv, Some(requests)) => Ok(Op::LoadKv { requests }),
+            (OpName::LoadKv, None) => Err("load_kv needs `requests`".into()),
+            (_, Some(_)) => Err("only load_kv takes `requests`".into()),
+            (OpName::Drain, None) => Ok(Op::Drain),
+            (OpName::Stats, None) => Ok(Op::Stats),
+            (OpName::Shutdown, None) => Ok(Op::Shutdown),
+        }
+    }
 }
 
 fn emit(out: &UnboundedSender<String>, v: serde_json::Value) {
@@ -557,8 +588,8 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
                 if line.trim().is_empty() {
                     continue;
                 }
-                match serde_json::from_str::<Op>(&line) {
-                    Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e.to_string()})),
+                match Op::parse(&line) {
+                    Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e})),
                     Ok(Op::Shutdown) => break,
                     Ok(op) => emit(&out, answer(op, n, &coord, &target).await),
                 }
