@@ -47,5 +47,19 @@ fn baseline_runs_and_reports_every_d() {
         for d in ["lib", "serve"] {
             assert!(row[d]["pulls_ratio"].is_number(), "{d} has no ratio: {row}");
         }
+        assert!(
+            row["lib"]["after_settle_p99_us"].is_number(),
+            "no latency after the last settle: {row}"
+        );
+    }
+    // The memory phase: every D held the requests in flight and reported its RSS growth.
+    let memory = &report["memory"];
+    for d in ["python", "lib", "serve"] {
+        let m = &memory[d];
+        assert!(m["requests"].as_u64().unwrap_or(0) >= 1000, "{memory}");
+        assert!(
+            m["bytes_per_request"].as_f64().is_some(),
+            "{d} reported no memory per request: {memory}"
+        );
     }
 }

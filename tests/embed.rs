@@ -145,3 +145,20 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
     assert!(opened.try_recv().is_err(), "nothing was sent");
     kv.shutdown().await;
 }
+
+/// The README's embedding example carries a vLLM `kv_transfer_config`: it must be one kvrecv
+/// accepts, layout included (a new user copies it as is).
+#[test]
+fn the_readme_kv_transfer_config_is_accepted() {
+    let readme = include_str!("../README.md");
+    let start = readme
+        .find("const KV_TRANSFER_CONFIG: &str = r#\"")
+        .expect("the README shows a kv_transfer_config")
+        + "const KV_TRANSFER_CONFIG: &str = r#\"".len();
+    let len = readme[start..].find("\"#;").expect("raw string end");
+    let json = &readme[start..start + len];
+    let cfg = kvrecv::config::KvRecvConfig::from_kv_transfer_config(json)
+        .unwrap_or_else(|e| panic!("README config refused: {e}"));
+    assert_eq!(cfg.layout.regions.len(), 2);
+    assert_eq!(cfg.layout.num_blocks, 16);
+}

@@ -496,3 +496,45 @@ async fn events_flag_limits_the_event_lines() {
             .success());
     }
 }
+
+/// The operator's pair of processes: `kvrecv prefill-sim --write` as P and `kvrecv serve` as D.
+/// P writes every block it is asked for through serve's TE target before it answers; serve
+/// reports the completion and counts the bytes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_sim_with_write_lands_bytes_in_serve() {
+    let mut p = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args(["prefill-sim", "--bootstrap-port", "0", "--tp", "2", "--write"])
+        .args(["--log-level", "warn"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kvrecv binary");
+    let mut p_out = BufReader::new(p.stdout.take().unwrap()).lines();
+    let ready: Value = serde_json::from_str(
+        &tokio::time::timeout(SAFETY, p_out.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(ready["event"], "ready", "{ready}");
+    let mut s = Serve::start(&["--layers", "2", "--block-len", "4096", "--num-blocks", "16"]);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let req = json!({"op": "load_kv", "requests": [{"req_id": "r1", "transfer_id": "t1",
+        "remote_engine_id": ready["engine_id"], "remote_bootstrap_addr": ready["bootstrap"],
+        "block_ids": [[2, 5]]}]});
+    s.send(&req.to_string()).await;
+    let c = s
+        .wait("completion", |v| ev(v, "completion") && v["req_id"] == "r1")
+        .await;
+    assert_eq!(c["outcome"], "ok", "{c}");
+    let stats = data_stats(&mut s).await;
+    // Two P ranks each write their half of 2 blocks x 2 layers x 4096 bytes.
+    assert_eq!(stats["bytes_landed"], 2 * 2 * 4096, "{stats}");
+    assert_eq!(stats["rejected_no_permit"], 0, "{stats}");
+    s.send(r#"{"op":"shutdown"}"#).await;
+    s.wait("shutdown", |v| ev(v, "shutdown")).await;
+}

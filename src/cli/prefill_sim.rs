@@ -36,6 +36,11 @@ pub struct PrefillSimArgs {
     /// Pulls served at once per worker (vLLM: 2 x num_workers = 20).
     #[arg(long, default_value_t = 20)]
     pub serving_tasks: usize,
+    /// Write each request's bytes into D with the Mooncake TE protocol (TCP) before answering,
+    /// as a real P does (a pattern, through kvrecv's TE initiator). Default: answer only (a
+    /// control-plane P: what `kvrecv bench` and `benches/baseline.py` measure).
+    #[arg(long)]
+    pub write: bool,
     /// Faults of every worker, JSON (see `kvrecv::sim::Faults`).
     #[arg(long)]
     pub faults: Option<String>,
@@ -94,7 +99,15 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
             seed: args.seed,
             ..SimConfig::default()
         };
-        let mut sim = match PrefillSim::start(cfg).await {
+        let started = if args.write {
+            let writer = kvrecv::sim::te_writer::TeWriter::new(
+                kvrecv::sim::initiator::InitiatorConfig::default(),
+            );
+            PrefillSim::start_with_writer(cfg, std::sync::Arc::new(writer)).await
+        } else {
+            PrefillSim::start(cfg).await
+        };
+        let mut sim = match started {
             Ok(s) => s,
             Err(e) => {
                 println!("{}", json!({"event": "error", "error": e.to_string()}));
