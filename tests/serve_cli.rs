@@ -503,7 +503,14 @@ async fn events_flag_limits_the_event_lines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_sim_with_write_lands_bytes_in_serve() {
     let mut p = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
-        .args(["prefill-sim", "--bootstrap-port", "0", "--tp", "2", "--write"])
+        .args([
+            "prefill-sim",
+            "--bootstrap-port",
+            "0",
+            "--tp",
+            "2",
+            "--write",
+        ])
         .args(["--log-level", "warn"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
