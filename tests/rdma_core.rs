@@ -59,15 +59,12 @@ impl Rig {
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
         };
-        // Unbound: explicit bindings only (by host, see tests/rdma_front_door.rs).
+        // Explicit bindings only: these tests are about what `bind_peer` says (binding by host
+        // is tested through the front door, tests/rdma_front_door.rs).
         let target = RdmaTarget::start(
             FakeVerbs::new(vec![nic]),
             RdmaTargetConfig {
-                peer_binding: if bind {
-                    PeerBinding::ByHost
-                } else {
-                    PeerBinding::Explicit
-                },
+                peer_binding: PeerBinding::Explicit,
                 ..RdmaTargetConfig::loopback(layout())
             },
         )

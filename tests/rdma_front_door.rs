@@ -94,12 +94,13 @@ struct World {
     verbs: SharedVerbs,
 }
 
-async fn world() -> World {
+/// A worker whose quarantines last `quarantine` at most (an hour: a release inside the test's
+/// time can only come from a fence).
+async fn world_with(quarantine: Duration) -> World {
     let config = KvRecvConfig {
         layout: KvLayout::uniform(2, 4096, 16),
         pull_timeout: Duration::from_secs(3600),
-        // A release inside the test's time can only come from a fence.
-        quarantine_deadline: Duration::from_secs(3600),
+        quarantine_deadline: quarantine,
         ..KvRecvConfig::default()
     };
     let verbs = SharedVerbs::new();
@@ -119,6 +120,10 @@ async fn world() -> World {
         sim,
         verbs,
     }
+}
+
+async fn world() -> World {
+    world_with(Duration::from_secs(3600)).await
 }
 
 /// P's TE connects one endpoint from `segment` (`host:port`) to D's daemon; its QPs on D.
@@ -189,12 +194,13 @@ fn fenced(ev: &KvEvent) -> bool {
 }
 
 /// P's side channel and TE share a host (as vLLM builds both from `get_ip()`): a failed peer's
-/// endpoint goes to ERR, a segment on another host does not, and no binding was given.
+/// endpoint goes to ERR with no binding given; a segment D cannot attribute to any peer goes
+/// with it (it could be the peer's TE on another interface).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_uncertain_peer_is_fenced_by_host_without_manual_binding() {
     let mut w = world().await;
     let p_qps = connect(&w, "127.0.0.1:16001").await;
-    let other_qps = connect(&w, "10.9.9.9:16001").await;
+    let orphan_qps = connect(&w, "10.9.9.9:16001").await;
     assert_eq!(states(&w, &p_qps), RTS);
 
     // A healthy pull: nothing is fenced.
@@ -219,7 +225,11 @@ async fn an_uncertain_peer_is_fenced_by_host_without_manual_binding() {
     let ev = released(&mut w.events, "bad").await;
     assert!(fenced(&ev), "{ev:?}");
     assert_eq!(states(&w, &p_qps), ERR, "P's queue pairs are in ERR");
-    assert_eq!(states(&w, &other_qps), RTS, "another host's are untouched");
+    assert_eq!(
+        states(&w, &orphan_qps),
+        ERR,
+        "an unattributable segment too"
+    );
     let stats = w.kv.stats().await.unwrap().data.unwrap();
     assert_eq!(stats.protocol, MooncakeProtocol::Rdma);
     assert_eq!(stats.handshakes, 2);
@@ -244,6 +254,36 @@ async fn a_peer_whose_te_uses_another_address_fences_the_orphan_segment() {
     let ev = released(&mut w.events, "bad").await;
     assert!(fenced(&ev), "{ev:?}");
     assert_eq!(states(&w, &te_qps), ERR);
+    w.kv.shutdown().await;
+}
+
+/// A peer whose TE has not connected yet has D's addresses and may connect after the failure:
+/// nothing can be fenced, so its blocks are held to the last-resort deadline, never released as
+/// fenced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_not_connected_yet_is_held_to_the_deadline_not_called_fenced() {
+    let mut w = world_with(Duration::from_millis(300)).await;
+    w.sim.set_faults(
+        0,
+        0,
+        Faults {
+            reject_pulls: Some("boom".into()),
+            ..Faults::default()
+        },
+    );
+    w.kv.load_kv(vec![req(&w, "bad", &[6])]).await.unwrap();
+    let ev = released(&mut w.events, "bad").await;
+    assert!(
+        matches!(
+            ev,
+            KvEvent::Released {
+                fenced: false,
+                forced: true,
+                ..
+            }
+        ),
+        "{ev:?}"
+    );
     w.kv.shutdown().await;
 }
 

@@ -133,14 +133,16 @@ impl Handler<Aggregate> for RequestAggregator {
         for state in msg.states {
             let id = state.req().req_id.clone();
             let pulls = msg.pulls.clone();
-            self.live.insert(
-                id,
-                Box::new(Entry {
-                    state,
-                    since,
-                    pulls,
-                }),
-            );
+            let entry = Box::new(Entry {
+                state,
+                since,
+                pulls,
+            });
+            if let Some(old) = self.live.insert(id, entry) {
+                // Admission refuses an id still live, so this is a bug elsewhere: say so
+                // rather than lose the older attempt silently.
+                tracing::error!(req_id = %old.state.req().req_id, "request registered twice for aggregation");
+            }
         }
     }
 }

@@ -118,15 +118,20 @@ impl<B: VerbsBackend + 'static> RdmaFence<B> {
                 )
             };
             if segments.is_empty() {
-                if self.mode == PeerBinding::ByHost {
-                    // No connected segment can be this peer's: none of its QPs exists to write.
-                    tracing::debug!(%peer, "RDMA fence: no segment of this peer is connected");
-                    continue;
-                }
+                // Nothing to stop now, but the peer has D's addresses and may still connect and
+                // write: not fenced, so its blocks wait for the last-resort deadline.
+                let reason = match self.mode {
+                    PeerBinding::Explicit => {
+                        "no Mooncake segment bound to this peer: its queue pairs are unknown"
+                    }
+                    PeerBinding::ByHost => {
+                        "no connected Mooncake segment can be this peer's yet: it may still \
+                         connect and write"
+                    }
+                };
                 return Err(FenceError::Failed {
                     peer: peer.clone(),
-                    reason: "no Mooncake segment bound to this peer: its queue pairs are unknown"
-                        .into(),
+                    reason: reason.into(),
                 });
             }
             for segment in &segments {
@@ -277,13 +282,17 @@ mod tests {
     }
 
     #[test]
-    fn by_host_with_nothing_connected_has_nothing_to_fence() {
+    fn by_host_with_nothing_connected_is_not_called_fenced() {
+        // The peer has D's addresses and may connect after the fence: its blocks must wait.
         let t = shared();
+        connect(&t, "10.0.0.6:16001@mlx5_0");
         let fence = RdmaFence::new(Arc::clone(&t));
         let p = PeerId::new("tcp://10.0.0.5:41233");
         fence.note_peer(&p);
-        fence.fence_now(&[p]).unwrap();
-        assert_eq!(lock(&t).backend().live_qps(), 0);
+        fence.note_peer(&PeerId::new("tcp://10.0.0.6:41233"));
+        let err = fence.fence_now(std::slice::from_ref(&p)).unwrap_err();
+        assert!(matches!(err, FenceError::Failed { ref peer, .. } if *peer == p));
+        assert_eq!(states(&t, "10.0.0.6:16001@mlx5_0"), RTS, "another peer's");
     }
 
     #[test]

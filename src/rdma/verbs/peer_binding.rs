@@ -9,9 +9,10 @@
 //! writer running.
 //!
 //! A segment whose host is no known peer's host (P's TE on another interface than its side
-//! channel, a hostname against an IP) cannot be attributed to anyone, so a peer that matches no
-//! segment fences those *orphans*: D cannot tell whether they are the peer's, and the fence must
-//! not be a silent success.
+//! channel, a hostname against an IP) cannot be attributed to anyone, so every fence also stops
+//! those *orphans*: D cannot tell whether they are the failed peer's. When no connected segment
+//! can be the peer's, the fence fails: the peer may still connect and write (it has D's
+//! addresses), so its blocks wait for the last-resort deadline rather than be released.
 
 use std::collections::BTreeSet;
 use std::net::IpAddr;
@@ -22,8 +23,8 @@ pub enum PeerBinding {
     /// Only what `bind_peer` recorded: an unbound peer cannot be fenced, so its blocks wait for
     /// the last-resort deadline.
     Explicit,
-    /// `bind_peer`'s bindings plus every segment on the peer's host; a peer with none fences
-    /// the segments no known peer can claim.
+    /// `bind_peer`'s bindings, every segment on the peer's host, and the segments no known peer
+    /// can claim (orphans).
     #[default]
     ByHost,
 }
@@ -61,8 +62,8 @@ fn split_host(s: &str) -> Option<String> {
 
 /// The segments to fence for `peer` (its canonical host `host`): `explicit` (what `bind_peer`
 /// recorded for it), plus, with [`PeerBinding::ByHost`], every connected segment in `segments`
-/// on that host, or, when none is, every segment on no host in `known_hosts` and bound to no
-/// one (`claimed`).
+/// on that host and every segment on no host in `known_hosts` and bound to no one (`claimed`).
+/// Empty means no connected segment can be the peer's: the caller must not call that fenced.
 pub fn segments_to_fence<'a>(
     mode: PeerBinding,
     host: Option<&str>,
@@ -75,24 +76,13 @@ pub fn segments_to_fence<'a>(
     if mode == PeerBinding::Explicit {
         return out;
     }
-    let segments: Vec<(&str, Option<String>)> =
-        segments.into_iter().map(|s| (s, segment_host(s))).collect();
-    let same_host: Vec<&str> = segments
-        .iter()
-        .filter(|(_, h)| h.is_some() && h.as_deref() == host)
-        .map(|(s, _)| *s)
-        .collect();
-    if same_host.is_empty() && explicit.is_empty() {
-        out.extend(
-            segments
-                .iter()
-                .filter(|(s, h)| {
-                    !claimed.contains(*s) && h.as_ref().is_none_or(|h| !known_hosts.contains(h))
-                })
-                .map(|(s, _)| (*s).to_owned()),
-        );
-    } else {
-        out.extend(same_host.into_iter().map(str::to_owned));
+    for s in segments {
+        let h = segment_host(s);
+        let same_host = h.is_some() && h.as_deref() == host;
+        let orphan = !claimed.contains(s) && h.as_ref().is_none_or(|h| !known_hosts.contains(h));
+        if same_host || orphan {
+            out.insert(s.to_owned());
+        }
     }
     out
 }
@@ -135,6 +125,25 @@ mod tests {
             &set(&[]),
         );
         assert_eq!(got, set(&["10.0.0.5:16001", "10.0.0.5:16002"]));
+    }
+
+    #[test]
+    fn orphans_are_fenced_even_when_the_peers_host_has_a_segment() {
+        // 10.0.0.5's own TE answers on 192.168.0.5; another worker's TE is on 10.0.0.5.
+        let segs = ["10.0.0.5:16002", "192.168.0.5:16001", "10.0.0.6:16001"];
+        let got = segments_to_fence(
+            PeerBinding::ByHost,
+            Some("10.0.0.5"),
+            &set(&["10.0.0.5:16009"]),
+            segs,
+            &set(&["10.0.0.5", "10.0.0.6"]),
+            &set(&["10.0.0.5:16009"]),
+        );
+        assert_eq!(
+            got,
+            set(&["10.0.0.5:16002", "10.0.0.5:16009", "192.168.0.5:16001"]),
+            "explicit, same host and orphans; never another known peer's"
+        );
     }
 
     #[test]
