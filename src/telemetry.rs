@@ -153,7 +153,8 @@ impl Default for Labels {
 pub const PULLS: &str = "kvrecv_pulls_total";
 /// Per-peer settles of a request, by outcome; label outcome.
 pub const SETTLES: &str = "kvrecv_settles_total";
-/// Reply ids not pending for that pull (unknown, duplicate, late).
+/// Reply ids not pending for that pull (unknown, duplicate, late), and settles that reach the
+/// aggregator after their request completed (the naive policy completes early).
 pub const STALE_SETTLES: &str = "kvrecv_stale_settles_total";
 /// Undecodable or multi-frame replies.
 pub const MALFORMED_REPLIES: &str = "kvrecv_malformed_replies_total";
