@@ -85,7 +85,7 @@ impl RequestAggregator {
         if let Some(ff) = fx.first_failure {
             tracing::warn!(req_id = %ff.req.req_id, peer = ?ff.peer, reason = %ff.reason, "first failure");
             self.labels.counter(m::FIRST_FAILURES).increment(1);
-            let ev = self.events.is_on().then(|| KvEvent::FirstFailure {
+            let ev = self.events.wants_detail().then(|| KvEvent::FirstFailure {
                 req_id: ff.req.req_id.clone(),
                 peer: ff.peer.clone(),
                 reason: ff.reason.clone(),

@@ -150,7 +150,7 @@ impl BlockManager {
         };
         let req_id = c.req.req_id.clone();
         match self.ledger.on_completion(&c, fence, Instant::now()) {
-            Disposition::Released { blocks } => {
+            Disposition::Released { blocks } if self.events.wants_detail() => {
                 self.events.emit(KvEvent::Released {
                     req_id,
                     blocks,
@@ -159,6 +159,7 @@ impl BlockManager {
                     forced: false,
                 });
             }
+            Disposition::Released { .. } => {}
             Disposition::Quarantined {
                 blocks,
                 peers,

@@ -8,29 +8,83 @@ use crate::messages::KvEvent;
 /// channel is unbounded because an observer must never slow the receive path down; observers
 /// are expected to keep up (they only print or count).
 #[derive(Clone, Default)]
-pub struct EventSink(Option<UnboundedSender<KvEvent>>);
+pub struct EventSink {
+    tx: Option<UnboundedSender<KvEvent>>,
+    /// The observer takes completions only: the other events are not even built.
+    completions_only: bool,
+}
 
 impl EventSink {
     /// A sink and the receiving end an observer reads.
     pub fn channel() -> (Self, UnboundedReceiver<KvEvent>) {
         let (tx, rx) = unbounded_channel();
-        (EventSink(Some(tx)), rx)
+        (
+            EventSink {
+                tx: Some(tx),
+                completions_only: false,
+            },
+            rx,
+        )
+    }
+
+    /// A sink for an observer that reads only [`KvEvent::Completion`]s (`serve --events
+    /// completions`): every other event is skipped where it would be built.
+    pub fn completions_channel() -> (Self, UnboundedReceiver<KvEvent>) {
+        let (mut sink, rx) = Self::channel();
+        sink.completions_only = true;
+        (sink, rx)
     }
 
     /// A sink that drops every event (no observer attached).
     pub fn none() -> Self {
-        EventSink(None)
+        EventSink::default()
     }
 
-    /// Whether an observer is attached (so an event is worth building).
+    /// Whether an observer is attached (so a completion is worth building).
     pub fn is_on(&self) -> bool {
-        self.0.is_some()
+        self.tx.is_some()
     }
 
-    /// Hand `ev` to the observer, if any; never blocks an actor.
+    /// Whether the observer wants the events other than completions (settles, failures,
+    /// releases, quarantines), so they are worth building.
+    pub fn wants_detail(&self) -> bool {
+        self.tx.is_some() && !self.completions_only
+    }
+
+    /// Hand `ev` to the observer, if any and if it wants that kind; never blocks an actor.
     pub fn emit(&self, ev: KvEvent) {
-        if let Some(tx) = &self.0 {
+        if let Some(tx) = &self.tx {
+            if self.completions_only && !matches!(ev, KvEvent::Completion { .. }) {
+                return;
+            }
             let _ = tx.send(ev);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::messages::{Outcome, PeerId};
+
+    #[test]
+    fn a_completions_only_sink_passes_completions_and_nothing_else() {
+        let (sink, mut rx) = EventSink::completions_channel();
+        assert!(sink.is_on() && !sink.wants_detail());
+        sink.emit(KvEvent::PeerRestarted {
+            peer: PeerId::new("tcp://p:1"),
+            restarts: 1,
+        });
+        sink.emit(KvEvent::Completion {
+            req_id: "r".into(),
+            outcome: Outcome::Ok,
+            uncertain_peers: vec![],
+            unsettled_peers: vec![],
+        });
+        assert!(matches!(rx.try_recv(), Ok(KvEvent::Completion { .. })));
+        assert!(rx.try_recv().is_err());
+        let (all, _rx) = EventSink::channel();
+        assert!(all.wants_detail());
+        assert!(!EventSink::none().is_on());
     }
 }

@@ -217,7 +217,7 @@ impl Peer {
                 .counter_by(m::SETTLES, "outcome", s.outcome.label())
                 .increment(1);
             tracing::debug!(req_id = %s.req_id, outcome = s.outcome.label(), reason = s.outcome.reason(), "settle");
-            if self.events.is_on() {
+            if self.events.wants_detail() {
                 self.events.emit(KvEvent::Settled {
                     peer: s.peer.clone(),
                     pull_id: s.pull_id,

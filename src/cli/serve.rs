@@ -520,12 +520,20 @@ async fn serve(args: ServeArgs, cfg: KvRecvConfig, tcfg: TargetConfig) -> ExitCo
     // With no events printed the coordinator gets no sink and builds none; the receiver then
     // comes from a channel kept open, so the loop below just never hears from it.
     let level = args.events;
-    let (events, mut event_rx, _no_events) = if level == EventLevel::None {
-        let (tx, rx) = EventSink::channel();
-        (EventSink::none(), rx, Some(tx))
-    } else {
-        let (tx, rx) = EventSink::channel();
-        (tx, rx, None)
+    let (events, mut event_rx, _no_events) = match level {
+        EventLevel::None => {
+            let (tx, rx) = EventSink::channel();
+            (EventSink::none(), rx, Some(tx))
+        }
+        // Only completions are printed: the other events are not even built.
+        EventLevel::Completions => {
+            let (tx, rx) = EventSink::completions_channel();
+            (tx, rx, None)
+        }
+        EventLevel::All => {
+            let (tx, rx) = EventSink::channel();
+            (tx, rx, None)
+        }
     };
     let bootstrap = BootstrapConfig {
         timeout: Duration::from_millis(args.bootstrap_timeout_ms.max(1)),
