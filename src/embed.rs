@@ -2,8 +2,9 @@
 //! permits, or RDMA when configured; control plane; coordinator) on kvrecv's own thread, and one
 //! handle ([`KvRecv`]) a host calls from any tokio runtime, with no actix in the host.
 //!
-//! kvrecv's thread runs its own actix `System` on its own multi-thread tokio runtime: the actors
-//! live on that thread, the data server's connections on its runtime's workers. The host's
+//! kvrecv's thread runs its own actix `System` on a current-thread tokio runtime that polls the
+//! actors' sockets itself; the data plane (handshake daemon, data server and its connections)
+//! runs on a multi-thread runtime of its own ([`KvRecvBuilder::worker_threads`]). The host's
 //! runtime only awaits replies (actix mailboxes and tokio channels work across runtimes).
 //!
 //! Hosts that run actix themselves can still wire the actors directly
@@ -255,7 +256,8 @@ impl KvRecvBuilder {
         self
     }
 
-    /// Worker threads of kvrecv's runtime (data-plane connections run there). Default 2.
+    /// Worker threads of kvrecv's data-plane runtime (the handshake daemon and the data
+    /// server's connections run there; the actors have a thread of their own). Default 2.
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
         self
@@ -366,15 +368,17 @@ impl KvRecvBuilder {
                         )
                     }
                 };
-                let coord = Coordinator::start(CoordinatorParts {
+                Ok(((landing, config), Some(data), keep))
+            },
+            move |(landing, config)| {
+                Coordinator::start(CoordinatorParts {
                     config,
                     topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
                     transport: Rc::new(ZmqTransport::new(zmq).with_labels(labels)),
                     landing,
                     events: sink,
                     builtin_pool,
-                });
-                Ok((coord, Some(data), keep))
+                })
             },
         )
     }
@@ -404,55 +408,70 @@ fn sink(on: bool) -> (EventSink, Option<UnboundedReceiver<KvEvent>>) {
     }
 }
 
-type Started = (Coordinator, Option<DataPlaneHandle>, Box<dyn std::any::Any>);
+/// What the data runtime started: what the coordinator is made with, the handle's view of the
+/// data plane, and what must live until the worker stops (the target).
+type DataStarted<T> = (T, Option<DataPlaneHandle>, Box<dyn std::any::Any>);
 
-/// Start kvrecv's thread: an actix System on a multi-thread tokio runtime; `make` runs there.
-/// What `make` returns beside the coordinator (the target) lives until the System stops.
-fn spawn_worker<F, Fut>(
+/// Start kvrecv's thread. The data plane (`start_data`: listeners, connections) runs on a
+/// multi-thread runtime of `worker_threads`; the actors (`make`) run in an actix System on a
+/// current-thread runtime of their own on kvrecv's thread, which polls their sockets itself.
+/// One runtime for both made every control-plane wake-up a hop: a worker's epoll saw the
+/// socket ready and woke the actors' thread.
+fn spawn_worker<D, DFut, T, M>(
     load_failure_policy: LoadFailurePolicy,
     worker_threads: usize,
     events: Option<UnboundedReceiver<KvEvent>>,
-    make: F,
+    start_data: D,
+    make: M,
 ) -> Result<KvRecv, StartError>
 where
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = Result<Started, StartError>>,
+    D: FnOnce() -> DFut + Send + 'static,
+    DFut: std::future::Future<Output = Result<DataStarted<T>, StartError>>,
+    M: FnOnce(T) -> Coordinator + Send + 'static,
 {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (done_tx, done_rx) = oneshot::channel::<()>();
     std::thread::Builder::new()
         .name("kvrecv".into())
         .spawn(move || {
-            let rt = tokio::runtime::Builder::new_multi_thread()
+            let data_rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(worker_threads)
                 .thread_name("kvrecv-io")
                 .enable_all()
                 .build();
-            let rt = match rt {
+            let data_rt = match data_rt {
                 Ok(rt) => rt,
                 Err(e) => {
                     let _ = ready_tx.send(Err(StartError::Runtime(e)));
                     return;
                 }
             };
-            let sys = actix_rt::System::with_tokio_rt(move || rt);
-            let started = sys.block_on(async move {
-                make()
-                    .await
-                    .map(|(coord, data, keep)| (coord, data, keep, actix::System::current()))
-            });
-            match started {
-                Ok((coord, data, keep, system)) => {
-                    if ready_tx.send(Ok((coord, data, system))).is_ok() {
-                        let _ = sys.run();
-                    }
-                    // Listeners stop when the target drops, after the actors stopped.
-                    drop(keep);
-                }
+            // The target's tasks keep running on the data runtime's workers after this returns.
+            let (made_with, data, keep) = match data_rt.block_on(start_data()) {
+                Ok(started) => started,
                 Err(e) => {
                     let _ = ready_tx.send(Err(e));
+                    return;
                 }
+            };
+            let sys = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => actix_rt::System::with_tokio_rt(move || rt),
+                Err(e) => {
+                    let _ = ready_tx.send(Err(StartError::Runtime(e)));
+                    return;
+                }
+            };
+            let (coord, system) =
+                sys.block_on(async move { (make(made_with), actix::System::current()) });
+            if ready_tx.send(Ok((coord, data, system))).is_ok() {
+                let _ = sys.run();
             }
+            // Listeners stop when the target drops, after the actors stopped.
+            drop(keep);
+            drop(data_rt);
             let _ = done_tx.send(());
         })?;
     let (coord, data, system) = ready_rx.recv().map_err(|_| StartError::ThreadEnded)??;
@@ -590,10 +609,13 @@ impl KvRecv {
     where
         F: FnOnce() -> CoordinatorParts + Send + 'static,
     {
-        spawn_worker(LoadFailurePolicy::default(), 1, None, move || async move {
-            let coord = Coordinator::start(make());
-            Ok((coord, None, Box::new(()) as Box<dyn std::any::Any>))
-        })
+        spawn_worker(
+            LoadFailurePolicy::default(),
+            1,
+            None,
+            || async { Ok(((), None, Box::new(()) as Box<dyn std::any::Any>)) },
+            move |()| Coordinator::start(make()),
+        )
     }
 
     /// Hand a batch over (after allocating its blocks). Refused requests come back in

@@ -149,13 +149,8 @@ pub fn process_cpu_s() -> Option<f64> {
 /// another line. The driver reads this process's RSS from /proc before and after (once P has
 /// received every pull), so measuring costs this process nothing.
 pub fn run_hold(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
-    let sys = actix_rt::System::with_tokio_rt(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    });
+    // The actors on a current-thread runtime, as kvrecv runs them (`embed`, `serve`).
+    let sys = actix_rt::System::new();
     sys.block_on(hold_requests(cfg, hold))
 }
 
@@ -224,13 +219,8 @@ async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> 
 
 /// Run the benchmark in a fresh actix System (blocking).
 pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
-    let sys = actix_rt::System::with_tokio_rt(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .expect("tokio runtime")
-    });
+    // The actors on a current-thread runtime, as kvrecv runs them (`embed`, `serve`).
+    let sys = actix_rt::System::new();
     sys.block_on(bench(cfg))
 }
 
