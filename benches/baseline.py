@@ -193,7 +193,7 @@ async def py_d(a):
         wake.clear()
         await wake.wait()
     lat_us.clear()
-    state.update(done=0, failed=0)
+    state.update(done=0, failed=0, drained=0)
     c0, t0 = cpu_s(), time.perf_counter()
     nxt, end = 1, a.requests + 1
     while state["done"] < a.requests:
@@ -276,7 +276,7 @@ async def serve_d(a):
         wake.clear()
         await wake.wait()
     lat_us.clear()
-    state.update(done=0, failed=0)
+    state.update(done=0, failed=0, drained=0)
     c0, t0 = cpu_s(p.pid), time.perf_counter()
     nxt, end = 1, a.requests + 1
     while state["done"] < a.requests:
@@ -284,6 +284,11 @@ async def serve_d(a):
             n = min(a.batch, end - nxt)
             submit(nxt, n)
             nxt += n
+        # A host drains what finished (vLLM's get_finished, every step): serve keeps a finished
+        # request until drained and refuses new ones past its live-request limit.
+        if state["done"] - state["drained"] >= 1024:
+            state["drained"] = state["done"]
+            p.stdin.write(b'{"op":"drain"}\n')
         await p.stdin.drain()
         wake.clear()
         if state["done"] < a.requests:

@@ -162,3 +162,89 @@ impl AsyncSocket {
         .await
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::control::zmq_context::ZmqContext;
+    use std::time::Duration;
+
+    const SAFETY: Duration = Duration::from_secs(20);
+
+    /// A ROUTER on loopback and a DEALER connected to it, both wrapped.
+    fn pair(ctx: &ZmqContext) -> (AsyncSocket, AsyncSocket) {
+        let router = ctx.socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:0").unwrap();
+        let addr = router.get_last_endpoint().unwrap().unwrap();
+        let dealer = ctx.socket(zmq::DEALER).unwrap();
+        dealer.set_linger(0).unwrap();
+        // Wrapped before connect, as the transport does: connect attaches the pipe afterwards.
+        let dealer = AsyncSocket::new(dealer).unwrap();
+        dealer.socket().connect(&addr).unwrap();
+        (AsyncSocket::new(router).unwrap(), dealer)
+    }
+
+    /// The pipe `connect` attaches starts with its reader marked awake: its first message
+    /// signals nothing. A receive that waits for readiness before any `ZMQ_EVENTS` check hangs
+    /// here (seen, when waiting on readiness first was tried: every first pull on a new DEALER
+    /// ran into its deadline).
+    #[tokio::test]
+    async fn first_reply_on_a_freshly_connected_dealer_is_received() {
+        let ctx = ZmqContext::new(64).unwrap();
+        let (mut router, mut dealer) = pair(&ctx);
+        dealer.send_multipart(&[b"ask"]).await.unwrap();
+        let got = tokio::time::timeout(SAFETY, router.recv_multipart())
+            .await
+            .expect("the request arrives")
+            .unwrap();
+        router.send_multipart(&[&got[0], b"reply"]).await.unwrap();
+        let reply = tokio::time::timeout(SAFETY, dealer.recv_multipart())
+            .await
+            .expect("the first reply is seen without any other event on the socket")
+            .unwrap();
+        assert_eq!(reply, vec![b"reply".to_vec()]);
+    }
+
+    /// Replies queued together are all delivered (no edge comes for the second), and a reply
+    /// that comes while the receiver waits with its readiness cleared wakes it.
+    #[tokio::test]
+    async fn queued_replies_are_all_delivered_and_a_later_one_wakes_the_waiter() {
+        let ctx = ZmqContext::new(64).unwrap();
+        let (mut router, mut dealer) = pair(&ctx);
+        dealer.send_multipart(&[b"ask"]).await.unwrap();
+        let id = tokio::time::timeout(SAFETY, router.recv_multipart())
+            .await
+            .unwrap()
+            .unwrap()
+            .remove(0);
+        for part in [b"one", b"two"] {
+            router.send_multipart(&[&id, part]).await.unwrap();
+        }
+        for want in [b"one", b"two"] {
+            let got = tokio::time::timeout(SAFETY, dealer.recv_multipart())
+                .await
+                .expect("a queued reply is delivered")
+                .unwrap();
+            assert_eq!(got, vec![want.to_vec()]);
+        }
+        // Now nothing is queued: the receiver finds that out, clears readiness and waits.
+        let waiter = tokio::spawn(async move {
+            let got = dealer.recv_multipart().await;
+            (dealer, got)
+        });
+        tokio::task::yield_now().await;
+        assert!(!waiter.is_finished(), "nothing to receive yet");
+        router.send_multipart(&[&id, b"three"]).await.unwrap();
+        let (mut dealer, got) = tokio::time::timeout(SAFETY, waiter)
+            .await
+            .expect("the later reply wakes the waiting receiver")
+            .unwrap();
+        assert_eq!(got.unwrap(), vec![b"three".to_vec()]);
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        assert!(
+            dealer.poll_recv_multipart(&mut cx).is_pending(),
+            "nothing more"
+        );
+    }
+}

@@ -338,6 +338,11 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
                 }
                 outstanding -= 1;
                 completed += 1;
+                // A host drains what finished (vLLM's get_finished, every step): the
+                // coordinator keeps a finished request until drained, within its live limit.
+                if completed % 1024 == 0 {
+                    coord.drain().await?;
+                }
             }
             KvEvent::Settled { req_id, .. } => {
                 if let Some(e) = loaded_at.get_mut(&*req_id) {
