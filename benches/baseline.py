@@ -20,6 +20,7 @@ reported with the ratios kvrecv / Python.
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import statistics
@@ -221,6 +222,10 @@ async def serve_d(a):
     ready = json.loads(await p.stdout.readline())
     assert ready["event"] == "ready", ready
     submitted, lat_us = {}, []
+    # Blocks from a free list, back at their request's completion (serve releases a completed
+    # request's blocks before it reads a later line); `i % blocks` failed when one slow pull
+    # outlived the rotation.
+    free, block_of = collections.deque(range(blocks)), {}
     state = {"outstanding": 0, "done": 0, "failed": 0}
     wake = asyncio.Event()
 
@@ -236,6 +241,7 @@ async def serve_d(a):
                 t0 = submitted.pop(rid, None)
                 if t0 is not None:
                     lat_us.append((time.perf_counter() - t0) * 1e6)
+                free.append(block_of.pop(rid))
                 if b'"outcome":"ok"' not in line:
                     state["failed"] += 1
                 state["outstanding"] -= 1
@@ -248,6 +254,7 @@ async def serve_d(a):
                 t0 = submitted.pop(v["req_id"], None)
                 if t0 is not None:
                     lat_us.append((time.perf_counter() - t0) * 1e6)
+                free.append(block_of.pop(v["req_id"]))
                 if v["outcome"] != "ok":
                     state["failed"] += 1
                 state["outstanding"] -= 1
@@ -259,11 +266,12 @@ async def serve_d(a):
                 raise RuntimeError(v)
 
     def submit(first, n):
-        reqs = [
-            {"req_id": f"d-{i}", "transfer_id": f"t-{i}", "remote_engine_id": a.engine_id,
-             "remote_bootstrap_addr": a.bootstrap, "block_ids": [[i % blocks]]}
-            for i in range(first, first + n)
-        ]
+        reqs = []
+        for i in range(first, first + n):
+            b = free.popleft()
+            block_of[f"d-{i}"] = b
+            reqs.append({"req_id": f"d-{i}", "transfer_id": f"t-{i}", "remote_engine_id": a.engine_id,
+                         "remote_bootstrap_addr": a.bootstrap, "block_ids": [[b]]})
         now = time.perf_counter()
         for r in reqs:
             submitted[r["req_id"]] = now

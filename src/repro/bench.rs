@@ -242,9 +242,11 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         ),
     };
     let (events, mut rx) = EventSink::channel();
-    // Block i % blocks: a block comes back 4x the window later, well after its request's
-    // release (which follows its completion), so load_kv never finds it still owned.
+    // Blocks come from a free list and go back at their request's completion: the BlockManager
+    // handles that completion (and releases the block) before any later load_kv can ask for it.
+    // (Block `i % blocks` failed when one slow pull outlived the rotation.)
     let blocks = (cfg.in_flight + cfg.batch) as u32 * 4 + 64;
+    let mut free: std::collections::VecDeque<u32> = (0..blocks).collect();
     let coord = Coordinator::start(CoordinatorParts {
         config: KvRecvConfig {
             layout: KvLayout::uniform(2, 4096, blocks),
@@ -269,12 +271,12 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         ),
         (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
     };
-    let mk = |i: usize| KvRequest {
+    let mk = |i: usize, block: u32| KvRequest {
         req_id: format!("d-{i}"),
         transfer_id: Some(format!("t-{i}")),
         remote_engine_id: Some(engine.clone()),
         remote_bootstrap_addr: Some(url.clone()),
-        block_ids: vec![vec![(i as u32) % blocks]],
+        block_ids: vec![vec![block]],
     };
     let mut loaded_at = std::collections::HashMap::new();
     let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
@@ -282,7 +284,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     // Warm-up: bootstrap lookup cached, libzmq threads up.
     coord
         .load_kv(LoadKv {
-            requests: vec![mk(0)],
+            requests: vec![mk(0, 0)],
         })
         .await?;
     while !matches!(rx.recv().await, Some(KvEvent::Completion { .. }) | None) {}
@@ -305,10 +307,18 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     while completed < cfg.requests {
         while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
             let n = cfg.batch.min(end - next);
-            let reqs: Vec<KvRequest> = (next..next + n).map(mk).collect();
+            let reqs: Vec<KvRequest> = (next..next + n)
+                .map(|i| {
+                    mk(
+                        i,
+                        free.pop_front()
+                            .expect("more blocks than requests in flight"),
+                    )
+                })
+                .collect();
             let now = Instant::now();
             for r in &reqs {
-                loaded_at.insert(r.req_id.clone(), (now, None::<Instant>));
+                loaded_at.insert(r.req_id.clone(), (now, None::<Instant>, r.block_ids[0][0]));
             }
             let reply = coord.load_kv(LoadKv { requests: reqs }).await?;
             // A refused request would never complete: stop instead of waiting for it.
@@ -330,7 +340,8 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
                 if let crate::messages::Outcome::Failed { reason, .. } = outcome {
                     *failure_causes.entry(reason).or_insert(0) += 1;
                 }
-                if let Some((t, last_settle)) = loaded_at.remove(&*req_id) {
+                if let Some((t, last_settle, block)) = loaded_at.remove(&*req_id) {
+                    free.push_back(block);
                     let _ = hist.record((at - t).as_micros() as u64);
                     if let Some(s) = last_settle {
                         let _ = after_settle.record((at - s).as_micros() as u64);
