@@ -493,6 +493,13 @@ impl PeerTransport for ZmqTransport {
         // after its error item, and the failed channel closes with its lease).
         stream::unfold(Some((lease, Some(request))), |st| async move {
             let (mut lease, request) = st?;
+            // The Peer marks a clean FINISH while handling it, before the stream is polled
+            // again: nothing more can come for this pull, so the stream ends without reading
+            // the sockets once more (three `poll`s on their mailboxes per pull) and the
+            // channel goes back to the pool.
+            if request.is_none() && lease.finish.is_set() {
+                return None;
+            }
             let ch = lease.ch();
             if let Some(req) = request {
                 if let Err(e) = ch.dealer.send_multipart(&[&req]).await {
@@ -601,6 +608,46 @@ mod tests {
         finish.set();
         drop(replies);
         identity
+    }
+
+    /// Once the Peer marked the pull's FINISH, the stream ends at once: it does not wait on the
+    /// socket for a reply that cannot come (P sends nothing after FINISH), and the channel is
+    /// pooled for the next pull.
+    #[tokio::test]
+    async fn the_stream_ends_once_the_finish_is_marked() {
+        let t = ZmqTransport::default();
+        let router = t.context().socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:0").unwrap();
+        let addr = router.get_last_endpoint().unwrap().unwrap();
+        let mut router = AsyncSocket::new(router).unwrap();
+        let peer = PeerId::new(&addr);
+
+        let finish = CleanFinish::default();
+        let mut replies = t.pull(&peer, b"pull".to_vec(), finish.clone());
+        let p_side = async {
+            let req = router.recv_multipart().await.unwrap();
+            router
+                .send_multipart(&[req[0].as_slice(), b"FINISH"])
+                .await
+                .unwrap();
+        };
+        let ((), reply) =
+            tokio::time::timeout(SAFETY, futures::future::join(p_side, replies.next()))
+                .await
+                .expect("answered");
+        assert!(matches!(reply, Some(Ok(_))), "{reply:?}");
+        finish.set();
+        let end = tokio::time::timeout(SAFETY, replies.next())
+            .await
+            .expect("the stream ends without another message from P");
+        assert!(end.is_none(), "{end:?}");
+        drop(replies);
+        assert_eq!(
+            t.pool.idle.borrow().get(&peer).map_or(0, Vec::len),
+            1,
+            "the channel is pooled"
+        );
     }
 
     /// A pooled DEALER that received a message while idle (no pull was waiting for it) is
