@@ -63,3 +63,21 @@ fn baseline_runs_and_reports_every_d() {
         );
     }
 }
+
+/// `kvrecv bench` on its built-in defaults (P simulated in process, on threads of its own):
+/// every request completes, none failed, and the figures are reported. Timing is not tested.
+#[test]
+fn bench_with_its_own_simulator_completes_every_request() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args(["bench", "--requests", "300", "--batch", "4", "--json"])
+        .output()
+        .expect("kvrecv runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "kvrecv bench failed: {stderr}");
+    let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON report");
+    assert_eq!(r["failed_completions"], 0, "{r}");
+    assert_eq!(r["config"]["requests"], 300, "{r}");
+    for k in ["pulls_per_s", "completion_p50_us", "completion_p99_us"] {
+        assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "no {k}: {r}");
+    }
+}

@@ -219,28 +219,40 @@ async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> 
 
 /// Run the benchmark in a fresh actix System (blocking).
 pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
-    // The actors on a current-thread runtime, as kvrecv runs them (`embed`, `serve`).
+    // The in-process P, when there is one, runs on threads of its own as a separate P would;
+    // the actors on a current-thread runtime, as kvrecv runs them (`embed`, `serve`).
+    let sim_rt = match cfg.bootstrap {
+        Some(_) => None,
+        None => Some(
+            tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("prefill-sim")
+                .enable_all()
+                .build()
+                .map_err(|e| ReproError::Scenario(format!("simulator runtime: {e}")))?,
+        ),
+    };
+    let sim = match &sim_rt {
+        None => None,
+        Some(rt) => Some(rt.block_on(PrefillSim::start(SimConfig {
+            tp_size: cfg.peers,
+            serving_tasks: 256,
+            ..SimConfig::default()
+        }))?),
+    };
     let sys = actix_rt::System::new();
-    sys.block_on(bench(cfg))
+    let report = sys.block_on(bench(cfg, sim.as_ref()));
+    drop(sim);
+    drop(sim_rt);
+    report
 }
 
-async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
+async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport, ReproError> {
     if cfg.peers == 0 || cfg.in_flight == 0 || cfg.batch == 0 || cfg.requests == 0 {
         return Err(ReproError::Scenario(
             "peers, in_flight, batch and requests must be > 0".into(),
         ));
     }
-    let sim = match &cfg.bootstrap {
-        Some(_) => None,
-        None => Some(
-            PrefillSim::start(SimConfig {
-                tp_size: cfg.peers,
-                serving_tasks: 256,
-                ..SimConfig::default()
-            })
-            .await?,
-        ),
-    };
     let (events, mut rx) = EventSink::channel();
     // Blocks come from a free list and go back at their request's completion: the BlockManager
     // handles that completion (and releases the block) before any later load_kv can ask for it.
@@ -263,7 +275,7 @@ async fn bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         events,
         builtin_pool: false,
     });
-    let (url, engine) = match (&sim, &cfg.bootstrap) {
+    let (url, engine) = match (sim, &cfg.bootstrap) {
         (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
         (None, Some(b)) => (
             b.clone(),
