@@ -529,6 +529,15 @@ mod tests {
 
     const SAFETY: Duration = Duration::from_secs(20);
 
+    /// P's side: a ROUTER on loopback, on `t`'s context, and its address.
+    fn p_router(t: &ZmqTransport) -> (AsyncSocket, String) {
+        let router = t.context().socket(zmq::ROUTER).unwrap();
+        router.set_linger(0).unwrap();
+        router.bind("tcp://127.0.0.1:0").unwrap();
+        let addr = router.get_last_endpoint().unwrap().unwrap();
+        (AsyncSocket::new(router).unwrap(), addr)
+    }
+
     /// A DEALER can outlive its pull in libzmq's reaper and still report connection events
     /// after the pull's monitor reader is gone. Those events must not block the context's I/O
     /// thread (they did: `peer_dying_mid_pull_is_uncertain_then_restart_and_next_pull_works`
@@ -536,11 +545,7 @@ mod tests {
     #[tokio::test]
     async fn events_after_the_monitor_reader_closed_do_not_wedge_the_transport() {
         let t = ZmqTransport::default();
-        let router = t.context().socket(zmq::ROUTER).unwrap();
-        router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:0").unwrap();
-        let addr = router.get_last_endpoint().unwrap().unwrap();
-        let mut router = AsyncSocket::new(router).unwrap();
+        let (mut router, addr) = p_router(&t);
 
         // A pull's sockets, as `open` makes them, but the DEALER connects only after the reader
         // closed: its HANDSHAKE_SUCCEEDED is an event nobody will read.
@@ -616,11 +621,7 @@ mod tests {
     #[tokio::test]
     async fn the_stream_ends_once_the_finish_is_marked() {
         let t = ZmqTransport::default();
-        let router = t.context().socket(zmq::ROUTER).unwrap();
-        router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:0").unwrap();
-        let addr = router.get_last_endpoint().unwrap().unwrap();
-        let mut router = AsyncSocket::new(router).unwrap();
+        let (mut router, addr) = p_router(&t);
         let peer = PeerId::new(&addr);
 
         let finish = CleanFinish::default();
@@ -655,11 +656,7 @@ mod tests {
     #[tokio::test]
     async fn a_message_on_an_idle_socket_closes_it() {
         let t = ZmqTransport::default();
-        let router = t.context().socket(zmq::ROUTER).unwrap();
-        router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:0").unwrap();
-        let addr = router.get_last_endpoint().unwrap().unwrap();
-        let mut router = AsyncSocket::new(router).unwrap();
+        let (mut router, addr) = p_router(&t);
 
         let first = one_pull(&t, &mut router, &addr).await;
         assert_eq!(

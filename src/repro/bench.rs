@@ -154,6 +154,23 @@ pub fn run_hold(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
     sys.block_on(hold_requests(cfg, hold))
 }
 
+/// The bench's D: the real control plane (HTTP bootstrap, ZMQ), landing nowhere (P writes no
+/// bytes here; the data plane has its own bench).
+fn parts(config: KvRecvConfig, events: EventSink) -> CoordinatorParts {
+    CoordinatorParts {
+        config,
+        topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
+        transport: Rc::new(ZmqTransport::default()),
+        landing: Arc::new(StaticLanding::new(
+            "127.0.0.1",
+            15000,
+            vec![1 << 40, 1 << 41],
+        )),
+        events,
+        builtin_pool: false,
+    }
+}
+
 async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
     use tokio::io::AsyncBufReadExt;
     let (Some(url), Some(engine)) = (cfg.bootstrap.clone(), cfg.engine_id.clone()) else {
@@ -166,23 +183,15 @@ async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> 
     }
     let blocks =
         u32::try_from(hold + 64).map_err(|_| ReproError::Scenario("--hold is too large".into()))?;
-    let coord = Coordinator::start(CoordinatorParts {
-        config: KvRecvConfig {
+    let coord = Coordinator::start(parts(
+        KvRecvConfig {
             layout: KvLayout::uniform(2, 4096, blocks),
             pull_timeout: Duration::from_secs(3600),
             max_live_requests: hold + 64,
             ..KvRecvConfig::default()
         },
-        topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
-        transport: Rc::new(ZmqTransport::default()),
-        landing: Arc::new(StaticLanding::new(
-            "127.0.0.1",
-            15000,
-            vec![1 << 40, 1 << 41],
-        )),
-        events: EventSink::none(),
-        builtin_pool: false,
-    });
+        EventSink::none(),
+    ));
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     println!(
         "{}",
@@ -259,22 +268,14 @@ async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport
     // (Block `i % blocks` failed when one slow pull outlived the rotation.)
     let blocks = (cfg.in_flight + cfg.batch) as u32 * 4 + 64;
     let mut free: std::collections::VecDeque<u32> = (0..blocks).collect();
-    let coord = Coordinator::start(CoordinatorParts {
-        config: KvRecvConfig {
+    let coord = Coordinator::start(parts(
+        KvRecvConfig {
             layout: KvLayout::uniform(2, 4096, blocks),
             pull_timeout: Duration::from_secs(30),
             ..KvRecvConfig::default()
         },
-        topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
-        transport: Rc::new(ZmqTransport::default()),
-        landing: Arc::new(StaticLanding::new(
-            "127.0.0.1",
-            15000,
-            vec![1 << 40, 1 << 41],
-        )),
         events,
-        builtin_pool: false,
-    });
+    ));
     let (url, engine) = match (sim, &cfg.bootstrap) {
         (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
         (None, Some(b)) => (
