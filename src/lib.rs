@@ -17,6 +17,7 @@ pub mod block_ownership;
 pub mod config;
 pub mod control;
 pub mod embed;
+pub(crate) mod fast_hash;
 pub mod layout;
 pub mod messages;
 pub mod rdma;

@@ -11,7 +11,7 @@
 //! from (each attempt knows its pull ids), so a late settle of an earlier attempt of the same id
 //! (possible under the naive policy, which completes before every peer settled) is stale.
 
-use std::collections::HashMap;
+use crate::fast_hash::FastMap;
 use std::ops::Range;
 use std::time::Instant;
 
@@ -49,7 +49,15 @@ pub struct FailUnsent {
 struct Entry {
     state: AggregatorState,
     since: Instant,
-    pulls: Range<PullId>,
+    /// The attempt's pulls are `first_pull..first_pull + peers` (one per peer, consecutive).
+    first_pull: PullId,
+}
+
+impl Entry {
+    fn counts(&self, pull: PullId) -> bool {
+        pull.checked_sub(self.first_pull)
+            .is_some_and(|k| k < self.state.peers().len() as u64)
+    }
 }
 
 /// Collects every peer's settle of every awaited request and publishes the first failure and
@@ -57,7 +65,7 @@ struct Entry {
 pub struct RequestAggregator {
     /// Boxed: the table's slots stay small, so growing it (and the old table glibc keeps
     /// resident) costs little per request.
-    live: HashMap<ReqId, Box<Entry>>,
+    live: FastMap<ReqId, Box<Entry>>,
     block_manager: Addr<BlockManager>,
     events: EventSink,
     labels: Labels,
@@ -67,7 +75,7 @@ impl RequestAggregator {
     /// An aggregator that hands failures and completions to `block_manager`.
     pub fn new(block_manager: Addr<BlockManager>, events: EventSink) -> Self {
         RequestAggregator {
-            live: HashMap::new(),
+            live: FastMap::default(),
             block_manager,
             events,
             labels: Labels::default(),
@@ -132,11 +140,10 @@ impl Handler<Aggregate> for RequestAggregator {
         self.live.reserve(msg.states.len());
         for state in msg.states {
             let id = state.req().req_id.clone();
-            let pulls = msg.pulls.clone();
             let entry = Box::new(Entry {
                 state,
                 since,
-                pulls,
+                first_pull: msg.pulls.start,
             });
             if let Some(old) = self.live.insert(id, entry) {
                 // Admission refuses an id still live, so this is a bug elsewhere: say so
@@ -166,11 +173,7 @@ impl Handler<Settle> for RequestAggregator {
     fn handle(&mut self, s: Settle, _ctx: &mut Context<Self>) {
         // Everything logged while handling a settle names the request and the peer it came from.
         let _span = tracing::debug_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
-        let Some(entry) = self
-            .live
-            .get_mut(&s.req_id)
-            .filter(|e| e.pulls.contains(&s.pull_id))
-        else {
+        let Some(entry) = self.live.get_mut(&s.req_id).filter(|e| e.counts(s.pull_id)) else {
             // Its attempt completed already (the naive policy completes early).
             self.labels.counter(m::STALE_SETTLES).increment(1);
             return;
@@ -198,6 +201,18 @@ mod tests {
     use crate::config::Policy;
     use crate::messages::{PeerId, RequestMeta, SettleOutcome};
     use crate::rdma::StaticLanding;
+
+    /// One entry per request in flight: the memory budget (≤ 1 KiB per request at 100k
+    /// in flight, `benches/baseline.py --memory-only`) has no room for it to grow unnoticed.
+    /// 96 bytes is one of mimalloc's size classes; it was 144 (rounded up to 160).
+    #[test]
+    fn an_entry_fits_in_96_bytes() {
+        assert!(
+            std::mem::size_of::<Entry>() <= 96,
+            "Entry is {} bytes",
+            std::mem::size_of::<Entry>()
+        );
+    }
 
     fn settle(pull_id: PullId) -> Settle {
         Settle {

@@ -3,8 +3,6 @@
 
 use std::sync::Arc;
 
-use smallvec::SmallVec;
-
 use crate::config::Policy;
 use crate::messages::{
     Cause, Completion, FirstFailure, Outcome, PeerId, Settle, SettleOutcome, SharedRequest,
@@ -21,24 +19,87 @@ pub struct AggEffects {
     pub stale: bool,
 }
 
+/// What every request of a coordinator is judged by: shared, so each request in flight pays
+/// one pointer for it (this state is kept per in-flight request; DESIGN.md §8's memory figure).
+#[derive(Clone)]
+pub struct AggregationRules {
+    /// `settle` waits for every peer; `naive` completes at the first failure (the upstream bug).
+    pub policy: Policy,
+    /// See [`AggregatorState::transport_failures_uncertain`].
+    pub transport_failures_uncertain: bool,
+    /// See [`AggregatorState::verified_by`].
+    pub verifier: Option<Arc<dyn Landing>>,
+}
+
+impl AggregationRules {
+    /// Rules with no verifier, TE failures taken at their word.
+    pub fn new(policy: Policy) -> Self {
+        AggregationRules {
+            policy,
+            transport_failures_uncertain: false,
+            verifier: None,
+        }
+    }
+}
+
+/// Non-Ok settles by peer index.
+type NotOk = Vec<(usize, Option<SettleOutcome>)>;
+
+/// Which peers settled: one bit per peer, the first 64 inline.
+#[derive(Clone, Default)]
+struct PeerBits {
+    low: u64,
+    /// Peers past the 64th (a boxed Vec, so that this field is one pointer).
+    #[allow(clippy::box_collection)]
+    high: Option<Box<Vec<u64>>>,
+}
+
+impl PeerBits {
+    fn new(peers: usize) -> Self {
+        PeerBits {
+            low: 0,
+            high: (peers > 64).then(|| Box::new(vec![0; (peers - 64).div_ceil(64)])),
+        }
+    }
+
+    fn get(&self, i: usize) -> bool {
+        match i.checked_sub(64) {
+            None => self.low & (1 << i) != 0,
+            Some(j) => self
+                .high
+                .as_ref()
+                .is_some_and(|h| h[j / 64] & (1 << (j % 64)) != 0),
+        }
+    }
+
+    fn set(&mut self, i: usize) {
+        match i.checked_sub(64) {
+            None => self.low |= 1 << i,
+            Some(j) => {
+                if let Some(h) = self.high.as_mut() {
+                    h[j / 64] |= 1 << (j % 64);
+                }
+            }
+        }
+    }
+}
+
+/// Kept per request in flight, so kept small (72 bytes): the rules are shared, the peer list is
+/// shared by the batch, and what only a failing request needs is boxed.
 #[derive(Clone)]
 pub struct AggregatorState {
     req: SharedRequest,
-    policy: Policy,
+    rules: Arc<AggregationRules>,
     /// The peers, in protocol order (shared by every request of a pull's batch).
     peers: Arc<[PeerId]>,
-    /// Bit `i`: `peers[i]` settled.
-    settled: SmallVec<[u64; 1]>,
-    /// The settles that were not Ok, by peer index (empty, and unallocated, for a healthy
-    /// request: this state is kept per request in flight).
-    not_ok: Vec<(usize, Option<SettleOutcome>)>,
-    outstanding: usize,
-    /// Boxed: most requests never fail, and this state is kept per in-flight request.
+    settled: PeerBits,
+    /// The settles that were not Ok, by peer index (`None`, unallocated, for a healthy request).
+    #[allow(clippy::box_collection)] // boxed: one pointer, not three, per request in flight
+    not_ok: Option<Box<NotOk>>,
+    /// Boxed: most requests never fail.
     first_failure: Option<Box<(Option<PeerId>, String)>>,
+    outstanding: u32,
     completed: bool,
-    transport_failures_uncertain: bool,
-    /// The data plane's byte accounting, asked when every peer settled Ok.
-    verifier: Option<Arc<dyn Landing>>,
 }
 
 pub use super::peer_state::TE_FAILURE;
@@ -51,18 +112,28 @@ impl AggregatorState {
 
     /// [`Self::new`] with the peer list shared (one allocation per batch, not per request).
     pub fn with_peers(req: SharedRequest, peers: Arc<[PeerId]>, policy: Policy) -> Self {
-        let outstanding = peers.len();
+        Self::with_rules(req, peers, Arc::new(AggregationRules::new(policy)))
+    }
+
+    /// [`Self::with_peers`] with the rules shared too (what the coordinator does: no
+    /// allocation per request but the state's own).
+    pub fn with_rules(
+        req: SharedRequest,
+        peers: Arc<[PeerId]>,
+        rules: Arc<AggregationRules>,
+    ) -> Self {
+        // More peers than u32 counts cannot be paired with one D worker (their pulls alone
+        // would exhaust any socket limit); saturate rather than wrap.
+        let outstanding = u32::try_from(peers.len()).unwrap_or(u32::MAX);
         AggregatorState {
             req,
-            policy,
-            settled: smallvec::smallvec![0; peers.len().div_ceil(64)],
-            not_ok: Vec::new(),
+            rules,
+            settled: PeerBits::new(peers.len()),
+            not_ok: None,
             peers,
             outstanding,
             first_failure: None,
             completed: false,
-            transport_failures_uncertain: false,
-            verifier: None,
         }
     }
 
@@ -70,7 +141,7 @@ impl AggregatorState {
     /// (PROTOCOL.md §5.3: a v1 writer's ok proves nothing). An unbacked ok fails the request,
     /// and its peers count as uncertain: their bytes may still be in flight.
     pub fn verified_by(mut self, landing: Arc<dyn Landing>) -> Self {
-        self.verifier = Some(landing);
+        Arc::make_mut(&mut self.rules).verifier = Some(landing);
         self
     }
 
@@ -78,8 +149,13 @@ impl AggregatorState {
     /// transport stopped touching D's memory (PROTOCOL.md §5.3): treat such a Failed settle as
     /// Uncertain when deciding what to fence (DESIGN.md §5).
     pub fn transport_failures_uncertain(mut self, yes: bool) -> Self {
-        self.transport_failures_uncertain = yes;
+        Arc::make_mut(&mut self.rules).transport_failures_uncertain = yes;
         self
+    }
+
+    /// The peers this request awaits, in protocol order.
+    pub fn peers(&self) -> &[PeerId] {
+        &self.peers
     }
 
     /// Hash the state that decides what this request publishes next (model checking).
@@ -100,7 +176,7 @@ impl AggregatorState {
     }
 
     pub fn outstanding(&self) -> usize {
-        self.outstanding
+        self.outstanding as usize
     }
 
     pub fn is_complete(&self) -> bool {
@@ -146,15 +222,18 @@ impl AggregatorState {
             fx.stale = true;
             return fx;
         };
-        self.settled[i / 64] |= 1 << (i % 64);
+        self.settled.set(i);
         if s.outcome != SettleOutcome::Ok {
-            self.not_ok.push((i, Some(s.outcome.clone())));
+            self.not_ok
+                .get_or_insert_default()
+                .push((i, Some(s.outcome.clone())));
         }
         self.outstanding -= 1;
         if let Some(reason) = s.outcome.reason() {
             if self.first_failure.is_none() {
                 // The peer's words, plus what D's data plane knows of the cause.
                 let reason = match self
+                    .rules
                     .verifier
                     .as_ref()
                     .and_then(|l| l.failure_context(&self.req))
@@ -170,18 +249,21 @@ impl AggregatorState {
                 });
             }
         }
-        let naive_stop = self.policy == Policy::Naive && self.first_failure.is_some();
+        let naive_stop = self.rules.policy == Policy::Naive && self.first_failure.is_some();
         if self.outstanding == 0 && self.first_failure.is_none() {
-            if let Some(Err(reason)) = self.verifier.as_ref().map(|l| l.verify_ok(&self.req)) {
+            if let Some(Err(reason)) = self.rules.verifier.as_ref().map(|l| l.verify_ok(&self.req))
+            {
                 tracing::warn!(req_id = %self.req.req_id, %reason, "peers' ok not backed by landed bytes");
-                self.not_ok = (0..self.peers.len())
-                    .map(|i| {
-                        (
-                            i,
-                            Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone())),
-                        )
-                    })
-                    .collect();
+                self.not_ok = Some(Box::new(
+                    (0..self.peers.len())
+                        .map(|i| {
+                            (
+                                i,
+                                Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone())),
+                            )
+                        })
+                        .collect(),
+                ));
                 self.first_failure = Some(Box::new((None, reason.clone())));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
@@ -206,6 +288,7 @@ impl AggregatorState {
             } else {
                 self.not_ok
                     .iter()
+                    .flat_map(|v| v.iter())
                     .find(|(j, _)| *j == i)
                     .map_or(&OK, |(_, o)| o)
             };
@@ -214,7 +297,7 @@ impl AggregatorState {
     }
 
     fn is_settled(&self, i: usize) -> bool {
-        self.settled[i / 64] & (1 << (i % 64)) != 0
+        self.settled.get(i)
     }
 
     fn complete(&mut self) -> Completion {
@@ -226,7 +309,7 @@ impl AggregatorState {
                 reason: reason.clone(),
             },
         };
-        let te_uncertain = self.transport_failures_uncertain;
+        let te_uncertain = self.rules.transport_failures_uncertain;
         let uncertain_peers = self
             .slots()
             .filter(|(_, o)| match o {
@@ -290,6 +373,23 @@ mod tests {
             pull_id: 1,
             req_id: "r".into(),
             outcome,
+        }
+    }
+
+    /// Peers past the 64th are tracked too: each settles once, and the request completes only
+    /// when the last of them has.
+    #[test]
+    fn more_than_64_peers_each_settle_once() {
+        let peers: Vec<PeerId> = (0..130).map(|i| PeerId::new(format!("p{i}"))).collect();
+        let mut a = AggregatorState::new(req(), peers.clone(), Policy::Settle);
+        for (i, p) in peers.iter().enumerate() {
+            let fx = a.on_settle(&settle(p.addr(), SettleOutcome::Ok));
+            assert!(!fx.stale, "peer {i} settled for the first time");
+            assert!(
+                a.on_settle(&settle(p.addr(), SettleOutcome::Ok)).stale,
+                "peer {i} settling twice is stale"
+            );
+            assert_eq!(fx.completion.is_some(), i == peers.len() - 1);
         }
     }
 

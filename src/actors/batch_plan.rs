@@ -3,7 +3,7 @@
 //! carries (PROTOCOL.md §2.3). The Receiver actor only wires these to the BlockManager's
 //! admission, the topology lookups and the Peers.
 
-use std::collections::HashSet;
+use crate::fast_hash::FastSet;
 use std::sync::Arc;
 
 use crate::config::DRank;
@@ -28,7 +28,7 @@ pub struct Validated {
 /// layout (group count, block range), refusing an id listed twice in the batch.
 pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout, interner: &mut Interner) -> Validated {
     let mut out = Validated::default();
-    let mut seen = HashSet::with_capacity(requests.len());
+    let mut seen = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
     for (i, kv) in requests.into_iter().enumerate() {
         match kv
             .validate_with(interner)

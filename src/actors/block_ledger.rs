@@ -2,8 +2,8 @@
 //! completions only when no peer can write any more, quarantine until a fence or the last-resort
 //! deadline, and the per-step drain a host scheduler calls.
 
+use crate::fast_hash::{FastMap, FastSet};
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
 use crate::messages::{
@@ -46,16 +46,16 @@ pub struct Release {
 pub struct BlockLedger {
     out: StepOutput,
     /// Requests whose failure signal is queued or drained but whose completion is not yet out.
-    failure_signalled: HashSet<ReqId>,
-    held: HashMap<ReqId, Held>,
+    failure_signalled: FastSet<ReqId>,
+    held: FastMap<ReqId, Held>,
     quarantine_deadline: Duration,
     pool: Option<BlockPool>,
     /// Awaiting requests admitted and not yet handed to the host by a drain: loading one again
     /// would give the host two completions for it (DESIGN.md §4 rule 8).
-    live: HashSet<ReqId>,
+    live: FastSet<ReqId>,
     /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
     /// (quarantine included): two writers into one block are never both admitted.
-    owners: HashMap<(u32, u32), ReqId>,
+    owners: FastMap<(u32, u32), ReqId>,
     /// Most live requests at once (backpressure).
     max_live: usize,
 }
@@ -68,12 +68,12 @@ impl BlockLedger {
     pub fn new(quarantine_deadline: Duration, pool: Option<BlockPool>) -> Self {
         BlockLedger {
             out: StepOutput::default(),
-            failure_signalled: HashSet::new(),
-            held: HashMap::new(),
+            failure_signalled: FastSet::default(),
+            held: FastMap::default(),
             quarantine_deadline,
             pool,
-            live: HashSet::new(),
-            owners: HashMap::new(),
+            live: FastSet::default(),
+            owners: FastMap::default(),
             max_live: DEFAULT_MAX_LIVE,
         }
     }

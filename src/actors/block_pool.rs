@@ -1,6 +1,7 @@
 //! kvrecv's built-in destination-block pool, for hosts without their own and for the demo:
 //! allocation, a generation per block, and an ownership table the data plane's audit reads.
 
+use crate::fast_hash::FastMap;
 use std::sync::Arc;
 
 pub use crate::block_ownership::{owner_tag, BlockOwnership, BlockState};
@@ -12,7 +13,7 @@ use crate::messages::ReqId;
 pub struct BlockPool {
     free: Vec<u32>,
     generation: Vec<u32>,
-    holders: std::collections::HashMap<ReqId, Vec<u32>>,
+    holders: FastMap<ReqId, Vec<u32>>,
     table: Arc<BlockOwnership>,
 }
 

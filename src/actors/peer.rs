@@ -5,7 +5,7 @@
 //! until the restart backoff ends, up after a clean FINISH) goes to the Receiver's
 //! [`super::rediscovery::Rediscovery`] through a [`PeerHealth`] handle.
 
-use std::collections::HashMap;
+use crate::fast_hash::FastMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -90,7 +90,7 @@ pub struct Peer {
     /// Where settles of awaited requests go.
     aggregator: Recipient<Settle>,
     health: PeerHealth,
-    live: HashMap<PullId, Live>,
+    live: FastMap<PullId, Live>,
     restarts: u32,
     consecutive_failures: u32,
     backoff_until: Option<Instant>,
@@ -117,7 +117,7 @@ impl Peer {
             events,
             aggregator,
             health,
-            live: HashMap::new(),
+            live: FastMap::default(),
             restarts: 0,
             consecutive_failures: 0,
             backoff_until: None,

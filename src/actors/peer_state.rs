@@ -1,7 +1,7 @@
 //! The Peer's bookkeeping, without sockets or timers: which requests each in-flight pull still
 //! owes, and how a reply, an error or a deadline settles them (DESIGN.md §4 rules 1-4).
 
-use std::collections::{HashMap, HashSet};
+use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::{
     Cause, MooncakeXferResponse, PeerId, Pull, PullId, ReqId, Settle, SettleOutcome, UnsentPull,
@@ -77,14 +77,14 @@ struct InFlight {
 #[derive(Clone)]
 pub struct PeerState {
     peer: PeerId,
-    pulls: HashMap<PullId, InFlight>,
+    pulls: FastMap<PullId, InFlight>,
 }
 
 impl PeerState {
     pub fn new(peer: PeerId) -> Self {
         PeerState {
             peer,
-            pulls: HashMap::new(),
+            pulls: FastMap::default(),
         }
     }
 
@@ -132,7 +132,7 @@ impl PeerState {
     /// tracked, so nothing about it can be settled twice.
     pub fn unsent(&self, pull: &UnsentPull) -> Effects {
         let mut fx = Effects::default();
-        let mut seen = HashSet::new();
+        let mut seen = FastSet::default();
         for r in pull.requests.iter().filter(|r| seen.insert(&r.meta.req_id)) {
             fx.settles.push((
                 r.awaited,

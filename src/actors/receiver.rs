@@ -2,8 +2,8 @@
 //! engine, registers every awaited request with the RequestAggregator and hands each Peer its
 //! pull.
 
+use crate::fast_hash::{FastMap, FastSet};
 use std::cell::RefCell;
-use std::collections::{HashMap, HashSet};
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Instant;
@@ -23,7 +23,7 @@ use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
 
 use super::aggregator::{Aggregate, FailUnsent, RequestAggregator};
-use super::aggregator_state::AggregatorState;
+use super::aggregator_state::{AggregationRules, AggregatorState};
 use super::batch_plan;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
@@ -45,14 +45,14 @@ pub struct Receiver {
     /// Every awaited request's settles are aggregated there (started with the Receiver).
     aggregator: Option<Addr<RequestAggregator>>,
     events: EventSink,
-    peers: HashMap<PeerId, Addr<Peer>>,
+    peers: FastMap<PeerId, Addr<Peer>>,
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
     rediscovery: Rc<RefCell<Rediscovery>>,
     next_pull: PullId,
     /// Awaited requests admitted but not yet dispatched (their topology lookup is in flight).
-    undispatched: HashSet<ReqId>,
+    undispatched: FastSet<ReqId>,
     /// Of those, the ones the host aborted: failed at dispatch instead of sent.
-    aborted: HashSet<ReqId>,
+    aborted: FastSet<ReqId>,
     /// Engine ids and bootstrap addresses, shared by every request that names them.
     interner: Interner,
     /// Metadata encoder (a seam so a test can make it fail).
@@ -85,11 +85,11 @@ impl Receiver {
             block_manager,
             aggregator: None,
             events,
-            peers: HashMap::new(),
+            peers: FastMap::default(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
             next_pull: 1,
-            undispatched: HashSet::new(),
-            aborted: HashSet::new(),
+            undispatched: FastSet::default(),
+            aborted: FastSet::default(),
             interner: Interner::default(),
             encode: |md| md.encode(),
             layout_arrays,
@@ -204,13 +204,16 @@ impl Receiver {
         let first_pull = self.next_pull;
         let rdma = self.cfg.mooncake_protocol == crate::config::MooncakeProtocol::Rdma;
         let shared_peers: Arc<[PeerId]> = peers.as_slice().into();
+        let rules = Arc::new(AggregationRules {
+            policy: self.cfg.policy,
+            transport_failures_uncertain: rdma,
+            verifier: Some(self.landing.clone()),
+        });
         let states: Vec<AggregatorState> = group
             .iter()
             .filter(|r| r.is_awaiting())
             .map(|req| {
-                AggregatorState::with_peers(req.clone(), shared_peers.clone(), self.cfg.policy)
-                    .transport_failures_uncertain(rdma)
-                    .verified_by(self.landing.clone())
+                AggregatorState::with_rules(req.clone(), shared_peers.clone(), rules.clone())
             })
             .collect();
         if !states.is_empty() {

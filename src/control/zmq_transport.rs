@@ -25,8 +25,8 @@
 //! Replies that were already queued when the connection dropped are delivered first. A peer that
 //! is alive but never answers is left to the Peer's deadline.
 
+use crate::fast_hash::FastMap;
 use std::cell::{Cell, RefCell};
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::Poll;
@@ -98,7 +98,7 @@ struct Idle {
 
 /// Connected DEALERs whose last pull ended with a clean FINISH, per peer, most recent last.
 struct Pool {
-    idle: RefCell<HashMap<PeerId, Vec<Idle>>>,
+    idle: RefCell<FastMap<PeerId, Vec<Idle>>>,
     max_per_peer: usize,
     idle_timeout: Duration,
     last_sweep: Cell<Instant>,
@@ -107,7 +107,7 @@ struct Pool {
 impl Pool {
     fn new(cfg: &ZmqTransportConfig) -> Self {
         Pool {
-            idle: RefCell::new(HashMap::new()),
+            idle: RefCell::new(FastMap::default()),
             max_per_peer: cfg.idle_per_peer,
             idle_timeout: cfg.idle_timeout,
             last_sweep: Cell::new(Instant::now()),

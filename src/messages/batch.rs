@@ -1,7 +1,7 @@
 //! What the host scheduler hands to `load_kv`: one batch of requests whose destination blocks
 //! are allocated and must now be filled by the prefill peers.
 
-use std::collections::HashSet;
+use crate::fast_hash::FastSet;
 use std::sync::Arc;
 
 use actix::Message;
@@ -250,7 +250,7 @@ pub struct RequestMeta {
 /// sending ever-new engines) it starts over, which costs sharing, never correctness.
 #[derive(Debug, Default)]
 pub struct Interner {
-    seen: HashSet<Arc<str>>,
+    seen: FastSet<Arc<str>>,
 }
 
 impl Interner {
@@ -337,7 +337,7 @@ impl KvRequest {
     /// twice; block ids are unique only within a group (PROTOCOL.md §4).
     fn check_unique_blocks(&self) -> Result<(), BatchError> {
         for (group, blocks) in self.block_ids.iter().enumerate() {
-            let mut seen = HashSet::with_capacity(blocks.len());
+            let mut seen = FastSet::with_capacity_and_hasher(blocks.len(), Default::default());
             if let Some(&block) = blocks.iter().find(|b| !seen.insert(**b)) {
                 return Err(BatchError::DuplicateBlock {
                     req_id: self.req_id.clone(),

@@ -17,8 +17,8 @@
 //! With permits off (upstream behaviour) every pull shares window 0, every in-range write is
 //! admitted, and `revoke` proves nothing.
 
+use crate::fast_hash::{FastMap, FastSet};
 use crate::telemetry::Labels;
-use std::collections::HashMap;
 
 use smallvec::SmallVec;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -237,13 +237,13 @@ pub struct PullBytes {
 struct Inner {
     /// Every pull a request is in, with its index in that permit.
     /// Inline up to two pulls (TP2 -> TP1) without an allocation per request.
-    by_req: HashMap<ReqId, PermitsOfRequest>,
+    by_req: FastMap<ReqId, PermitsOfRequest>,
     /// Pulls whose window has not been reused yet (accounting stays readable until then).
-    by_pull: HashMap<PullId, Arc<Permit>>,
+    by_pull: FastMap<PullId, Arc<Permit>>,
     /// Poisoned windows and when each may return to rotation (DESIGN.md §5).
-    poisoned: HashMap<u32, Instant>,
+    poisoned: FastMap<u32, Instant>,
     /// Requests with a pull that got the reserved window (its writes were all refused).
-    windowless: std::collections::HashSet<ReqId>,
+    windowless: FastSet<ReqId>,
     cursor: u32,
 }
 
@@ -321,7 +321,7 @@ impl PermitTable {
     /// the window slots and the indexes stay shared in the copy. Not for a live target.
     pub fn fork(&self) -> PermitTable {
         let inner = self.lock();
-        let mut copies: HashMap<*const Permit, Arc<Permit>> = HashMap::new();
+        let mut copies: FastMap<*const Permit, Arc<Permit>> = FastMap::default();
         let mut copy = |p: &Arc<Permit>| {
             copies
                 .entry(Arc::as_ptr(p))
