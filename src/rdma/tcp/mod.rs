@@ -4,6 +4,7 @@
 
 #[doc(hidden)]
 pub mod permits;
+mod request_pulls;
 #[doc(hidden)]
 pub mod server;
 pub mod target;

@@ -31,6 +31,7 @@ use tokio::sync::Notify;
 use crate::messages::{PeerId, PullId, ReqId, RequestMeta};
 use crate::telemetry as m;
 
+use super::request_pulls::{Pairs, RequestPulls};
 use super::windows::{Resolved, WindowMap};
 use crate::rdma::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
 
@@ -78,18 +79,14 @@ impl BlockOwners {
     }
 }
 
-/// The permits of one request's pulls, with the request's index in each.
-type PermitsOfRequest = SmallVec<[(Arc<Permit>, usize); 2]>;
-
 /// One pull's permit.
 #[derive(Debug)]
 pub struct Permit {
     pub pull_id: PullId,
     pub peer: PeerId,
     pub window: u32,
-    /// Per KV-cache group: block id -> index of the owning request in `reqs`.
+    /// Per KV-cache group: block id -> index of the owning request in the pull.
     blocks: Vec<BlockOwners>,
-    reqs: Vec<ReqId>,
     open: Vec<AtomicBool>,
     open_count: AtomicUsize,
     /// Socket reads currently copying into this window's blocks.
@@ -126,7 +123,6 @@ impl Permit {
             peer: self.peer.clone(),
             window: self.window,
             blocks: self.blocks.clone(),
-            reqs: self.reqs.clone(),
             open: self
                 .open
                 .iter()
@@ -235,9 +231,9 @@ pub struct PullBytes {
 
 #[derive(Default)]
 struct Inner {
-    /// Every pull a request is in, with its index in that permit.
-    /// Inline up to two pulls (TP2 -> TP1) without an allocation per request.
-    by_req: FastMap<ReqId, PermitsOfRequest>,
+    /// Every pull an open request is in, with its index there. Each of those pulls is in
+    /// `by_pull`: a window is reused only once every request of its permit was revoked.
+    by_req: RequestPulls,
     /// Pulls whose window has not been reused yet (accounting stays readable until then).
     by_pull: FastMap<PullId, Arc<Permit>>,
     /// Poisoned windows and when each may return to rotation (DESIGN.md §5).
@@ -245,6 +241,24 @@ struct Inner {
     /// Requests with a pull that got the reserved window (its writes were all refused).
     windowless: FastSet<ReqId>,
     cursor: u32,
+}
+
+impl Inner {
+    /// The permits of a request's (pull, index) pairs.
+    fn permits_of(&self, pairs: Pairs) -> SmallVec<[(Arc<Permit>, usize); 2]> {
+        pairs
+            .into_iter()
+            .filter_map(|(pull, i)| match self.by_pull.get(&pull) {
+                Some(p) => Some((p.clone(), i)),
+                None => {
+                    // Cannot happen (see `by_req`); were it to, that pull's permit is gone
+                    // with its window, and nothing of it can admit a write.
+                    tracing::error!(pull_id = pull, "request indexed in a pull with no permit");
+                    None
+                }
+            })
+            .collect()
+    }
 }
 
 /// Counters of the epoch rule, readable while the target runs.
@@ -340,11 +354,7 @@ impl PermitTable {
                 )
             })
             .collect();
-        let by_req = inner
-            .by_req
-            .iter()
-            .map(|(r, v)| (r.clone(), v.iter().map(|(p, i)| (copy(p), *i)).collect()))
-            .collect();
+        let by_req = inner.by_req.clone();
         let by_pull = inner.by_pull.iter().map(|(id, p)| (*id, copy(p))).collect();
         PermitTable {
             enabled: self.enabled,
@@ -376,7 +386,6 @@ impl PermitTable {
                     1u8.hash(h);
                     p.pull_id.hash(h);
                     p.peer.hash(h);
-                    p.reqs.hash(h);
                     for a in &p.open {
                         a.load(Ordering::SeqCst).hash(h);
                     }
@@ -387,6 +396,7 @@ impl PermitTable {
             }
         }
         let inner = self.lock();
+        inner.by_req.sorted().hash(h);
         let mut poisoned: Vec<u32> = inner.poisoned.keys().copied().collect();
         poisoned.sort();
         poisoned.hash(h);
@@ -448,7 +458,10 @@ impl PermitTable {
             return 0;
         }
         let reserved = self.reserved();
-        if pull.requests.is_empty() || reserved == 0 {
+        // A pull of more than u32::MAX requests cannot be formed (the live-request cap is far
+        // lower); were one asked for, it gets the window that admits nothing.
+        if pull.requests.is_empty() || reserved == 0 || u32::try_from(pull.requests.len()).is_err()
+        {
             return reserved;
         }
         let mut inner = self.lock();
@@ -498,7 +511,6 @@ impl PermitTable {
             peer: pull.peer.clone(),
             window,
             blocks,
-            reqs: pull.requests.iter().map(|r| r.req_id.clone()).collect(),
             open: (0..n).map(|_| AtomicBool::new(true)).collect(),
             open_count: AtomicUsize::new(n),
             inflight: AtomicU64::new(0),
@@ -516,12 +528,8 @@ impl PermitTable {
         if let Some(old) = old {
             inner.by_pull.remove(&old.pull_id);
         }
-        for (i, r) in permit.reqs.iter().enumerate() {
-            inner
-                .by_req
-                .entry(r.clone())
-                .or_default()
-                .push((permit.clone(), i));
+        for (i, r) in (0u32..).zip(pull.requests) {
+            inner.by_req.add(&r.req_id, pull.pull_id, i);
         }
         inner.by_pull.insert(pull.pull_id, permit);
         let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
@@ -557,7 +565,8 @@ impl PermitTable {
             return Revoked::not_exact();
         }
         let mut inner = self.lock();
-        let entries = inner.by_req.remove(&r.req.req_id).unwrap_or_default();
+        let pairs = inner.by_req.remove(&r.req.req_id);
+        let entries = inner.permits_of(pairs);
         inner.windowless.remove(&r.req.req_id);
         let mut poisoned = 0;
         for (p, i) in &entries {
@@ -670,10 +679,7 @@ impl PermitTable {
                 "a pull of this request got no landing window: its writes were refused".into(),
             );
         }
-        let entries = inner
-            .by_req
-            .get(&req.req_id)
-            .map_or(&[][..], |v| v.as_slice());
+        let entries = inner.permits_of(inner.by_req.get(&req.req_id));
         if !entries
             .iter()
             .any(|(p, _)| p.v1_seen.load(Ordering::Relaxed))
