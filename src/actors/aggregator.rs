@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message};
 
-use crate::messages::{KvEvent, PullId, ReqId, Settle, SharedRequest};
+use crate::messages::{KvEvent, PullId, ReqId, Settle, Settles, SharedRequest};
 use crate::telemetry::{self as m, Labels};
 
 use super::aggregator_state::{AggEffects, AggregatorState};
@@ -167,10 +167,26 @@ impl Handler<FailUnsent> for RequestAggregator {
     }
 }
 
+impl Handler<Settles> for RequestAggregator {
+    type Result = ();
+
+    fn handle(&mut self, msg: Settles, _ctx: &mut Context<Self>) {
+        for s in msg.0 {
+            self.settle(s);
+        }
+    }
+}
+
 impl Handler<Settle> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, s: Settle, _ctx: &mut Context<Self>) {
+        self.settle(s);
+    }
+}
+
+impl RequestAggregator {
+    fn settle(&mut self, s: Settle) {
         // Everything logged while handling a settle names the request and the peer it came from.
         let _span = tracing::debug_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
         let Some(entry) = self.live.get_mut(&s.req_id).filter(|e| e.counts(s.pull_id)) else {

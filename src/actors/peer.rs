@@ -16,7 +16,7 @@ use actix::{
 use futures::StreamExt;
 
 use crate::messages::{
-    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Settle, UnsentPull, ABORTED_BY_HOST,
+    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Settles, UnsentPull, ABORTED_BY_HOST,
 };
 use crate::telemetry::{self as m, Labels};
 
@@ -88,7 +88,7 @@ pub struct Peer {
     cfg: PeerConfig,
     events: EventSink,
     /// Where settles of awaited requests go.
-    aggregator: Recipient<Settle>,
+    aggregator: Recipient<Settles>,
     health: PeerHealth,
     live: FastMap<PullId, Live>,
     restarts: u32,
@@ -107,7 +107,7 @@ impl Peer {
         transport: Rc<dyn PeerTransport>,
         cfg: PeerConfig,
         events: EventSink,
-        aggregator: Recipient<Settle>,
+        aggregator: Recipient<Settles>,
         health: PeerHealth,
     ) -> Self {
         Peer {
@@ -212,6 +212,7 @@ impl Peer {
                 sample,
             });
         }
+        let mut to_aggregate = Vec::with_capacity(fx.settles.len());
         for (awaited, s) in fx.settles {
             self.labels
                 .counter_by(m::SETTLES, "outcome", s.outcome.label())
@@ -226,8 +227,11 @@ impl Peer {
                 });
             }
             if awaited {
-                self.aggregator.do_send(s);
+                to_aggregate.push(s);
             }
+        }
+        if !to_aggregate.is_empty() {
+            self.aggregator.do_send(Settles(to_aggregate));
         }
         if fx.finished_cleanly {
             // Before `close` drops the stream: the transport reads it then.

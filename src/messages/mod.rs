@@ -31,7 +31,7 @@ pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
-pub use settle::{Cause, Settle, SettleOutcome};
+pub use settle::{Cause, Settle, SettleOutcome, Settles};
 pub use wire::{
     MetadataRef, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError, XferStatus,
 };

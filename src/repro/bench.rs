@@ -256,13 +256,87 @@ pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     report
 }
 
+/// Requests of the second phase, which observes every settle for the after-settle latency.
+const SETTLE_PHASE_REQUESTS: usize = 4000;
+
 async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport, ReproError> {
     if cfg.peers == 0 || cfg.in_flight == 0 || cfg.batch == 0 || cfg.requests == 0 {
         return Err(ReproError::Scenario(
             "peers, in_flight, batch and requests must be > 0".into(),
         ));
     }
-    let (events, mut rx) = EventSink::channel();
+    let (url, engine) = match (sim, &cfg.bootstrap) {
+        (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
+        (None, Some(b)) => (
+            b.clone(),
+            cfg.engine_id.clone().unwrap_or_else(|| "prefill-0".into()),
+        ),
+        (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
+    };
+    // CPU, throughput and latency with the observer a host has (completions only, as `serve
+    // --events completions`): building, sending and stamping every settle for the host cost
+    // this process 6% of its CPU at batch 16 (A/B, `kvrecv bench --bootstrap`). The latency
+    // from the last settle to the completion needs the settles, so it comes from a second,
+    // shorter phase on a coordinator of its own.
+    let main = phase(&cfg, &url, &engine, cfg.requests, false).await?;
+    let settles = phase(
+        &cfg,
+        &url,
+        &engine,
+        cfg.requests.min(SETTLE_PHASE_REQUESTS),
+        true,
+    )
+    .await?;
+    let pulls = cfg.requests.div_ceil(cfg.batch) * cfg.peers as usize;
+    let mut failure_causes = main.failure_causes;
+    for (c, n) in settles.failure_causes {
+        *failure_causes.entry(c).or_insert(0) += n;
+    }
+    Ok(BenchReport {
+        pulls_per_s: pulls as f64 / main.secs,
+        requests_per_s: cfg.requests as f64 / main.secs,
+        completion_p50_us: main.hist.value_at_quantile(0.5),
+        completion_p90_us: main.hist.value_at_quantile(0.9),
+        completion_p99_us: main.hist.value_at_quantile(0.99),
+        after_last_settle_p50_us: settles.after_settle.value_at_quantile(0.5),
+        after_last_settle_p99_us: settles.after_settle.value_at_quantile(0.99),
+        bytes_per_in_flight_request: match (main.rss0, main.rss_peak) {
+            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / cfg.in_flight as f64),
+            _ => None,
+        },
+        duration_s: main.secs,
+        cpu_us_per_request: main.cpu.map(|c| c * 1e6 / cfg.requests as f64),
+        failed_completions: failure_causes.values().sum(),
+        failure_causes,
+        config: cfg,
+    })
+}
+
+/// What one phase measured.
+struct Phase {
+    hist: Histogram<u64>,
+    after_settle: Histogram<u64>,
+    failure_causes: std::collections::BTreeMap<String, usize>,
+    secs: f64,
+    cpu: Option<f64>,
+    rss0: Option<u64>,
+    rss_peak: Option<u64>,
+}
+
+/// `requests` requests through a coordinator of its own; `settles`: observe every event (for
+/// the after-settle latency), else completions only.
+async fn phase(
+    cfg: &BenchConfig,
+    url: &str,
+    engine: &str,
+    requests: usize,
+    settles: bool,
+) -> Result<Phase, ReproError> {
+    let (events, mut rx) = if settles {
+        EventSink::channel()
+    } else {
+        EventSink::completions_channel()
+    };
     // Blocks come from a free list and go back at their request's completion: the BlockManager
     // handles that completion (and releases the block) before any later load_kv can ask for it.
     // (Block `i % blocks` failed when one slow pull outlived the rotation.)
@@ -276,22 +350,14 @@ async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport
         },
         events,
     ));
-    let (url, engine) = match (sim, &cfg.bootstrap) {
-        (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
-        (None, Some(b)) => (
-            b.clone(),
-            cfg.engine_id.clone().unwrap_or_else(|| "prefill-0".into()),
-        ),
-        (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
-    };
     let mk = |i: usize, block: u32| KvRequest {
         req_id: format!("d-{i}"),
         transfer_id: Some(format!("t-{i}")),
-        remote_engine_id: Some(engine.clone()),
-        remote_bootstrap_addr: Some(url.clone()),
+        remote_engine_id: Some(engine.to_owned()),
+        remote_bootstrap_addr: Some(url.to_owned()),
         block_ids: vec![vec![block]],
     };
-    let mut loaded_at = std::collections::HashMap::new();
+    let mut loaded_at = crate::fast_hash::FastMap::default();
     let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
     let mut after_settle = hist.clone();
     // Warm-up: bootstrap lookup cached, libzmq threads up.
@@ -316,8 +382,8 @@ async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport
     let start = Instant::now();
     let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
     let mut failure_causes = std::collections::BTreeMap::new();
-    let end = cfg.requests + 1;
-    while completed < cfg.requests {
+    let end = requests + 1;
+    while completed < requests {
         while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
             let n = cfg.batch.min(end - next);
             let reqs: Vec<KvRequest> = (next..next + n)
@@ -378,24 +444,13 @@ async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport
     }
     let secs = start.elapsed().as_secs_f64();
     let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| b - a);
-    let rss_peak = peak_rss_bytes();
-    let pulls = cfg.requests.div_ceil(cfg.batch) * cfg.peers as usize;
-    Ok(BenchReport {
-        pulls_per_s: pulls as f64 / secs,
-        requests_per_s: cfg.requests as f64 / secs,
-        completion_p50_us: hist.value_at_quantile(0.5),
-        completion_p90_us: hist.value_at_quantile(0.9),
-        completion_p99_us: hist.value_at_quantile(0.99),
-        after_last_settle_p50_us: after_settle.value_at_quantile(0.5),
-        after_last_settle_p99_us: after_settle.value_at_quantile(0.99),
-        bytes_per_in_flight_request: match (rss0, rss_peak) {
-            (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / cfg.in_flight as f64),
-            _ => None,
-        },
-        duration_s: secs,
-        cpu_us_per_request: cpu.map(|c| c * 1e6 / cfg.requests as f64),
-        failed_completions: failure_causes.values().sum(),
+    Ok(Phase {
+        hist,
+        after_settle,
         failure_causes,
-        config: cfg,
+        secs,
+        cpu,
+        rss0,
+        rss_peak: peak_rss_bytes(),
     })
 }
