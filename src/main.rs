@@ -17,11 +17,27 @@ fn tune_allocator() {
     // `mi_option_t` values, the same in mimalloc v2 and v3 (include/mimalloc.h).
     const ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
     const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-    for (option, env) in [
-        (ARENA_EAGER_COMMIT, "MIMALLOC_ARENA_EAGER_COMMIT"),
-        (PURGE_DELAY, "MIMALLOC_PURGE_DELAY"),
+    // mimalloc reads its variables case-insensitively and also under their older names.
+    let set_by_operator = |names: &[&str]| {
+        std::env::vars_os().any(|(k, _)| {
+            k.to_str()
+                .is_some_and(|k| names.iter().any(|n| k.eq_ignore_ascii_case(n)))
+        })
+    };
+    for (option, names) in [
+        (
+            ARENA_EAGER_COMMIT,
+            &[
+                "MIMALLOC_ARENA_EAGER_COMMIT",
+                "MIMALLOC_EAGER_REGION_COMMIT",
+            ][..],
+        ),
+        (
+            PURGE_DELAY,
+            &["MIMALLOC_PURGE_DELAY", "MIMALLOC_RESET_DELAY"][..],
+        ),
     ] {
-        if std::env::var_os(env).is_none() {
+        if !set_by_operator(names) {
             // SAFETY: plain option setters; they take effect on the allocator's next decision.
             unsafe { libmimalloc_sys::mi_option_set(option, 0) };
         }

@@ -16,8 +16,7 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, Admit, BatchError, Interner, LoadKv, LoadKvReply, MetadataRef,
-    PeerId, Pull, PullId, PullRequest, ReqId, SharedRequest, UnsentPull, WireError,
-    ABORTED_BY_HOST,
+    PeerId, Pull, PullRequest, ReqId, SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -48,7 +47,6 @@ pub struct Receiver {
     peers: FastMap<PeerId, Addr<Peer>>,
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
     rediscovery: Rc<RefCell<Rediscovery>>,
-    next_pull: PullId,
     /// Awaited requests admitted but not yet dispatched (their topology lookup is in flight).
     undispatched: FastSet<ReqId>,
     /// Of those, the ones the host aborted: failed at dispatch instead of sent.
@@ -87,7 +85,6 @@ impl Receiver {
             events,
             peers: FastMap::default(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
-            next_pull: 1,
             undispatched: FastSet::default(),
             aborted: FastSet::default(),
             interner: Interner::default(),
@@ -201,7 +198,7 @@ impl Receiver {
         }
         // The aggregator learns the requests first, so no settle can arrive before its state
         // exists (one mailbox). The batch's pulls are the next ids, one per peer.
-        let first_pull = self.next_pull;
+        let pulls = crate::messages::ids::next_pull_ids(peers.len() as u64);
         let rdma = self.cfg.mooncake_protocol == crate::config::MooncakeProtocol::Rdma;
         let shared_peers: Arc<[PeerId]> = peers.as_slice().into();
         let rules = Arc::new(AggregationRules {
@@ -218,7 +215,7 @@ impl Receiver {
             .collect();
         if !states.is_empty() {
             self.aggregator().do_send(Aggregate {
-                pulls: first_pull..first_pull + peers.len() as PullId,
+                pulls: pulls.clone(),
                 states,
             });
         }
@@ -233,9 +230,7 @@ impl Receiver {
             group.iter().filter(|r| r.is_awaiting()).cloned().collect();
         let (host, port) = self.landing.endpoint();
         let req_blocks = batch_plan::req_blocks(&group);
-        for peer in &peers {
-            let pull_id = self.next_pull;
-            self.next_pull += 1;
+        for (peer, pull_id) in peers.iter().zip(pulls.clone()) {
             let bases = self.landing.open_pull(&PullWindow {
                 pull_id,
                 peer,

@@ -9,6 +9,15 @@ pub type ReqId = Arc<str>;
 /// Process-unique id of one pull (one `MooncakeXferMetadata` sent to one peer).
 pub type PullId = u64;
 
+static NEXT_PULL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+
+/// `n` consecutive pull ids no other pull of this process has or will have: coordinators may
+/// share one landing (its permits are found by pull id), so ids are not per coordinator.
+pub fn next_pull_ids(n: u64) -> std::ops::Range<PullId> {
+    let first = NEXT_PULL.fetch_add(n, std::sync::atomic::Ordering::Relaxed);
+    first..first + n
+}
+
 /// One prefill worker, identified by its side-channel address (`tcp://ip:port`).
 ///
 /// ```

@@ -67,7 +67,8 @@ pub struct BenchReport {
     pub after_last_settle_p99_us: u64,
     /// Resident memory growth while `in_flight` requests were outstanding, per request.
     pub bytes_per_in_flight_request: Option<f64>,
-    /// Completions that were not ok (none is expected: the simulator is healthy).
+    /// Completions that were not ok, in either phase (none is expected: the simulator is
+    /// healthy).
     pub failed_completions: usize,
     /// Their causes, with counts (a failure always carries one).
     pub failure_causes: std::collections::BTreeMap<String, usize>,
@@ -332,6 +333,7 @@ async fn phase(
     requests: usize,
     settles: bool,
 ) -> Result<Phase, ReproError> {
+    let tag = if settles { "s" } else { "" };
     let (events, mut rx) = if settles {
         EventSink::channel()
     } else {
@@ -351,8 +353,9 @@ async fn phase(
         events,
     ));
     let mk = |i: usize, block: u32| KvRequest {
-        req_id: format!("d-{i}"),
-        transfer_id: Some(format!("t-{i}")),
+        // Ids of their own per phase: a P may remember the transfers it served.
+        req_id: format!("{tag}d-{i}"),
+        transfer_id: Some(format!("{tag}t-{i}")),
         remote_engine_id: Some(engine.to_owned()),
         remote_bootstrap_addr: Some(url.to_owned()),
         block_ids: vec![vec![block]],

@@ -458,13 +458,27 @@ impl PermitTable {
             return 0;
         }
         let reserved = self.reserved();
-        // A pull of more than u32::MAX requests cannot be formed (the live-request cap is far
-        // lower); were one asked for, it gets the window that admits nothing.
-        if pull.requests.is_empty() || reserved == 0 || u32::try_from(pull.requests.len()).is_err()
-        {
+        if pull.requests.is_empty() || reserved == 0 {
             return reserved;
         }
         let mut inner = self.lock();
+        // A request's permits are found through their pull ids (`by_req`), so an id must name
+        // one open permit at a time. Pull ids are process-unique (`messages::next_pull_ids`); a
+        // caller of this table that repeats one while its permit is open gets the window that
+        // admits nothing, as does a pull of more than u32::MAX requests (the index is a u32; the
+        // live-request cap is far lower). Their writes are refused and the requests fail.
+        let duplicate = inner
+            .by_pull
+            .get(&pull.pull_id)
+            .is_some_and(|p| !p.is_closed());
+        if duplicate || u32::try_from(pull.requests.len()).is_err() {
+            for r in pull.requests {
+                inner.windowless.insert(r.req_id.clone());
+            }
+            tracing::error!(pull_id = pull.pull_id, duplicate, requests = pull.requests.len(),
+                "pull refused a landing window: its id already has an open permit, or it is too large");
+            return reserved;
+        }
         let cursor = inner.cursor;
         let free = (0..reserved).map(|i| (cursor + i) % reserved).find(|&w| {
             let closed = self.slots[w as usize]
@@ -526,7 +540,15 @@ impl PermitTable {
             .unwrap_or_else(|e| e.into_inner())
             .replace(permit.clone());
         if let Some(old) = old {
-            inner.by_pull.remove(&old.pull_id);
+            // Only if that id still names this permit (a closed permit's id may have been
+            // taken again since).
+            if inner
+                .by_pull
+                .get(&old.pull_id)
+                .is_some_and(|p| Arc::ptr_eq(p, &old))
+            {
+                inner.by_pull.remove(&old.pull_id);
+            }
         }
         for (i, r) in (0u32..).zip(pull.requests) {
             inner.by_req.add(&r.req_id, pull.pull_id, i);
@@ -850,6 +872,65 @@ mod tests {
         assert_eq!(t.open_at(&pull, soon), 0);
         assert_eq!(t.epochs().poison_expired.load(Ordering::Relaxed), 1);
         assert_eq!(t.poisoned_windows(), 0);
+    }
+
+    /// A write into request `r`'s block 0 through window `w` (one block of group 0).
+    fn admits(t: &PermitTable, w: u32) -> bool {
+        let r = Resolved {
+            window: w,
+            region: 0,
+            offset: 0,
+            mem_offset: 0,
+        };
+        t.admit(&r, 4096, false).is_ok()
+    }
+
+    /// Permits are found by pull id: an id that already names an open permit (two coordinators
+    /// numbering their pulls alike over one landing) must not take it over. The second pull gets
+    /// the window that admits nothing, and the first request is still revoked exactly.
+    #[test]
+    fn a_pull_id_with_an_open_permit_is_refused_a_window() {
+        let t = table(4);
+        let (p, q) = (PeerId::new("p"), PeerId::new("q"));
+        let (a, b) = (req("a"), req("b"));
+        let wa = open(&t, 7, &p, &a);
+        assert_eq!(wa, 0);
+        assert_eq!(open(&t, 7, &q, &b), 3, "the reserved window");
+        assert!(t.windowless(&b.req_id));
+        assert!(
+            t.verify_ok(&b).is_err(),
+            "b's writes were refused: no ok for it"
+        );
+        assert!(admits(&t, wa), "a's window still admits a's writes");
+        revoke(&t, &a, &[], Instant::now());
+        assert!(!admits(&t, wa), "revoking a closes a's own permit");
+    }
+
+    /// A closed permit's id may be taken again; reusing the old permit's window later must not
+    /// drop the new permit from the index, or revoking its request would miss it.
+    #[test]
+    fn reusing_a_window_keeps_a_newer_permit_of_the_same_pull_id() {
+        let t = table(3); // windows 0 and 1, 2 reserved
+        let p = PeerId::new("p");
+        let (a, b, c) = (req("a"), req("b"), req("c"));
+        assert_eq!(open(&t, 5, &p, &a), 0);
+        revoke(&t, &a, &[], Instant::now());
+        let wb = open(&t, 5, &p, &b);
+        assert_eq!(wb, 1, "id 5 again, its old permit being closed");
+        assert_eq!(
+            open(&t, 6, &p, &c),
+            0,
+            "window 0 reused: the old permit of id 5 leaves"
+        );
+        assert!(admits(&t, wb));
+        assert_eq!(
+            revoke(&t, &b, &[], Instant::now()).revocation,
+            Revocation::Exact
+        );
+        assert!(
+            !admits(&t, wb),
+            "b's permit was still found by its pull id and closed"
+        );
     }
 
     #[test]
