@@ -592,9 +592,13 @@ mod tests {
         assert_eq!(reply, vec![b"pong".to_vec()]);
     }
 
-    /// One pull on `t` answered by `router` with one reply; returns the routing identity it
-    /// came from (one per connection). `finish` is set, as the Peer sets it after FINISH.
-    async fn one_pull(t: &ZmqTransport, router: &mut AsyncSocket, addr: &str) -> Vec<u8> {
+    /// One pull on `t` answered by `router` with one FINISH, received: the routing identity it
+    /// came from (one per connection), the stream (still open) and its `CleanFinish` (unset).
+    async fn answered_pull(
+        t: &ZmqTransport,
+        router: &mut AsyncSocket,
+        addr: &str,
+    ) -> (Vec<u8>, ReplyStream, CleanFinish) {
         let finish = CleanFinish::default();
         let mut replies = t.pull(&PeerId::new(addr), b"pull".to_vec(), finish.clone());
         let p_side = async {
@@ -610,6 +614,13 @@ mod tests {
                 .await
                 .expect("answered");
         assert!(matches!(reply, Some(Ok(_))), "{reply:?}");
+        (identity, replies, finish)
+    }
+
+    /// [`answered_pull`] then `finish` set, as the Peer sets it after FINISH, and the stream
+    /// dropped; returns the routing identity.
+    async fn one_pull(t: &ZmqTransport, router: &mut AsyncSocket, addr: &str) -> Vec<u8> {
+        let (identity, replies, finish) = answered_pull(t, router, addr).await;
         finish.set();
         drop(replies);
         identity
@@ -622,22 +633,7 @@ mod tests {
     async fn the_stream_ends_once_the_finish_is_marked() {
         let t = ZmqTransport::default();
         let (mut router, addr) = p_router(&t);
-        let peer = PeerId::new(&addr);
-
-        let finish = CleanFinish::default();
-        let mut replies = t.pull(&peer, b"pull".to_vec(), finish.clone());
-        let p_side = async {
-            let req = router.recv_multipart().await.unwrap();
-            router
-                .send_multipart(&[req[0].as_slice(), b"FINISH"])
-                .await
-                .unwrap();
-        };
-        let ((), reply) =
-            tokio::time::timeout(SAFETY, futures::future::join(p_side, replies.next()))
-                .await
-                .expect("answered");
-        assert!(matches!(reply, Some(Ok(_))), "{reply:?}");
+        let (_, mut replies, finish) = answered_pull(&t, &mut router, &addr).await;
         finish.set();
         let end = tokio::time::timeout(SAFETY, replies.next())
             .await
@@ -645,7 +641,11 @@ mod tests {
         assert!(end.is_none(), "{end:?}");
         drop(replies);
         assert_eq!(
-            t.pool.idle.borrow().get(&peer).map_or(0, Vec::len),
+            t.pool
+                .idle
+                .borrow()
+                .get(&PeerId::new(&addr))
+                .map_or(0, Vec::len),
             1,
             "the channel is pooled"
         );
