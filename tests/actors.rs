@@ -100,6 +100,72 @@ async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
     h.wait_for("completion", is_completion("r1")).await;
 }
 
+/// Rule 4 (deadline): every pull has a deadline of its own, `pull_timeout` after it was sent
+/// or after its latest reply, although one timer serves them all. A pull sent later is not
+/// abandoned with an earlier one, a pull that ended leaves nothing armed against the others,
+/// and a reply moves only its own pull's deadline. (Tokio's clock is paused: the deadlines
+/// are exact, and nothing here waits on the wall clock.)
+#[actix::test]
+async fn each_pull_expires_at_its_own_deadline() {
+    tokio::time::pause();
+    let ms = Duration::from_millis;
+    let mut h = Harness::start(Setup {
+        pull_timeout: ms(1000),
+        ..Setup::default()
+    });
+    // Let every message queued so far be handled, moving the clock by 1 ms.
+    async fn settle_down(h: &mut Harness) {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        h.soak_events();
+    }
+    let settled = |h: &Harness, id: &str| {
+        h.seen
+            .borrow()
+            .iter()
+            .filter(|e| matches!(e, KvEvent::Settled { req_id, .. } if &**req_id == id))
+            .count()
+    };
+    // t=0: r1's pulls. t=600: r2's pulls; r1 finishes on both peers.
+    h.load(vec![req("r1", &[1])]).await;
+    let [a1, b1]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    tokio::time::advance(ms(600)).await;
+    h.load(vec![req("r2", &[2])]).await;
+    let [a2, b2]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a1.respond(Finish, &["r1"], &[], None);
+    b1.respond(Finish, &["r1"], &[], None);
+    h.wait_for("r1 completion", is_completion("r1")).await;
+    // t=1200: r1's deadline (t=1000) has passed, but r2's pulls are due only at t=1600.
+    tokio::time::advance(ms(600)).await;
+    settle_down(&mut h).await;
+    assert_eq!(
+        settled(&h, "r2"),
+        0,
+        "nothing of r2 expired with r1's deadline"
+    );
+    assert!(a2.is_open() && b2.is_open());
+    // B's reply at t=1200 moves B's deadline to t=2200; A's stays at t=1600.
+    b2.respond(Continue, &[], &[], None);
+    settle_down(&mut h).await;
+    tokio::time::advance(ms(450)).await; // t=1650
+    h.wait_for("A's deadline", is_settled(&a2.peer, "r2")).await;
+    assert!(
+        matches!(&settled_outcome(&h, &a2.peer, "r2")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("deadline"))
+    );
+    assert!(!a2.is_open(), "the expired pull's channel is closed");
+    assert!(b2.is_open(), "B replied at t=1200: its deadline is t=2200");
+    assert_eq!(settled(&h, "r2"), 1);
+    tokio::time::advance(ms(500)).await; // t=2150
+    settle_down(&mut h).await;
+    assert!(b2.is_open(), "still before B's deadline");
+    assert_eq!(h.count(is_completion("r2")), 0);
+    tokio::time::advance(ms(100)).await; // t=2250
+    h.wait_for("r2 completion", is_completion("r2")).await;
+    assert!(
+        matches!(&settled_outcome(&h, &b2.peer, "r2")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("deadline"))
+    );
+    assert!(!b2.is_open());
+}
+
 /// Rule 2: `err_reqs` in a CONTINUE is an explicit Failed for that peer.
 #[actix::test]
 async fn err_reqs_in_continue_fails_the_request_for_that_peer_only() {

@@ -73,7 +73,9 @@ pub struct PullEvent {
 
 struct Live {
     stream: SpawnHandle,
-    deadline: SpawnHandle,
+    /// When the pull is abandoned unless a reply comes first (restarted by every reply). On
+    /// tokio's clock, the one the timer runs on.
+    deadline: tokio::time::Instant,
     started: Instant,
     span: tracing::Span,
     /// Set on a clean FINISH, so the transport may reuse the channel.
@@ -91,6 +93,11 @@ pub struct Peer {
     aggregator: Recipient<Settles>,
     health: PeerHealth,
     live: FastMap<PullId, Live>,
+    /// One timer for the deadlines of all live pulls, armed for the earliest and never
+    /// cancelled when a pull ends: when it fires, overdue pulls are abandoned and it is armed
+    /// again for the earliest deadline left. A timer per pull cost a timer-wheel registration,
+    /// a wake-up of the runtime's driver (an eventfd write) and a cancellation per pull.
+    timer: Option<(tokio::time::Instant, SpawnHandle)>,
     restarts: u32,
     consecutive_failures: u32,
     backoff_until: Option<Instant>,
@@ -118,6 +125,7 @@ impl Peer {
             aggregator,
             health,
             live: FastMap::default(),
+            timer: None,
             restarts: 0,
             consecutive_failures: 0,
             backoff_until: None,
@@ -161,7 +169,7 @@ impl Peer {
                 }
             }));
         let stream = ctx.add_stream(stream);
-        let deadline = self.arm_deadline(pull_id, ctx);
+        let deadline = self.deadline_from_now(ctx);
         self.live.insert(
             pull_id,
             Live {
@@ -174,17 +182,53 @@ impl Peer {
         );
     }
 
-    fn arm_deadline(&self, pull_id: PullId, ctx: &mut Context<Self>) -> SpawnHandle {
+    /// A deadline `pull_timeout` from now, with the timer armed to fire no later than it.
+    fn deadline_from_now(&mut self, ctx: &mut Context<Self>) -> tokio::time::Instant {
+        let at = tokio::time::Instant::now() + self.cfg.pull_timeout;
+        self.arm_timer(at, ctx);
+        at
+    }
+
+    /// Make the timer fire no later than `at`. Deadlines are all `pull_timeout` after their
+    /// start, so a new one is never earlier than the armed one and nothing is re-registered.
+    fn arm_timer(&mut self, at: tokio::time::Instant, ctx: &mut Context<Self>) {
+        if let Some((armed, handle)) = self.timer {
+            if armed <= at {
+                return;
+            }
+            ctx.cancel_future(handle);
+        }
+        let wait = at.saturating_duration_since(tokio::time::Instant::now());
+        let handle = ctx.run_later(wait, |act, ctx| act.on_timer(ctx));
+        self.timer = Some((at, handle));
+    }
+
+    /// Abandon every pull whose deadline passed; arm the timer for the earliest one left.
+    fn on_timer(&mut self, ctx: &mut Context<Self>) {
+        self.timer = None;
+        let now = tokio::time::Instant::now();
+        let mut overdue: Vec<PullId> = self
+            .live
+            .iter()
+            .filter(|(_, l)| l.deadline <= now)
+            .map(|(&id, _)| id)
+            .collect();
+        overdue.sort_unstable();
         let timeout = self.cfg.pull_timeout;
-        ctx.run_later(timeout, move |act, ctx| {
-            act.labels.counter(m::DEADLINE_EXPIRIES).increment(1);
-            let fx = act.state.abandon(
+        for pull_id in overdue {
+            self.labels.counter(m::DEADLINE_EXPIRIES).increment(1);
+            let fx = self.state.abandon(
                 pull_id,
                 Cause::Timeout,
                 format!("no reply within the {timeout:?} pull deadline"),
             );
-            act.apply(pull_id, fx, ctx);
-        })
+            self.apply(pull_id, fx, ctx);
+            // Nothing is owed once abandoned; the channel goes either way.
+            self.close(pull_id, ctx);
+        }
+        if let Some(next) = self.live.values().map(|l| l.deadline).min() {
+            self.arm_timer(next, ctx);
+        }
     }
 
     /// Send settles, count, and close the pull's channel when it is over.
@@ -249,7 +293,6 @@ impl Peer {
     fn close(&mut self, pull_id: PullId, ctx: &mut Context<Self>) {
         if let Some(l) = self.live.remove(&pull_id) {
             ctx.cancel_future(l.stream); // drops the channel: the DEALER closes with linger 0
-            ctx.cancel_future(l.deadline);
             self.labels
                 .histogram(m::PULL_LATENCY)
                 .record(l.started.elapsed().as_secs_f64());
@@ -296,7 +339,9 @@ impl Supervised for Peer {
         }
         for (_, l) in self.live.drain() {
             ctx.cancel_future(l.stream);
-            ctx.cancel_future(l.deadline);
+        }
+        if let Some((_, handle)) = self.timer.take() {
+            ctx.cancel_future(handle);
         }
         let backoff = self.cfg.backoff(self.consecutive_failures);
         let until = Instant::now() + backoff;
@@ -359,14 +404,11 @@ impl StreamHandler<PullEvent> for Peer {
         match ev.event {
             ChannelEvent::Reply(frames) => {
                 let fx = self.state.on_reply(pull_id, frames);
-                if !fx.pull_done {
+                if !fx.pull_done && self.live.contains_key(&pull_id) {
                     // P restarts its readiness wait after every subset; so does D's deadline.
-                    if let Some(old) = self.live.get(&pull_id).map(|l| l.deadline) {
-                        ctx.cancel_future(old);
-                        let new = self.arm_deadline(pull_id, ctx);
-                        if let Some(l) = self.live.get_mut(&pull_id) {
-                            l.deadline = new;
-                        }
+                    let new = self.deadline_from_now(ctx);
+                    if let Some(l) = self.live.get_mut(&pull_id) {
+                        l.deadline = new;
                     }
                 }
                 self.apply(pull_id, fx, ctx);

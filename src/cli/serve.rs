@@ -445,7 +445,14 @@ pub fn run(args: ServeArgs) -> ExitCode {
         Err(e) => return fail(format!("data plane: {e}")),
     };
     let sys = actix_rt::System::new();
-    let code = sys.block_on(serve(args, cfg, target, labels));
+    // The loop runs as a task on the actors' LocalSet, not as the future `block_on` polls: that
+    // future's waker unparks the runtime's driver (an eventfd write, then one more epoll_wait)
+    // every time an actor wakes it, i.e. for every load_kv answer and every burst of events.
+    let code = sys.block_on(async move {
+        actix_rt::spawn(serve(args, cfg, target, labels))
+            .await
+            .unwrap_or(ExitCode::from(2))
+    });
     drop(data_rt);
     code
 }

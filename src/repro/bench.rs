@@ -250,8 +250,22 @@ pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
             ..SimConfig::default()
         }))?),
     };
+    let (url, engine) = match (&sim, &cfg.bootstrap) {
+        (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
+        (None, Some(b)) => (
+            b.clone(),
+            cfg.engine_id.clone().unwrap_or_else(|| "prefill-0".into()),
+        ),
+        (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
+    };
     let sys = actix_rt::System::new();
-    let report = sys.block_on(bench(cfg, sim.as_ref()));
+    // A task on the actors' LocalSet, as `serve` runs its loop: the future `block_on` polls
+    // has a waker that writes the runtime's eventfd every time an actor wakes it.
+    let report = sys.block_on(async move {
+        actix_rt::spawn(bench(cfg, url, engine))
+            .await
+            .unwrap_or_else(|e| Err(ReproError::Scenario(format!("bench task: {e}"))))
+    });
     drop(sim);
     drop(sim_rt);
     report
@@ -260,20 +274,12 @@ pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
 /// Requests of the second phase, which observes every settle for the after-settle latency.
 const SETTLE_PHASE_REQUESTS: usize = 4000;
 
-async fn bench(cfg: BenchConfig, sim: Option<&PrefillSim>) -> Result<BenchReport, ReproError> {
+async fn bench(cfg: BenchConfig, url: String, engine: String) -> Result<BenchReport, ReproError> {
     if cfg.peers == 0 || cfg.in_flight == 0 || cfg.batch == 0 || cfg.requests == 0 {
         return Err(ReproError::Scenario(
             "peers, in_flight, batch and requests must be > 0".into(),
         ));
     }
-    let (url, engine) = match (sim, &cfg.bootstrap) {
-        (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
-        (None, Some(b)) => (
-            b.clone(),
-            cfg.engine_id.clone().unwrap_or_else(|| "prefill-0".into()),
-        ),
-        (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
-    };
     // CPU, throughput and latency with the observer a host has (completions only, as `serve
     // --events completions`): building, sending and stamping every settle for the host cost
     // this process 6% of its CPU at batch 16 (A/B, `kvrecv bench --bootstrap`). The latency
