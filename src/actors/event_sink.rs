@@ -1,5 +1,7 @@
 //! Where actors publish [`KvEvent`]s for observers (`kvrecv serve`, the demo, tests).
 
+use std::time::Instant;
+
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use crate::messages::KvEvent;
@@ -9,9 +11,15 @@ use crate::messages::KvEvent;
 /// are expected to keep up (they only print or count).
 #[derive(Clone, Default)]
 pub struct EventSink {
-    tx: Option<UnboundedSender<KvEvent>>,
+    tx: Option<Tx>,
     /// The observer takes completions only: the other events are not even built.
     completions_only: bool,
+}
+
+#[derive(Clone)]
+enum Tx {
+    Plain(UnboundedSender<KvEvent>),
+    Stamped(UnboundedSender<(Instant, KvEvent)>),
 }
 
 impl EventSink {
@@ -20,8 +28,25 @@ impl EventSink {
         let (tx, rx) = unbounded_channel();
         (
             EventSink {
-                tx: Some(tx),
+                tx: Some(Tx::Plain(tx)),
                 completions_only: false,
+            },
+            rx,
+        )
+    }
+
+    /// A sink whose events come with the instant they were emitted, for measuring the
+    /// coordinator's own latencies apart from the observer's scheduling (`kvrecv bench`: from a
+    /// request's last settle to its completion). `completions_only` as
+    /// [`EventSink::completions_channel`].
+    pub fn stamped_channel(
+        completions_only: bool,
+    ) -> (Self, UnboundedReceiver<(Instant, KvEvent)>) {
+        let (tx, rx) = unbounded_channel();
+        (
+            EventSink {
+                tx: Some(Tx::Stamped(tx)),
+                completions_only,
             },
             rx,
         )
@@ -57,7 +82,14 @@ impl EventSink {
             if self.completions_only && !matches!(ev, KvEvent::Completion { .. }) {
                 return;
             }
-            let _ = tx.send(ev);
+            match tx {
+                Tx::Plain(tx) => {
+                    let _ = tx.send(ev);
+                }
+                Tx::Stamped(tx) => {
+                    let _ = tx.send((Instant::now(), ev));
+                }
+            }
         }
     }
 }
@@ -86,5 +118,32 @@ mod tests {
         let (all, _rx) = EventSink::channel();
         assert!(all.wants_detail());
         assert!(!EventSink::none().is_on());
+    }
+
+    /// A stamped sink carries the instant of emission (not of reading), and keeps the
+    /// completions-only filter.
+    #[test]
+    fn a_stamped_sink_stamps_at_emission() {
+        let (sink, mut rx) = EventSink::stamped_channel(true);
+        assert!(sink.is_on() && !sink.wants_detail());
+        let before = Instant::now();
+        sink.emit(KvEvent::PeerRestarted {
+            peer: PeerId::new("tcp://p:1"),
+            restarts: 1,
+        });
+        sink.emit(KvEvent::Completion {
+            req_id: "r".into(),
+            outcome: Outcome::Ok,
+            uncertain_peers: vec![],
+            unsettled_peers: vec![],
+        });
+        let after = Instant::now();
+        let (at, ev) = rx.try_recv().expect("the completion");
+        assert!(matches!(ev, KvEvent::Completion { .. }));
+        assert!(
+            before <= at && at <= after,
+            "stamped when emitted, not when read"
+        );
+        assert!(rx.try_recv().is_err(), "the other event was filtered");
     }
 }

@@ -13,6 +13,7 @@ use actix::{
     Actor, ActorContext, AsyncContext, Context, Handler, Recipient, SpawnHandle, StreamHandler,
     Supervised,
 };
+use futures::stream::AbortHandle;
 use futures::StreamExt;
 
 use crate::messages::{
@@ -22,6 +23,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
+use super::pull_mux::PullMux;
 use super::rediscovery::PeerHealth;
 use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
@@ -72,7 +74,8 @@ pub struct PullEvent {
 }
 
 struct Live {
-    stream: SpawnHandle,
+    /// Ends the pull's reply stream (dropping its channel).
+    stream: AbortHandle,
     /// When the pull is abandoned unless a reply comes first (restarted by every reply). On
     /// tokio's clock, the one the timer runs on.
     deadline: tokio::time::Instant,
@@ -93,6 +96,9 @@ pub struct Peer {
     aggregator: Recipient<Settles>,
     health: PeerHealth,
     live: FastMap<PullId, Live>,
+    /// The live pulls' reply streams, merged into one stream of the actor's (added on the
+    /// first pull; a restart drops the actor's streams, and this with them).
+    mux: Option<PullMux<PullEvent>>,
     /// One timer for the deadlines of all live pulls, armed for the earliest and never
     /// cancelled when a pull ends: when it fires, overdue pulls are abandoned and it is armed
     /// again for the earliest deadline left. A timer per pull cost a timer-wheel registration,
@@ -125,6 +131,7 @@ impl Peer {
             aggregator,
             health,
             live: FastMap::default(),
+            mux: None,
             timer: None,
             restarts: 0,
             consecutive_failures: 0,
@@ -168,7 +175,12 @@ impl Peer {
                     event: ChannelEvent::Ended,
                 }
             }));
-        let stream = ctx.add_stream(stream);
+        let mux = self.mux.get_or_insert_with(|| {
+            let (mux, merged) = PullMux::new();
+            ctx.add_stream(merged);
+            mux
+        });
+        let stream = mux.add(stream.boxed_local());
         let deadline = self.deadline_from_now(ctx);
         self.live.insert(
             pull_id,
@@ -224,7 +236,7 @@ impl Peer {
             );
             self.apply(pull_id, fx, ctx);
             // Nothing is owed once abandoned; the channel goes either way.
-            self.close(pull_id, ctx);
+            self.close(pull_id);
         }
         if let Some(next) = self.live.values().map(|l| l.deadline).min() {
             self.arm_timer(next, ctx);
@@ -286,13 +298,13 @@ impl Peer {
             self.health.up(self.state.peer());
         }
         if fx.pull_done {
-            self.close(pull_id, ctx);
+            self.close(pull_id);
         }
     }
 
-    fn close(&mut self, pull_id: PullId, ctx: &mut Context<Self>) {
+    fn close(&mut self, pull_id: PullId) {
         if let Some(l) = self.live.remove(&pull_id) {
-            ctx.cancel_future(l.stream); // drops the channel: the DEALER closes with linger 0
+            l.stream.abort(); // drops the channel: the DEALER closes with linger 0
             self.labels
                 .histogram(m::PULL_LATENCY)
                 .record(l.started.elapsed().as_secs_f64());
@@ -335,14 +347,15 @@ impl Supervised for Peer {
         let (fx, pulls) = self.state.abandon_all(&reason);
         self.apply(0, fx, ctx);
         for id in pulls {
-            self.close(id, ctx);
+            self.close(id);
         }
         for (_, l) in self.live.drain() {
-            ctx.cancel_future(l.stream);
+            l.stream.abort();
         }
-        if let Some((_, handle)) = self.timer.take() {
-            ctx.cancel_future(handle);
-        }
+        // The restart dropped the actor's streams and timers: the merged stream and the
+        // deadline timer are made again by the next pull.
+        self.mux = None;
+        self.timer = None;
         let backoff = self.cfg.backoff(self.consecutive_failures);
         let until = Instant::now() + backoff;
         self.backoff_until = Some(until);

@@ -59,12 +59,16 @@ pub struct BenchReport {
     pub completion_p50_us: u64,
     pub completion_p90_us: u64,
     pub completion_p99_us: u64,
-    /// From the last peer's settle of a request (its `settled` event) to the request's
-    /// completion event, as this host sees them: how long D takes to publish a completion
-    /// once the last answer is in.
+    /// From the last peer's settle of a request to the request's completion, each stamped
+    /// where the coordinator emits it (the Peer's `settled` event, the aggregator's
+    /// `completion`): how long D takes to publish a completion once the last answer is in.
     pub after_last_settle_p50_us: u64,
     /// The same, 99th percentile.
     pub after_last_settle_p99_us: u64,
+    /// The same interval as an observer task on the actors' thread sees it (both events stamped
+    /// when that task reads them): it adds the wait for the observer's turn on the thread,
+    /// which depends on what else the host runs there (this bench's own loop, its load_kv).
+    pub after_last_settle_observed_p99_us: u64,
     /// Resident memory growth while `in_flight` requests were outstanding, per request.
     pub bytes_per_in_flight_request: Option<f64>,
     /// Completions that were not ok, in either phase (none is expected: the simulator is
@@ -89,6 +93,7 @@ impl BenchReport {
              completion p90 (us)     {:>10}\n\
              completion p99 (us)     {:>10}\n\
              after last settle p99 (us){:>8}\n\
+             ... as observed (us)    {:>10}\n\
              bytes per in-flight req {:>10}\n\
              failed completions      {:>10}\n\
              process CPU per req (us){:>10}\n{}",
@@ -102,6 +107,7 @@ impl BenchReport {
             self.completion_p90_us,
             self.completion_p99_us,
             self.after_last_settle_p99_us,
+            self.after_last_settle_observed_p99_us,
             self.bytes_per_in_flight_request
                 .map_or("n/a".into(), |b| format!("{b:.0}")),
             self.failed_completions,
@@ -307,6 +313,7 @@ async fn bench(cfg: BenchConfig, url: String, engine: String) -> Result<BenchRep
         completion_p99_us: main.hist.value_at_quantile(0.99),
         after_last_settle_p50_us: settles.after_settle.value_at_quantile(0.5),
         after_last_settle_p99_us: settles.after_settle.value_at_quantile(0.99),
+        after_last_settle_observed_p99_us: settles.after_settle_observed.value_at_quantile(0.99),
         bytes_per_in_flight_request: match (main.rss0, main.rss_peak) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / cfg.in_flight as f64),
             _ => None,
@@ -323,6 +330,7 @@ async fn bench(cfg: BenchConfig, url: String, engine: String) -> Result<BenchRep
 struct Phase {
     hist: Histogram<u64>,
     after_settle: Histogram<u64>,
+    after_settle_observed: Histogram<u64>,
     failure_causes: std::collections::BTreeMap<String, usize>,
     secs: f64,
     cpu: Option<f64>,
@@ -340,11 +348,7 @@ async fn phase(
     settles: bool,
 ) -> Result<Phase, ReproError> {
     let tag = if settles { "s" } else { "" };
-    let (events, mut rx) = if settles {
-        EventSink::channel()
-    } else {
-        EventSink::completions_channel()
-    };
+    let (events, mut rx) = EventSink::stamped_channel(!settles);
     // Blocks come from a free list and go back at their request's completion: the BlockManager
     // handles that completion (and releases the block) before any later load_kv can ask for it.
     // (Block `i % blocks` failed when one slow pull outlived the rotation.)
@@ -369,19 +373,23 @@ async fn phase(
     let mut loaded_at = crate::fast_hash::FastMap::default();
     let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
     let mut after_settle = hist.clone();
+    let mut after_settle_observed = hist.clone();
     // Warm-up: bootstrap lookup cached, libzmq threads up.
     coord
         .load_kv(LoadKv {
             requests: vec![mk(0, 0)],
         })
         .await?;
-    while !matches!(rx.recv().await, Some(KvEvent::Completion { .. }) | None) {}
-    // Events are stamped as they arrive by a task of their own, so the latencies below do not
-    // include the time this loop spends awaiting its own load_kv.
+    while !matches!(
+        rx.recv().await,
+        Some((_, KvEvent::Completion { .. })) | None
+    ) {}
+    // Events are also stamped as they arrive, by a task of their own, so the latencies below
+    // do not include the time this loop spends awaiting its own load_kv.
     let (stamped_tx, mut stamped) = tokio::sync::mpsc::unbounded_channel();
     actix_rt::spawn(async move {
-        while let Some(ev) = rx.recv().await {
-            if stamped_tx.send((Instant::now(), ev)).is_err() {
+        while let Some((emitted, ev)) = rx.recv().await {
+            if stamped_tx.send((emitted, Instant::now(), ev)).is_err() {
                 break;
             }
         }
@@ -406,7 +414,8 @@ async fn phase(
                 .collect();
             let now = Instant::now();
             for r in &reqs {
-                loaded_at.insert(r.req_id.clone(), (now, None::<Instant>, r.block_ids[0][0]));
+                let last_settle: Option<(Instant, Instant)> = None; // emitted, observed
+                loaded_at.insert(r.req_id.clone(), (now, last_settle, r.block_ids[0][0]));
             }
             let reply = coord.load_kv(LoadKv { requests: reqs }).await?;
             // A refused request would never complete: stop instead of waiting for it.
@@ -418,7 +427,7 @@ async fn phase(
             next += n;
             outstanding += n;
         }
-        let Some((at, ev)) = stamped.recv().await else {
+        let Some((emitted, at, ev)) = stamped.recv().await else {
             return Err(ReproError::Scenario("event stream closed".into()));
         };
         match ev {
@@ -431,8 +440,12 @@ async fn phase(
                 if let Some((t, last_settle, block)) = loaded_at.remove(&*req_id) {
                     free.push_back(block);
                     let _ = hist.record((at - t).as_micros() as u64);
-                    if let Some(s) = last_settle {
-                        let _ = after_settle.record((at - s).as_micros() as u64);
+                    if let Some((s_emitted, s_at)) = last_settle {
+                        let us = |d: Duration| d.as_micros() as u64;
+                        let _ =
+                            after_settle.record(us(emitted.saturating_duration_since(s_emitted)));
+                        let _ =
+                            after_settle_observed.record(us(at.saturating_duration_since(s_at)));
                     }
                 }
                 outstanding -= 1;
@@ -445,7 +458,7 @@ async fn phase(
             }
             KvEvent::Settled { req_id, .. } => {
                 if let Some(e) = loaded_at.get_mut(&*req_id) {
-                    e.1 = Some(at);
+                    e.1 = Some((emitted, at));
                 }
             }
             _ => {}
@@ -456,6 +469,7 @@ async fn phase(
     Ok(Phase {
         hist,
         after_settle,
+        after_settle_observed,
         failure_causes,
         secs,
         cpu,
