@@ -234,7 +234,7 @@ impl Peer {
                 Cause::Timeout,
                 format!("no reply within the {timeout:?} pull deadline"),
             );
-            self.apply(pull_id, fx, ctx);
+            self.apply(pull_id, fx);
             // Nothing is owed once abandoned; the channel goes either way.
             self.close(pull_id);
         }
@@ -244,7 +244,7 @@ impl Peer {
     }
 
     /// Send settles, count, and close the pull's channel when it is over.
-    fn apply(&mut self, pull_id: PullId, fx: Effects, ctx: &mut Context<Self>) {
+    fn apply(&mut self, pull_id: PullId, fx: Effects) {
         let span = self
             .live
             .get(&pull_id)
@@ -314,7 +314,7 @@ impl Peer {
     /// A pull that reached us during the restart backoff (the Receiver checked our health
     /// before we failed). It is settled at once instead of waiting out the backoff; nothing was
     /// sent, so no peer can write for it: Failed, not Uncertain.
-    fn refuse(&mut self, pull: Pull, until: Instant, ctx: &mut Context<Self>) {
+    fn refuse(&mut self, pull: Pull, until: Instant) {
         self.labels
             .counter_by(m::UNREACHABLE_BATCHES, "reason", "peer_backoff")
             .increment(1);
@@ -329,7 +329,7 @@ impl Peer {
                 self.id()
             ),
         );
-        self.apply(pull.pull_id, fx, ctx);
+        self.apply(pull.pull_id, fx);
     }
 }
 
@@ -340,12 +340,12 @@ impl Actor for Peer {
 impl Supervised for Peer {
     /// Everything the old incarnation owed is settled Uncertain, exactly once, before the new one
     /// serves anything (DESIGN.md §6).
-    fn restarting(&mut self, ctx: &mut Context<Self>) {
+    fn restarting(&mut self, _ctx: &mut Context<Self>) {
         self.restarts += 1;
         self.consecutive_failures += 1;
         let reason = format!("peer {} restarted after a channel failure", self.id());
         let (fx, pulls) = self.state.abandon_all(&reason);
-        self.apply(0, fx, ctx);
+        self.apply(0, fx);
         for id in pulls {
             self.close(id);
         }
@@ -376,7 +376,7 @@ impl Handler<Pull> for Peer {
 
     fn handle(&mut self, pull: Pull, ctx: &mut Context<Self>) {
         match self.backoff_until {
-            Some(until) if until > Instant::now() => self.refuse(pull, until, ctx),
+            Some(until) if until > Instant::now() => self.refuse(pull, until),
             _ => self.start_pull(pull, ctx),
         }
     }
@@ -386,9 +386,9 @@ impl Handler<UnsentPull> for Peer {
     type Result = ();
 
     /// Nothing was sent, so there is no channel, deadline or backoff to respect.
-    fn handle(&mut self, pull: UnsentPull, ctx: &mut Context<Self>) {
+    fn handle(&mut self, pull: UnsentPull, _ctx: &mut Context<Self>) {
         let fx = self.state.unsent(&pull);
-        self.apply(pull.pull_id, fx, ctx);
+        self.apply(pull.pull_id, fx);
     }
 }
 
@@ -397,13 +397,13 @@ impl Handler<AbortAtPeer> for Peer {
 
     /// The host stopped waiting: what this peer still owes for the request settles Uncertain
     /// (it has the addresses and may still write), so the blocks wait for the fence.
-    fn handle(&mut self, msg: AbortAtPeer, ctx: &mut Context<Self>) -> usize {
+    fn handle(&mut self, msg: AbortAtPeer, _ctx: &mut Context<Self>) -> usize {
         let (fx, pulls) = self.state.abort(&msg.req_id, ABORTED_BY_HOST);
         if pulls > 0 {
             tracing::info!(peer = %self.id(), req_id = %msg.req_id, pulls, "request aborted by the host");
         }
         // Pull id 0: the settles carry their own pull ids; no pull is closed by an abort.
-        self.apply(0, fx, ctx);
+        self.apply(0, fx);
         pulls
     }
 }
@@ -424,17 +424,17 @@ impl StreamHandler<PullEvent> for Peer {
                         l.deadline = new;
                     }
                 }
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
             }
             // Nothing left D: that pull fails (no writer has it), the peer is not restarted.
             ChannelEvent::Failed(e @ TransportError::Local { .. }) => {
                 let fx = self.state.fail_unsent(pull_id, e.to_string());
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
             }
             ChannelEvent::Failed(e) => {
                 self.last_failure = Some(e.to_string());
                 let fx = self.state.abandon(pull_id, Cause::Channel, e.to_string());
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
             }
             ChannelEvent::Ended => {
@@ -443,7 +443,7 @@ impl StreamHandler<PullEvent> for Peer {
                     Cause::Channel,
                     "channel closed before FINISH".into(),
                 );
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
             }
         }
     }

@@ -138,12 +138,15 @@ mod tests {
 
     type Tx = futures::channel::mpsc::UnboundedSender<u32>;
 
-    fn probe() -> (
+    /// A probe's stream, its sender, its poll count and whether it was dropped.
+    type Probed = (
         LocalBoxStream<'static, u32>,
         Tx,
         Rc<Cell<usize>>,
         Rc<Cell<bool>>,
-    ) {
+    );
+
+    fn probe() -> Probed {
         let (tx, rx) = futures::channel::mpsc::unbounded();
         let polls = Rc::new(Cell::new(0));
         let dropped = Rc::new(Cell::new(false));
