@@ -17,6 +17,8 @@ pub mod peer;
 pub mod peer_state;
 #[doc(hidden)]
 pub mod pending_set;
+#[doc(hidden)]
+pub mod pull_mux;
 pub mod receiver;
 #[doc(hidden)]
 pub mod rediscovery;

@@ -13,6 +13,7 @@ use actix::{
     Actor, ActorContext, AsyncContext, Context, Handler, Recipient, SpawnHandle, StreamHandler,
     Supervised,
 };
+use futures::stream::AbortHandle;
 use futures::StreamExt;
 
 use crate::messages::{
@@ -22,6 +23,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
+use super::pull_mux::PullMux;
 use super::rediscovery::PeerHealth;
 use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
@@ -72,7 +74,8 @@ pub struct PullEvent {
 }
 
 struct Live {
-    stream: SpawnHandle,
+    /// Ends the pull's reply stream (dropping its channel).
+    stream: AbortHandle,
     /// When the pull is abandoned unless a reply comes first (restarted by every reply). On
     /// tokio's clock, the one the timer runs on.
     deadline: tokio::time::Instant,
@@ -93,6 +96,9 @@ pub struct Peer {
     aggregator: Recipient<Settles>,
     health: PeerHealth,
     live: FastMap<PullId, Live>,
+    /// The live pulls' reply streams, merged into one stream of the actor's (added on the
+    /// first pull; a restart drops the actor's streams, and this with them).
+    mux: Option<PullMux<PullEvent>>,
     /// One timer for the deadlines of all live pulls, armed for the earliest and never
     /// cancelled when a pull ends: when it fires, overdue pulls are abandoned and it is armed
     /// again for the earliest deadline left. A timer per pull cost a timer-wheel registration,
@@ -125,6 +131,7 @@ impl Peer {
             aggregator,
             health,
             live: FastMap::default(),
+            mux: None,
             timer: None,
             restarts: 0,
             consecutive_failures: 0,
@@ -168,7 +175,12 @@ impl Peer {
                     event: ChannelEvent::Ended,
                 }
             }));
-        let stream = ctx.add_stream(stream);
+        let mux = self.mux.get_or_insert_with(|| {
+            let (mux, merged) = PullMux::new();
+            ctx.add_stream(merged);
+            mux
+        });
+        let stream = mux.add(stream.boxed_local());
         let deadline = self.deadline_from_now(ctx);
         self.live.insert(
             pull_id,
@@ -222,9 +234,9 @@ impl Peer {
                 Cause::Timeout,
                 format!("no reply within the {timeout:?} pull deadline"),
             );
-            self.apply(pull_id, fx, ctx);
+            self.apply(pull_id, fx);
             // Nothing is owed once abandoned; the channel goes either way.
-            self.close(pull_id, ctx);
+            self.close(pull_id);
         }
         if let Some(next) = self.live.values().map(|l| l.deadline).min() {
             self.arm_timer(next, ctx);
@@ -232,7 +244,7 @@ impl Peer {
     }
 
     /// Send settles, count, and close the pull's channel when it is over.
-    fn apply(&mut self, pull_id: PullId, fx: Effects, ctx: &mut Context<Self>) {
+    fn apply(&mut self, pull_id: PullId, fx: Effects) {
         let span = self
             .live
             .get(&pull_id)
@@ -286,13 +298,13 @@ impl Peer {
             self.health.up(self.state.peer());
         }
         if fx.pull_done {
-            self.close(pull_id, ctx);
+            self.close(pull_id);
         }
     }
 
-    fn close(&mut self, pull_id: PullId, ctx: &mut Context<Self>) {
+    fn close(&mut self, pull_id: PullId) {
         if let Some(l) = self.live.remove(&pull_id) {
-            ctx.cancel_future(l.stream); // drops the channel: the DEALER closes with linger 0
+            l.stream.abort(); // drops the channel: the DEALER closes with linger 0
             self.labels
                 .histogram(m::PULL_LATENCY)
                 .record(l.started.elapsed().as_secs_f64());
@@ -302,7 +314,7 @@ impl Peer {
     /// A pull that reached us during the restart backoff (the Receiver checked our health
     /// before we failed). It is settled at once instead of waiting out the backoff; nothing was
     /// sent, so no peer can write for it: Failed, not Uncertain.
-    fn refuse(&mut self, pull: Pull, until: Instant, ctx: &mut Context<Self>) {
+    fn refuse(&mut self, pull: Pull, until: Instant) {
         self.labels
             .counter_by(m::UNREACHABLE_BATCHES, "reason", "peer_backoff")
             .increment(1);
@@ -317,7 +329,7 @@ impl Peer {
                 self.id()
             ),
         );
-        self.apply(pull.pull_id, fx, ctx);
+        self.apply(pull.pull_id, fx);
     }
 }
 
@@ -328,21 +340,22 @@ impl Actor for Peer {
 impl Supervised for Peer {
     /// Everything the old incarnation owed is settled Uncertain, exactly once, before the new one
     /// serves anything (DESIGN.md §6).
-    fn restarting(&mut self, ctx: &mut Context<Self>) {
+    fn restarting(&mut self, _ctx: &mut Context<Self>) {
         self.restarts += 1;
         self.consecutive_failures += 1;
         let reason = format!("peer {} restarted after a channel failure", self.id());
         let (fx, pulls) = self.state.abandon_all(&reason);
-        self.apply(0, fx, ctx);
+        self.apply(0, fx);
         for id in pulls {
-            self.close(id, ctx);
+            self.close(id);
         }
         for (_, l) in self.live.drain() {
-            ctx.cancel_future(l.stream);
+            l.stream.abort();
         }
-        if let Some((_, handle)) = self.timer.take() {
-            ctx.cancel_future(handle);
-        }
+        // The restart dropped the actor's streams and timers: the merged stream and the
+        // deadline timer are made again by the next pull.
+        self.mux = None;
+        self.timer = None;
         let backoff = self.cfg.backoff(self.consecutive_failures);
         let until = Instant::now() + backoff;
         self.backoff_until = Some(until);
@@ -363,7 +376,7 @@ impl Handler<Pull> for Peer {
 
     fn handle(&mut self, pull: Pull, ctx: &mut Context<Self>) {
         match self.backoff_until {
-            Some(until) if until > Instant::now() => self.refuse(pull, until, ctx),
+            Some(until) if until > Instant::now() => self.refuse(pull, until),
             _ => self.start_pull(pull, ctx),
         }
     }
@@ -373,9 +386,9 @@ impl Handler<UnsentPull> for Peer {
     type Result = ();
 
     /// Nothing was sent, so there is no channel, deadline or backoff to respect.
-    fn handle(&mut self, pull: UnsentPull, ctx: &mut Context<Self>) {
+    fn handle(&mut self, pull: UnsentPull, _ctx: &mut Context<Self>) {
         let fx = self.state.unsent(&pull);
-        self.apply(pull.pull_id, fx, ctx);
+        self.apply(pull.pull_id, fx);
     }
 }
 
@@ -384,13 +397,13 @@ impl Handler<AbortAtPeer> for Peer {
 
     /// The host stopped waiting: what this peer still owes for the request settles Uncertain
     /// (it has the addresses and may still write), so the blocks wait for the fence.
-    fn handle(&mut self, msg: AbortAtPeer, ctx: &mut Context<Self>) -> usize {
+    fn handle(&mut self, msg: AbortAtPeer, _ctx: &mut Context<Self>) -> usize {
         let (fx, pulls) = self.state.abort(&msg.req_id, ABORTED_BY_HOST);
         if pulls > 0 {
             tracing::info!(peer = %self.id(), req_id = %msg.req_id, pulls, "request aborted by the host");
         }
         // Pull id 0: the settles carry their own pull ids; no pull is closed by an abort.
-        self.apply(0, fx, ctx);
+        self.apply(0, fx);
         pulls
     }
 }
@@ -411,17 +424,17 @@ impl StreamHandler<PullEvent> for Peer {
                         l.deadline = new;
                     }
                 }
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
             }
             // Nothing left D: that pull fails (no writer has it), the peer is not restarted.
             ChannelEvent::Failed(e @ TransportError::Local { .. }) => {
                 let fx = self.state.fail_unsent(pull_id, e.to_string());
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
             }
             ChannelEvent::Failed(e) => {
                 self.last_failure = Some(e.to_string());
                 let fx = self.state.abandon(pull_id, Cause::Channel, e.to_string());
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
             }
             ChannelEvent::Ended => {
@@ -430,7 +443,7 @@ impl StreamHandler<PullEvent> for Peer {
                     Cause::Channel,
                     "channel closed before FINISH".into(),
                 );
-                self.apply(pull_id, fx, ctx);
+                self.apply(pull_id, fx);
             }
         }
     }

