@@ -99,10 +99,8 @@ mod tests {
     use super::*;
     use crate::messages::{Outcome, PeerId};
 
-    #[test]
-    fn a_completions_only_sink_passes_completions_and_nothing_else() {
-        let (sink, mut rx) = EventSink::completions_channel();
-        assert!(sink.is_on() && !sink.wants_detail());
+    /// A detail event, then a completion.
+    fn emit_restart_then_completion(sink: &EventSink) {
         sink.emit(KvEvent::PeerRestarted {
             peer: PeerId::new("tcp://p:1"),
             restarts: 1,
@@ -113,6 +111,13 @@ mod tests {
             uncertain_peers: vec![],
             unsettled_peers: vec![],
         });
+    }
+
+    #[test]
+    fn a_completions_only_sink_passes_completions_and_nothing_else() {
+        let (sink, mut rx) = EventSink::completions_channel();
+        assert!(sink.is_on() && !sink.wants_detail());
+        emit_restart_then_completion(&sink);
         assert!(matches!(rx.try_recv(), Ok(KvEvent::Completion { .. })));
         assert!(rx.try_recv().is_err());
         let (all, _rx) = EventSink::channel();
@@ -127,16 +132,7 @@ mod tests {
         let (sink, mut rx) = EventSink::stamped_channel(true);
         assert!(sink.is_on() && !sink.wants_detail());
         let before = Instant::now();
-        sink.emit(KvEvent::PeerRestarted {
-            peer: PeerId::new("tcp://p:1"),
-            restarts: 1,
-        });
-        sink.emit(KvEvent::Completion {
-            req_id: "r".into(),
-            outcome: Outcome::Ok,
-            uncertain_peers: vec![],
-            unsettled_peers: vec![],
-        });
+        emit_restart_then_completion(&sink);
         let after = Instant::now();
         let (at, ev) = rx.try_recv().expect("the completion");
         assert!(matches!(ev, KvEvent::Completion { .. }));
