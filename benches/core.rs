@@ -2,8 +2,13 @@
 //! FINISH ok at once) -> RequestAggregator -> BlockManager, for 1, 2 and 4 peers, batches of 1
 //! and 64, events on (an observer drains them, as `serve` does).
 //!
+//! The transport does none of P's work inside the timing: each batch's FINISH is encoded before
+//! the clock starts, and every peer's pull is answered with a copy of it (the owned frame a
+//! socket would hand D). D still encodes every pull's metadata and decodes every reply.
+//!
 //! `cargo bench --bench core` ; per-request cost = time per batch / batch size.
 
+use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -17,21 +22,25 @@ use kvrecv::actors::{
 };
 use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{
-    KvRequest, LoadKv, MooncakeXferMetadata, MooncakeXferResponse, PeerId, XferStatus,
-};
+use kvrecv::messages::{KvRequest, LoadKv, MooncakeXferResponse, PeerId, XferStatus};
 use kvrecv::rdma::StaticLanding;
 
-/// A peer that has everything ready: one FINISH naming every request.
-struct InstantPeer;
+/// A peer that has everything ready: the current batch's FINISH, naming every request.
+struct InstantPeer {
+    reply: Rc<RefCell<Vec<u8>>>,
+}
 
 impl PeerTransport for InstantPeer {
-    fn pull(&self, _peer: &PeerId, request: Vec<u8>, _finish: CleanFinish) -> ReplyStream {
-        let md = MooncakeXferMetadata::decode(&request).expect("own metadata");
-        let mut r = MooncakeXferResponse::new(XferStatus::Finish);
-        r.ok_reqs = Some(md.req_blocks.into_keys().collect());
-        Box::pin(stream::iter([Ok(vec![r.encode().unwrap()])]))
+    fn pull(&self, _peer: &PeerId, _request: Vec<u8>, _finish: CleanFinish) -> ReplyStream {
+        Box::pin(stream::iter([Ok(vec![self.reply.borrow().clone()])]))
     }
+}
+
+/// The FINISH naming `ids`, as P would encode it.
+fn finish(ids: Vec<String>) -> Vec<u8> {
+    let mut r = MooncakeXferResponse::new(XferStatus::Finish);
+    r.ok_reqs = Some(ids);
+    r.encode().unwrap()
 }
 
 const BATCHES: [usize; 2] = [1, 64];
@@ -45,6 +54,10 @@ fn bench(c: &mut Criterion) {
     {
         g.throughput(Throughput::Elements(batch as u64));
         let sys = actix::System::new();
+        let reply = Rc::new(RefCell::new(Vec::new()));
+        let transport = Rc::new(InstantPeer {
+            reply: reply.clone(),
+        });
         let coord = sys.block_on(async {
             let (events, mut rx) = EventSink::channel();
             actix::spawn(async move { while rx.recv().await.is_some() {} });
@@ -54,7 +67,7 @@ fn bench(c: &mut Criterion) {
                     ..Default::default()
                 },
                 topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
-                transport: Rc::new(InstantPeer),
+                transport,
                 landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000, 0x100_0000])),
                 events,
                 builtin_pool: false,
@@ -64,10 +77,10 @@ fn bench(c: &mut Criterion) {
         let id = BenchmarkId::new(format!("batch{batch}"), format!("peers{peers}"));
         g.bench_with_input(id, &peers, |b, _| {
             b.iter_custom(|iters| {
-                sys.block_on(async {
-                    let t0 = Instant::now();
-                    for _ in 0..iters {
-                        let requests = (0..batch)
+                // Every batch's requests and P's answer, made before the clock starts.
+                let batches: Vec<(Vec<KvRequest>, Vec<u8>)> = (0..iters)
+                    .map(|_| {
+                        let requests: Vec<KvRequest> = (0..batch)
                             .map(|i| {
                                 next += 1;
                                 KvRequest {
@@ -79,6 +92,14 @@ fn bench(c: &mut Criterion) {
                                 }
                             })
                             .collect();
+                        let ids = requests.iter().map(|r| r.req_id.clone()).collect();
+                        (requests, finish(ids))
+                    })
+                    .collect();
+                sys.block_on(async {
+                    let t0 = Instant::now();
+                    for (requests, answer) in batches {
+                        *reply.borrow_mut() = answer;
                         coord.receiver.send(LoadKv { requests }).await.unwrap();
                         // The host's step loop: drain until the whole batch completed.
                         let mut finished = 0;
