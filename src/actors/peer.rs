@@ -13,7 +13,6 @@ use actix::{
     Actor, ActorContext, AsyncContext, Context, Handler, Recipient, SpawnHandle, StreamHandler,
     Supervised,
 };
-use futures::stream::AbortHandle;
 use futures::StreamExt;
 
 use crate::messages::{
@@ -23,7 +22,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
-use super::pull_mux::PullMux;
+use super::pull_mux::{PullHandle, PullMux};
 use super::rediscovery::PeerHealth;
 use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
@@ -75,7 +74,7 @@ pub struct PullEvent {
 
 struct Live {
     /// Ends the pull's reply stream (dropping its channel).
-    stream: AbortHandle,
+    stream: PullHandle<PullEvent>,
     /// When the pull is abandoned unless a reply comes first (restarted by every reply). On
     /// tokio's clock, the one the timer runs on.
     deadline: tokio::time::Instant,
@@ -304,7 +303,7 @@ impl Peer {
 
     fn close(&mut self, pull_id: PullId) {
         if let Some(l) = self.live.remove(&pull_id) {
-            l.stream.abort(); // drops the channel: the DEALER closes with linger 0
+            l.stream.end(); // drops the channel: back to the pool, or closed with linger 0
             self.labels
                 .histogram(m::PULL_LATENCY)
                 .record(l.started.elapsed().as_secs_f64());
@@ -350,7 +349,7 @@ impl Supervised for Peer {
             self.close(id);
         }
         for (_, l) in self.live.drain() {
-            l.stream.abort();
+            l.stream.end();
         }
         // The restart dropped the actor's streams and timers: the merged stream and the
         // deadline timer are made again by the next pull.

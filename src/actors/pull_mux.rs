@@ -13,11 +13,65 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
-use futures::stream::{AbortHandle, Abortable, LocalBoxStream, SelectAll};
+use futures::stream::{LocalBoxStream, SelectAll};
 use futures::{Stream, StreamExt};
 
+/// One merged stream, which its [`PullHandle`] can end at once.
+struct Slot<T> {
+    stream: Option<LocalBoxStream<'static, T>>,
+    /// Who polls this stream, woken when it is ended so the merge drops the empty slot.
+    waker: Option<Waker>,
+}
+
+/// Ends one merged stream.
+pub struct PullHandle<T> {
+    slot: Rc<RefCell<Slot<T>>>,
+}
+
+impl<T> PullHandle<T> {
+    /// Drop the stream now, and its channel with it: a channel marked reusable is back in the
+    /// pool before the next pull asks for one. It yields nothing more.
+    pub fn end(&self) {
+        let (stream, waker) = {
+            let mut slot = self.slot.borrow_mut();
+            (slot.stream.take(), slot.waker.take())
+        };
+        drop(stream);
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+}
+
+/// The merge's view of a slot.
+struct Slotted<T> {
+    slot: Rc<RefCell<Slot<T>>>,
+}
+
+impl<T> Stream for Slotted<T> {
+    type Item = T;
+
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+        let mut slot = self.slot.borrow_mut();
+        let Some(stream) = slot.stream.as_mut() else {
+            return Poll::Ready(None);
+        };
+        let r = stream.poll_next_unpin(cx);
+        match r {
+            Poll::Ready(None) => slot.stream = None,
+            Poll::Pending => {
+                if !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
+                    slot.waker = Some(cx.waker().clone());
+                }
+            }
+            Poll::Ready(Some(_)) => {}
+        }
+        r
+    }
+}
+
 struct Inner<T> {
-    streams: SelectAll<Abortable<LocalBoxStream<'static, T>>>,
+    streams: SelectAll<Slotted<T>>,
     /// The task polling the merged stream, woken when a stream is added.
     waker: Option<Waker>,
 }
@@ -55,20 +109,21 @@ impl<T> PullMux<T> {
         )
     }
 
-    /// Merge `stream` in. Aborting the handle ends it: it yields nothing more and is dropped
-    /// (its channel with it) the next time the merged stream is polled, which the abort
-    /// itself schedules.
-    pub fn add(&self, stream: LocalBoxStream<'static, T>) -> AbortHandle {
-        let (handle, registration) = AbortHandle::new_pair();
+    /// Merge `stream` in; the handle ends it.
+    pub fn add(&self, stream: LocalBoxStream<'static, T>) -> PullHandle<T> {
+        let slot = Rc::new(RefCell::new(Slot {
+            stream: Some(stream),
+            waker: None,
+        }));
         let mut inner = self.inner.borrow_mut();
-        inner.streams.push(Abortable::new(stream, registration));
+        inner.streams.push(Slotted { slot: slot.clone() });
         if let Some(w) = inner.waker.take() {
             w.wake();
         }
-        handle
+        PullHandle { slot }
     }
 
-    /// Streams not yet ended (aborted ones count until they are next polled).
+    /// Streams merged (an ended one counts until the merge next polls it).
     pub fn len(&self) -> usize {
         self.inner.borrow().streams.len()
     }
@@ -186,11 +241,11 @@ mod tests {
         }
     }
 
-    /// An aborted stream yields nothing more, even what was already queued, and is dropped
-    /// at the next poll; the others go on. With every stream gone the merged stream waits
+    /// An ended stream is dropped at once and yields nothing more, even what was already
+    /// queued; the others go on. With every stream gone the merged stream waits
     /// (it does not end), and a stream added later is polled.
     #[test]
-    fn an_aborted_stream_is_dropped_and_the_merge_never_ends() {
+    fn an_ended_stream_is_dropped_at_once_and_the_merge_never_ends() {
         let (mux, mut merged) = PullMux::new();
         let (a, a_tx, _, a_dropped) = probe();
         let (b, b_tx, _, b_dropped) = probe();
@@ -199,11 +254,11 @@ mod tests {
         let mut cx = Context::from_waker(noop_waker_ref());
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
         a_tx.unbounded_send(1).unwrap();
-        a_handle.abort();
+        a_handle.end();
+        assert!(a_dropped.get(), "the ended stream was dropped at once");
         b_tx.unbounded_send(2).unwrap();
         assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(2)));
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
-        assert!(a_dropped.get(), "the aborted stream was dropped");
         assert!(!b_dropped.get());
         assert_eq!(mux.len(), 1);
         drop(b_tx); // b ends by itself
