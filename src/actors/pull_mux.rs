@@ -124,12 +124,14 @@ impl<T> PullMux<T> {
     }
 
     /// Streams merged (an ended one counts until the merge next polls it).
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.inner.borrow().streams.len()
     }
 
     /// Whether no stream is merged.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.len() == 0
     }
 }

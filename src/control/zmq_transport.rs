@@ -184,10 +184,17 @@ impl Pool {
         }
         self.last_sweep.set(Instant::now());
         let timeout = self.idle_timeout;
-        self.idle.borrow_mut().retain(|_, list| {
+        let mut idle = self.idle.borrow_mut();
+        idle.retain(|_, list| {
             list.retain(|i| i.since.elapsed() < timeout);
             !list.is_empty()
         });
+        // A peer with nothing lent and nothing idle is forgotten, its peak with it: a P that
+        // restarted on new ports leaves no entry behind, and a burst long past no longer sizes
+        // the pool.
+        self.lent
+            .borrow_mut()
+            .retain(|peer, l| l.now > 0 || idle.contains_key(peer));
     }
 }
 
