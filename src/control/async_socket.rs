@@ -1,10 +1,17 @@
 //! A libzmq socket driven by tokio without blocking: `AsyncFd` on the socket's `ZMQ_FD`.
 //!
 //! Rules (DEPENDENCIES.md, "ZeroMQ from async Rust"): the fd is registered for READABLE only (it
-//! signals *any* change of the socket's state and is edge-triggered; it is never read); every
-//! operation is tried with `DONTWAIT` first; on `EAGAIN` we await the fd, then ask `ZMQ_EVENTS`
-//! (the truth, and reading it re-arms the edge) and clear tokio's readiness only when the event we
-//! want is absent. Clearing it while the event is present would lose the edge and hang the task.
+//! signals a command in the socket's mailbox and is edge-triggered; it is never read); every
+//! operation is tried with `DONTWAIT` first.
+//!
+//! Receiving trusts tokio's readiness only while the socket is *primed*: the last libzmq call
+//! on it that could process its mailbox was a receive that found nothing. Such a receive drained
+//! the mailbox and put the reader of every pipe to sleep, so whatever arrives next (a message
+//! into a sleeping pipe, a new pipe) is a command that signals the fd. Anything else unprimes
+//! it: a receive that got a message leaves its pipe awake (the next message there signals
+//! nothing), a send or `ZMQ_EVENTS` may process the mailbox and consume a signal, and a new
+//! socket's pipes start awake. An unprimed socket is always tried before waiting. Each try that
+//! finds nothing is a `poll` on the mailbox; this keeps it to one per wait.
 
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
@@ -46,6 +53,8 @@ pub struct AsyncSocket {
     // `zmq_close` closes it.
     fd: AsyncFd<ZmqFd>,
     sock: zmq::Socket,
+    /// See the module's doc: readiness can be trusted to announce the next message.
+    primed: bool,
 }
 
 impl AsyncSocket {
@@ -56,11 +65,18 @@ impl AsyncSocket {
         // before `sock`, so the registration is dropped before the socket closes the fd.
         let fd = unsafe { AsyncFd::register_with_interest(raw, Interest::READABLE) }
             .map_err(|e| e.into_parts().1)?;
-        Ok(AsyncSocket { fd, sock })
+        Ok(AsyncSocket {
+            fd,
+            sock,
+            primed: false,
+        })
     }
 
-    /// The underlying socket (options, bind, connect).
-    pub fn socket(&self) -> &zmq::Socket {
+    /// The underlying socket (options, bind, connect, a send that must not wait). Any call
+    /// on it may process the socket's mailbox (libzmq's connect, bind and send do), so the next
+    /// receive asks the socket before it trusts readiness.
+    pub fn socket(&mut self) -> &zmq::Socket {
+        self.primed = false;
         &self.sock
     }
 
@@ -97,6 +113,8 @@ impl AsyncSocket {
                 Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
                 Poll::Pending => return Poll::Pending,
             };
+            // ZMQ_EVENTS processes the mailbox: a signal meant for a receive may be consumed.
+            self.primed = false;
             let events = self.sock.get_events()?;
             if events.contains(wanted) {
                 // Keep tokio's readiness: the edge was consumed by ZMQ_EVENTS, and the caller
@@ -113,17 +131,35 @@ impl AsyncSocket {
         cx: &mut Context<'_>,
     ) -> Poll<Result<Vec<Vec<u8>>, SocketError>> {
         loop {
+            // Taken before the try, so that clearing it cannot lose a signal that came after.
+            let guard = match self.fd.poll_read_ready(cx) {
+                Poll::Ready(Ok(g)) => Some(g),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                Poll::Pending => None,
+            };
+            if guard.is_none() && self.primed {
+                return Poll::Pending; // nothing signalled since the last empty try
+            }
             // Parts of a multi-part message arrive atomically: once the first is readable the
             // rest are too, so DONTWAIT on every part is correct.
             match self.sock.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => return Poll::Ready(Ok(frames)),
-                Err(zmq::Error::EAGAIN) => {}
-                Err(e) => return Poll::Ready(Err(e.into())),
-            }
-            match self.poll_event(cx, zmq::POLLIN) {
-                Poll::Ready(Ok(())) => continue,
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
-                Poll::Pending => return Poll::Pending,
+                Ok(frames) => {
+                    self.primed = false;
+                    return Poll::Ready(Ok(frames));
+                }
+                Err(zmq::Error::EAGAIN) => {
+                    self.primed = true;
+                    match guard {
+                        // Loop to register the waker (or to try again if a signal came since).
+                        Some(mut g) => g.clear_ready(),
+                        // The waker is registered and nothing is pending.
+                        None => return Poll::Pending,
+                    }
+                }
+                Err(e) => {
+                    self.primed = false;
+                    return Poll::Ready(Err(e.into()));
+                }
             }
         }
     }
@@ -133,18 +169,42 @@ impl AsyncSocket {
         poll_fn(|cx| self.poll_recv_multipart(cx)).await
     }
 
-    /// Receive a message if one is queued right now.
+    /// Receive a message if one is queued right now (always asks the socket).
     pub fn try_recv_multipart(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
         match self.sock.recv_multipart(zmq::DONTWAIT) {
-            Ok(f) => Ok(Some(f)),
-            Err(zmq::Error::EAGAIN) => Ok(None),
-            Err(e) => Err(e.into()),
+            Ok(f) => {
+                self.primed = false;
+                Ok(Some(f))
+            }
+            // Readiness may still be set: a stale one costs one more try, never a lost message.
+            Err(zmq::Error::EAGAIN) => {
+                self.primed = true;
+                Ok(None)
+            }
+            Err(e) => {
+                self.primed = false;
+                Err(e.into())
+            }
+        }
+    }
+
+    /// Receive a message if one has been signalled: like [`Self::try_recv_multipart`], but
+    /// without a syscall when the socket is primed and nothing was signalled since. A signal
+    /// the runtime has not read from epoll yet is not seen: for checks that may be late. It
+    /// replaces the waker of a receive that is pending: only for a socket no task waits on.
+    pub fn recv_if_signalled(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        match self.poll_recv_multipart(&mut cx) {
+            Poll::Ready(r) => r.map(Some),
+            Poll::Pending => Ok(None),
         }
     }
 
     /// Send one message (`frames` as its parts), waiting while the socket is mute (HWM).
     pub async fn send_multipart(&mut self, frames: &[&[u8]]) -> Result<(), SocketError> {
         poll_fn(|cx| loop {
+            // A send may process the mailbox (libzmq does, at most once a millisecond).
+            self.primed = false;
             match self
                 .sock
                 .send_multipart(frames.iter().copied(), zmq::DONTWAIT)
@@ -180,7 +240,7 @@ mod tests {
         let dealer = ctx.socket(zmq::DEALER).unwrap();
         dealer.set_linger(0).unwrap();
         // Wrapped before connect, as the transport does: connect attaches the pipe afterwards.
-        let dealer = AsyncSocket::new(dealer).unwrap();
+        let mut dealer = AsyncSocket::new(dealer).unwrap();
         dealer.socket().connect(&addr).unwrap();
         (AsyncSocket::new(router).unwrap(), dealer)
     }
@@ -246,5 +306,108 @@ mod tests {
             dealer.poll_recv_multipart(&mut cx).is_pending(),
             "nothing more"
         );
+    }
+
+    /// Block until `fd` is readable (poll(2): neither libzmq nor tokio sees the check).
+    fn wait_readable(fd: RawFd) {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd, for the duration of the call.
+        let n = unsafe { libc::poll(&mut p, 1, SAFETY.as_millis() as i32) };
+        assert_eq!(n, 1, "the signal arrives");
+    }
+
+    /// A send processes the socket's mailbox (libzmq does so at most once a millisecond): here
+    /// it consumes the signal of a message that arrived after the receiver last found nothing,
+    /// before the runtime saw it. The receive must still try the socket rather than wait for a
+    /// signal that is gone, whether the send went through the wrapper or the raw socket (P's
+    /// ROUTER sends that way).
+    #[tokio::test]
+    async fn a_message_whose_signal_a_send_consumed_is_still_received() {
+        for raw in [false, true] {
+            // A new pair each time: libzmq's throttle lets a socket's first send process.
+            let ctx = ZmqContext::new(64).unwrap();
+            let (mut router, mut dealer) = pair(&ctx);
+            dealer.send_multipart(&[b"one"]).await.unwrap();
+            let id = tokio::time::timeout(SAFETY, router.recv_multipart())
+                .await
+                .unwrap()
+                .unwrap()
+                .remove(0);
+            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+            assert!(
+                router.poll_recv_multipart(&mut cx).is_pending(),
+                "nothing yet"
+            );
+            dealer.send_multipart(&[b"two"]).await.unwrap();
+            wait_readable(router.fd.as_raw_fd());
+            if raw {
+                let frames = [id.as_slice(), b"reply"];
+                router
+                    .socket()
+                    .send_multipart(frames, zmq::DONTWAIT)
+                    .unwrap();
+            } else {
+                router.send_multipart(&[&id, b"reply"]).await.unwrap();
+            }
+            let got = tokio::time::timeout(SAFETY, router.recv_multipart())
+                .await
+                .unwrap_or_else(|_| panic!("received though a send took its signal (raw {raw})"))
+                .unwrap();
+            assert_eq!(got[1], b"two");
+        }
+    }
+
+    /// A socket that connected and never sent (a monitor's reader) starts with its pipe's
+    /// reader awake: the first message into it signals nothing, so it must be tried first.
+    #[tokio::test]
+    async fn the_first_message_on_a_socket_that_never_sent_is_received() {
+        let ctx = ZmqContext::new(64).unwrap();
+        let a = ctx.socket(zmq::PAIR).unwrap();
+        a.bind("inproc://never-sent").unwrap();
+        let b = ctx.socket(zmq::PAIR).unwrap();
+        b.connect("inproc://never-sent").unwrap();
+        let (mut a, mut b) = (AsyncSocket::new(a).unwrap(), AsyncSocket::new(b).unwrap());
+        a.send_multipart(&[b"first"]).await.unwrap();
+        let got = tokio::time::timeout(SAFETY, b.recv_multipart())
+            .await
+            .expect("the first message is received without a signal")
+            .unwrap();
+        assert_eq!(got, vec![b"first".to_vec()]);
+    }
+
+    /// A receive that gets a message leaves that pipe's reader awake: a second message queued
+    /// behind it signals nothing, even when the runtime never saw the first one's signal.
+    #[tokio::test]
+    async fn a_message_behind_one_taken_without_waiting_is_received() {
+        let ctx = ZmqContext::new(64).unwrap();
+        let (mut router, mut dealer) = pair(&ctx);
+        dealer.send_multipart(&[b"ask"]).await.unwrap();
+        let id = tokio::time::timeout(SAFETY, router.recv_multipart())
+            .await
+            .unwrap()
+            .unwrap()
+            .remove(0);
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        assert!(
+            dealer.poll_recv_multipart(&mut cx).is_pending(),
+            "nothing yet"
+        );
+        for part in [b"one", b"two"] {
+            router.send_multipart(&[&id, part]).await.unwrap();
+        }
+        wait_readable(dealer.fd.as_raw_fd());
+        assert_eq!(
+            dealer.try_recv_multipart().unwrap(),
+            Some(vec![b"one".to_vec()])
+        );
+        let got = tokio::time::timeout(SAFETY, dealer.recv_multipart())
+            .await
+            .expect("the second message is received")
+            .unwrap();
+        assert_eq!(got, vec![b"two".to_vec()]);
     }
 }

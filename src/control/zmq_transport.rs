@@ -300,7 +300,7 @@ impl ZmqTransport {
     }
 
     fn open(&self, peer: &PeerId) -> Result<Channel, TransportError> {
-        let ch = self.sockets(peer).map_err(|e| TransportError::Local {
+        let mut ch = self.sockets(peer).map_err(|e| TransportError::Local {
             peer: peer.clone(),
             reason: e.to_string(),
         })?;
@@ -438,10 +438,12 @@ impl Channel {
 
     /// Whether a pooled channel may carry another pull: no connection failure reported while it
     /// was idle, and nothing queued (a message for no pull means the peer and D disagree about
-    /// where the last pull ended).
+    /// where the last pull ended). The monitor is read only if it signalled: a failure the
+    /// runtime has not seen yet fails the pull that takes the channel, as one coming a moment
+    /// later would.
     fn usable_after_idle(&mut self) -> bool {
         loop {
-            match self.monitor.try_recv_multipart() {
+            match self.monitor.recv_if_signalled() {
                 Ok(Some(ev)) => {
                     if let Some(e) = self.on_event(&ev) {
                         tracing::debug!(error = %e, "pooled side channel closed");
@@ -754,10 +756,10 @@ mod tests {
                 let ready = t
                     .pool
                     .idle
-                    .borrow()
-                    .get(&PeerId::new(&addr))
+                    .borrow_mut()
+                    .get_mut(&PeerId::new(&addr))
                     .is_some_and(|l| {
-                        l.iter().any(|i| {
+                        l.iter_mut().any(|i| {
                             i.ch.dealer
                                 .socket()
                                 .get_events()
