@@ -6,7 +6,8 @@
 //! the clock starts, and every peer's pull is answered with a copy of it (the owned frame a
 //! socket would hand D). D still encodes every pull's metadata and decodes every reply.
 //!
-//! `cargo bench --bench core` ; per-request cost = time per batch / batch size.
+//! `cargo bench --bench core` ; per-request cost = time per batch / batch size. `LAYERS=N`
+//! (default 2) sets the layout's layer count: every pull's metadata lists each layer.
 
 use std::cell::RefCell;
 use std::rc::Rc;
@@ -46,6 +47,10 @@ fn finish(ids: Vec<String>) -> Vec<u8> {
 const BATCHES: [usize; 2] = [1, 64];
 
 fn bench(c: &mut Criterion) {
+    let layers: u32 = std::env::var("LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
     let mut g = c.benchmark_group("core_requests");
     g.measurement_time(Duration::from_secs(4));
     for (batch, peers) in BATCHES
@@ -63,12 +68,16 @@ fn bench(c: &mut Criterion) {
             actix::spawn(async move { while rx.recv().await.is_some() {} });
             Coordinator::start(CoordinatorParts {
                 config: KvRecvConfig {
-                    layout: KvLayout::uniform(2, 64, 1024),
+                    layout: KvLayout::uniform(layers, 64, 1024),
                     ..Default::default()
                 },
                 topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
                 transport,
-                landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000, 0x100_0000])),
+                landing: Arc::new(StaticLanding::new(
+                    "127.0.0.1",
+                    1,
+                    (0..layers as u64).map(|i| 0x1000 + (i << 24)).collect(),
+                )),
                 events,
                 builtin_pool: false,
             })

@@ -16,7 +16,8 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, Admit, BatchError, Interner, LoadKv, LoadKvReply, MetadataRef,
-    PeerId, Pull, PullRequest, ReqId, SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
+    MetadataTail, PeerId, Pull, PullRequest, ReqId, SharedRequest, UnsentPull, WireError,
+    ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -54,9 +55,12 @@ pub struct Receiver {
     /// Engine ids and bootstrap addresses, shared by every request that names them.
     interner: Interner,
     /// Metadata encoder (a seam so a test can make it fail).
-    encode: fn(&MetadataRef<'_>) -> Result<Vec<u8>, WireError>,
+    encode: fn(&MetadataRef<'_>, Option<&MetadataTail>) -> Result<Vec<u8>, WireError>,
     /// The layout's arrays every pull's metadata carries.
     layout_arrays: batch_plan::LayoutArrays,
+    /// Those arrays and D's PP size as every pull's metadata ends, encoded once (`None` if that
+    /// failed: each pull then encodes them itself, and meets the same error).
+    layout_tail: Option<MetadataTail>,
     labels: Labels,
 }
 
@@ -75,6 +79,15 @@ impl Receiver {
             max: cfg.topology_retry_max,
         });
         let layout_arrays = batch_plan::LayoutArrays::new(&cfg.layout);
+        let layout_tail = MetadataTail::of(&batch_plan::pull_metadata_ref(
+            &layout_arrays,
+            cfg.d_rank,
+            ("", 0),
+            Default::default(),
+            &[],
+        ))
+        .inspect_err(|e| tracing::warn!(error = %e, "cannot pre-encode the layout's metadata"))
+        .ok();
         Receiver {
             cfg,
             topology,
@@ -88,8 +101,12 @@ impl Receiver {
             undispatched: FastSet::default(),
             aborted: FastSet::default(),
             interner: Interner::default(),
-            encode: |md| md.encode(),
+            encode: |md, tail| match tail {
+                Some(t) => md.encode_with(t),
+                None => md.encode(),
+            },
             layout_arrays,
+            layout_tail,
             labels: Labels::default(),
         }
     }
@@ -243,7 +260,7 @@ impl Receiver {
                 req_blocks.clone(),
                 &bases,
             );
-            let encoded = (self.encode)(&md);
+            let encoded = (self.encode)(&md, self.layout_tail.as_ref());
             match encoded {
                 Ok(payload) => self.peer(peer).do_send(Pull {
                     pull_id,
@@ -451,7 +468,7 @@ mod tests {
             bm.clone(),
             events,
         );
-        receiver.encode = |_| {
+        receiver.encode = |_, _| {
             Err(WireError::Encode(rmp_serde::encode::Error::Syntax(
                 "simulated".into(),
             )))

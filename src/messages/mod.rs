@@ -33,5 +33,6 @@ pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
 pub use settle::{Cause, Settle, SettleOutcome, Settles};
 pub use wire::{
-    MetadataRef, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError, XferStatus,
+    MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError,
+    XferStatus,
 };

@@ -86,6 +86,88 @@ impl MetadataRef<'_> {
     pub fn encode(&self) -> Result<Vec<u8>, WireError> {
         encode_named(self)
     }
+
+    /// The same bytes as [`MetadataRef::encode`], with the entries after `kv_caches_base_addr`
+    /// taken from `tail` (encoded once) instead of from `self`'s lists: a pull then encodes only
+    /// what is its own. `tail` must come from a metadata with the same layout and PP size
+    /// ([`MetadataTail::of`]); the lists in `self` are not read.
+    pub fn encode_with(&self, tail: &MetadataTail) -> Result<Vec<u8>, WireError> {
+        let mut buf = Vec::with_capacity(tail.bytes.len() + 64 + 48 * self.req_blocks.0.len());
+        rmp::encode::write_map_len(&mut buf, HEAD_ENTRIES + tail.entries)
+            .map_err(rmp_serde::encode::Error::from)?;
+        entry(&mut buf, "remote_hostname", self.remote_hostname)?;
+        entry(&mut buf, "remote_port", &self.remote_port)?;
+        entry(&mut buf, "remote_tp_size", &self.remote_tp_size)?;
+        entry(&mut buf, "remote_tp_rank", &self.remote_tp_rank)?;
+        entry(&mut buf, "req_blocks", &self.req_blocks)?;
+        entry(&mut buf, "kv_caches_base_addr", self.kv_caches_base_addr)?;
+        buf.extend_from_slice(&tail.bytes);
+        Ok(buf)
+    }
+}
+
+/// Entries of [`MetadataRef`] up to `kv_caches_base_addr`: the ones a pull encodes itself.
+const HEAD_ENTRIES: u32 = 6;
+
+/// The entries of a pull's metadata after `kv_caches_base_addr` (the layout's lists and D's PP
+/// size, each omitted as msgspec omits it), encoded: the same in every pull of a coordinator.
+/// A layout of 80 layers repeats 80 layer names in every pull; encoding them once keeps a
+/// pull's cost flat in the number of layers.
+#[derive(Debug, Clone)]
+pub struct MetadataTail {
+    bytes: Vec<u8>,
+    entries: u32,
+}
+
+impl MetadataTail {
+    /// The tail of `md` (its head entries are not read).
+    pub fn of(md: &MetadataRef<'_>) -> Result<Self, WireError> {
+        let mut t = MetadataTail {
+            bytes: Vec::new(),
+            entries: 2, // block_lens, kv_block_lens
+        };
+        entry(&mut t.bytes, "block_lens", md.block_lens)?;
+        entry(&mut t.bytes, "kv_block_lens", md.kv_block_lens)?;
+        // The omissions of `MetadataRef`'s `skip_serializing_if`s, in declaration order.
+        if !md.registered_layer_names.is_empty() {
+            entry(
+                &mut t.bytes,
+                "registered_layer_names",
+                md.registered_layer_names,
+            )?;
+            t.entries += 1;
+        }
+        if !md.registered_layer_indices.is_empty() {
+            entry(
+                &mut t.bytes,
+                "registered_layer_indices",
+                md.registered_layer_indices,
+            )?;
+            t.entries += 1;
+        }
+        if !md.registered_group_indices.is_empty() {
+            entry(
+                &mut t.bytes,
+                "registered_group_indices",
+                md.registered_group_indices,
+            )?;
+            t.entries += 1;
+        }
+        if !is_one(&md.remote_pp_size) {
+            entry(&mut t.bytes, "remote_pp_size", &md.remote_pp_size)?;
+            t.entries += 1;
+        }
+        Ok(t)
+    }
+}
+
+/// One map entry as `rmp_serde::to_vec_named` writes a struct field: the key as a str, then
+/// the value.
+fn entry<T: Serialize + ?Sized>(buf: &mut Vec<u8>, key: &str, v: &T) -> Result<(), WireError> {
+    let mut ser = rmp_serde::Serializer::new(buf).with_struct_map();
+    key.serialize(&mut ser)?;
+    v.serialize(&mut ser)?;
+    Ok(())
 }
 
 fn one() -> u32 {
@@ -318,5 +400,64 @@ mod tests {
         bad.remove(flat + 2);
         bad.truncate(bad.len());
         assert!(MooncakeXferMetadata::decode(&bad).is_err());
+    }
+
+    proptest::proptest! {
+        /// A pull encoded with the pre-encoded tail is byte for byte the pull encoded whole,
+        /// for any layout (lists empty or not, names, groups, PP size) and any requests.
+        #[test]
+        fn a_pull_encoded_with_its_tail_is_the_pull_encoded_whole(
+            layers in 0usize..6,
+            names in proptest::bool::ANY,
+            groups in proptest::bool::ANY,
+            pp in 1u32..4,
+            reqs in proptest::collection::vec(
+                ("[a-z0-9-]{1,12}", proptest::collection::vec(
+                    proptest::collection::vec(0u32..100_000, 0..4), 0..3)),
+                0..5),
+            host in "[a-z0-9.]{0,20}",
+            port in proptest::num::u32::ANY,
+        ) {
+            let lens: Vec<u64> = (0..layers as u64).map(|i| 4096 << i).collect();
+            let kv_lens: Vec<u64> = lens.iter().map(|l| l / 2).collect();
+            let bases: Vec<u64> = (0..layers as u64).map(|i| 0x7e00_0000_0000 + (i << 30)).collect();
+            let layer_names: Vec<String> = if names {
+                (0..layers).map(|i| format!("model.layers.{i}.self_attn.attn")).collect()
+            } else {
+                vec![]
+            };
+            let indices: Vec<u32> = if names { (0..layers as u32).collect() } else { vec![] };
+            let group_ids: Vec<u32> = if groups { vec![0; layers] } else { vec![] };
+            let mut req_blocks: Vec<(&str, &str, &[Vec<u32>])> = reqs
+                .iter()
+                .map(|(id, b)| (id.as_str(), id.as_str(), b.as_slice()))
+                .collect();
+            req_blocks.sort_by(|a, b| a.0.cmp(b.0));
+            req_blocks.dedup_by(|a, b| a.0 == b.0);
+            let md = MetadataRef {
+                remote_hostname: &host,
+                remote_port: port,
+                remote_tp_size: 2,
+                remote_tp_rank: 1,
+                req_blocks: ReqBlocksRef(req_blocks),
+                kv_caches_base_addr: &bases,
+                block_lens: &lens,
+                kv_block_lens: &kv_lens,
+                registered_layer_names: &layer_names,
+                registered_layer_indices: &indices,
+                registered_group_indices: &group_ids,
+                remote_pp_size: pp,
+            };
+            // The tail of a metadata with another head (as the Receiver builds it).
+            let template = MetadataRef {
+                remote_hostname: "",
+                remote_port: 0,
+                req_blocks: ReqBlocksRef::default(),
+                kv_caches_base_addr: &[],
+                ..md.clone()
+            };
+            let tail = MetadataTail::of(&template).unwrap();
+            proptest::prop_assert_eq!(md.encode_with(&tail).unwrap(), md.encode().unwrap());
+        }
     }
 }
