@@ -245,6 +245,31 @@ mod tests {
         (AsyncSocket::new(router).unwrap(), dealer)
     }
 
+    /// The next message on `s`, within [`SAFETY`]; `what` names it when it does not come.
+    async fn recv_within(s: &mut AsyncSocket, what: &str) -> Vec<Vec<u8>> {
+        tokio::time::timeout(SAFETY, s.recv_multipart())
+            .await
+            .unwrap_or_else(|_| panic!("{what}: nothing within {SAFETY:?}"))
+            .unwrap()
+    }
+
+    /// Nothing to receive on `s` now; its receive is left waiting (with a waker that does
+    /// nothing), its readiness cleared.
+    fn nothing_yet(s: &mut AsyncSocket) {
+        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
+        assert!(s.poll_recv_multipart(&mut cx).is_pending(), "nothing yet");
+    }
+
+    /// [`pair`], once the DEALER's first message (`ask`) reached the ROUTER: the ROUTER, the
+    /// DEALER and its routing id.
+    async fn asked(ctx: &ZmqContext) -> (AsyncSocket, AsyncSocket, Vec<u8>) {
+        let (mut router, mut dealer) = pair(ctx);
+        dealer.send_multipart(&[b"ask"]).await.unwrap();
+        let mut got = recv_within(&mut router, "the request arrives").await;
+        assert_eq!(got.pop().unwrap(), b"ask");
+        (router, dealer, got.remove(0))
+    }
+
     /// The pipe `connect` attaches starts with its reader marked awake: its first message
     /// signals nothing. A receive that waits for readiness before any `ZMQ_EVENTS` check hangs
     /// here (seen, when waiting on readiness first was tried: every first pull on a new DEALER
@@ -252,17 +277,13 @@ mod tests {
     #[tokio::test]
     async fn first_reply_on_a_freshly_connected_dealer_is_received() {
         let ctx = ZmqContext::new(64).unwrap();
-        let (mut router, mut dealer) = pair(&ctx);
-        dealer.send_multipart(&[b"ask"]).await.unwrap();
-        let got = tokio::time::timeout(SAFETY, router.recv_multipart())
-            .await
-            .expect("the request arrives")
-            .unwrap();
-        router.send_multipart(&[&got[0], b"reply"]).await.unwrap();
-        let reply = tokio::time::timeout(SAFETY, dealer.recv_multipart())
-            .await
-            .expect("the first reply is seen without any other event on the socket")
-            .unwrap();
+        let (mut router, mut dealer, id) = asked(&ctx).await;
+        router.send_multipart(&[&id, b"reply"]).await.unwrap();
+        let reply = recv_within(
+            &mut dealer,
+            "the first reply is seen without any other event on the socket",
+        )
+        .await;
         assert_eq!(reply, vec![b"reply".to_vec()]);
     }
 
@@ -271,21 +292,12 @@ mod tests {
     #[tokio::test]
     async fn queued_replies_are_all_delivered_and_a_later_one_wakes_the_waiter() {
         let ctx = ZmqContext::new(64).unwrap();
-        let (mut router, mut dealer) = pair(&ctx);
-        dealer.send_multipart(&[b"ask"]).await.unwrap();
-        let id = tokio::time::timeout(SAFETY, router.recv_multipart())
-            .await
-            .unwrap()
-            .unwrap()
-            .remove(0);
+        let (mut router, mut dealer, id) = asked(&ctx).await;
         for part in [b"one", b"two"] {
             router.send_multipart(&[&id, part]).await.unwrap();
         }
         for want in [b"one", b"two"] {
-            let got = tokio::time::timeout(SAFETY, dealer.recv_multipart())
-                .await
-                .expect("a queued reply is delivered")
-                .unwrap();
+            let got = recv_within(&mut dealer, "a queued reply is delivered").await;
             assert_eq!(got, vec![want.to_vec()]);
         }
         // Now nothing is queued: the receiver finds that out, clears readiness and waits.
@@ -330,18 +342,8 @@ mod tests {
         for raw in [false, true] {
             // A new pair each time: libzmq's throttle lets a socket's first send process.
             let ctx = ZmqContext::new(64).unwrap();
-            let (mut router, mut dealer) = pair(&ctx);
-            dealer.send_multipart(&[b"one"]).await.unwrap();
-            let id = tokio::time::timeout(SAFETY, router.recv_multipart())
-                .await
-                .unwrap()
-                .unwrap()
-                .remove(0);
-            let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-            assert!(
-                router.poll_recv_multipart(&mut cx).is_pending(),
-                "nothing yet"
-            );
+            let (mut router, mut dealer, id) = asked(&ctx).await;
+            nothing_yet(&mut router);
             dealer.send_multipart(&[b"two"]).await.unwrap();
             wait_readable(router.fd.as_raw_fd());
             if raw {
@@ -353,10 +355,8 @@ mod tests {
             } else {
                 router.send_multipart(&[&id, b"reply"]).await.unwrap();
             }
-            let got = tokio::time::timeout(SAFETY, router.recv_multipart())
-                .await
-                .unwrap_or_else(|_| panic!("received though a send took its signal (raw {raw})"))
-                .unwrap();
+            let what = format!("received though a send took its signal (raw {raw})");
+            let got = recv_within(&mut router, &what).await;
             assert_eq!(got[1], b"two");
         }
     }
@@ -372,10 +372,7 @@ mod tests {
         b.connect("inproc://never-sent").unwrap();
         let (mut a, mut b) = (AsyncSocket::new(a).unwrap(), AsyncSocket::new(b).unwrap());
         a.send_multipart(&[b"first"]).await.unwrap();
-        let got = tokio::time::timeout(SAFETY, b.recv_multipart())
-            .await
-            .expect("the first message is received without a signal")
-            .unwrap();
+        let got = recv_within(&mut b, "the first message is received without a signal").await;
         assert_eq!(got, vec![b"first".to_vec()]);
     }
 
@@ -384,18 +381,8 @@ mod tests {
     #[tokio::test]
     async fn a_message_behind_one_taken_without_waiting_is_received() {
         let ctx = ZmqContext::new(64).unwrap();
-        let (mut router, mut dealer) = pair(&ctx);
-        dealer.send_multipart(&[b"ask"]).await.unwrap();
-        let id = tokio::time::timeout(SAFETY, router.recv_multipart())
-            .await
-            .unwrap()
-            .unwrap()
-            .remove(0);
-        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-        assert!(
-            dealer.poll_recv_multipart(&mut cx).is_pending(),
-            "nothing yet"
-        );
+        let (mut router, mut dealer, id) = asked(&ctx).await;
+        nothing_yet(&mut dealer);
         for part in [b"one", b"two"] {
             router.send_multipart(&[&id, part]).await.unwrap();
         }
@@ -404,10 +391,7 @@ mod tests {
             dealer.try_recv_multipart().unwrap(),
             Some(vec![b"one".to_vec()])
         );
-        let got = tokio::time::timeout(SAFETY, dealer.recv_multipart())
-            .await
-            .expect("the second message is received")
-            .unwrap();
+        let got = recv_within(&mut dealer, "the second message is received").await;
         assert_eq!(got, vec![b"two".to_vec()]);
     }
 }

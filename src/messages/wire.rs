@@ -124,40 +124,35 @@ impl MetadataTail {
     pub fn of(md: &MetadataRef<'_>) -> Result<Self, WireError> {
         let mut t = MetadataTail {
             bytes: Vec::new(),
-            entries: 2, // block_lens, kv_block_lens
+            entries: 0,
         };
-        entry(&mut t.bytes, "block_lens", md.block_lens)?;
-        entry(&mut t.bytes, "kv_block_lens", md.kv_block_lens)?;
-        // The omissions of `MetadataRef`'s `skip_serializing_if`s, in declaration order.
-        if !md.registered_layer_names.is_empty() {
-            entry(
-                &mut t.bytes,
-                "registered_layer_names",
-                md.registered_layer_names,
-            )?;
-            t.entries += 1;
-        }
-        if !md.registered_layer_indices.is_empty() {
-            entry(
-                &mut t.bytes,
-                "registered_layer_indices",
-                md.registered_layer_indices,
-            )?;
-            t.entries += 1;
-        }
-        if !md.registered_group_indices.is_empty() {
-            entry(
-                &mut t.bytes,
-                "registered_group_indices",
-                md.registered_group_indices,
-            )?;
-            t.entries += 1;
-        }
-        if !is_one(&md.remote_pp_size) {
-            entry(&mut t.bytes, "remote_pp_size", &md.remote_pp_size)?;
-            t.entries += 1;
-        }
+        // In declaration order, each omitted as `MetadataRef`'s `skip_serializing_if` omits it.
+        t.put("block_lens", md.block_lens, false)?;
+        t.put("kv_block_lens", md.kv_block_lens, false)?;
+        let names = md.registered_layer_names;
+        t.put("registered_layer_names", names, names.is_empty())?;
+        let indices = md.registered_layer_indices;
+        t.put("registered_layer_indices", indices, indices.is_empty())?;
+        let groups = md.registered_group_indices;
+        t.put("registered_group_indices", groups, groups.is_empty())?;
+        let pp = md.remote_pp_size;
+        t.put("remote_pp_size", &pp, is_one(&pp))?;
         Ok(t)
+    }
+}
+
+impl MetadataTail {
+    fn put<T: Serialize + ?Sized>(
+        &mut self,
+        key: &str,
+        v: &T,
+        omit: bool,
+    ) -> Result<(), WireError> {
+        if !omit {
+            entry(&mut self.bytes, key, v)?;
+            self.entries += 1;
+        }
+        Ok(())
     }
 }
 
