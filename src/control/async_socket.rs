@@ -18,7 +18,7 @@ use std::os::fd::{AsRawFd, RawFd};
 use std::os::raw::{c_char, c_int, c_void};
 use std::task::{Context, Poll};
 
-use futures::future::poll_fn;
+use futures::future::{poll_fn, FutureExt};
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 
@@ -116,12 +116,14 @@ impl AsyncSocket {
             // ZMQ_EVENTS processes the mailbox: a signal meant for a receive may be consumed.
             self.primed = false;
             let events = self.sock.get_events()?;
+            // Cleared either way: ZMQ_EVENTS drained the mailbox, so what changes next signals
+            // again. Kept, a send that fails again although ZMQ_EVENTS said it could go (a
+            // ROUTER with ROUTER_MANDATORY: one peer's pipe full, another's not) would loop on
+            // it without ever yielding.
+            guard.clear_ready();
             if events.contains(wanted) {
-                // Keep tokio's readiness: the edge was consumed by ZMQ_EVENTS, and the caller
-                // is about to perform the operation.
                 return Poll::Ready(Ok(()));
             }
-            guard.clear_ready();
         }
     }
 
@@ -192,12 +194,12 @@ impl AsyncSocket {
     /// without a syscall when the socket is primed and nothing was signalled since. A signal
     /// the runtime has not read from epoll yet is not seen: for checks that may be late. It
     /// replaces the waker of a receive that is pending: only for a socket no task waits on.
-    pub fn recv_if_signalled(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
-        let mut cx = Context::from_waker(futures::task::noop_waker_ref());
-        match self.poll_recv_multipart(&mut cx) {
-            Poll::Ready(r) => r.map(Some),
-            Poll::Pending => Ok(None),
-        }
+    pub(crate) fn recv_if_signalled(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
+        // Outside the task's cooperative budget: a spent budget would make tokio answer
+        // "not ready" for readiness it has, and the check would miss what it is for.
+        tokio::task::unconstrained(poll_fn(|cx| self.poll_recv_multipart(cx)))
+            .now_or_never()
+            .transpose()
     }
 
     /// Send one message (`frames` as its parts), waiting while the socket is mute (HWM).
@@ -251,6 +253,17 @@ mod tests {
             .await
             .unwrap_or_else(|_| panic!("{what}: nothing within {SAFETY:?}"))
             .unwrap()
+    }
+
+    /// Two PAIRs on `inproc://name`: the first bound, the second connected (its pipe's reader
+    /// starts awake), both wrapped.
+    fn inproc_pair(ctx: &ZmqContext, name: &str) -> (AsyncSocket, AsyncSocket) {
+        let endpoint = format!("inproc://{name}");
+        let a = ctx.socket(zmq::PAIR).unwrap();
+        a.bind(&endpoint).unwrap();
+        let b = ctx.socket(zmq::PAIR).unwrap();
+        b.connect(&endpoint).unwrap();
+        (AsyncSocket::new(a).unwrap(), AsyncSocket::new(b).unwrap())
     }
 
     /// Nothing to receive on `s` now; its receive is left waiting (with a waker that does
@@ -366,11 +379,7 @@ mod tests {
     #[tokio::test]
     async fn the_first_message_on_a_socket_that_never_sent_is_received() {
         let ctx = ZmqContext::new(64).unwrap();
-        let a = ctx.socket(zmq::PAIR).unwrap();
-        a.bind("inproc://never-sent").unwrap();
-        let b = ctx.socket(zmq::PAIR).unwrap();
-        b.connect("inproc://never-sent").unwrap();
-        let (mut a, mut b) = (AsyncSocket::new(a).unwrap(), AsyncSocket::new(b).unwrap());
+        let (mut a, mut b) = inproc_pair(&ctx, "never-sent");
         a.send_multipart(&[b"first"]).await.unwrap();
         let got = recv_within(&mut b, "the first message is received without a signal").await;
         assert_eq!(got, vec![b"first".to_vec()]);
@@ -393,5 +402,99 @@ mod tests {
         );
         let got = recv_within(&mut dealer, "the second message is received").await;
         assert_eq!(got, vec![b"two".to_vec()]);
+    }
+
+    /// CPU time this thread has used (getrusage(2), RUSAGE_THREAD).
+    fn thread_cpu() -> Duration {
+        // SAFETY: an all-zero rusage is valid, and getrusage only writes into it.
+        let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
+        let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+        tv(u.ru_utime) + tv(u.ru_stime)
+    }
+
+    /// A send that stays refused although `ZMQ_EVENTS` says the socket can send (a ROUTER with
+    /// ROUTER_MANDATORY reports POLLOUT when any peer's pipe has room, and refuses a message
+    /// for the one whose pipe is full) waits for the next signal instead of retrying on the
+    /// thread (tokio's budget makes such a loop yield now and then, so it shows as CPU burnt
+    /// while nothing can change, not as a hang).
+    #[test]
+    fn a_send_refused_despite_pollout_waits_instead_of_spinning() {
+        let (tx, rx) = std::sync::mpsc::channel();
+        // A thread of its own, so that its CPU time is the wait's alone.
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap();
+            rt.block_on(async move {
+                let ctx = ZmqContext::new(64).unwrap();
+                let router = ctx.socket(zmq::ROUTER).unwrap();
+                router.set_router_mandatory(true).unwrap();
+                router.set_sndhwm(1).unwrap();
+                router.bind("inproc://mandatory").unwrap();
+                let mut dealers = Vec::new();
+                for id in [b"full", b"free"] {
+                    let d = ctx.socket(zmq::DEALER).unwrap();
+                    d.set_identity(id).unwrap();
+                    d.set_rcvhwm(1).unwrap();
+                    d.connect("inproc://mandatory").unwrap();
+                    dealers.push(d); // never read
+                }
+                let mut router = AsyncSocket::new(router).unwrap();
+                // The peers' pipes reached the ROUTER as commands: its fd is readable, and the
+                // runtime knows it (readiness stays set until cleared).
+                let _ = router.fd.readable().await.unwrap();
+                // Fill the pipe to "full" until the ROUTER refuses.
+                let mut refused = false;
+                for _ in 0..1000 {
+                    match router
+                        .socket()
+                        .send_multipart([&b"full"[..], b"x"], zmq::DONTWAIT)
+                    {
+                        Ok(()) => {}
+                        Err(zmq::Error::EAGAIN) => {
+                            refused = true;
+                            break;
+                        }
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+                assert!(refused, "the pipe to `full` fills up");
+                let events = router.socket().get_events().unwrap();
+                assert!(events.contains(zmq::POLLOUT), "`free` still has room");
+                let wait = router.send_multipart(&[b"full", b"more"]);
+                let cpu = thread_cpu();
+                let r = tokio::time::timeout(Duration::from_millis(300), wait).await;
+                tx.send((r.is_err(), thread_cpu() - cpu)).unwrap();
+            });
+        });
+        let (waited, cpu) = rx.recv_timeout(SAFETY).expect("the wait ends");
+        assert!(waited, "nothing made room for the refused message");
+        // A retrying loop burns most of the 300 ms; waiting costs next to nothing. (A starved
+        // thread could hide a loop, never fail a wait.)
+        assert!(
+            cpu < Duration::from_millis(100),
+            "{cpu:?} of CPU while waiting"
+        );
+    }
+
+    /// `recv_if_signalled` sees readiness the runtime has, even when the task has spent its
+    /// cooperative budget (tokio then answers "not ready" to budgeted polls).
+    #[tokio::test]
+    async fn a_signalled_message_is_seen_by_a_task_out_of_budget() {
+        let ctx = ZmqContext::new(64).unwrap();
+        let (mut a, mut b) = inproc_pair(&ctx, "out-of-budget");
+        nothing_yet(&mut b); // primed
+        a.send_multipart(&[b"x"]).await.unwrap();
+        let _ = b.fd.readable().await.unwrap(); // the runtime has the signal
+                                                // Spend the budget without yielding: budgeted polls of a ready channel until refused.
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..1000 {
+            tx.send(i).unwrap();
+        }
+        while rx.recv().now_or_never().is_some() {}
+        assert!(!rx.is_empty(), "the budget ran out before the channel did");
+        assert_eq!(b.recv_if_signalled().unwrap(), Some(vec![b"x".to_vec()]));
     }
 }
