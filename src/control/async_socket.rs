@@ -142,26 +142,15 @@ impl AsyncSocket {
             if guard.is_none() && self.primed {
                 return Poll::Pending; // nothing signalled since the last empty try
             }
-            // Parts of a multi-part message arrive atomically: once the first is readable the
-            // rest are too, so DONTWAIT on every part is correct.
-            match self.sock.recv_multipart(zmq::DONTWAIT) {
-                Ok(frames) => {
-                    self.primed = false;
-                    return Poll::Ready(Ok(frames));
-                }
-                Err(zmq::Error::EAGAIN) => {
-                    self.primed = true;
-                    match guard {
-                        // Loop to register the waker (or to try again if a signal came since).
-                        Some(mut g) => g.clear_ready(),
-                        // The waker is registered and nothing is pending.
-                        None => return Poll::Pending,
-                    }
-                }
-                Err(e) => {
-                    self.primed = false;
-                    return Poll::Ready(Err(e.into()));
-                }
+            match recv_now(&self.sock, &mut self.primed) {
+                Ok(Some(frames)) => return Poll::Ready(Ok(frames)),
+                Ok(None) => match guard {
+                    // Loop to register the waker (or to try again if a signal came since).
+                    Some(mut g) => g.clear_ready(),
+                    // The waker is registered and nothing is pending.
+                    None => return Poll::Pending,
+                },
+                Err(e) => return Poll::Ready(Err(e.into())),
             }
         }
     }
@@ -173,21 +162,8 @@ impl AsyncSocket {
 
     /// Receive a message if one is queued right now (always asks the socket).
     pub fn try_recv_multipart(&mut self) -> Result<Option<Vec<Vec<u8>>>, SocketError> {
-        match self.sock.recv_multipart(zmq::DONTWAIT) {
-            Ok(f) => {
-                self.primed = false;
-                Ok(Some(f))
-            }
-            // Readiness may still be set: a stale one costs one more try, never a lost message.
-            Err(zmq::Error::EAGAIN) => {
-                self.primed = true;
-                Ok(None)
-            }
-            Err(e) => {
-                self.primed = false;
-                Err(e.into())
-            }
-        }
+        // Readiness may stay set: a stale one costs one more try, never a lost message.
+        Ok(recv_now(&self.sock, &mut self.primed)?)
     }
 
     /// Receive a message if one has been signalled: like [`Self::try_recv_multipart`], but
@@ -222,6 +198,21 @@ impl AsyncSocket {
             }
         })
         .await
+    }
+}
+
+/// One receive, `DONTWAIT`, keeping `primed`: primed by a try that found nothing, unprimed
+/// by one that got a message (its pipe's reader stays awake) or failed. Fields, not `&mut
+/// AsyncSocket`: a readiness guard on the fd may be held across it.
+fn recv_now(sock: &zmq::Socket, primed: &mut bool) -> Result<Option<Vec<Vec<u8>>>, zmq::Error> {
+    // Parts of a multi-part message arrive atomically: once the first is readable the rest are
+    // too, so DONTWAIT on every part is correct.
+    let r = sock.recv_multipart(zmq::DONTWAIT);
+    *primed = matches!(r, Err(zmq::Error::EAGAIN));
+    match r {
+        Ok(frames) => Ok(Some(frames)),
+        Err(zmq::Error::EAGAIN) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 

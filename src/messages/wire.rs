@@ -139,9 +139,7 @@ impl MetadataTail {
         t.put("remote_pp_size", &pp, is_one(&pp))?;
         Ok(t)
     }
-}
 
-impl MetadataTail {
     fn put<T: Serialize + ?Sized>(
         &mut self,
         key: &str,
