@@ -80,12 +80,18 @@ pub enum StartError {
 #[derive(Debug, Error)]
 pub enum KvRecvError {
     /// The worker was shut down (or its thread ended): nothing more can be loaded or drained.
-    #[error("the kvrecv worker is not running: {0}")]
-    Stopped(#[from] actix::MailboxError),
+    #[error("the kvrecv worker is not running (shut down, or its thread ended)")]
+    Stopped,
     /// The event stream was already taken (there is one consumer), or events were not enabled
     /// with [`KvRecvBuilder::events`].
     #[error("no event stream: enable it with KvRecvBuilder::events(true); it can be taken once")]
     NoEvents,
+}
+
+/// A message the worker's actors can no longer take: they stopped. The host sees kvrecv's
+/// error, not actix's (it has no actix in its code).
+fn stopped(_: actix::MailboxError) -> KvRecvError {
+    KvRecvError::Stopped
 }
 
 /// Starts one D worker. Defaults: TCP target on 127.0.0.1 (ephemeral ports), landing permits
@@ -621,14 +627,18 @@ impl KvRecv {
     /// Hand a batch over (after allocating its blocks). Refused requests come back in
     /// [`LoadKvReply::rejected`]; the rest of the batch goes on.
     pub async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, KvRecvError> {
-        Ok(self.inner.coord.load_kv(LoadKv { requests }).await?)
+        self.inner
+            .coord
+            .load_kv(LoadKv { requests })
+            .await
+            .map_err(stopped)
     }
 
     /// Once per scheduler step: vLLM's `get_finished` (`finished_recving`: the blocks may be
     /// reused) and `get_block_ids_with_load_errors` (`invalid_block_ids`, or `failed_recving`
     /// for multi-group caches) in one call. A failure is never drained after its completion.
     pub async fn drain(&self) -> Result<StepOutput, KvRecvError> {
-        Ok(self.inner.coord.drain().await?)
+        self.inner.coord.drain().await.map_err(stopped)
     }
 
     /// Stop waiting for `req_id` (the client went away). Peers still pending for it settle
@@ -637,14 +647,14 @@ impl KvRecv {
     /// deadline) - never early. A request not yet sent completes Failed at once. Aborting an
     /// unknown or completed request does nothing.
     pub async fn abort(&self, req_id: &str) -> Result<AbortReply, KvRecvError> {
-        Ok(self
-            .inner
+        self.inner
             .coord
             .receiver
             .send(Abort {
                 req_id: ReqId::from(req_id),
             })
-            .await?)
+            .await
+            .map_err(stopped)
     }
 
     /// The event stream. There is one: the first call takes it.
@@ -660,7 +670,13 @@ impl KvRecv {
 
     /// Counters for an operator.
     pub async fn stats(&self) -> Result<Stats, KvRecvError> {
-        let ledger = self.inner.coord.block_manager.send(GetLedgerStats).await?;
+        let ledger = self
+            .inner
+            .coord
+            .block_manager
+            .send(GetLedgerStats)
+            .await
+            .map_err(stopped)?;
         let data = self.inner.data.as_ref().map(|d| {
             let n = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
             let handshakes = n(&d.handshake.metadata) + n(&d.handshake.connection);

@@ -67,6 +67,11 @@ enum Cmd {
     /// Run a D receiver driven by JSON lines on stdin; events as JSON lines on stdout.
     Serve(cli::serve::ServeArgs),
     /// Run a simulated vLLM prefill engine (bootstrap server + one ROUTER per worker).
+    ///
+    /// Prints a `ready` line, then reads JSON commands on stdin (`ready`, `ready_all`, `faults`,
+    /// `crash`, `restart`, `stats`, `shutdown`). It runs until `{"op":"shutdown"}` or the end of
+    /// stdin: started in the background, keep its stdin open (`sleep infinity | kvrecv
+    /// prefill-sim ...`).
     PrefillSim(cli::prefill_sim::PrefillSimArgs),
     /// The main job: replay a trace with injected peer faults; show the write-after-free under
     /// `naive` and its absence under `settle`.

@@ -528,6 +528,20 @@ async fn prefill_sim_with_write_lands_bytes_in_serve() {
     )
     .unwrap();
     assert_eq!(ready["event"], "ready", "{ready}");
+    // Bytes that are not UTF-8 on P's stdin are answered, not taken for the end of its input
+    // (which would shut P down and fail the pull below).
+    let mut p_in = p.stdin.take().unwrap();
+    p_in.write_all(b"\xff\xfe{\n").await.unwrap();
+    p_in.flush().await.unwrap();
+    let answer: Value = serde_json::from_str(
+        &tokio::time::timeout(SAFETY, p_out.next_line())
+            .await
+            .unwrap()
+            .unwrap()
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(answer["event"], "error", "{answer}");
     let mut s = Serve::start(&["--layers", "2", "--block-len", "4096", "--num-blocks", "16"]);
     s.wait("ready", |v| ev(v, "ready")).await;
     let req = json!({"op": "load_kv", "requests": [{"req_id": "r1", "transfer_id": "t1",

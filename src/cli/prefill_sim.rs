@@ -2,16 +2,22 @@
 //! worker) for demos and manual tests. Prints one `ready` JSON line, then reads JSON commands on
 //! stdin: `{"op":"ready","transfer_ids":[..]}`, `{"op":"ready_all"}`,
 //! `{"op":"faults","tp":0,"pp":0,"faults":{..}}`, `{"op":"crash","tp":0,"pp":0}`,
-//! `{"op":"restart","tp":0,"pp":0}`, `{"op":"stats"}`, `{"op":"shutdown"}`.
+//! `{"op":"restart","tp":0,"pp":0}`, `{"op":"stats"}`, `{"op":"shutdown"}`. It runs until
+//! `shutdown` or the end of stdin.
 
 use std::process::ExitCode;
 use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::io::BufReader;
+
+use super::line_reader::{Line, LineReader};
 
 use kvrecv::sim::{Faults, PrefillSim, SimConfig};
+
+/// Longest command line read; a longer one is dropped unread and answered with an error.
+const MAX_LINE: usize = 1 << 20;
 
 #[derive(clap::Args, Debug)]
 pub struct PrefillSimArgs {
@@ -124,8 +130,20 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
             json!({"event": "ready", "engine_id": sim.engine_id(), "bootstrap": sim.bootstrap_url(), "workers": workers})
         );
         let in_range = |s: &PrefillSim, tp: u32, pp: u32| tp < s.config().tp_size && pp < s.config().pp_size;
-        let mut lines = BufReader::new(tokio::io::stdin()).lines();
+        // Capped, and a line that is not UTF-8 is answered, not taken for the end of input.
+        let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), MAX_LINE);
         while let Ok(Some(line)) = lines.next_line().await {
+            let line = match line {
+                Line::Text(t) => t,
+                Line::NotUtf8 { valid_up_to } => {
+                    println!("{}", json!({"event": "error", "error": format!("not UTF-8 (byte {valid_up_to})")}));
+                    continue;
+                }
+                Line::TooLong { len } => {
+                    println!("{}", json!({"event": "error", "error": format!("line of {len} bytes, over {MAX_LINE}")}));
+                    continue;
+                }
+            };
             if line.trim().is_empty() {
                 continue;
             }
