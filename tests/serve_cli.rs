@@ -497,6 +497,16 @@ async fn events_flag_limits_the_event_lines() {
     }
 }
 
+/// The next stdout line of a child, as JSON.
+async fn next_json(out: &mut Lines<BufReader<ChildStdout>>) -> Value {
+    let line = tokio::time::timeout(SAFETY, out.next_line())
+        .await
+        .expect("a line in time")
+        .unwrap()
+        .expect("stdout still open");
+    serde_json::from_str(&line).unwrap_or_else(|e| panic!("not JSON: {line}: {e}"))
+}
+
 /// The operator's pair of processes: `kvrecv prefill-sim --write` as P and `kvrecv serve` as D.
 /// P writes every block it is asked for through serve's TE target before it answers; serve
 /// reports the completion and counts the bytes.
@@ -519,28 +529,14 @@ async fn prefill_sim_with_write_lands_bytes_in_serve() {
         .spawn()
         .expect("kvrecv binary");
     let mut p_out = BufReader::new(p.stdout.take().unwrap()).lines();
-    let ready: Value = serde_json::from_str(
-        &tokio::time::timeout(SAFETY, p_out.next_line())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap(),
-    )
-    .unwrap();
+    let ready = next_json(&mut p_out).await;
     assert_eq!(ready["event"], "ready", "{ready}");
     // Bytes that are not UTF-8 on P's stdin are answered, not taken for the end of its input
     // (which would shut P down and fail the pull below).
     let mut p_in = p.stdin.take().unwrap();
     p_in.write_all(b"\xff\xfe{\n").await.unwrap();
     p_in.flush().await.unwrap();
-    let answer: Value = serde_json::from_str(
-        &tokio::time::timeout(SAFETY, p_out.next_line())
-            .await
-            .unwrap()
-            .unwrap()
-            .unwrap(),
-    )
-    .unwrap();
+    let answer = next_json(&mut p_out).await;
     assert_eq!(answer["event"], "error", "{answer}");
     let mut s = Serve::start(&["--layers", "2", "--block-len", "4096", "--num-blocks", "16"]);
     s.wait("ready", |v| ev(v, "ready")).await;
