@@ -217,6 +217,20 @@ async fn bad_bytes_and_overlong_lines_are_answered_and_awaited_requests_survive(
     let e = s.wait("error", |v| ev(v, "error")).await;
     assert_eq!(e["line"], 4, "{e}");
     assert!(e["error"].as_str().unwrap().contains("100000 bytes"), "{e}");
+    // A misspelt key is refused, not taken for "no blocks to receive".
+    let typo = json!({"op": "load_kv", "requests": [{"req_id": "d-9", "transfer_id": "t-9",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_id": [[3]]}]});
+    s.send(&typo.to_string()).await;
+    let e = s.wait("error", |v| ev(v, "error")).await;
+    assert_eq!(e["line"], 5, "{e}");
+    assert!(e["error"].as_str().unwrap().contains("`block_ids`"), "{e}");
+    s.send(r#"{"op":5}"#).await;
+    let e = s.wait("error", |v| ev(v, "error")).await;
+    assert!(
+        e["error"].as_str().unwrap().contains("expected a string"),
+        "{e}"
+    );
 
     sim.mark_ready("t-1");
     let c = s.wait("completion", |v| ev(v, "completion")).await;
@@ -226,7 +240,7 @@ async fn bad_bytes_and_overlong_lines_are_answered_and_awaited_requests_survive(
     let d = s.wait("drain", |v| ev(v, "drain")).await;
     assert_eq!(
         (d["line"].as_u64(), &d["finished_recving"]),
-        (Some(5), &json!(["d-1"]))
+        (Some(7), &json!(["d-1"]))
     );
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
@@ -554,4 +568,127 @@ async fn prefill_sim_with_write_lands_bytes_in_serve() {
     assert_eq!(stats["rejected_no_permit"], 0, "{stats}");
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
+}
+
+/// A host that keeps writing stdin but stops reading stdout: serve stops reading stdin once its
+/// stdout backlog passes `--max-output-backlog-bytes` (the host's writes block), instead of
+/// queueing answers without limit; once the host reads again, every line is answered, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limit() {
+    const LINES: usize = 20_000; // ~10 MB of answers for 300 KB of input
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args([
+            "serve",
+            "--layers",
+            "1",
+            "--block-len",
+            "4096",
+            "--num-blocks",
+            "16",
+            "--max-output-backlog-bytes",
+            "65536",
+            "--log-level",
+            "warn",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kvrecv binary");
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    assert_eq!(next_json(&mut out).await["event"], "ready");
+
+    let sent = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counter = sent.clone();
+    let mut host = tokio::spawn(async move {
+        let chunk = r#"{"op":"stats"}"#.to_owned() + "\n";
+        for _ in 0..LINES {
+            stdin.write_all(chunk.as_bytes()).await.unwrap();
+            counter.fetch_add(1, Ordering::Relaxed);
+        }
+        stdin
+    });
+    // Nobody reads stdout now. serve must say it paused stdin before the host got all its
+    // input in: without the bound it reads every line and queues every answer.
+    let paused = async {
+        while let Some(l) = err.next_line().await.unwrap() {
+            if l.contains("stdin paused") {
+                return l;
+            }
+        }
+        panic!("stderr closed");
+    };
+    tokio::select! {
+        l = paused => assert!(l.contains("WARN"), "{l}"),
+        _ = &mut host => panic!("serve read all {LINES} lines while its stdout was not read"),
+        _ = tokio::time::sleep(SAFETY) => panic!("no pause reported"),
+    }
+    assert!(sent.load(Ordering::Relaxed) < LINES);
+
+    // The host reads again: nothing was lost, nothing reordered.
+    for n in 1..=LINES as u64 {
+        let v = next_json(&mut out).await;
+        assert_eq!(
+            (v["event"].as_str(), v["line"].as_u64()),
+            (Some("stats"), Some(n))
+        );
+    }
+    let mut stdin = tokio::time::timeout(SAFETY, host).await.unwrap().unwrap();
+    stdin.write_all(b"{\"op\":\"shutdown\"}\n").await.unwrap();
+    assert_eq!(next_json(&mut out).await["event"], "shutdown");
+    let status = tokio::time::timeout(SAFETY, child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
+}
+
+/// Shutdown hands over what completed since the host's last drain and says how many awaited
+/// requests were never released (still in flight), instead of ending silently.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_reports_the_undrained_and_the_unreleased() {
+    let sim = PrefillSim::start(SimConfig {
+        tp_size: 1,
+        ready_immediately: false,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut s = Serve::start(&[
+        "--layers",
+        "1",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "16",
+        "--log-level",
+        "error",
+    ]);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let req = |id: &str, t: &str, b: u32| {
+        json!({"req_id": id, "transfer_id": t, "remote_engine_id": sim.engine_id(),
+               "remote_bootstrap_addr": sim.bootstrap_url(), "block_ids": [[b]]})
+    };
+    let load = json!({"op": "load_kv", "requests": [req("d-1", "t-1", 1), req("d-2", "t-2", 2)]});
+    s.send(&load.to_string()).await;
+    let r = s.wait("load_kv", |v| ev(v, "load_kv")).await;
+    assert_eq!(r["awaiting"], 2, "{r}");
+    sim.mark_ready("t-1");
+    s.wait("release of d-1", |v| {
+        ev(v, "released") && v["req_id"] == "d-1"
+    })
+    .await;
+    s.send(r#"{"op":"shutdown"}"#).await;
+    let d = s.wait("final drain", |v| ev(v, "drain")).await;
+    assert_eq!(d["finished_recving"], json!(["d-1"]), "{d}");
+    let end = s.wait("shutdown", |v| ev(v, "shutdown")).await;
+    assert_eq!(end["unreleased"], 1, "{end}");
+    let status = tokio::time::timeout(SAFETY, s.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success());
 }

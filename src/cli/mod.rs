@@ -6,4 +6,5 @@ pub mod logging;
 pub mod prefill_sim;
 pub mod repro;
 pub mod serve;
+pub mod serve_output;
 pub mod serve_target;

@@ -10,11 +10,16 @@
 //! printed: `all` (default), `completions` (only `completion` lines), `none` (a host that only
 //! needs `drain`; the coordinator then produces no events at all).
 //!
+//! `shutdown` (or the end of input) is answered by a last `drain` line when anything was released
+//! since the host's last drain, then `{"event":"shutdown","unreleased":N}`: N awaited requests
+//! were never released (abandoned in flight).
+//!
 //! stdout is written through a buffered writer flushed whenever its queue is empty, so a burst
 //! of events costs a few `write`s, not a write and a flush per line through tokio's blocking
 //! pool. When stdin and stdout are pipes (a host driving serve) both go through the runtime's
 //! epoll, on the actors' own thread: no blocking-pool read per chunk of input, no other thread
-//! woken per burst of output.
+//! woken per burst of output. Over `--max-output-backlog-bytes` of unwritten output stdin is not
+//! read ([`super::serve_output`]).
 //!
 //! The process is a Mooncake TE target: a handshake daemon (what P's TE reaches through
 //! `remote_hostname:remote_port`) and, on TCP, a data server, both bound on `--bind`, with
@@ -22,7 +27,6 @@
 //! RDMA target instead ([`DataTarget`]). Nothing authenticates either listener: bind the interface P uses,
 //! never a public one.
 
-use std::io::Write;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
 use std::process::ExitCode;
@@ -31,11 +35,11 @@ use std::time::Duration;
 
 use serde::Deserialize;
 use serde_json::json;
-use tokio::io::{AsyncRead, AsyncWriteExt, BufReader};
+use tokio::io::{AsyncRead, BufReader};
 use tokio::net::unix::pipe;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 
 use super::line_reader::{Line, LineReader};
+use super::serve_output::{output, Output, Writer};
 use super::serve_target::DataTarget;
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::{KvRecvConfig, MooncakeProtocol, Policy};
@@ -136,6 +140,11 @@ pub struct ServeArgs {
     /// without being held in memory.
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
     pub max_line_bytes: usize,
+    /// Output waiting to be written to stdout, bytes, over which stdin is no longer read
+    /// (a host that stops reading stdout then blocks on its own writes, and serve's memory
+    /// stays bounded).
+    #[arg(long, default_value_t = 8 * 1024 * 1024)]
+    pub max_output_backlog_bytes: usize,
     /// Coordinator events printed on stdout: all, completions (only `completion` lines), or
     /// none (answers to input lines only; for hosts that only `drain`).
     #[arg(long, value_enum, default_value_t = EventLevel::All)]
@@ -290,7 +299,7 @@ struct OpLine {
 }
 
 #[derive(Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[serde(try_from = "String")]
 enum OpName {
     LoadKv,
     Drain,
@@ -298,8 +307,29 @@ enum OpName {
     Shutdown,
 }
 
+impl TryFrom<String> for OpName {
+    type Error = String;
+
+    fn try_from(s: String) -> Result<OpName, String> {
+        Ok(match s.as_str() {
+            "load_kv" => OpName::LoadKv,
+            "drain" => OpName::Drain,
+            "stats" => OpName::Stats,
+            "shutdown" => OpName::Shutdown,
+            _ => {
+                return Err(format!(
+                    "unknown op {s:?}; ops: load_kv, drain, stats, shutdown"
+                ))
+            }
+        })
+    }
+}
+
 impl Op {
     fn parse(line: &str) -> Result<Op, String> {
+        if !line.trim_start().starts_with('{') {
+            return Err("a line is one JSON object, e.g. {\"op\":\"drain\"}".into());
+        }
         let l: OpLine = serde_json::from_str(line).map_err(|e| e.to_string())?;
         match (l.op, l.requests) {
             (OpName::LoadKv, Some(requests)) => Ok(Op::LoadKv { requests }),
@@ -312,76 +342,8 @@ impl Op {
     }
 }
 
-fn emit(out: &UnboundedSender<String>, v: serde_json::Value) {
-    let _ = out.send(v.to_string());
-}
-
-/// stdout's writer. Both kinds drain the queue into a buffer and flush when it is empty, and
-/// end when every sender is gone (after flushing) or stdout is closed.
-enum Writer {
-    /// A pipe, non-blocking through the runtime's epoll, written by a task on the actors'
-    /// thread (a slow reader suspends the task, never the thread).
-    Pipe(tokio::task::JoinHandle<()>),
-    /// Anything else (a file, a terminal), written by a thread of its own so that a blocking
-    /// write stalls neither the actors nor the runtime's workers.
-    Thread(std::thread::JoinHandle<std::io::Result<()>>),
-}
-
-impl Writer {
-    fn start(rx: UnboundedReceiver<String>) -> std::io::Result<Writer> {
-        let pipe = std::io::stdout()
-            .as_fd()
-            .try_clone_to_owned()
-            .and_then(|fd| pipe::Sender::from_file(std::fs::File::from(fd)));
-        match pipe {
-            Ok(p) => Ok(Writer::Pipe(actix_rt::spawn(pipe_writer(p, rx)))),
-            Err(_) => std::thread::Builder::new()
-                .name("kvrecv-stdout".into())
-                .spawn(move || thread_writer(rx))
-                .map(Writer::Thread),
-        }
-    }
-
-    /// Wait until everything queued is written (the thread is joined off the runtime's threads).
-    async fn join(self) {
-        match self {
-            Writer::Pipe(t) => {
-                let _ = t.await;
-            }
-            Writer::Thread(t) => {
-                let _ = tokio::task::spawn_blocking(move || t.join()).await;
-            }
-        }
-    }
-}
-
-async fn pipe_writer(p: pipe::Sender, mut rx: UnboundedReceiver<String>) {
-    let mut w = tokio::io::BufWriter::with_capacity(64 * 1024, p);
-    while let Some(first) = rx.recv().await {
-        let mut next = Some(first);
-        while let Some(line) = next.take().or_else(|| rx.try_recv().ok()) {
-            if w.write_all(line.as_bytes()).await.is_err() || w.write_all(b"\n").await.is_err() {
-                return;
-            }
-        }
-        if w.flush().await.is_err() {
-            return;
-        }
-    }
-}
-
-fn thread_writer(mut rx: UnboundedReceiver<String>) -> std::io::Result<()> {
-    let stdout = std::io::stdout();
-    let mut w = std::io::BufWriter::with_capacity(64 * 1024, stdout.lock());
-    while let Some(first) = rx.blocking_recv() {
-        let mut next = Some(first);
-        while let Some(line) = next.take().or_else(|| rx.try_recv().ok()) {
-            w.write_all(line.as_bytes())?;
-            w.write_all(b"\n")?;
-        }
-        w.flush()?;
-    }
-    w.flush()
+fn emit(out: &Output, v: serde_json::Value) {
+    out.send(v.to_string());
 }
 
 /// stdin: a pipe through the runtime's epoll, anything else through tokio's blocking pool.
@@ -513,14 +475,39 @@ async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> ser
     }
 }
 
+/// Requests awaited (per `load_kv` answers) and not yet handed back released (per `drain`
+/// answers): each awaited request is in exactly one drain's `finished_recving`, at release.
+#[derive(Default)]
+struct Unreleased(u64);
+
+impl Unreleased {
+    fn count(&mut self, answer: &serde_json::Value) {
+        match answer["event"].as_str() {
+            Some("load_kv") => self.0 += answer["awaiting"].as_u64().unwrap_or(0),
+            Some("drain") => {
+                let done = answer["finished_recving"].as_array().map_or(0, Vec::len);
+                self.0 = self.0.saturating_sub(done as u64);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// A `drain` answer with nothing in it.
+fn drained_nothing(answer: &serde_json::Value) -> bool {
+    ["finished_recving", "failed_recving", "invalid_block_ids"]
+        .iter()
+        .all(|k| answer[k].as_array().is_none_or(Vec::is_empty))
+}
+
 async fn serve(
     args: ServeArgs,
     cfg: KvRecvConfig,
     target: DataTarget,
     labels: kvrecv::telemetry::Labels,
 ) -> ExitCode {
-    let (out, out_rx) = unbounded_channel::<String>();
-    let writer = match Writer::start(out_rx) {
+    let (out, out_queue) = output(args.max_output_backlog_bytes);
+    let writer = match Writer::start(out_queue) {
         Ok(w) => w,
         Err(e) => {
             println!(
@@ -573,17 +560,31 @@ async fn serve(
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
+    let mut paused = false;
+    let mut unreleased = Unreleased::default();
     loop {
+        if !paused && out.over_high_water() {
+            paused = true;
+            tracing::warn!(
+                queued = out.queued(),
+                "stdout is not being read: stdin paused until the host reads"
+            );
+        }
         tokio::select! {
             ev = event_rx.recv() => {
                 if let Some(ev) = ev.filter(|e| level.prints(e)) {
                     match serde_json::to_string(&ev) {
-                        Ok(line) => { let _ = out.send(line); }
+                        Ok(line) => out.send(line),
                         Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
                     }
                 }
             }
-            line = lines.next_line() => {
+            // A host that does not read stdout stops being read: its writes block on the pipe.
+            () = out.room(), if paused => {
+                paused = false;
+                tracing::info!(queued = out.queued(), "stdout drained: reading stdin again");
+            }
+            line = lines.next_line(), if !paused => {
                 let line = match line {
                     Ok(Some(l)) => l,
                     Ok(None) => break,
@@ -613,7 +614,11 @@ async fn serve(
                 match Op::parse(&line) {
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e})),
                     Ok(Op::Shutdown) => break,
-                    Ok(op) => emit(&out, answer(op, n, &coord, &target).await),
+                    Ok(op) => {
+                        let v = answer(op, n, &coord, &target).await;
+                        unreleased.count(&v);
+                        emit(&out, v);
+                    }
                 }
             }
         }
@@ -624,10 +629,26 @@ async fn serve(
             continue;
         }
         if let Ok(line) = serde_json::to_string(&ev) {
-            let _ = out.send(line);
+            out.send(line);
         }
     }
-    emit(&out, json!({"event": "shutdown"}));
+    // What completed since the host's last drain is handed over; what is still in flight (or
+    // quarantined) is abandoned, and said so.
+    let last = answer(Op::Drain, n, &coord, &target).await;
+    unreleased.count(&last);
+    if last["event"] != "drain" || !drained_nothing(&last) {
+        emit(&out, last);
+    }
+    if unreleased.0 > 0 {
+        tracing::warn!(
+            unreleased = unreleased.0,
+            "shutting down with requests whose blocks were never released"
+        );
+    }
+    emit(
+        &out,
+        json!({"event": "shutdown", "unreleased": unreleased.0}),
+    );
     drop(out);
     writer.join().await;
     actix_rt::System::current().stop();

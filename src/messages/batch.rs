@@ -27,7 +27,8 @@ pub struct KvRequest {
     pub remote_bootstrap_addr: Option<String>,
     /// Logical destination block ids, one list per KV-cache group. Empty (or all groups empty)
     /// means nothing to receive: the pull is still sent so P frees its blocks, but it is not awaited.
-    #[serde(default)]
+    /// Required when deserialized (an empty list is explicit), so that a misspelt key is refused
+    /// rather than taken for nothing to receive.
     pub block_ids: Vec<Vec<u32>>,
 }
 

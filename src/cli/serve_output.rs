@@ -1,0 +1,249 @@
+//! `kvrecv serve`'s stdout: a queue of lines, one writer draining it, and a bound on what may
+//! wait in it.
+//!
+//! Every input line is answered, so a host that keeps writing stdin but stops reading stdout
+//! would grow serve's queue without limit. The queue counts the bytes waiting in it; over the
+//! high-water mark serve stops reading stdin (the host's writes then block on the full pipe)
+//! until the writer has brought it back under the mark. Events still queue while stdin is
+//! paused: they are bounded by the requests already admitted.
+
+use std::io::Write;
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use tokio::io::AsyncWriteExt;
+use tokio::net::unix::pipe;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::Notify;
+
+/// Bytes queued for stdout and not yet written, shared by the queue and its writer.
+#[derive(Default)]
+struct Backlog {
+    bytes: AtomicUsize,
+    /// The writer is gone (stdout closed): nothing will drain the count again.
+    closed: AtomicBool,
+    room: Notify,
+}
+
+impl Backlog {
+    /// The writer wrote `n` bytes (or dropped them).
+    fn written(&self, n: usize) {
+        self.bytes.fetch_sub(n, Ordering::AcqRel);
+        self.room.notify_one();
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.room.notify_one();
+    }
+}
+
+/// The sending half: what serve's loop writes lines into.
+pub struct Output {
+    tx: UnboundedSender<String>,
+    backlog: Arc<Backlog>,
+    high_water: usize,
+}
+
+/// The receiving half, handed to the writer.
+pub struct OutputQueue {
+    rx: UnboundedReceiver<String>,
+    backlog: Arc<Backlog>,
+}
+
+/// A queue whose sender reports [`Output::over_high_water`] while more than `high_water` bytes
+/// wait in it.
+pub fn output(high_water: usize) -> (Output, OutputQueue) {
+    let (tx, rx) = unbounded_channel();
+    let backlog = Arc::new(Backlog::default());
+    (
+        Output {
+            tx,
+            backlog: backlog.clone(),
+            high_water,
+        },
+        OutputQueue { rx, backlog },
+    )
+}
+
+impl Output {
+    /// Queue one line (without its newline). Lost only if stdout is closed.
+    pub fn send(&self, line: String) {
+        let n = line.len() + 1;
+        // Counted before it is sent, so the writer never subtracts what was not yet added.
+        self.backlog.bytes.fetch_add(n, Ordering::AcqRel);
+        if self.tx.send(line).is_err() {
+            self.backlog.bytes.fetch_sub(n, Ordering::AcqRel);
+        }
+    }
+
+    /// Bytes waiting to be written.
+    pub fn queued(&self) -> usize {
+        self.backlog.bytes.load(Ordering::Acquire)
+    }
+
+    /// More than the high-water mark waits and a writer is still there to drain it.
+    pub fn over_high_water(&self) -> bool {
+        self.queued() > self.high_water && !self.backlog.closed.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the backlog is at or under the high-water mark (or stdout is closed).
+    pub async fn room(&self) {
+        while self.over_high_water() {
+            self.backlog.room.notified().await;
+        }
+    }
+}
+
+impl OutputQueue {
+    /// Drain everything queued now, starting with `first`, into `sink`; the bytes handed over.
+    fn batch(
+        &mut self,
+        first: String,
+        mut sink: impl FnMut(&str) -> std::io::Result<()>,
+    ) -> (usize, std::io::Result<()>) {
+        let mut n = 0;
+        let mut next = Some(first);
+        while let Some(line) = next.take().or_else(|| self.rx.try_recv().ok()) {
+            n += line.len() + 1;
+            if let Err(e) = sink(&line) {
+                return (n, Err(e));
+            }
+        }
+        (n, Ok(()))
+    }
+}
+
+impl Drop for OutputQueue {
+    fn drop(&mut self) {
+        self.backlog.close();
+    }
+}
+
+/// stdout's writer. Both kinds drain the queue into a buffer and flush when it is empty, and
+/// end when every sender is gone (after flushing) or stdout is closed.
+pub enum Writer {
+    /// A pipe, non-blocking through the runtime's epoll, written by a task on the actors'
+    /// thread (a slow reader suspends the task, never the thread).
+    Pipe(tokio::task::JoinHandle<()>),
+    /// Anything else (a file, a terminal), written by a thread of its own so that a blocking
+    /// write stalls neither the actors nor the runtime's workers.
+    Thread(std::thread::JoinHandle<std::io::Result<()>>),
+}
+
+impl Writer {
+    pub fn start(q: OutputQueue) -> std::io::Result<Writer> {
+        let pipe = std::io::stdout()
+            .as_fd()
+            .try_clone_to_owned()
+            .and_then(|fd| pipe::Sender::from_file(std::fs::File::from(fd)));
+        match pipe {
+            Ok(p) => Ok(Writer::Pipe(actix_rt::spawn(pipe_writer(p, q)))),
+            Err(_) => std::thread::Builder::new()
+                .name("kvrecv-stdout".into())
+                .spawn(move || {
+                    let stdout = std::io::stdout();
+                    write_all(q, stdout.lock())
+                })
+                .map(Writer::Thread),
+        }
+    }
+
+    /// Wait until everything queued is written (the thread is joined off the runtime's threads).
+    pub async fn join(self) {
+        match self {
+            Writer::Pipe(t) => {
+                let _ = t.await;
+            }
+            Writer::Thread(t) => {
+                let _ = tokio::task::spawn_blocking(move || t.join()).await;
+            }
+        }
+    }
+}
+
+async fn pipe_writer(p: pipe::Sender, mut q: OutputQueue) {
+    let mut w = tokio::io::BufWriter::with_capacity(64 * 1024, p);
+    while let Some(first) = q.rx.recv().await {
+        // The pipe may be full: lines are written one at a time, each awaited.
+        let mut n = first.len() + 1;
+        let mut ok =
+            w.write_all(first.as_bytes()).await.is_ok() && w.write_all(b"\n").await.is_ok();
+        while ok {
+            let Ok(line) = q.rx.try_recv() else { break };
+            n += line.len() + 1;
+            ok = w.write_all(line.as_bytes()).await.is_ok() && w.write_all(b"\n").await.is_ok();
+        }
+        ok = ok && w.flush().await.is_ok();
+        q.backlog.written(n);
+        if !ok {
+            return;
+        }
+    }
+}
+
+/// Write every queued line to `out` (blocking), flushing whenever the queue is empty.
+fn write_all(mut q: OutputQueue, out: impl Write) -> std::io::Result<()> {
+    let mut w = std::io::BufWriter::with_capacity(64 * 1024, out);
+    while let Some(first) = q.rx.blocking_recv() {
+        let (n, r) = q.batch(first, |line| {
+            w.write_all(line.as_bytes())?;
+            w.write_all(b"\n")
+        });
+        let r = r.and_then(|()| w.flush());
+        q.backlog.written(n);
+        r?;
+    }
+    w.flush()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_backlog_counts_queued_bytes_until_the_writer_takes_them() {
+        let (out, q) = output(10);
+        out.send("12345".into());
+        assert_eq!(out.queued(), 6);
+        assert!(!out.over_high_water());
+        out.send("abcde".into());
+        assert_eq!(out.queued(), 12);
+        assert!(out.over_high_water());
+        let written = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = SharedVec(written.clone());
+        let t = std::thread::spawn(move || write_all(q, sink));
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        // The writer drains the queue; room() is what serve awaits before reading stdin again.
+        rt.block_on(out.room());
+        assert_eq!(out.queued(), 0);
+        drop(out);
+        t.join().unwrap().unwrap();
+        assert_eq!(&*written.lock().unwrap(), b"12345\nabcde\n");
+    }
+
+    #[test]
+    fn a_closed_stdout_never_holds_stdin() {
+        let (out, q) = output(1);
+        out.send("a line".into());
+        assert!(out.over_high_water());
+        drop(q); // stdout's writer gone, its lines with it
+        assert!(!out.over_high_water());
+        out.send("lost".into());
+        assert!(!out.over_high_water());
+    }
+
+    struct SharedVec(Arc<std::sync::Mutex<Vec<u8>>>);
+    impl Write for SharedVec {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(b);
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+}
