@@ -156,6 +156,59 @@ where
     url
 }
 
+/// A `/query` answer listing `tp` TP ranks of one PP stage each, for engine "e".
+async fn query_server(tp: u32) -> String {
+    let ranks: Vec<String> = (0..tp)
+        .map(|r| format!("\"{r}\":{{\"0\":\"tcp://127.0.0.1:{}\"}}", 20000 + r))
+        .collect();
+    let body = format!(
+        "{{\"0\":{{\"engine_id\":\"e\",\"worker_addr\":{{{}}}}}}}",
+        ranks.join(",")
+    );
+    raw_server(move |mut s| {
+        let body = body.clone();
+        async move {
+            let mut buf = [0u8; 4096];
+            let _ = s.read(&mut buf).await;
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+        }
+    })
+    .await
+}
+
+/// A `/query` listing thousands of workers (hostile or broken) is refused before any socket is
+/// opened for them, unless the operator configured those sizes.
+#[tokio::test]
+async fn an_implausible_worker_count_is_refused_unless_configured() {
+    let url = query_server(5000).await;
+    let t = HttpTopology::new(BootstrapConfig::default());
+    let e = t.lookup(&url, "e").await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            TopologyError::Implausible {
+                workers: 5000,
+                max: 256,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    assert!(!t.is_cached(&url, "e"));
+    let known = HttpTopology::new(BootstrapConfig {
+        expected_p_sizes: Some((5000, 1)),
+        ..BootstrapConfig::default()
+    });
+    assert_eq!(known.lookup(&url, "e").await.unwrap().tp_size, 5000);
+    // At the cap it is accepted.
+    let url = query_server(256).await;
+    assert_eq!(t.lookup(&url, "e").await.unwrap().tp_size, 256);
+}
+
 #[tokio::test]
 async fn silent_server_times_out_and_oversized_body_is_refused() {
     let silent = raw_server(|s| async move {

@@ -692,3 +692,67 @@ async fn shutdown_reports_the_undrained_and_the_unreleased() {
         .unwrap();
     assert!(status.success());
 }
+
+/// Out of file descriptors, a pull fails saying so (not "connection refused"), the request still
+/// completes (failed, with every peer settled) and serve keeps running.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn running_out_of_file_descriptors_is_reported_as_such() {
+    let sim = PrefillSim::start(SimConfig {
+        tp_size: 96,
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let mut child = Command::new("sh")
+        .args([
+            "-c",
+            &format!(
+                "ulimit -n 80 && exec {} serve --layers 1 --block-len 4096 --num-blocks 16 --log-level error",
+                env!("CARGO_BIN_EXE_kvrecv")
+            ),
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(next_json(&mut out).await["event"], "ready");
+    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_ids": [[1]]}]});
+    stdin
+        .write_all(format!("{load}\n").as_bytes())
+        .await
+        .unwrap();
+    let mut failures = vec![];
+    let completion = loop {
+        let v = next_json(&mut out).await;
+        if v["event"] == "settled" && v["outcome"]["kind"] == "failed" {
+            failures.push(v["outcome"]["reason"].as_str().unwrap().to_owned());
+        }
+        if v["event"] == "completion" {
+            break v;
+        }
+    };
+    assert_eq!(completion["outcome"], "failed", "{completion}");
+    assert!(!failures.is_empty());
+    for r in &failures {
+        assert!(
+            r.contains("Too many open files") || r.contains("file descriptors"),
+            "{r}"
+        );
+    }
+    stdin.write_all(b"{\"op\":\"shutdown\"}\n").await.unwrap();
+    loop {
+        if next_json(&mut out).await["event"] == "shutdown" {
+            break;
+        }
+    }
+    assert!(tokio::time::timeout(SAFETY, child.wait())
+        .await
+        .unwrap()
+        .unwrap()
+        .success());
+}

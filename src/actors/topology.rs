@@ -51,6 +51,20 @@ pub enum TopologyError {
         /// What is missing.
         reason: String,
     },
+    #[error(
+        "engine {engine_id} lists {workers} P workers (TP x PP), more than the {max} accepted \
+         without configured P sizes; refused (configure P's TP and PP sizes if it is real)"
+    )]
+    /// `/query` lists more workers than a real engine plausibly has (`max_p_workers`), and no
+    /// P sizes were configured to vouch for them.
+    Implausible {
+        /// The engine.
+        engine_id: String,
+        /// TP x PP ranks listed.
+        workers: u64,
+        /// The cap.
+        max: u32,
+    },
     #[error("TP sizes do not divide: P TP {p_tp}, D TP {d_tp}")]
     /// P's and D's TP sizes do not divide each other.
     TpRatio {

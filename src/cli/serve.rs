@@ -127,6 +127,10 @@ pub struct ServeArgs {
     /// P's PP size, when known (with --expect-p-tp).
     #[arg(long)]
     pub expect_p_pp: Option<u32>,
+    /// Most P workers (TP x PP) accepted from `/query` when --expect-p-tp is not given (a
+    /// listing of thousands would exhaust sockets and file descriptors).
+    #[arg(long, default_value_t = 256)]
+    pub max_p_workers: u32,
     /// Bootstrap `GET /query` timeout, ms.
     #[arg(long, default_value_t = 5000)]
     pub bootstrap_timeout_ms: u64,
@@ -539,6 +543,7 @@ async fn serve(
     let bootstrap = BootstrapConfig {
         timeout: Duration::from_millis(args.bootstrap_timeout_ms.max(1)),
         expected_p_sizes: args.expect_p_tp.map(|t| (t, args.expect_p_pp.unwrap_or(1))),
+        max_p_workers: args.max_p_workers,
         ..BootstrapConfig::default()
     };
     let landing = target.landing();

@@ -35,6 +35,11 @@ pub struct BootstrapConfig {
     /// ranks registered, so a query racing P's startup can see a TP2 engine as TP1; with the sizes
     /// known (here, or as `tp_size`/`pp_size` in `/query`), such a view is refused.
     pub expected_p_sizes: Option<(u32, u32)>,
+    /// Most P workers (TP x PP ranks) an engine may list when `expected_p_sizes` is not given.
+    /// Each worker a D rank pulls from costs sockets and file descriptors; a `/query` answer
+    /// listing thousands (hostile or broken) would exhaust them. Configured sizes are trusted
+    /// over this cap.
+    pub max_p_workers: u32,
 }
 
 impl Default for BootstrapConfig {
@@ -43,6 +48,7 @@ impl Default for BootstrapConfig {
             timeout: Duration::from_secs(5),
             max_body: 1024 * 1024,
             expected_p_sizes: None,
+            max_p_workers: 256,
         }
     }
 }
@@ -154,18 +160,22 @@ async fn fetch(bootstrap: String, cfg: BootstrapConfig, labels: Labels) -> Query
     result
 }
 
-/// Refuse a topology whose sizes differ from the configured ones (not cached: asked again).
-fn check_sizes(
-    t: EngineTopology,
-    expected: Option<(u32, u32)>,
-) -> Result<EngineTopology, TopologyError> {
-    match expected {
+/// Refuse a topology whose sizes differ from the configured ones, or, with none configured, one
+/// listing more than `cfg.max_p_workers` workers (not cached: asked again).
+fn check_sizes(t: EngineTopology, cfg: &BootstrapConfig) -> Result<EngineTopology, TopologyError> {
+    let workers = u64::from(t.tp_size) * u64::from(t.pp_size);
+    match cfg.expected_p_sizes {
         Some((tp, pp)) if (t.tp_size, t.pp_size) != (tp, pp) => Err(TopologyError::Incomplete {
             engine_id: t.engine_id.clone(),
             reason: format!(
                 "{} TP x {} PP registered, {tp} x {pp} configured",
                 t.tp_size, t.pp_size
             ),
+        }),
+        None if workers > u64::from(cfg.max_p_workers) => Err(TopologyError::Implausible {
+            engine_id: t.engine_id.clone(),
+            workers,
+            max: cfg.max_p_workers,
         }),
         _ => Ok(t),
     }
@@ -186,7 +196,7 @@ impl TopologySource for HttpTopology {
         }
         let (gen, fut, joined) = self.query(bootstrap);
         let inner = self.inner.clone();
-        let expected = self.cfg.expected_p_sizes;
+        let cfg = self.cfg;
         let labels = self.labels.clone();
         Box::pin(async move {
             let q = fut.await;
@@ -198,7 +208,7 @@ impl TopologySource for HttpTopology {
             }
             let topo = q
                 .and_then(|q| EngineTopology::from_query(&key.0, &key.1, &q))
-                .and_then(|t| check_sizes(t, expected));
+                .and_then(|t| check_sizes(t, &cfg));
             match &topo {
                 Ok(t) => {
                     labels

@@ -416,7 +416,11 @@ impl Channel {
             }
             zmq_sys_events::CONNECT_RETRIED if !self.handshaken => Some(TransportError::Connect {
                 peer,
-                reason: "connection refused or unreachable".into(),
+                // libzmq retries a connect whose socket() failed as it does a refused one.
+                reason: match fd_exhaustion() {
+                    Some(use_) => format!("cannot open a connection: {use_}"),
+                    None => "connection refused or unreachable".into(),
+                },
             }),
             zmq_sys_events::DISCONNECTED => Some(TransportError::Recv {
                 peer,
@@ -570,6 +574,26 @@ impl PeerTransport for ZmqTransport {
         })
         .boxed_local()
     }
+}
+
+/// "N of M file descriptors open" when this process is within 5% of its open-file limit, the
+/// likely cause of a failed connect (EMFILE) that libzmq reports as a retried one. Read only on
+/// failure (it lists `/proc/self/fd`).
+fn fd_exhaustion() -> Option<String> {
+    let open = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
+    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    let soft: u64 = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))?
+        .split_whitespace()
+        .nth(3)?
+        .parse()
+        .ok()?;
+    (open * 20 >= soft * 19).then(|| {
+        format!(
+            "{open} of this process's {soft} file descriptors are open (EMFILE: raise the limit)"
+        )
+    })
 }
 
 #[cfg(test)]
