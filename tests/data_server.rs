@@ -312,3 +312,48 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     assert_eq!(st.refused_over_cap.load(Ordering::Relaxed), 1);
     assert_eq!(st.connections.load(Ordering::Relaxed), 3);
 }
+
+/// A lying P: an acknowledged (v2) write whose payload stops halfway, then P reports ok (its
+/// FINISH). The missing bytes never land (the connection ended), and the request must not be
+/// reported complete: the ok is checked against the bytes, and fails. The same request with
+/// every byte acknowledged passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ok_after_a_write_cut_short_is_not_believed() {
+    use kvrecv::rdma::Landing;
+    let t = target(true).await;
+    let (a, b) = (req("a", &[3]), req("b", &[5]));
+    let bases = open(&t, 1, &[a.clone(), b.clone()]);
+    let full = pattern(7, BLOCK as usize);
+    // a: region 0 written in full and acknowledged; region 1 only half, then the lane closes.
+    let mut s = raw(&t).await;
+    s.write_all(&Header::new(true, bases[0] + 3 * BLOCK, BLOCK, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    s.write_all(&full).await.unwrap();
+    assert_eq!(status(&mut s).await, STATUS_OK);
+    s.write_all(&Header::new(true, bases[1] + 3 * BLOCK, BLOCK, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    s.write_all(&full[..BLOCK as usize / 2]).await.unwrap();
+    drop(s);
+    let st = t.stats().clone();
+    tokio::time::timeout(T, async {
+        while st.broken.load(Ordering::Relaxed) == 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the cut-short lane ends");
+    let err = t.landing().verify_ok(&a).unwrap_err();
+    assert!(err.contains("4096 of 8192 bytes"), "{err}");
+    // b, in the same pull, gets both its blocks in full on a fresh lane: its ok holds.
+    let mut s = raw(&t).await;
+    for base in &bases {
+        s.write_all(&Header::new(true, base + 5 * BLOCK, BLOCK, ProtoVersion::V2).encode())
+            .await
+            .unwrap();
+        s.write_all(&full).await.unwrap();
+        assert_eq!(status(&mut s).await, STATUS_OK);
+    }
+    assert_eq!(t.landing().verify_ok(&b), Ok(()));
+}

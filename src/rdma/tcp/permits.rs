@@ -97,9 +97,14 @@ pub struct Permit {
     quiet: Notify,
     /// Bytes landed through this permit, per request (index as in `reqs`).
     req_bytes: Vec<AtomicU64>,
-    /// A v1 (unacknowledged) write was admitted or refused in this window: P's `ok_reqs` is no
-    /// proof of placement, the byte count is (PROTOCOL.md §5.3).
-    v1_seen: AtomicBool,
+    /// P's `ok_reqs` is no proof of placement for this window's requests, the byte count is
+    /// (PROTOCOL.md §5.3): a v1 (unacknowledged) write was admitted or refused here, or an
+    /// acknowledged write was admitted and ended before its last byte (its writer got no
+    /// acknowledgement, so an ok after it is a lie or a mistake).
+    unproven: AtomicBool,
+    /// Writes admitted into this window that have neither landed nor ended: an ok while one is
+    /// open came before its acknowledgement.
+    open_writes: AtomicU64,
     /// Bytes landed through this permit.
     pub bytes_landed: AtomicU64,
     /// Writes landed through this permit.
@@ -133,11 +138,21 @@ impl Permit {
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
             req_bytes: copy(&self.req_bytes),
-            v1_seen: AtomicBool::new(self.v1_seen.load(Ordering::SeqCst)),
+            unproven: AtomicBool::new(self.unproven.load(Ordering::SeqCst)),
+            open_writes: AtomicU64::new(0),
             bytes_landed: AtomicU64::new(self.bytes_landed.load(Ordering::SeqCst)),
             writes_landed: AtomicU64::new(self.writes_landed.load(Ordering::SeqCst)),
         }
     }
+}
+
+/// What a data-plane request does with the window it is admitted into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// A READ (nothing lands).
+    Read,
+    /// A WRITE; `acknowledged` for v2 framing (D acknowledges it once every byte landed).
+    Write { acknowledged: bool },
 }
 
 /// A write admitted at header time; every socket read into destination memory must happen
@@ -149,6 +164,21 @@ pub struct Admitted {
     reqs: Vec<usize>,
     /// Bytes of the write inside each request's blocks.
     shares: Vec<(usize, u64)>,
+    /// A write counted in the permit's `open_writes` until it lands or ends.
+    open_write: AtomicBool,
+}
+
+impl Drop for Admitted {
+    /// A write that ends without landing (connection lost, payload cut short, refused midway)
+    /// leaves its window's oks unproven.
+    fn drop(&mut self) {
+        if let Some(p) = &self.permit {
+            if self.open_write.load(Ordering::Acquire) {
+                p.unproven.store(true, Ordering::Release);
+                p.open_writes.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+    }
 }
 
 /// Held while one socket read copies into destination memory.
@@ -202,13 +232,16 @@ impl Admitted {
         }
     }
 
-    /// Account a landed write to its pull and requests.
+    /// Account a landed write to its pull and requests (before it is acknowledged).
     pub fn landed(&self, bytes: u64) {
         if let Some(p) = &self.permit {
             p.bytes_landed.fetch_add(bytes, Ordering::Relaxed);
             p.writes_landed.fetch_add(1, Ordering::Relaxed);
             for &(i, n) in &self.shares {
-                p.req_bytes[i].fetch_add(n, Ordering::Relaxed);
+                p.req_bytes[i].fetch_add(n, Ordering::Release);
+            }
+            if self.open_write.swap(false, Ordering::AcqRel) {
+                p.open_writes.fetch_sub(1, Ordering::AcqRel);
             }
         }
     }
@@ -531,7 +564,8 @@ impl PermitTable {
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
             req_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
-            v1_seen: AtomicBool::new(false),
+            unproven: AtomicBool::new(false),
+            open_writes: AtomicU64::new(0),
             bytes_landed: AtomicU64::new(0),
             writes_landed: AtomicU64::new(0),
         });
@@ -636,14 +670,16 @@ impl PermitTable {
         }
     }
 
-    /// Admission check for `[addr, addr + size)` already resolved to `r`; `v1` when the header
-    /// uses v1 framing (no acknowledgement: its pull's ok is checked against the byte count).
-    pub fn admit(&self, r: &Resolved, size: u64, v1: bool) -> Result<Admitted, RejectReason> {
+    /// Admission check for `[addr, addr + size)` already resolved to `r`, for `access`. A v1
+    /// write (no acknowledgement) makes its pull's oks checked against the byte count; so does
+    /// a write that ends without [`Admitted::landed`].
+    pub fn admit(&self, r: &Resolved, size: u64, access: Access) -> Result<Admitted, RejectReason> {
         if !self.enabled {
             return Ok(Admitted {
                 permit: None,
                 reqs: vec![],
                 shares: vec![],
+                open_write: AtomicBool::new(false),
             });
         }
         let permit = self
@@ -651,8 +687,12 @@ impl PermitTable {
             .get(r.window as usize)
             .and_then(|s| s.read().unwrap_or_else(|e| e.into_inner()).clone())
             .ok_or(RejectReason::NoPermit)?;
-        if v1 {
-            permit.v1_seen.store(true, Ordering::Relaxed);
+        if access
+            == (Access::Write {
+                acknowledged: false,
+            })
+        {
+            permit.unproven.store(true, Ordering::Release);
         }
         let group = self.map.group(r.region) as usize;
         let (first, last) = self.map.blocks(r.region, r.offset, size);
@@ -675,10 +715,15 @@ impl PermitTable {
         if reqs.iter().any(|&i| !permit.open[i].load(Ordering::SeqCst)) {
             return Err(RejectReason::Revoked);
         }
+        let write = matches!(access, Access::Write { .. });
+        if write {
+            permit.open_writes.fetch_add(1, Ordering::AcqRel);
+        }
         Ok(Admitted {
             permit: Some(permit),
             reqs,
             shares,
+            open_write: AtomicBool::new(write),
         })
     }
 
@@ -688,9 +733,10 @@ impl PermitTable {
     }
 
     /// Whether every peer's ok for `req` is backed by what landed (PROTOCOL.md §5.3): a pull
-    /// that got no window landed nothing, and where a v1 write was seen the bytes landed in the
-    /// request's blocks must add up to what its blocks receive. v2 acknowledgements already
-    /// prove placement, so v2-only requests pass. Call before the request is revoked.
+    /// that got no window landed nothing, and where an ok is unproven (a v1 write was seen, or
+    /// a write ended before its last byte, or one is still open) the bytes landed in the
+    /// request's blocks must add up to what its blocks receive. Otherwise v2 acknowledgements
+    /// already prove placement, so the request passes. Call before the request is revoked.
     pub fn verify_ok(&self, req: &RequestMeta) -> Result<(), String> {
         if !self.enabled || !req.is_awaiting() {
             return Ok(());
@@ -702,10 +748,9 @@ impl PermitTable {
             );
         }
         let entries = inner.permits_of(inner.by_req.get(&req.req_id));
-        if !entries
-            .iter()
-            .any(|(p, _)| p.v1_seen.load(Ordering::Relaxed))
-        {
+        if !entries.iter().any(|(p, _)| {
+            p.unproven.load(Ordering::Acquire) || p.open_writes.load(Ordering::Acquire) > 0
+        }) {
             return Ok(());
         }
         let landed: u64 = entries
@@ -720,7 +765,8 @@ impl PermitTable {
             .sum();
         if landed < expected {
             return Err(format!(
-                "v1 (unacknowledged) writes: peers reported ok but {landed} of {expected} bytes landed"
+                "peers reported ok but {landed} of {expected} bytes landed (a v1 \
+                 unacknowledged write, or a write cut short or still open)"
             ));
         }
         Ok(())
@@ -882,7 +928,8 @@ mod tests {
             offset: 0,
             mem_offset: 0,
         };
-        t.admit(&r, 4096, false).is_ok()
+        t.admit(&r, 4096, Access::Write { acknowledged: true })
+            .is_ok()
     }
 
     /// Permits are found by pull id: an id that already names an open permit (two coordinators
@@ -957,7 +1004,9 @@ mod tests {
             offset: 0,
             mem_offset: 0,
         };
-        let admitted = t.admit(&r, 16, false).unwrap();
+        let admitted = t
+            .admit(&r, 16, Access::Write { acknowledged: true })
+            .unwrap();
         let gate = admitted.enter().expect("open");
         let far = Instant::now() + Duration::from_secs(3600);
         let mut rev = revoke(&t, &a, &[], far);

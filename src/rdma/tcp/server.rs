@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use crate::block_ownership::BlockOwnership;
 use crate::telemetry as m;
 
-use super::permits::{Admitted, PermitTable, RejectReason};
+use super::permits::{Access, Admitted, PermitTable, RejectReason};
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
 use crate::rdma::audit::{AuditCounters, Auditor};
@@ -263,10 +263,7 @@ async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), Con
         let Some(r) = plane.map.resolve(h.addr, h.size) else {
             return Err(reject(stream, plane, &h, RejectReason::OutOfRange).await);
         };
-        let admitted = match plane
-            .permits
-            .admit(&r, h.size, h.version() == ProtoVersion::V1)
-        {
+        let admitted = match plane.permits.admit(&r, h.size, access(op, h.version())) {
             Ok(a) => a,
             Err(reason) => return Err(reject(stream, plane, &h, reason).await),
         };
@@ -278,6 +275,16 @@ async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), Con
         } else {
             serve_read(stream, plane, &h, &r).await?;
         }
+    }
+}
+
+fn access(op: u8, v: ProtoVersion) -> Access {
+    if op == OP_WRITE {
+        Access::Write {
+            acknowledged: v == ProtoVersion::V2,
+        }
+    } else {
+        Access::Read
     }
 }
 
