@@ -40,7 +40,7 @@ use kvrecv::messages::{
     Cause, Completion, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta,
     Settle, SettleOutcome, XferStatus,
 };
-use kvrecv::rdma::tcp::permits::PermitTable;
+use kvrecv::rdma::tcp::permits::{Access, PermitTable};
 use kvrecv::rdma::tcp::windows::{WindowMap, DEFAULT_BASE};
 use kvrecv::rdma::{PullWindow, RevokeRequest};
 use stateright::{Checker, Model, Property};
@@ -282,7 +282,7 @@ impl Kv {
             let base = map.region_bases(w.window)[0];
             let r = map.resolve(base + u64::from(w.block) * BLOCK, BLOCK / 2);
             if let Some(r) = r {
-                if s.permits.admit(&r, BLOCK / 2, false).is_ok()
+                if s.permits.admit(&r, BLOCK / 2, Access::Read).is_ok()
                     && s.released_while_writable.is_none()
                 {
                     s.released_while_writable = Some(format!(
@@ -361,9 +361,13 @@ impl Kv {
         let Some(r) = map.resolve(addr, BLOCK / 2) else {
             return;
         };
-        if s.permits.admit(&r, BLOCK / 2, false).is_err() {
+        let Ok(admitted) = s
+            .permits
+            .admit(&r, BLOCK / 2, Access::Write { acknowledged: true })
+        else {
             return; // refused: nothing lands
-        }
+        };
+        admitted.landed(BLOCK / 2);
         let pool = s.ledger.pool().unwrap();
         let owner = pool.ownership().get(w.block).and_then(|b| b.owner_tag);
         let writer = owner_tag(&transfer(s.attempts[w.attempt as usize].id, w.attempt));
