@@ -16,8 +16,23 @@ pub enum Malformed {
     MultiFrame,
     /// `{"status": 3}`.
     BadStatus,
-    /// A frame of this many bytes (over D's `ZMQ_MAXMSGSIZE` when large enough).
-    Oversized(usize),
+    /// A frame of this many bytes (over D's `ZMQ_MAXMSGSIZE` when large enough), at most
+    /// [`MAX_OVERSIZED`].
+    Oversized(#[serde(deserialize_with = "bounded_frame")] usize),
+}
+
+/// Largest `Oversized` frame: well past any `ZMQ_MAXMSGSIZE` worth testing (D's default is
+/// 16 MiB), small enough that the simulator can build it.
+pub const MAX_OVERSIZED: usize = 256 * 1024 * 1024;
+
+fn bounded_frame<'de, D: serde::Deserializer<'de>>(d: D) -> Result<usize, D::Error> {
+    let n = usize::deserialize(d)?;
+    if n > MAX_OVERSIZED {
+        return Err(serde::de::Error::custom(format!(
+            "oversized frame of {n} bytes: at most {MAX_OVERSIZED}"
+        )));
+    }
+    Ok(n)
 }
 
 /// What a worker does wrong. The default is a healthy worker. Rates are probabilities in 0..=1.
@@ -90,6 +105,8 @@ mod tests {
         assert!((0..100).all(|_| !r.chance(0.0)));
         assert!((0..100).all(|_| r.chance(1.0)));
         assert_eq!(r.delay((5, 5)), Duration::from_millis(5));
+        let e = Faults::from_json(r#"{"malformed":{"oversized":1000000000000000}}"#).unwrap_err();
+        assert!(e.to_string().contains("at most"), "{e}");
         let f = Faults::from_json(r#"{"failure_rate":0.5,"malformed":{"oversized":100}}"#).unwrap();
         assert_eq!(f.malformed, Some(Malformed::Oversized(100)));
         assert!(Faults::from_json(r#"{"failure_rat":0.5}"#).is_err());
