@@ -158,8 +158,18 @@ where
 
 /// A `/query` answer listing `tp` TP ranks of one PP stage each, for engine "e".
 async fn query_server(tp: u32) -> String {
-    let ranks: Vec<String> = (0..tp)
-        .map(|r| format!("\"{r}\":{{\"0\":\"tcp://127.0.0.1:{}\"}}", 20000 + r))
+    let addrs: Vec<String> = (0..tp)
+        .map(|r| format!("tcp://127.0.0.1:{}", 20000 + r))
+        .collect();
+    query_server_of(addrs).await
+}
+
+/// A `/query` answer listing one worker per TP rank at `addrs`, for engine "e".
+async fn query_server_of(addrs: Vec<String>) -> String {
+    let ranks: Vec<String> = addrs
+        .iter()
+        .enumerate()
+        .map(|(r, a)| format!("\"{r}\":{{\"0\":{}}}", serde_json::json!(a)))
         .collect();
     let body = format!(
         "{{\"0\":{{\"engine_id\":\"e\",\"worker_addr\":{{{}}}}}}}",
@@ -312,4 +322,56 @@ async fn register_status_codes_follow_vllm() {
     assert_eq!(st, StatusCode::OK);
     let q: serde_json::Value = serde_json::from_slice(&body).unwrap();
     assert_eq!(q["0"]["worker_addr"]["0"]["0"], "tcp://1.2.3.4:1");
+}
+
+/// A worker address no ZMQ socket can dial (a hostile or broken `/query`): the pull fails as
+/// not sent, so its blocks are released at once (no peer can hold them), and the reason names
+/// the address, not a refused connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_address_that_cannot_be_dialled_fails_the_pull_as_not_sent() {
+    use kvrecv::config::KvRecvConfig;
+    use kvrecv::embed::KvRecv;
+    use kvrecv::layout::KvLayout;
+    use kvrecv::messages::{KvEvent, KvRequest, Outcome};
+    let url = query_server_of(vec!["not-an-endpoint".into()]).await;
+    let kv = KvRecv::builder(KvRecvConfig {
+        layout: KvLayout::uniform(1, 4096, 16),
+        ..KvRecvConfig::default()
+    })
+    .events(true)
+    .start()
+    .unwrap();
+    let mut events = kv.events().unwrap();
+    let reply = kv
+        .load_kv(vec![KvRequest {
+            req_id: "d-1".into(),
+            transfer_id: Some("t-1".into()),
+            remote_engine_id: Some("e".into()),
+            remote_bootstrap_addr: Some(url),
+            block_ids: vec![vec![1]],
+        }])
+        .await
+        .unwrap();
+    assert_eq!(reply.awaiting, 1);
+    let completion = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match events.recv().await.expect("the event stream stays open") {
+                KvEvent::Completion {
+                    outcome,
+                    uncertain_peers,
+                    ..
+                } => return (outcome, uncertain_peers),
+                _ => continue,
+            }
+        }
+    })
+    .await
+    .expect("a completion");
+    match completion {
+        (Outcome::Failed { reason, .. }, uncertain) => {
+            assert!(reason.contains("cannot be dialled"), "{reason}");
+            assert!(uncertain.is_empty(), "nothing was sent: {uncertain:?}");
+        }
+        other => panic!("{other:?}"),
+    }
 }

@@ -426,7 +426,9 @@ impl StreamHandler<PullEvent> for Peer {
                 self.apply(pull_id, fx);
             }
             // Nothing left D: that pull fails (no writer has it), the peer is not restarted.
-            ChannelEvent::Failed(e @ TransportError::Local { .. }) => {
+            ChannelEvent::Failed(
+                e @ (TransportError::Local { .. } | TransportError::BadAddress { .. }),
+            ) => {
                 let fx = self.state.fail_unsent(pull_id, e.to_string());
                 self.apply(pull_id, fx);
             }

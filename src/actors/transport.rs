@@ -26,6 +26,15 @@ pub enum TransportError {
         /// Why.
         reason: String,
     },
+    #[error("P's worker address {peer:?} cannot be dialled: {reason}")]
+    /// The peer's address (from bootstrap `/query`) is not one ZMQ can connect to: nothing was
+    /// sent, as with [`TransportError::Local`], but the fault is the address.
+    BadAddress {
+        /// The peer.
+        peer: PeerId,
+        /// Why.
+        reason: String,
+    },
     #[error("cannot open a channel to {peer}: {reason}")]
     /// The peer could not be reached.
     Connect {

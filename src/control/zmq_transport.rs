@@ -284,8 +284,8 @@ impl ZmqTransport {
     }
 
     /// The pull's channel: a pooled one if usable, else a new one; `Local` when D could not
-    /// create its sockets (nothing was sent, so the peer is not to blame), `Connect` when the
-    /// peer's address was refused.
+    /// create its sockets (nothing was sent, so the peer is not to blame), `BadAddress` when
+    /// the peer's address cannot be dialled (nothing was sent either).
     fn channel(&self, peer: &PeerId) -> Result<Channel, TransportError> {
         if let Some(ch) = self.pool.take(peer) {
             self.labels
@@ -307,7 +307,7 @@ impl ZmqTransport {
         ch.dealer
             .socket()
             .connect(peer.addr())
-            .map_err(|e| TransportError::Connect {
+            .map_err(|e| TransportError::BadAddress {
                 peer: peer.clone(),
                 reason: format!("zmq: {e}"),
             })?;
@@ -516,6 +516,7 @@ impl Channel {
 fn count(labels: &Labels, e: &TransportError) {
     let kind = match e {
         TransportError::Local { .. } => "local",
+        TransportError::BadAddress { .. } => "bad_address",
         TransportError::Connect { .. } => "connect",
         TransportError::Send { .. } => "send",
         TransportError::Recv { .. } => "recv",
