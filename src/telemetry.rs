@@ -201,7 +201,7 @@ pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
 /// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
 pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
-/// Side-channel failures (connect, send, recv, closed); label kind.
+/// Side-channel failures (local, bad_address, connect, send, recv, closed); label kind.
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total";
 /// Side-channel DEALERs handed to pulls; label how (opened, reused).
 pub const SIDE_CHANNELS: &str = "kvrecv_side_channels_total";
@@ -215,12 +215,18 @@ pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
 pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
 /// Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use); label reason.
 pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total";
+/// Times `kvrecv serve` stopped reading stdin because its host was not reading stdout.
+pub const STDIN_PAUSES: &str = "kvrecv_serve_stdin_pauses_total";
 /// Requests aborted by the host, by stage (in_flight, before_dispatch, unknown); label stage.
 pub const ABORTS: &str = "kvrecv_aborts_total";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
     describe_counter!(PULLS, "Pulls sent to prefill peers");
+    describe_counter!(
+        STDIN_PAUSES,
+        "kvrecv serve: stdin left unread because the host was not reading stdout"
+    );
     describe_counter!(
         ABORTS,
         "Requests aborted by the host, by stage (in_flight, before_dispatch, unknown)"
@@ -288,7 +294,7 @@ pub fn describe() {
     );
     describe_counter!(
         TRANSPORT_ERRORS,
-        "Side-channel failures (connect, send, recv, closed)"
+        "Side-channel failures (local, bad_address, connect, send, recv, closed)"
     );
     describe_counter!(
         SIDE_CHANNELS,

@@ -555,7 +555,7 @@ async fn serve(
                 max_msg_size: args.max_msg_size,
                 ..ZmqTransportConfig::default()
             })
-            .with_labels(labels),
+            .with_labels(labels.clone()),
         ),
         landing,
         events,
@@ -566,10 +566,12 @@ async fn serve(
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
     let mut paused = false;
+    let pause_count = labels.counter(kvrecv::telemetry::STDIN_PAUSES);
     let mut unreleased = Unreleased::default();
     loop {
         if !paused && out.over_high_water() {
             paused = true;
+            pause_count.increment(1);
             tracing::warn!(
                 queued = out.queued(),
                 "stdout is not being read: stdin paused until the host reads"
