@@ -357,3 +357,50 @@ async fn an_ok_after_a_write_cut_short_is_not_believed() {
     }
     assert_eq!(t.landing().verify_ok(&b), Ok(()));
 }
+
+/// A READ streams its range chunk by chunk. Once the request is revoked (completed, its blocks
+/// handed back) the stream stops: no byte is copied out of a block that may already hold the
+/// next owner's KV. Here the reader stalls after its first byte, the request is revoked, the
+/// next pull writes 0xBB into the region's last block, and the reader then drains its socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_stops_at_revocation_and_never_sees_the_next_owners_bytes() {
+    const BIG: u64 = 4 << 20; // 16 blocks: a 64 MiB region, far more than socket buffers hold
+    let mut cfg = TargetConfig::loopback(kvrecv::layout::KvLayout::uniform(1, BIG, 16));
+    cfg.windows = Some(8);
+    let t = TcpTarget::start(cfg).await.unwrap();
+    let a = req("a", &(0..16).collect::<Vec<u32>>());
+    let bases = open(&t, 1, std::slice::from_ref(&a));
+    let sock = tokio::net::TcpSocket::new_v4().unwrap();
+    sock.set_recv_buffer_size(4096).unwrap();
+    let mut s = sock.connect(t.data_addr()).await.unwrap();
+    s.write_all(&Header::new(false, bases[0], 16 * BIG, ProtoVersion::V1).encode())
+        .await
+        .unwrap();
+    let mut first = [0u8; 1];
+    tokio::time::timeout(T, s.read_exact(&mut first))
+        .await
+        .expect("the READ streams")
+        .unwrap();
+    common::revoke(&t, &a).await;
+    let b = req("b", &[15]);
+    let bases_b = open(&t, 2, std::slice::from_ref(&b));
+    let mut w = raw(&t).await;
+    w.write_all(&Header::new(true, bases_b[0] + 15 * BIG, BIG, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    w.write_all(&vec![0xbb; BIG as usize]).await.unwrap();
+    assert_eq!(status(&mut w).await, STATUS_OK);
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(T, s.read_to_end(&mut got))
+        .await
+        .expect("the READ ends");
+    assert!(
+        !got.contains(&0xbb),
+        "the reader saw the next owner's bytes"
+    );
+    assert!(
+        (got.len() as u64) < 16 * BIG - 1,
+        "the stream was cut short"
+    );
+    assert_eq!(t.stats().rejected_revoked.load(Ordering::Relaxed), 1);
+}

@@ -273,7 +273,7 @@ async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), Con
                 stream.write_all(&STATUS_OK.to_le_bytes()).await?;
             }
         } else {
-            serve_read(stream, plane, &h, &r).await?;
+            serve_read(stream, plane, &h, &r, &admitted).await?;
         }
     }
 }
@@ -406,14 +406,27 @@ async fn land_staged(
 }
 
 /// READ (interop tests; vLLM never reads from D): v2 OK, then the bytes.
+/// Write `bytes`, giving up after the idle timeout without progress (a reader that stopped).
+async fn send(stream: &mut TcpStream, plane: &DataPlane, bytes: &[u8]) -> Result<(), ConnEnd> {
+    match tokio::time::timeout(plane.idle_timeout, stream.write_all(bytes)).await {
+        Err(_) => Err(ConnEnd::Idle),
+        Ok(r) => r.map_err(ConnEnd::from),
+    }
+}
+
+/// Stream an admitted READ back. Each chunk is copied out of destination memory inside the
+/// permit's gate, so no byte is read from a block after its request was revoked (by then the
+/// block may hold another request's KV); the socket write happens outside the gate, so a
+/// reader that stops reading cannot hold a revocation up, and it is bounded by the idle timeout.
 async fn serve_read(
     stream: &mut TcpStream,
     plane: &DataPlane,
     h: &Header,
     r: &Resolved,
+    admitted: &Admitted,
 ) -> Result<(), ConnEnd> {
     if h.version() == ProtoVersion::V2 {
-        stream.write_all(&STATUS_OK.to_le_bytes()).await?;
+        send(stream, plane, &STATUS_OK.to_le_bytes()).await?;
     }
     // Chunked so a READ costs at most one `MC_TCP_SLICE_SIZE` buffer whatever size the header
     // announces (1 MiB per connection let a 24-byte header pin 1 GiB across the connection cap).
@@ -422,8 +435,19 @@ async fn serve_read(
     let mut pos = 0u64;
     while pos < h.size {
         let n = (h.size - pos).min(CHUNK) as usize;
-        plane.memory.read(r.mem_offset + pos, &mut buf[..n])?;
-        stream.write_all(&buf[..n]).await?;
+        {
+            let Some(_gate) = admitted.enter() else {
+                // Mid-stream: no status frame can follow the data already sent; the close says it.
+                plane
+                    .stats
+                    .rejected(RejectReason::Revoked)
+                    .fetch_add(1, Ordering::Relaxed);
+                let _ = stream.shutdown().await;
+                return Err(ConnEnd::Rejected(RejectReason::Revoked));
+            };
+            plane.memory.read(r.mem_offset + pos, &mut buf[..n])?;
+        }
+        send(stream, plane, &buf[..n]).await?;
         pos += n as u64;
     }
     plane.stats.reads_served.fetch_add(1, Ordering::Relaxed);
