@@ -270,7 +270,7 @@ async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), Con
         if op == OP_WRITE {
             land(stream, plane, &h, &r, &admitted).await?;
             if h.version() == ProtoVersion::V2 {
-                stream.write_all(&STATUS_OK.to_le_bytes()).await?;
+                send(stream, plane, &STATUS_OK.to_le_bytes()).await?;
             }
         } else {
             serve_read(stream, plane, &h, &r, &admitted).await?;
