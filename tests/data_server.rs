@@ -404,3 +404,45 @@ async fn a_read_stops_at_revocation_and_never_sees_the_next_owners_bytes() {
     );
     assert_eq!(t.stats().rejected_revoked.load(Ordering::Relaxed), 1);
 }
+
+/// v1 writes carry no acknowledgement, so P's ok is checked against what landed. A write landed
+/// twice (a retry, or a P padding its count) covers its bytes once: the block it never wrote
+/// still fails the request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v1_write_landed_twice_does_not_stand_in_for_a_missing_one() {
+    use kvrecv::rdma::Landing;
+    let t = target(true).await;
+    let c = req("c", &[7]);
+    let bases = open(&t, 1, std::slice::from_ref(&c));
+    let full = pattern(9, BLOCK as usize);
+    let mut s = raw(&t).await;
+    for _ in 0..2 {
+        s.write_all(&Header::new(true, bases[0] + 7 * BLOCK, BLOCK, ProtoVersion::V1).encode())
+            .await
+            .unwrap();
+        s.write_all(&full).await.unwrap();
+    }
+    let st = t.stats().clone();
+    tokio::time::timeout(T, async {
+        while st.writes_landed.load(Ordering::Relaxed) < 2 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("both writes land");
+    // 8192 bytes landed, but region 1's block 7 (4096 of the 8192 expected) never did.
+    let err = t.landing().verify_ok(&c).unwrap_err();
+    assert!(err.contains("4096 of 8192 bytes"), "{err}");
+    s.write_all(&Header::new(true, bases[1] + 7 * BLOCK, BLOCK, ProtoVersion::V1).encode())
+        .await
+        .unwrap();
+    s.write_all(&full).await.unwrap();
+    tokio::time::timeout(T, async {
+        while st.writes_landed.load(Ordering::Relaxed) < 3 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("the third write lands");
+    assert_eq!(t.landing().verify_ok(&c), Ok(()));
+}

@@ -95,8 +95,9 @@ pub struct Permit {
     draining: AtomicBool,
     /// Woken when `inflight` reaches zero while draining.
     quiet: Notify,
-    /// Bytes landed through this permit, per request (index as in `reqs`).
-    req_bytes: Vec<AtomicU64>,
+    /// Where landed writes put their bytes, per request (index as in `reqs`): what proves an
+    /// unproven ok. Ranges, not a byte count, so a write landed twice counts once.
+    coverage: Mutex<Vec<Piece>>,
     /// P's `ok_reqs` is no proof of placement for this window's requests, the byte count is
     /// (PROTOCOL.md §5.3): a v1 (unacknowledged) write was admitted or refused here, or an
     /// acknowledged write was admitted and ended before its last byte (its writer got no
@@ -118,11 +119,6 @@ impl Permit {
 
     /// A copy with the same values (no read in the gate: forks happen between events).
     fn fork(&self) -> Permit {
-        let copy = |v: &[AtomicU64]| {
-            v.iter()
-                .map(|a| AtomicU64::new(a.load(Ordering::SeqCst)))
-                .collect()
-        };
         Permit {
             pull_id: self.pull_id,
             peer: self.peer.clone(),
@@ -137,13 +133,47 @@ impl Permit {
             inflight: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
-            req_bytes: copy(&self.req_bytes),
+            coverage: Mutex::new(
+                self.coverage
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone(),
+            ),
             unproven: AtomicBool::new(self.unproven.load(Ordering::SeqCst)),
             open_writes: AtomicU64::new(0),
             bytes_landed: AtomicU64::new(self.bytes_landed.load(Ordering::SeqCst)),
             writes_landed: AtomicU64::new(self.writes_landed.load(Ordering::SeqCst)),
         }
     }
+}
+
+/// Bytes `[start, end)` of a region (the same offsets in every window) written for the
+/// request at index `req` of a permit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    req: u32,
+    region: u32,
+    start: u64,
+    end: u64,
+}
+
+/// Bytes covered by the union of `(region, start, end)` ranges.
+fn union_len(mut ranges: Vec<(u32, u64, u64)>) -> u64 {
+    ranges.sort_unstable();
+    let mut total = 0;
+    let mut cur: Option<(u32, u64, u64)> = None;
+    for (region, start, end) in ranges {
+        match &mut cur {
+            Some((g, _, e)) if *g == region && start <= *e => *e = (*e).max(end),
+            _ => {
+                if let Some((_, s, e)) = cur {
+                    total += e - s;
+                }
+                cur = Some((region, start, end));
+            }
+        }
+    }
+    total + cur.map_or(0, |(_, s, e)| e - s)
 }
 
 /// What a data-plane request does with the window it is admitted into.
@@ -162,8 +192,8 @@ pub struct Admitted {
     permit: Option<Arc<Permit>>,
     /// Indices of the requests whose blocks the write touches.
     reqs: Vec<usize>,
-    /// Bytes of the write inside each request's blocks.
-    shares: Vec<(usize, u64)>,
+    /// The write's bytes inside each request's blocks.
+    pieces: SmallVec<[Piece; 1]>,
     /// A write counted in the permit's `open_writes` until it lands or ends.
     open_write: AtomicBool,
 }
@@ -237,9 +267,10 @@ impl Admitted {
         if let Some(p) = &self.permit {
             p.bytes_landed.fetch_add(bytes, Ordering::Relaxed);
             p.writes_landed.fetch_add(1, Ordering::Relaxed);
-            for &(i, n) in &self.shares {
-                p.req_bytes[i].fetch_add(n, Ordering::Release);
-            }
+            p.coverage
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend_from_slice(&self.pieces);
             if self.open_write.swap(false, Ordering::AcqRel) {
                 p.open_writes.fetch_sub(1, Ordering::AcqRel);
             }
@@ -563,7 +594,7 @@ impl PermitTable {
             inflight: AtomicU64::new(0),
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
-            req_bytes: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            coverage: Mutex::new(Vec::new()),
             unproven: AtomicBool::new(false),
             open_writes: AtomicU64::new(0),
             bytes_landed: AtomicU64::new(0),
@@ -678,7 +709,7 @@ impl PermitTable {
             return Ok(Admitted {
                 permit: None,
                 reqs: vec![],
-                shares: vec![],
+                pieces: SmallVec::new(),
                 open_write: AtomicBool::new(false),
             });
         }
@@ -699,18 +730,19 @@ impl PermitTable {
         let owners = permit.blocks.get(group).ok_or(RejectReason::NoPermit)?;
         let bl = self.map.block_len(r.region);
         let mut reqs: Vec<usize> = Vec::with_capacity(1);
-        let mut shares: Vec<(usize, u64)> = Vec::with_capacity(1);
+        let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
         for b in first..=last {
             let i = owners.get(b).ok_or(RejectReason::NoPermit)?;
             let (lo, hi) = (u64::from(b) * bl, u64::from(b) * bl + bl);
-            let n = (r.offset + size).min(hi) - r.offset.max(lo);
-            match shares.iter_mut().find(|(j, _)| *j == i) {
-                Some(s) => s.1 += n,
-                None => {
-                    reqs.push(i);
-                    shares.push((i, n));
-                }
+            if !reqs.contains(&i) {
+                reqs.push(i);
             }
+            pieces.push(Piece {
+                req: i as u32,
+                region: r.region as u32,
+                start: r.offset.max(lo),
+                end: (r.offset + size).min(hi),
+            });
         }
         if reqs.iter().any(|&i| !permit.open[i].load(Ordering::SeqCst)) {
             return Err(RejectReason::Revoked);
@@ -722,7 +754,7 @@ impl PermitTable {
         Ok(Admitted {
             permit: Some(permit),
             reqs,
-            shares,
+            pieces,
             open_write: AtomicBool::new(write),
         })
     }
@@ -753,10 +785,18 @@ impl PermitTable {
         }) {
             return Ok(());
         }
-        let landed: u64 = entries
-            .iter()
-            .map(|(p, i)| p.req_bytes[*i].load(Ordering::Relaxed))
-            .sum();
+        // Offsets within a region are the same in every window: the union over every pull of
+        // the request is what physically landed in its blocks.
+        let mut ranges: Vec<(u32, u64, u64)> = Vec::new();
+        for (p, i) in &entries {
+            let cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
+            ranges.extend(
+                cov.iter()
+                    .filter(|c| c.req as usize == *i)
+                    .map(|c| (c.region, c.start, c.end)),
+            );
+        }
+        let landed = union_len(ranges);
         let expected: u64 = req
             .block_ids
             .iter()
@@ -990,6 +1030,17 @@ mod tests {
         assert_eq!(revoke(&t, &a, std::slice::from_ref(&p), far).poisoned, 0);
         assert_eq!(open(&t, 2, &p, &req("b")), 1);
         assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
+    }
+
+    #[test]
+    fn coverage_counts_overlapping_and_repeated_ranges_once_per_region() {
+        assert_eq!(union_len(vec![]), 0);
+        assert_eq!(
+            union_len(vec![(0, 0, 10), (0, 0, 10), (0, 5, 15), (0, 20, 30)]),
+            25
+        );
+        assert_eq!(union_len(vec![(1, 0, 10), (0, 0, 10)]), 20, "regions apart");
+        assert_eq!(union_len(vec![(0, 10, 20), (0, 0, 10)]), 20, "adjacent");
     }
 
     #[tokio::test]
