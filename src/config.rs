@@ -368,6 +368,13 @@ impl KvRecvConfig {
                 "need at least one region, block and group".into(),
             ));
         }
+        if l.regions.len() > crate::layout::MAX_REGIONS {
+            return Err(ConfigError::Layout(format!(
+                "{} regions: at most {}",
+                l.regions.len(),
+                crate::layout::MAX_REGIONS
+            )));
+        }
         for r in &l.regions {
             if r.block_len == 0 || r.kv_block_len == 0 || r.kv_block_len > r.block_len {
                 return Err(ConfigError::Layout(format!(

@@ -3,6 +3,10 @@
 
 use serde::{Deserialize, Serialize};
 
+/// Most regions (layers, or K and V caches) a layout may have: real models have a few hundred;
+/// a count in the millions is a typo that would allocate gigabytes of per-region state.
+pub const MAX_REGIONS: usize = 4096;
+
 /// One registered region (vLLM: one layer's KV cache tensor view).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Region {
@@ -38,6 +42,10 @@ impl KvLayout {
     /// assert_eq!(l.region_bytes(), 4096 * 16);
     /// ```
     pub fn uniform(layers: u32, block_len: u64, num_blocks: u32) -> Self {
+        debug_assert!(
+            layers as usize <= MAX_REGIONS,
+            "check layers against MAX_REGIONS first"
+        );
         KvLayout {
             regions: (0..layers)
                 .map(|i| Region {

@@ -20,6 +20,8 @@ pub mod embed;
 pub(crate) mod fast_hash;
 pub mod layout;
 pub mod messages;
+#[cfg(feature = "cli")]
+pub mod metrics_endpoint;
 pub mod rdma;
 #[doc(hidden)]
 #[cfg(feature = "cli")]

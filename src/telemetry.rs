@@ -319,18 +319,6 @@ pub fn describe() {
     );
 }
 
-/// Install the global Prometheus recorder and serve `/metrics` on `addr`. Needs a tokio runtime.
-/// The binary's (feature `cli`): the library itself never installs a recorder.
-#[cfg(feature = "cli")]
-pub fn serve_prometheus(addr: std::net::SocketAddr) -> Result<(), String> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .with_http_listener(addr)
-        .install()
-        .map_err(|e| e.to_string())?;
-    describe();
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -756,3 +756,66 @@ async fn running_out_of_file_descriptors_is_reported_as_such() {
         .unwrap()
         .success());
 }
+
+/// `--metrics 127.0.0.1:0`: the ready line names the port bound; `/metrics` answers Prometheus
+/// text; a client that never sends its request is closed, and past the connection cap new
+/// connections are closed at once while the endpoint keeps answering.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_metrics_endpoint_reports_its_port_and_bounds_its_clients() {
+    use tokio::io::AsyncReadExt;
+    let mut s = Serve::start(&[
+        "--layers",
+        "1",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "16",
+        "--metrics",
+        "127.0.0.1:0",
+        "--log-level",
+        "warn",
+    ]);
+    let ready = s.wait("ready", |v| ev(v, "ready")).await;
+    let addr: std::net::SocketAddr = ready["metrics"].as_str().unwrap().parse().unwrap();
+    assert_ne!(addr.port(), 0, "{ready}");
+    let get = |path: &'static str| async move {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(format!("GET {path} HTTP/1.1\r\nhost: x\r\n\r\n").as_bytes())
+            .await
+            .unwrap();
+        let mut body = String::new();
+        tokio::time::timeout(SAFETY, c.read_to_string(&mut body))
+            .await
+            .unwrap()
+            .unwrap();
+        body
+    };
+    let m = get("/metrics").await;
+    assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    assert!(m.contains("kvrecv_"), "{m}");
+    assert!(get("/nope").await.starts_with("HTTP/1.1 404"));
+    // 64 silent clients take every slot; the next connection is closed without an answer.
+    let mut silent = vec![];
+    for _ in 0..64 {
+        silent.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let mut over = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let _ = over.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").await;
+    let mut got = Vec::new();
+    let _ = tokio::time::timeout(SAFETY, over.read_to_end(&mut got))
+        .await
+        .expect("closed at once");
+    assert!(got.is_empty(), "{}", String::from_utf8_lossy(&got));
+    // The silent ones are closed at their timeout; then the endpoint answers again.
+    for c in &mut silent {
+        let mut b = [0u8; 1];
+        let n = tokio::time::timeout(SAFETY, c.read(&mut b))
+            .await
+            .expect("a silent client is closed")
+            .unwrap_or(0);
+        assert_eq!(n, 0);
+    }
+    assert!(get("/metrics").await.starts_with("HTTP/1.1 200"));
+    s.send(r#"{"op":"shutdown"}"#).await;
+    s.wait("shutdown", |v| ev(v, "shutdown")).await;
+}

@@ -135,10 +135,13 @@ pub fn run(args: ReproArgs) -> ExitCode {
                 return ExitCode::from(2);
             }
         };
-        let r = rt.block_on(async { kvrecv::telemetry::serve_prometheus(addr) });
-        if let Err(e) = r {
-            eprintln!("error: metrics on {addr}: {e}");
-            return ExitCode::from(2);
+        let r = rt.block_on(async { kvrecv::metrics_endpoint::serve_prometheus(addr) });
+        match r {
+            Ok(bound) => eprintln!("metrics: http://{bound}/metrics"),
+            Err(e) => {
+                eprintln!("error: metrics on {addr}: {e}");
+                return ExitCode::from(2);
+            }
         }
         std::mem::forget(rt); // serves until the process exits
     }

@@ -210,6 +210,16 @@ impl ServeArgs {
             }
             None => KvRecvConfig::default(),
         };
+        if self
+            .layers
+            .is_some_and(|l| l as usize > kvrecv::layout::MAX_REGIONS)
+        {
+            return Err(format!(
+                "--layers {}: at most {}",
+                self.layers.unwrap_or(0),
+                kvrecv::layout::MAX_REGIONS
+            ));
+        }
         if self.layers.is_some() || self.block_len.is_some() || self.num_blocks.is_some() {
             let base = &cfg.layout;
             let layers = self.layers.unwrap_or(base.regions.len() as u32);
@@ -391,15 +401,18 @@ pub fn run(args: ServeArgs) -> ExitCode {
         Err(e) => return fail(format!("data-plane runtime: {e}")),
     };
     // The recorder goes in before any metric handle is taken (the labels' and the target's).
-    if let Some(addr) = args.metrics {
+    // The ready line names the address bound (a port 0 resolved), or null if none was.
+    let metrics = args.metrics.and_then(|addr| {
         let _in_data_rt = data_rt.enter();
-        if let Err(e) = kvrecv::telemetry::serve_prometheus(addr) {
-            println!(
-                "{}",
-                json!({"event": "error", "error": format!("metrics: {e}")})
-            );
-        }
-    }
+        kvrecv::metrics_endpoint::serve_prometheus(addr)
+            .map_err(|e| {
+                println!(
+                    "{}",
+                    json!({"event": "error", "error": format!("metrics: {e}")})
+                )
+            })
+            .ok()
+    });
     let labels = kvrecv::telemetry::Labels::for_config(&cfg);
     let target_cfg = TargetConfig {
         labels: labels.clone(),
@@ -415,7 +428,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
     // future's waker unparks the runtime's driver (an eventfd write, then one more epoll_wait)
     // every time an actor wakes it, i.e. for every load_kv answer and every burst of events.
     let code = sys.block_on(async move {
-        actix_rt::spawn(serve(args, cfg, target, labels))
+        actix_rt::spawn(serve(args, cfg, target, labels, metrics))
             .await
             .unwrap_or(ExitCode::from(2))
     });
@@ -424,7 +437,11 @@ pub fn run(args: ServeArgs) -> ExitCode {
 }
 
 /// The `ready` line: where P and the host reach this worker, and the layout it serves.
-fn ready_line(args: &ServeArgs, cfg: &KvRecvConfig, target: &DataTarget) -> serde_json::Value {
+fn ready_line(
+    metrics: Option<SocketAddr>,
+    cfg: &KvRecvConfig,
+    target: &DataTarget,
+) -> serde_json::Value {
     let (host, port) = target.landing().endpoint();
     let (data_plane, bases) = target.ready();
     let regions: Vec<_> = cfg
@@ -441,7 +458,7 @@ fn ready_line(args: &ServeArgs, cfg: &KvRecvConfig, target: &DataTarget) -> serd
     let mut v = json!({
         "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
         "endpoint": {"host": host, "port": port},
-        "metrics": args.metrics.map(|a| a.to_string()),
+        "metrics": metrics.map(|a| a.to_string()),
         "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
         "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
         "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
@@ -509,6 +526,7 @@ async fn serve(
     cfg: KvRecvConfig,
     target: DataTarget,
     labels: kvrecv::telemetry::Labels,
+    metrics: Option<SocketAddr>,
 ) -> ExitCode {
     let (out, out_queue) = output(args.max_output_backlog_bytes);
     let writer = match Writer::start(out_queue) {
@@ -561,7 +579,7 @@ async fn serve(
         events,
         builtin_pool: false,
     });
-    emit(&out, ready_line(&args, &cfg, &target));
+    emit(&out, ready_line(metrics, &cfg, &target));
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;

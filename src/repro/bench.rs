@@ -375,11 +375,17 @@ async fn phase(
     let mut after_settle = hist.clone();
     let mut after_settle_observed = hist.clone();
     // Warm-up: bootstrap lookup cached, libzmq threads up.
-    coord
+    let warm = coord
         .load_kv(LoadKv {
             requests: vec![mk(0, 0)],
         })
         .await?;
+    // A refused request would never complete: stop instead of waiting for it.
+    if let Some(e) = warm.rejected.first() {
+        return Err(ReproError::Scenario(format!(
+            "load_kv refused the warm-up request: {e}"
+        )));
+    }
     while !matches!(
         rx.recv().await,
         Some((_, KvEvent::Completion { .. })) | None

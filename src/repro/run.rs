@@ -52,11 +52,7 @@ pub fn run_blocking(scn: &Scenario, progress: bool) -> Result<Report, ReproError
 
 /// Run every variant (inside an actix System).
 pub async fn run(scn: &Scenario, progress: bool) -> Result<Report, ReproError> {
-    if scn.p_tp == 0 || scn.p_pp == 0 || scn.d_tp == 0 || scn.time_scale <= 0.0 {
-        return Err(ReproError::Scenario(
-            "sizes and time scale must be > 0".into(),
-        ));
-    }
+    scn.validate().map_err(ReproError::Scenario)?;
     let trace = trace::load(&scn.trace, Some(scn.requests))?;
     let mut variants = Vec::new();
     for &v in &scn.variants {

@@ -98,6 +98,48 @@ pub struct Scenario {
     pub soak: Option<Soak>,
 }
 
+impl Scenario {
+    /// Refuse values the run cannot honour (before anything is allocated for them).
+    pub fn validate(&self) -> Result<(), String> {
+        let positive = [
+            ("--p-tp", self.p_tp),
+            ("--p-pp", self.p_pp),
+            ("--d-tp", self.d_tp),
+            ("--layers", self.layers),
+            ("--pool-blocks", self.pool_blocks),
+        ];
+        if let Some((flag, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(format!("{flag} must be > 0"));
+        }
+        if !(self.time_scale.is_finite() && self.time_scale > 0.0) {
+            return Err(format!(
+                "time scale {} must be a positive number",
+                self.time_scale
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.fail_rate) {
+            return Err(format!("fail rate {} must be in 0..=1", self.fail_rate));
+        }
+        if self.layers as usize > crate::layout::MAX_REGIONS {
+            return Err(format!("--layers: at most {}", crate::layout::MAX_REGIONS));
+        }
+        if self.pool_blocks > MAX_POOL_BLOCKS {
+            return Err(format!("--pool-blocks: at most {MAX_POOL_BLOCKS}"));
+        }
+        if self.block_bytes == 0 || self.block_tokens == 0 {
+            return Err("block bytes and block tokens must be > 0".into());
+        }
+        if self.pull_timeout.is_zero() {
+            return Err("the pull timeout must be > 0".into());
+        }
+        Ok(())
+    }
+}
+
+/// Most destination blocks a repro pool may have (the demo replays a bounded pool; each block
+/// has per-block state in the pool and the ledger).
+pub const MAX_POOL_BLOCKS: u32 = 1 << 20;
+
 impl Default for Scenario {
     fn default() -> Self {
         Scenario {

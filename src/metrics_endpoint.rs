@@ -1,0 +1,106 @@
+//! `GET /metrics` for the binary (feature `cli`): the global Prometheus recorder and a small,
+//! bounded HTTP responder in front of it.
+//!
+//! The exporter's own listener keeps every connection a client opens and waits on a request
+//! head for as long as the client likes (3,000 half-sent requests held 66 MB). This one caps
+//! open connections, reads at most 8 KiB of request head within 5 s, answers, and closes.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Semaphore;
+
+/// Connections served at once; more are closed at accept.
+const MAX_CONNECTIONS: usize = 64;
+/// Longest request head read.
+const MAX_HEAD: usize = 8 * 1024;
+/// Time a client has to send its request head, and to take the answer.
+const CLIENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Install the global Prometheus recorder and serve `/metrics` on `addr`; returns the address
+/// bound (a port 0 resolved). Needs a tokio runtime, on which the listener keeps running.
+pub fn serve_prometheus(addr: SocketAddr) -> Result<SocketAddr, String> {
+    let std_listener =
+        std::net::TcpListener::bind(addr).map_err(|e| format!("bind {addr}: {e}"))?;
+    std_listener
+        .set_nonblocking(true)
+        .map_err(|e| e.to_string())?;
+    let bound = std_listener.local_addr().map_err(|e| e.to_string())?;
+    let listener = TcpListener::from_std(std_listener).map_err(|e| e.to_string())?;
+    let handle = PrometheusBuilder::new()
+        .install_recorder()
+        .map_err(|e| e.to_string())?;
+    crate::telemetry::describe();
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            tick.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    tokio::spawn(accept_loop(listener, handle));
+    Ok(bound)
+}
+
+async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        // Over the cap the connection is dropped (closed) at once.
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            continue;
+        };
+        let handle = handle.clone();
+        tokio::spawn(async move {
+            let mut stream = stream;
+            let _ = tokio::time::timeout(CLIENT_TIMEOUT, answer(&mut stream, &handle)).await;
+            // The slot is free before the client sees the close.
+            drop(slot);
+        });
+    }
+}
+
+/// Read one request head and answer it; the connection then closes.
+async fn answer(stream: &mut TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
+    let mut head = Vec::with_capacity(512);
+    let mut buf = [0u8; 1024];
+    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+        if head.len() >= MAX_HEAD {
+            return respond(stream, "431 Request Header Fields Too Large", "").await;
+        }
+        let n = stream.read(&mut buf).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        head.extend_from_slice(&buf[..n]);
+    }
+    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let mut parts = line.split(|&b| b == b' ');
+    match (parts.next(), parts.next()) {
+        (Some(b"GET"), Some(b"/metrics")) => respond(stream, "200 OK", &handle.render()).await,
+        (Some(b"GET"), Some(_)) => respond(stream, "404 Not Found", "").await,
+        _ => respond(stream, "405 Method Not Allowed", "").await,
+    }
+}
+
+async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::Result<()> {
+    let head = format!(
+        "HTTP/1.1 {status}\r\ncontent-type: text/plain; version=0.0.4\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await?;
+    stream.write_all(body.as_bytes()).await?;
+    stream.shutdown().await
+}
