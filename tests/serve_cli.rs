@@ -819,3 +819,36 @@ async fn the_metrics_endpoint_reports_its_port_and_bounds_its_clients() {
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
 }
+
+/// Flag values serve cannot work with are refused at start with a message naming the flag,
+/// rather than silently changed or accepted into a process that fails every request.
+#[tokio::test]
+async fn unusable_flag_values_are_refused_at_start() {
+    let base = [
+        "serve",
+        "--layers",
+        "1",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "8",
+    ];
+    for (extra, says) in [
+        (&["--windows", "1"][..], "--windows"),
+        (&["--base-addr", "0"], "--base-addr"),
+        (&["--max-line-bytes", "0"], "--max-line-bytes"),
+        (&["--max-msg-size", "0"], "--max-msg-size"),
+        (&["--layers", "4294967295"], "--layers"),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+            .args(base)
+            .args(extra)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        assert!(!out.status.success(), "{extra:?} was accepted");
+        let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(text.contains(says), "{extra:?}: {text}");
+    }
+}

@@ -23,9 +23,9 @@ const MAX_LINE: usize = 1 << 20;
 pub struct PrefillSimArgs {
     #[arg(long, default_value = "prefill-0")]
     pub engine_id: String,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub tp: u32,
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=1024))]
     pub pp: u32,
     /// Interface to bind (ROUTERs and the bootstrap server).
     #[arg(long, default_value = "127.0.0.1")]

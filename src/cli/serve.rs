@@ -48,7 +48,6 @@ use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
 use kvrecv::rdma::tcp::server::DEFAULT_IDLE_TIMEOUT;
-use kvrecv::rdma::tcp::windows::DEFAULT_BASE;
 use kvrecv::rdma::TargetConfig;
 
 /// Flags of `kvrecv serve`. Flags given explicitly override `--kv-transfer-config`.
@@ -111,8 +110,8 @@ pub struct ServeArgs {
     pub no_permits: bool,
     /// Landing windows (epochs): pulls in flight at once, plus windows poisoned by abandoned
     /// writers, plus one reserved. Default: 16384, or as many as fit below 2^53 if fewer
-    /// (ignored with --no-permits: one window).
-    #[arg(long)]
+    /// (ignored with --no-permits: one window). At least 2.
+    #[arg(long, value_parser = clap::value_parser!(u32).range(2..))]
     pub windows: Option<u32>,
     /// Turn the epoch rule off: reuse a window whose writer may still write (a late write can
     /// land in a newer pull's block; for detector tests only).
@@ -134,15 +133,15 @@ pub struct ServeArgs {
     /// Bootstrap `GET /query` timeout, ms.
     #[arg(long, default_value_t = 5000)]
     pub bootstrap_timeout_ms: u64,
-    /// Largest control-plane message accepted from a peer, bytes.
-    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    /// Largest control-plane message accepted from a peer, bytes (at least 1 KiB).
+    #[arg(long, default_value_t = 16 * 1024 * 1024, value_parser = clap::value_parser!(i64).range(1024..))]
     pub max_msg_size: i64,
     /// Serve Prometheus text on this address (`/metrics`).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
     /// Longest stdin line accepted, bytes; a longer one is dropped (an `error` line answers it)
-    /// without being held in memory.
-    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    /// without being held in memory. At least 1 KiB.
+    #[arg(long, default_value_t = 64 * 1024 * 1024, value_parser = at_least_1k)]
     pub max_line_bytes: usize,
     /// Output waiting to be written to stdout, bytes, over which stdin is no longer read
     /// (a host that stops reading stdout then blocks on its own writes, and serve's memory
@@ -180,6 +179,14 @@ impl EventLevel {
             EventLevel::Completions => matches!(ev, KvEvent::Completion { .. }),
             EventLevel::None => false,
         }
+    }
+}
+
+fn at_least_1k(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(n) if n >= 1024 => Ok(n),
+        Ok(n) => Err(format!("{n} is under 1024")),
+        Err(e) => Err(e.to_string()),
     }
 }
 
@@ -272,6 +279,9 @@ impl ServeArgs {
             None => self.bind.to_string(),
         };
         let base_addr = parse_u64(&self.base_addr)?;
+        if base_addr == 0 {
+            return Err("--base-addr 0: the first advertised address must be non-zero".into());
+        }
         Ok(TargetConfig {
             layout: layout.clone(),
             handshake_bind: SocketAddr::new(self.bind, self.handshake_port),
@@ -280,11 +290,7 @@ impl ServeArgs {
             permits: !self.no_permits,
             windows: self.windows,
             epoch_rule: !self.no_epoch_rule,
-            base_addr: if base_addr == 0 {
-                DEFAULT_BASE
-            } else {
-                base_addr
-            },
+            base_addr,
             idle_timeout: self
                 .idle_timeout_ms
                 .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.max(1))),

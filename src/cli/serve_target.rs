@@ -76,9 +76,11 @@ impl DataTarget {
                              "rejected_bad_opcode": n(&d.rejected_bad_opcode),
                              "rejected_no_permit": n(&d.rejected_no_permit),
                              "rejected_revoked": n(&d.rejected_revoked), "idle_timeouts": n(&d.idle_timeouts),
-                             "v1_requests": n(&d.v1_requests), "broken": n(&d.broken)},
+                             "v1_requests": n(&d.v1_requests), "broken": n(&d.broken),
+                             "refused_over_cap": n(&d.refused_over_cap)},
                     "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
-                                  "connection": n(&h.connection), "refused": n(&h.refused)},
+                                  "connection": n(&h.connection), "refused": n(&h.refused),
+                                  "refused_over_cap": n(&h.refused_over_cap)},
                     "live_permits": t.landing().permits().live(),
                 })
             }
@@ -87,7 +89,8 @@ impl DataTarget {
                 let h = t.handshake_stats();
                 json!({
                     "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
-                                  "connection": n(&h.connection), "refused": n(&h.refused)},
+                                  "connection": n(&h.connection), "refused": n(&h.refused),
+                                  "refused_over_cap": n(&h.refused_over_cap)},
                 })
             }
         }

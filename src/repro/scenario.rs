@@ -164,3 +164,46 @@ impl Default for Scenario {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn values_the_run_cannot_honour_are_refused_before_anything_is_built() {
+        assert_eq!(Scenario::default().validate(), Ok(()));
+        let bad = [
+            Scenario {
+                time_scale: f64::NAN,
+                ..Scenario::default()
+            },
+            Scenario {
+                fail_rate: 2.0,
+                ..Scenario::default()
+            },
+            Scenario {
+                fail_rate: f64::NAN,
+                ..Scenario::default()
+            },
+            Scenario {
+                pool_blocks: u32::MAX,
+                ..Scenario::default()
+            },
+            Scenario {
+                layers: u32::MAX,
+                ..Scenario::default()
+            },
+            Scenario {
+                pull_timeout: Duration::ZERO,
+                ..Scenario::default()
+            },
+            Scenario {
+                d_tp: 0,
+                ..Scenario::default()
+            },
+        ];
+        for s in bad {
+            assert!(s.validate().is_err(), "{s:?}");
+        }
+    }
+}
