@@ -78,6 +78,8 @@ pub enum FrameError {
     Truncated { expected: u64, got: usize },
     #[error("timed out waiting for the request")]
     Timeout,
+    #[error("timed out: the client did not read its reply")]
+    ReplyTimeout,
     #[error("i/o: {0}")]
     Io(#[from] io::Error),
 }
@@ -313,12 +315,23 @@ impl Daemon {
             frame.push(ty as u8);
         }
         frame.extend_from_slice(&reply);
-        stream.write_all(&frame).await?;
+        // A client that does not read its reply holds a slot no longer than one that does not
+        // send its request.
+        tokio::time::timeout(RECV_TIMEOUT, stream.write_all(&frame))
+            .await
+            .map_err(|_| FrameError::ReplyTimeout)??;
         stream.shutdown().await?;
-        // Wait (bounded) for the client to read and close, discarding anything it still sends.
+        // Wait (bounded in time and bytes) for the client to read and close, discarding what it
+        // still sends: a client that keeps sending is closed after 64 KiB.
         let _ = tokio::time::timeout(CLOSE_WAIT, async {
             let mut sink = [0u8; 512];
-            while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+            let mut left = 64 * 1024usize;
+            while let Ok(n @ 1..) = stream.read(&mut sink).await {
+                left = left.saturating_sub(n);
+                if left == 0 {
+                    break;
+                }
+            }
         })
         .await;
         Ok(())
