@@ -663,6 +663,16 @@ impl PermitTable {
                 let live = self.live.fetch_sub(1, Ordering::Relaxed) - 1;
                 self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
             }
+            // Coverage only backs an ok before the revocation: a closed permit may wait long for
+            // its window's reuse, and keeps none of it.
+            {
+                let mut cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
+                if p.is_closed() {
+                    *cov = Vec::new();
+                } else {
+                    cov.retain(|c| c.req as usize != *i);
+                }
+            }
             if self.poison && r.suspects.contains(&p.peer) {
                 let until = inner.poisoned.entry(p.window).or_insert(r.poison_until);
                 *until = (*until).max(r.poison_until);
@@ -1030,6 +1040,31 @@ mod tests {
         assert_eq!(revoke(&t, &a, std::slice::from_ref(&p), far).poisoned, 0);
         assert_eq!(open(&t, 2, &p, &req("b")), 1);
         assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
+    }
+
+    /// What a permit keeps to back an ok goes at the revocation, not when its window is reused
+    /// (which may be thousands of pulls later).
+    #[test]
+    fn a_revoked_requests_coverage_is_dropped() {
+        let t = table(3);
+        let p = PeerId::new("p");
+        let a = req("a");
+        let w = open(&t, 1, &p, &a);
+        let r = Resolved {
+            window: w,
+            region: 0,
+            offset: 0,
+            mem_offset: 0,
+        };
+        let admitted = t
+            .admit(&r, 4096, Access::Write { acknowledged: true })
+            .unwrap();
+        admitted.landed(4096);
+        drop(admitted);
+        let permit = t.lock().by_pull.get(&1).cloned().unwrap();
+        assert_eq!(permit.coverage.lock().unwrap().len(), 1);
+        revoke(&t, &a, &[], Instant::now());
+        assert!(permit.coverage.lock().unwrap().is_empty());
     }
 
     #[test]
