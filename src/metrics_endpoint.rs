@@ -66,8 +66,10 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
         tokio::spawn(async move {
             let mut stream = stream;
             let _ = tokio::time::timeout(CLIENT_TIMEOUT, answer(&mut stream, &handle)).await;
-            // The slot is free before the client sees the close.
+            // The slot is free before the client sees the close: a client that waits for the
+            // close to open its next connection finds a slot.
             drop(slot);
+            let _ = stream.shutdown().await;
         });
     }
 }
@@ -76,10 +78,14 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
 async fn answer(stream: &mut TcpStream, handle: &PrometheusHandle) -> std::io::Result<()> {
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
-    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+    // Where the search for the blank line resumes: only bytes not yet scanned (and the three
+    // before them, which a terminator may straddle).
+    let mut scanned = 0;
+    while !head[scanned..].windows(4).any(|w| w == b"\r\n\r\n") {
         if head.len() >= MAX_HEAD {
             return respond(stream, "431 Request Header Fields Too Large", "").await;
         }
+        scanned = head.len().saturating_sub(3);
         let n = stream.read(&mut buf).await?;
         if n == 0 {
             return Ok(());
@@ -101,6 +107,32 @@ async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::R
         body.len()
     );
     stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    stream.shutdown().await
+    stream.write_all(body.as_bytes()).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A head that arrives a byte at a time (its blank line split across reads) is answered.
+    #[tokio::test]
+    async fn a_head_sent_byte_by_byte_is_answered() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let handle = PrometheusBuilder::new().build_recorder().handle();
+        let server = tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            answer(&mut s, &handle).await
+        });
+        let mut c = TcpStream::connect(addr).await.unwrap();
+        for b in b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" {
+            c.write_all(&[*b]).await.unwrap();
+            c.flush().await.unwrap();
+            tokio::task::yield_now().await;
+        }
+        server.await.unwrap().unwrap();
+        let mut reply = String::new();
+        c.read_to_string(&mut reply).await.unwrap();
+        assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
+    }
 }

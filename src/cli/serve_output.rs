@@ -17,6 +17,11 @@ use tokio::net::unix::pipe;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::Notify;
 
+/// The writer credits what it has handed to its buffer at least this often, not only when the
+/// queue runs empty: under a steady stream of events it may never run empty, and the backlog
+/// would seem to grow until stdin paused.
+const CREDIT_CHUNK: usize = 16 * 1024;
+
 /// Bytes queued for stdout and not yet written, shared by the queue and its writer.
 #[derive(Default)]
 struct Backlog {
@@ -88,16 +93,18 @@ impl Output {
         self.queued() > self.high_water && !self.backlog.closed.load(Ordering::Acquire)
     }
 
-    /// Resolves once the backlog is at or under the high-water mark (or stdout is closed).
+    /// Resolves once the backlog is at or under half the high-water mark (or stdout is
+    /// closed): stdin resumes with room to spare, not to pause again a line later.
     pub async fn room(&self) {
-        while self.over_high_water() {
+        while self.queued() > self.high_water / 2 && !self.backlog.closed.load(Ordering::Acquire) {
             self.backlog.room.notified().await;
         }
     }
 }
 
 impl OutputQueue {
-    /// Drain everything queued now, starting with `first`, into `sink`; the bytes handed over.
+    /// Drain everything queued now, starting with `first`, into `sink`, crediting the bytes
+    /// handed over every [`CREDIT_CHUNK`]; the bytes handed over and not yet credited.
     fn batch(
         &mut self,
         first: String,
@@ -109,6 +116,9 @@ impl OutputQueue {
             n += line.len() + 1;
             if let Err(e) = sink(&line) {
                 return (n, Err(e));
+            }
+            if n >= CREDIT_CHUNK {
+                self.backlog.written(std::mem::take(&mut n));
             }
         }
         (n, Ok(()))
@@ -171,6 +181,9 @@ async fn pipe_writer(p: pipe::Sender, mut q: OutputQueue) {
         let mut ok =
             w.write_all(first.as_bytes()).await.is_ok() && w.write_all(b"\n").await.is_ok();
         while ok {
+            if n >= CREDIT_CHUNK {
+                q.backlog.written(std::mem::take(&mut n));
+            }
             let Ok(line) = q.rx.try_recv() else { break };
             n += line.len() + 1;
             ok = w.write_all(line.as_bytes()).await.is_ok() && w.write_all(b"\n").await.is_ok();
@@ -223,6 +236,58 @@ mod tests {
         drop(out);
         t.join().unwrap().unwrap();
         assert_eq!(&*written.lock().unwrap(), b"12345\nabcde\n");
+    }
+
+    /// A writer that never sees its queue empty still credits what it wrote: stdin is not
+    /// paused for a backlog that is in fact moving.
+    #[test]
+    fn a_steady_stream_is_credited_before_the_queue_empties() {
+        let (out, q) = output(1 << 20);
+        let line = "x".repeat(1023);
+        for _ in 0..100 {
+            out.send(line.clone());
+        }
+        assert_eq!(out.queued(), 100 * 1024);
+        let (reached, wait_reached) = std::sync::mpsc::channel();
+        let (go, wait_go) = std::sync::mpsc::channel::<()>();
+        let sink = Gated {
+            bytes: 0,
+            stop_at: 40 * 1024,
+            reached,
+            go: wait_go,
+        };
+        let t = std::thread::spawn(move || write_all(q, sink));
+        wait_reached.recv().unwrap();
+        // 60 lines still queued, but what went to the buffer is no longer counted.
+        assert!(
+            out.queued() <= 100 * 1024 - 32 * 1024,
+            "queued {}",
+            out.queued()
+        );
+        go.send(()).unwrap();
+        drop(out);
+        t.join().unwrap().unwrap();
+    }
+
+    /// Takes bytes until `stop_at`, then says so and waits for `go` before taking more.
+    struct Gated {
+        bytes: usize,
+        stop_at: usize,
+        reached: std::sync::mpsc::Sender<()>,
+        go: std::sync::mpsc::Receiver<()>,
+    }
+    impl Write for Gated {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            if self.bytes < self.stop_at && self.bytes + b.len() >= self.stop_at {
+                let _ = self.reached.send(());
+                let _ = self.go.recv();
+            }
+            self.bytes += b.len();
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
     }
 
     #[test]

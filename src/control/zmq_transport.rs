@@ -581,8 +581,30 @@ impl PeerTransport for ZmqTransport {
 /// likely cause of a failed connect (EMFILE) that libzmq reports as a retried one. Read only on
 /// failure (it lists `/proc/self/fd`).
 fn fd_exhaustion() -> Option<String> {
-    let open = std::fs::read_dir("/proc/self/fd").ok()?.count() as u64;
-    let limits = std::fs::read_to_string("/proc/self/limits").ok()?;
+    fd_exhaustion_from(
+        std::fs::read_dir("/proc/self/fd").map(|d| d.count() as u64),
+        std::fs::read_to_string("/proc/self/limits"),
+    )
+}
+
+/// [`fd_exhaustion`] from what reading `/proc/self/fd` and `/proc/self/limits` gave.
+fn fd_exhaustion_from(
+    open: std::io::Result<u64>,
+    limits: std::io::Result<String>,
+) -> Option<String> {
+    // Counting needs a descriptor of its own: failing to get one is the answer.
+    let out_of_fds = |e: std::io::Error| {
+        matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+            .then(|| format!("every file descriptor is in use ({e}: raise the limit)"))
+    };
+    let open = match open {
+        Ok(n) => n,
+        Err(e) => return out_of_fds(e),
+    };
+    let limits = match limits {
+        Ok(l) => l,
+        Err(e) => return out_of_fds(e),
+    };
     let soft: u64 = limits
         .lines()
         .find(|l| l.starts_with("Max open files"))?
@@ -602,6 +624,36 @@ mod tests {
     use super::*;
 
     const SAFETY: Duration = Duration::from_secs(20);
+
+    /// Out of descriptors, `/proc/self/fd` cannot even be listed: that failure is the answer.
+    #[test]
+    fn fd_exhaustion_names_a_full_table_and_nothing_else() {
+        let limits = || {
+            Ok(
+                "Max open files            1024                 4096                 files\n"
+                    .to_owned(),
+            )
+        };
+        fn emfile<T>() -> std::io::Result<T> {
+            Err(std::io::Error::from_raw_os_error(libc::EMFILE))
+        }
+        let m = fd_exhaustion_from(emfile::<u64>(), limits()).expect("EMFILE listing the table");
+        assert!(m.contains("every file descriptor is in use"), "{m}");
+        assert!(fd_exhaustion_from(Ok(3), emfile()).is_some());
+        let m = fd_exhaustion_from(Ok(1000), limits()).expect("within 5% of the limit");
+        assert!(m.contains("1000 of this process's 1024"), "{m}");
+        assert_eq!(
+            fd_exhaustion_from(Ok(10), limits()),
+            None,
+            "far from the limit"
+        );
+        let other = Err(std::io::Error::from_raw_os_error(libc::EACCES));
+        assert_eq!(
+            fd_exhaustion_from(other, limits()),
+            None,
+            "no /proc: no claim"
+        );
+    }
 
     /// P's side: a ROUTER on loopback, on `t`'s context, and its address.
     fn p_router(t: &ZmqTransport) -> (AsyncSocket, String) {

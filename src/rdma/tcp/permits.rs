@@ -95,9 +95,10 @@ pub struct Permit {
     draining: AtomicBool,
     /// Woken when `inflight` reaches zero while draining.
     quiet: Notify,
-    /// Where landed writes put their bytes, per request (index as in `reqs`): what proves an
-    /// unproven ok. Ranges, not a byte count, so a write landed twice counts once.
-    coverage: Mutex<Vec<Piece>>,
+    /// Where landed writes put their bytes, per request (index as in `reqs`, grown on first
+    /// landing): what proves an unproven ok. Ranges, not a byte count, so a write landed twice
+    /// counts once; contiguous writes merge into one range as they land.
+    coverage: Mutex<Vec<Vec<Span>>>,
     /// P's `ok_reqs` is no proof of placement for this window's requests, the byte count is
     /// (PROTOCOL.md §5.3): a v1 (unacknowledged) write was admitted or refused here, or an
     /// acknowledged write was admitted and ended before its last byte (its writer got no
@@ -152,13 +153,27 @@ impl Permit {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 struct Piece {
     req: u32,
-    region: u32,
-    start: u64,
-    end: u64,
+    span: Span,
+}
+
+/// `(region, start, end)`: bytes `[start, end)` of a region.
+type Span = (u32, u64, u64);
+
+/// Add `s` to a request's landed spans, merging it into the last one when they touch (a P
+/// writes a block's bytes in order, so most requests keep one span per region).
+fn add_span(spans: &mut Vec<Span>, s: Span) {
+    if let Some(last) = spans.last_mut() {
+        if last.0 == s.0 && s.1 <= last.2 && s.2 >= last.1 {
+            last.1 = last.1.min(s.1);
+            last.2 = last.2.max(s.2);
+            return;
+        }
+    }
+    spans.push(s);
 }
 
 /// Bytes covered by the union of `(region, start, end)` ranges.
-fn union_len(mut ranges: Vec<(u32, u64, u64)>) -> u64 {
+fn union_len(mut ranges: Vec<Span>) -> u64 {
     ranges.sort_unstable();
     let mut total = 0;
     let mut cur: Option<(u32, u64, u64)> = None;
@@ -267,10 +282,15 @@ impl Admitted {
         if let Some(p) = &self.permit {
             p.bytes_landed.fetch_add(bytes, Ordering::Relaxed);
             p.writes_landed.fetch_add(1, Ordering::Relaxed);
-            p.coverage
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend_from_slice(&self.pieces);
+            let mut cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
+            for piece in &self.pieces {
+                let i = piece.req as usize;
+                if cov.len() <= i {
+                    cov.resize_with(i + 1, Vec::new);
+                }
+                add_span(&mut cov[i], piece.span);
+            }
+            drop(cov);
             if self.open_write.swap(false, Ordering::AcqRel) {
                 p.open_writes.fetch_sub(1, Ordering::AcqRel);
             }
@@ -669,8 +689,8 @@ impl PermitTable {
                 let mut cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
                 if p.is_closed() {
                     *cov = Vec::new();
-                } else {
-                    cov.retain(|c| c.req as usize != *i);
+                } else if let Some(spans) = cov.get_mut(*i) {
+                    *spans = Vec::new();
                 }
             }
             if self.poison && r.suspects.contains(&p.peer) {
@@ -739,20 +759,24 @@ impl PermitTable {
         let (first, last) = self.map.blocks(r.region, r.offset, size);
         let owners = permit.blocks.get(group).ok_or(RejectReason::NoPermit)?;
         let bl = self.map.block_len(r.region);
+        // Only the first `kv_block_len` bytes of a block are KV data: bytes written into the
+        // padding after them back nothing.
+        let kv = self.map.kv_block_len(r.region).min(bl);
         let mut reqs: Vec<usize> = Vec::with_capacity(1);
         let mut pieces: SmallVec<[Piece; 1]> = SmallVec::new();
         for b in first..=last {
             let i = owners.get(b).ok_or(RejectReason::NoPermit)?;
-            let (lo, hi) = (u64::from(b) * bl, u64::from(b) * bl + bl);
+            let lo = u64::from(b) * bl;
             if !reqs.contains(&i) {
                 reqs.push(i);
             }
-            pieces.push(Piece {
-                req: i as u32,
-                region: r.region as u32,
-                start: r.offset.max(lo),
-                end: (r.offset + size).min(hi),
-            });
+            let (start, end) = (r.offset.max(lo), (r.offset + size).min(lo + kv));
+            if start < end {
+                pieces.push(Piece {
+                    req: i as u32,
+                    span: (r.region as u32, start, end),
+                });
+            }
         }
         if reqs.iter().any(|&i| !permit.open[i].load(Ordering::SeqCst)) {
             return Err(RejectReason::Revoked);
@@ -790,22 +814,21 @@ impl PermitTable {
             );
         }
         let entries = inner.permits_of(inner.by_req.get(&req.req_id));
+        // `open_writes` first: a write that ends unlanded sets `unproven` before it leaves
+        // `open_writes`, so reading them the other way round could miss both.
         if !entries.iter().any(|(p, _)| {
-            p.unproven.load(Ordering::Acquire) || p.open_writes.load(Ordering::Acquire) > 0
+            p.open_writes.load(Ordering::Acquire) > 0 || p.unproven.load(Ordering::Acquire)
         }) {
             return Ok(());
         }
         // Offsets within a region are the same in every window: the union over every pull of
         // the request is what physically landed in its blocks.
-        let mut ranges: Vec<(u32, u64, u64)> = Vec::new();
+        let mut ranges: Vec<Span> = Vec::new();
         for (p, i) in &entries {
             let cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
-            ranges.extend(
-                cov.iter()
-                    .filter(|c| c.req as usize == *i)
-                    .map(|c| (c.region, c.start, c.end)),
-            );
+            ranges.extend(cov.get(*i).into_iter().flatten());
         }
+        drop(inner);
         let landed = union_len(ranges);
         let expected: u64 = req
             .block_ids
@@ -1062,9 +1085,41 @@ mod tests {
         admitted.landed(4096);
         drop(admitted);
         let permit = t.lock().by_pull.get(&1).cloned().unwrap();
-        assert_eq!(permit.coverage.lock().unwrap().len(), 1);
+        assert_eq!(*permit.coverage.lock().unwrap(), vec![vec![(0, 0, 4096)]]);
         revoke(&t, &a, &[], Instant::now());
         assert!(permit.coverage.lock().unwrap().is_empty());
+    }
+
+    /// Bytes written into a block's padding (past its `kv_block_len`) do not back an ok; a
+    /// request's contiguous writes keep one span.
+    #[test]
+    fn padding_bytes_back_no_ok_and_contiguous_writes_merge() {
+        let mut layout = KvLayout::uniform(1, 4096, 4);
+        layout.regions[0].kv_block_len = 2048;
+        let map = WindowMap::new(&layout, 0x7e00_0000_0000, 3).unwrap();
+        let t = PermitTable::new(Arc::new(map), true);
+        let p = PeerId::new("p");
+        let a = req("a");
+        let w = open(&t, 1, &p, &a);
+        let at = |offset| Resolved {
+            window: w,
+            region: 0,
+            offset,
+            mem_offset: offset,
+        };
+        let v1 = Access::Write {
+            acknowledged: false,
+        };
+        // A v1 writer fills block 0's padding only: 2048 bytes landed, none of them KV data.
+        t.admit(&at(2048), 2048, v1).unwrap().landed(2048);
+        let err = t.verify_ok(&a).expect_err("padding is no KV data");
+        assert!(err.contains("0 of 2048"), "{err}");
+        // Then the data, in two contiguous writes: one span, the ok is backed.
+        t.admit(&at(0), 1024, v1).unwrap().landed(1024);
+        t.admit(&at(1024), 1024, v1).unwrap().landed(1024);
+        assert_eq!(t.verify_ok(&a), Ok(()));
+        let permit = t.lock().by_pull.get(&1).cloned().unwrap();
+        assert_eq!(*permit.coverage.lock().unwrap(), vec![vec![(0, 0, 2048)]]);
     }
 
     #[test]

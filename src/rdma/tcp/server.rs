@@ -236,8 +236,9 @@ async fn reject(
         "request rejected"
     );
     if h.version() == ProtoVersion::V2 {
-        // Best effort: the connection closes either way, which is what P acts on.
-        let _ = stream.write_all(&STATUS_REJECT.to_le_bytes()).await;
+        // Best effort, bounded like every write (a P that stopped reading cannot hold this
+        // task): the connection closes either way, which is what P acts on.
+        let _ = send(stream, plane, &STATUS_REJECT.to_le_bytes()).await;
     }
     let _ = stream.shutdown().await;
     ConnEnd::Rejected(reason)
@@ -405,7 +406,6 @@ async fn land_staged(
     }
 }
 
-/// READ (interop tests; vLLM never reads from D): v2 OK, then the bytes.
 /// Write `bytes`, giving up after the idle timeout without progress (a reader that stopped).
 async fn send(stream: &mut TcpStream, plane: &DataPlane, bytes: &[u8]) -> Result<(), ConnEnd> {
     match tokio::time::timeout(plane.idle_timeout, stream.write_all(bytes)).await {
@@ -414,7 +414,8 @@ async fn send(stream: &mut TcpStream, plane: &DataPlane, bytes: &[u8]) -> Result
     }
 }
 
-/// Stream an admitted READ back. Each chunk is copied out of destination memory inside the
+/// Stream an admitted READ back (interop tests; vLLM never reads from D): v2 OK, then the
+/// bytes. Each chunk is copied out of destination memory inside the
 /// permit's gate, so no byte is read from a block after its request was revoked (by then the
 /// block may hold another request's KV); the socket write happens outside the gate, so a
 /// reader that stops reading cannot hold a revocation up, and it is bounded by the idle timeout.

@@ -169,6 +169,12 @@ impl WindowMap {
         self.block_len[region]
     }
 
+    /// Bytes of KV data at the start of each block of `region` (the rest of the stride is
+    /// padding).
+    pub fn kv_block_len(&self, region: usize) -> u64 {
+        self.kv_block_len[region]
+    }
+
     /// Bytes P transfers per block into `region`, summed over every region of KV-cache
     /// `group`: what one destination block of that group receives from all peers together.
     pub fn kv_bytes_per_block(&self, group: u32) -> u64 {
