@@ -145,7 +145,7 @@ pub struct ServeArgs {
     pub max_line_bytes: usize,
     /// Output waiting to be written to stdout, bytes, over which stdin is no longer read
     /// (a host that stops reading stdout then blocks on its own writes, and serve's memory
-    /// stays bounded).
+    /// stays bounded); reading resumes once half of it was written.
     #[arg(long, default_value_t = 8 * 1024 * 1024)]
     pub max_output_backlog_bytes: usize,
     /// Coordinator events printed on stdout: all, completions (only `completion` lines), or
