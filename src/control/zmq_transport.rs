@@ -300,9 +300,18 @@ impl ZmqTransport {
     }
 
     fn open(&self, peer: &PeerId) -> Result<Channel, TransportError> {
-        let mut ch = self.sockets(peer).map_err(|e| TransportError::Local {
-            peer: peer.clone(),
-            reason: e.to_string(),
+        let mut ch = self.sockets(peer).map_err(|e| {
+            let errno = match &e {
+                SocketError::Zmq(z) => z.to_raw(),
+                SocketError::Io(io) => io.raw_os_error().unwrap_or(0),
+            };
+            if matches!(errno, libc::EMFILE | libc::ENFILE) {
+                note_fd_exhaustion();
+            }
+            TransportError::Local {
+                peer: peer.clone(),
+                reason: e.to_string(),
+            }
         })?;
         ch.dealer
             .socket()
@@ -577,10 +586,40 @@ impl PeerTransport for ZmqTransport {
     }
 }
 
-/// "N of M file descriptors open" when this process is within 5% of its open-file limit, the
-/// likely cause of a failed connect (EMFILE) that libzmq reports as a retried one. Read only on
-/// failure (it lists `/proc/self/fd`).
+/// When (ms on a monotonic clock) opening a socket last failed for want of a file descriptor.
+/// The descriptor table is the process's, so this is too; 0: never.
+static LAST_FD_EXHAUSTION_MS: AtomicU64 = AtomicU64::new(0);
+
+/// An EMFILE seen this long ago still explains a connect that libzmq retried: when the event is
+/// read, the descriptors the failing pulls held may already be free again.
+const FD_EXHAUSTION_MEMORY: Duration = Duration::from_secs(10);
+
+fn monotonic_ms() -> u64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    // +1 so that a failure in the first millisecond is not read as "never".
+    START
+        .get_or_init(std::time::Instant::now)
+        .elapsed()
+        .as_millis() as u64
+        + 1
+}
+
+fn note_fd_exhaustion() {
+    LAST_FD_EXHAUSTION_MS.store(monotonic_ms(), Ordering::Relaxed);
+}
+
+/// Why a connect libzmq retried may have failed for want of a file descriptor (libzmq reports
+/// a connect whose socket() failed as a retried one, errno lost): an EMFILE seen recently, or
+/// this process within 5% of its open-file limit now. Read only on failure (it lists
+/// `/proc/self/fd`).
 fn fd_exhaustion() -> Option<String> {
+    let last = LAST_FD_EXHAUSTION_MS.load(Ordering::Relaxed);
+    let ago = monotonic_ms().saturating_sub(last);
+    if last != 0 && u128::from(ago) <= FD_EXHAUSTION_MEMORY.as_millis() {
+        return Some(format!(
+            "no file descriptor was free for a socket {ago} ms ago (EMFILE: raise the limit)"
+        ));
+    }
     fd_exhaustion_from(
         std::fs::read_dir("/proc/self/fd").map(|d| d.count() as u64),
         std::fs::read_to_string("/proc/self/limits"),
