@@ -65,6 +65,16 @@ pub enum TopologyError {
         /// The cap.
         max: u32,
     },
+    #[error("engine {engine_id} lists worker address {addr:?}, which cannot be dialled: {reason}")]
+    /// A worker address no ZMQ connect can take (empty, or with a NUL or control character).
+    BadWorkerAddress {
+        /// The engine.
+        engine_id: String,
+        /// The address as listed.
+        addr: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     #[error("TP sizes do not divide: P TP {p_tp}, D TP {d_tp}")]
     /// P's and D's TP sizes do not divide each other.
     TpRatio {
@@ -79,6 +89,28 @@ pub enum TopologyError {
         /// The engine.
         engine_id: String,
     },
+}
+
+/// A rank key as vLLM writes it (`str(rank)`): digits, no sign, no leading zero. `"+0"` or
+/// `"00"` would otherwise parse as rank 0 and silently collapse with `"0"`.
+fn rank_key(k: &str) -> Option<u32> {
+    let canonical =
+        !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()) && (k == "0" || !k.starts_with('0'));
+    canonical.then(|| k.parse().ok()).flatten()
+}
+
+/// Why `addr` cannot be a ZMQ endpoint, if it cannot: libzmq takes a C string (a NUL would
+/// cut it, and the `zmq` crate panics on one), and no endpoint has control characters.
+pub fn undialable(addr: &str) -> Option<&'static str> {
+    if addr.is_empty() {
+        Some("empty")
+    } else if addr.contains('\0') {
+        Some("contains a NUL byte")
+    } else if addr.chars().any(char::is_control) {
+        Some("contains a control character")
+    } else {
+        None
+    }
 }
 
 impl EngineTopology {
@@ -104,9 +136,9 @@ impl EngineTopology {
         let tp: BTreeMap<u32, &BTreeMap<String, String>> = entry
             .worker_addr
             .iter()
-            .map(|(k, v)| k.parse::<u32>().map(|k| (k, v)))
-            .collect::<Result<_, _>>()
-            .map_err(|_| incomplete("non-integer TP rank key".into()))?;
+            .map(|(k, v)| rank_key(k).map(|k| (k, v)))
+            .collect::<Option<_>>()
+            .ok_or_else(|| incomplete("TP rank key not a plain integer".into()))?;
         let tp_size = tp.len() as u32;
         if tp_size == 0 || tp.keys().copied().ne(0..tp_size) {
             return Err(incomplete(format!(
@@ -126,9 +158,9 @@ impl EngineTopology {
         for (rank, stages) in &tp {
             let pp: BTreeMap<u32, &String> = stages
                 .iter()
-                .map(|(k, v)| k.parse::<u32>().map(|k| (k, v)))
-                .collect::<Result<_, _>>()
-                .map_err(|_| incomplete("non-integer PP rank key".into()))?;
+                .map(|(k, v)| rank_key(k).map(|k| (k, v)))
+                .collect::<Option<_>>()
+                .ok_or_else(|| incomplete("PP rank key not a plain integer".into()))?;
             let n = pp.len() as u32;
             if n == 0 || pp.keys().copied().ne(0..n) {
                 return Err(incomplete(format!(
@@ -140,6 +172,15 @@ impl EngineTopology {
                 return Err(incomplete(format!(
                     "TP rank {rank} has {n} PP stages, others differ"
                 )));
+            }
+            for a in pp.values() {
+                if let Some(reason) = undialable(a) {
+                    return Err(TopologyError::BadWorkerAddress {
+                        engine_id: engine_id.into(),
+                        addr: a.chars().take(200).collect(),
+                        reason: reason.into(),
+                    });
+                }
             }
             workers.push(pp.values().map(|a| PeerId::new(a.as_str())).collect());
         }
@@ -392,5 +433,43 @@ mod tests {
             EngineTopology::from_query("b", "e9", &entry(&[("0", &["0"])], None)),
             Err(TopologyError::UnknownEngine { .. })
         ));
+    }
+
+    /// Rank keys are `str(rank)`: `"+0"` or `"00"` would collapse into rank 0.
+    #[test]
+    fn rank_keys_must_be_plain_integers() {
+        for bad in ["+0", "00", "01", " 0", "-1", "", "0x1"] {
+            let r = EngineTopology::from_query("b", "e0", &entry(&[(bad, &["0"])], None));
+            assert!(
+                matches!(&r, Err(TopologyError::Incomplete { reason, .. }) if reason.contains("plain integer")),
+                "{bad:?}: {r:?}"
+            );
+            let r = EngineTopology::from_query("b", "e0", &entry(&[("0", &[bad])], None));
+            assert!(r.is_err(), "PP key {bad:?}");
+        }
+        assert_eq!(rank_key("10"), Some(10));
+    }
+
+    /// A worker address libzmq cannot take is refused with the topology, never dialled (the
+    /// `zmq` crate panics on a NUL: a Peer died and its request never completed).
+    #[test]
+    fn undialable_worker_addresses_are_refused() {
+        for (addr, why) in [
+            ("tcp://127.0.0.1:5\0x", "NUL"),
+            ("", "empty"),
+            ("tcp://a:1\n", "control"),
+        ] {
+            let mut q = entry(&[("0", &["0"])], None);
+            let e = q.get_mut("0").unwrap();
+            e.worker_addr
+                .get_mut("0")
+                .unwrap()
+                .insert("0".into(), addr.into());
+            let r = EngineTopology::from_query("b", "e0", &q);
+            assert!(
+                matches!(&r, Err(TopologyError::BadWorkerAddress { reason, .. }) if reason.contains(why)),
+                "{addr:?}: {r:?}"
+            );
+        }
     }
 }

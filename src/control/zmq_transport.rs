@@ -300,6 +300,13 @@ impl ZmqTransport {
     }
 
     fn open(&self, peer: &PeerId) -> Result<Channel, TransportError> {
+        // Checked before any socket exists: the `zmq` crate panics on a NUL in an endpoint.
+        if let Some(reason) = crate::actors::topology::undialable(peer.addr()) {
+            return Err(TransportError::BadAddress {
+                peer: peer.clone(),
+                reason: reason.into(),
+            });
+        }
         let mut ch = self.sockets(peer).map_err(|e| {
             let errno = match &e {
                 SocketError::Zmq(z) => z.to_raw(),
@@ -663,6 +670,18 @@ mod tests {
     use super::*;
 
     const SAFETY: Duration = Duration::from_secs(20);
+
+    /// An endpoint libzmq cannot take is refused as not dialled (nothing sent), not a panic in
+    /// the `zmq` crate's C-string conversion.
+    #[test]
+    fn a_nul_in_the_address_is_refused_not_dialled() {
+        let t = ZmqTransport::default();
+        match t.open(&PeerId::new("tcp://127.0.0.1:1\0x")) {
+            Err(TransportError::BadAddress { reason, .. }) => assert!(reason.contains("NUL")),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("dialled"),
+        }
+    }
 
     /// Out of descriptors, `/proc/self/fd` cannot even be listed: that failure is the answer.
     #[test]
