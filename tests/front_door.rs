@@ -268,3 +268,61 @@ async fn clones_share_one_worker() {
         Err(KvRecvError::Stopped)
     ));
 }
+
+/// A P engine that answers every pull with ERROR (here: its layers do not align with D's)
+/// wrote nothing, so its pulls' windows are not poisoned: with 4 windows, 10 such requests
+/// leave every window usable and a healthy engine's request still lands. (Poisoning them took
+/// all 16,384 windows out of rotation for 15 minutes in about 20 s of such pulls.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_errors_every_pull_poisons_no_window() {
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecvBuilder::new(config)
+        .target(|t| t.windows = Some(4))
+        .events(true)
+        .start()
+        .unwrap();
+    let mut events = kv.events().unwrap();
+    let bad = PrefillSim::start(SimConfig {
+        engine_id: "misaligned".into(),
+        layer_names: Some(vec!["other.0".into(), "other.1".into()]),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let good = PrefillSim::start(SimConfig::default()).await.unwrap();
+    let request = |sim: &PrefillSim, id: &str, block: u32| KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
+        remote_engine_id: Some(sim.engine_id().to_owned()),
+        remote_bootstrap_addr: Some(sim.bootstrap_url()),
+        block_ids: vec![vec![block]],
+    };
+    for i in 0..10 {
+        let id = format!("bad-{i}");
+        let reply = kv.load_kv(vec![request(&bad, &id, 1)]).await.unwrap();
+        assert_eq!(reply.awaiting, 1);
+        until(
+            &mut events,
+            |e| matches!(e, KvEvent::Released { req_id, .. } if **req_id == *id),
+        )
+        .await;
+        let step = kv.drain().await.unwrap();
+        assert_eq!(step.invalid_block_ids, vec![1], "the ERROR fails it");
+    }
+    let data = kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.poisoned_windows, 0, "{data:?}");
+    kv.load_kv(vec![request(&good, "good", 2)]).await.unwrap();
+    until(
+        &mut events,
+        |e| matches!(e, KvEvent::Released { req_id, .. } if &**req_id == "good"),
+    )
+    .await;
+    let step = kv.drain().await.unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from("good")]);
+    assert!(step.invalid_block_ids.is_empty(), "{step:?}");
+    kv.shutdown().await;
+}

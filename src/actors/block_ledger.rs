@@ -330,6 +330,7 @@ mod tests {
             uncertain_peers: uncertain.iter().map(PeerId::new).collect(),
             unsettled_peers: vec![],
             transport_failed_peers: vec![],
+            answered_peers: vec![],
         }
     }
 
