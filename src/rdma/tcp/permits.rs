@@ -99,6 +99,11 @@ pub struct Permit {
     /// landing): what proves an unproven ok. Ranges, not a byte count, so a write landed twice
     /// counts once; contiguous writes merge into one range as they land.
     coverage: Mutex<Vec<Vec<Span>>>,
+    /// Most spans kept per request: two per block and region (a block written in two pieces,
+    /// say by two P ranks, until both land) and some slack. Spans past it are not recorded, so
+    /// a writer that scatters bytes cannot grow this without bound; what it wrote is then
+    /// under-counted, which can only fail an ok, never pass one.
+    span_cap: Box<[u32]>,
     /// P's `ok_reqs` is no proof of placement for this window's requests, the byte count is
     /// (PROTOCOL.md §5.3): a v1 (unacknowledged) write was admitted or refused here, or an
     /// acknowledged write was admitted and ended before its last byte (its writer got no
@@ -143,6 +148,7 @@ impl Permit {
                     .unwrap_or_else(|e| e.into_inner())
                     .clone(),
             ),
+            span_cap: self.span_cap.clone(),
             unproven: AtomicBool::new(self.unproven.load(Ordering::SeqCst)),
             open_writes: AtomicU64::new(0),
             touched: AtomicBool::new(self.touched.load(Ordering::SeqCst)),
@@ -163,17 +169,28 @@ struct Piece {
 /// `(region, start, end)`: bytes `[start, end)` of a region.
 type Span = (u32, u64, u64);
 
-/// Add `s` to a request's landed spans, merging it into the last one when they touch (a P
-/// writes a block's bytes in order, so most requests keep one span per region).
-fn add_span(spans: &mut Vec<Span>, s: Span) {
-    if let Some(last) = spans.last_mut() {
-        if last.0 == s.0 && s.1 <= last.2 && s.2 >= last.1 {
-            last.1 = last.1.min(s.1);
-            last.2 = last.2.max(s.2);
-            return;
-        }
+/// Add `s` to a request's landed spans, kept sorted by (region, start) with touching spans
+/// merged, so rewrites and out-of-order pieces of the same bytes take no more room. A span that
+/// would be the `cap + 1`-th is dropped (under-counting only fails an ok).
+fn add_span(spans: &mut Vec<Span>, s: Span, cap: usize) {
+    let (region, mut start, mut end) = s;
+    // Where `s` goes: after every span of an earlier region or starting before it.
+    let at = spans.partition_point(|x| (x.0, x.1) < (region, start));
+    let mut lo = at;
+    if lo > 0 && spans[lo - 1].0 == region && spans[lo - 1].2 >= start {
+        lo -= 1;
+        start = spans[lo].1;
+        end = end.max(spans[lo].2);
     }
-    spans.push(s);
+    let mut hi = at;
+    while hi < spans.len() && spans[hi].0 == region && spans[hi].1 <= end {
+        end = end.max(spans[hi].2);
+        hi += 1;
+    }
+    if lo == hi && spans.len() >= cap {
+        return;
+    }
+    spans.splice(lo..hi, [(region, start, end)]);
 }
 
 /// Bytes covered by the union of `(region, start, end)` ranges.
@@ -292,7 +309,8 @@ impl Admitted {
                 if cov.len() <= i {
                     cov.resize_with(i + 1, Vec::new);
                 }
-                add_span(&mut cov[i], piece.span);
+                let cap = p.span_cap.get(i).map_or(0, |&c| c as usize);
+                add_span(&mut cov[i], piece.span, cap);
             }
             drop(cov);
             if self.open_write.swap(false, Ordering::AcqRel) {
@@ -608,6 +626,17 @@ impl PermitTable {
             g.0.shrink_to_fit();
         }
         let n = pull.requests.len();
+        let span_cap = pull
+            .requests
+            .iter()
+            .map(|r| {
+                let pieces: u64 = (0u32..)
+                    .zip(&r.block_ids)
+                    .map(|(g, ids)| ids.len() as u64 * self.map.regions_in_group(g))
+                    .sum();
+                u32::try_from(pieces.saturating_mul(2).saturating_add(16)).unwrap_or(u32::MAX)
+            })
+            .collect();
         let permit = Arc::new(Permit {
             pull_id: pull.pull_id,
             peer: pull.peer.clone(),
@@ -619,6 +648,7 @@ impl PermitTable {
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
             coverage: Mutex::new(Vec::new()),
+            span_cap,
             unproven: AtomicBool::new(false),
             open_writes: AtomicU64::new(0),
             touched: AtomicBool::new(false),
@@ -1171,6 +1201,66 @@ mod tests {
         assert_eq!(t.verify_ok(&a), Ok(()));
         let permit = t.lock().by_pull.get(&1).cloned().unwrap();
         assert_eq!(*permit.coverage.lock().unwrap(), vec![vec![(0, 0, 2048)]]);
+    }
+
+    proptest::proptest! {
+        /// Spans stay sorted, apart and exactly the union of what was added, whatever order
+        /// and overlap the pieces come in.
+        #[test]
+        fn spans_are_the_sorted_union_of_the_pieces(
+            pieces in proptest::collection::vec((0u32..3, 0u64..64, 1u64..16), 0..40)
+        ) {
+            let mut spans = Vec::new();
+            let mut all = Vec::new();
+            for (region, start, len) in pieces {
+                add_span(&mut spans, (region, start, start + len), usize::MAX);
+                all.push((region, start, start + len));
+            }
+            for w in spans.windows(2) {
+                proptest::prop_assert!(
+                    w[0].0 < w[1].0 || w[0].2 < w[1].1,
+                    "sorted and apart: {:?}", spans
+                );
+            }
+            let total: u64 = spans.iter().map(|s| s.2 - s.1).sum();
+            proptest::prop_assert_eq!(total, union_len(all));
+        }
+    }
+
+    /// A writer that scatters bytes (1-byte writes, every other byte) cannot grow a permit's
+    /// coverage past its cap; what was dropped is under-counted, so the ok fails.
+    #[test]
+    fn scattered_writes_are_capped_and_fail_the_ok() {
+        let t = table(3);
+        let p = PeerId::new("p");
+        let a = req("a");
+        let w = open(&t, 1, &p, &a);
+        let v1 = Access::Write {
+            acknowledged: false,
+        };
+        for off in (0..4096).step_by(2) {
+            let r = Resolved {
+                window: w,
+                region: 0,
+                offset: off,
+                mem_offset: off,
+            };
+            t.admit(&r, 1, v1).unwrap().landed(1);
+        }
+        let permit = t.lock().by_pull.get(&1).cloned().unwrap();
+        // One block of one region: 2 * 1 + 16.
+        assert_eq!(permit.coverage.lock().unwrap()[0].len(), 18);
+        assert!(t.verify_ok(&a).is_err());
+        // Filling the gaps merges the kept spans back into one, and proves the ok.
+        let r = Resolved {
+            window: w,
+            region: 0,
+            offset: 0,
+            mem_offset: 0,
+        };
+        t.admit(&r, 4096, v1).unwrap().landed(4096);
+        assert_eq!(*permit.coverage.lock().unwrap(), vec![vec![(0, 0, 4096)]]);
+        assert_eq!(t.verify_ok(&a), Ok(()));
     }
 
     #[test]

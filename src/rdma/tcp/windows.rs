@@ -186,6 +186,11 @@ impl WindowMap {
             .sum()
     }
 
+    /// Regions of KV-cache `group`.
+    pub fn regions_in_group(&self, group: u32) -> u64 {
+        self.group.iter().filter(|g| **g == group).count() as u64
+    }
+
     /// KV-cache group of `region`.
     pub fn group(&self, region: usize) -> u32 {
         self.group[region]
