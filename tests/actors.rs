@@ -79,24 +79,62 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
     assert_eq!(h.count(is_completion("r1")), 1);
 }
 
-/// Rule 4 (deadline) + §6: a silent peer is settled Uncertain at the D-side deadline.
+/// Rule 4 (deadline) + §6: a silent peer is settled Uncertain at the D-side deadline; a peer
+/// whose replies settle requests is not. (Tokio's clock is paused: the deadlines are exact.)
 #[actix::test]
 async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
+    tokio::time::pause();
+    let ms = Duration::from_millis;
     let mut h = Harness::start(Setup {
-        pull_timeout: Duration::from_millis(150),
+        pull_timeout: ms(150),
         ..Setup::default()
     });
-    h.load(vec![req("r1", &[3])]).await;
+    h.load(vec![req("r1", &[3]), req("r2", &[4])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
-    // B answers CONTINUE (nothing settled) and keeps answering; A stays silent.
-    b.respond(Continue, &[], &[], None);
+    // t=100: B answers a subset (r2), which restarts its deadline (t=250); A stays silent.
+    tokio::time::advance(ms(100)).await;
+    b.respond(Continue, &["r2"], &[], None);
+    h.wait_for("B settles r2", is_settled(&b.peer, "r2")).await;
+    tokio::time::advance(ms(60)).await; // t=160
     h.wait_for("A uncertain", is_settled(&a.peer, "r1")).await;
     assert!(
         matches!(&settled_outcome(&h, &a.peer, "r1")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("deadline"))
     );
     assert!(!a.is_open(), "the abandoned pull's channel is closed");
+    assert!(b.is_open(), "B's reply moved its deadline");
     assert_eq!(h.count(is_completion("r1")), 0);
     b.respond(Finish, &["r1"], &[], None);
+    h.wait_for("completion", is_completion("r1")).await;
+}
+
+/// Rule 4 (deadline): replies that settle nothing (an empty CONTINUE, or one naming only ids
+/// that are not pending) do not restart the deadline: P sends none, and a peer that did could
+/// keep a pull, and its blocks, held for ever.
+#[actix::test]
+async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
+    tokio::time::pause();
+    let ms = Duration::from_millis;
+    let mut h = Harness::start(Setup {
+        pull_timeout: ms(150),
+        ..Setup::default()
+    });
+    h.load(vec![req("r1", &[3])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Finish, &["r1"], &[], None);
+    for _ in 0..3 {
+        tokio::time::advance(ms(59)).await;
+        b.respond(Continue, &[], &[], None);
+        b.respond(Continue, &["nobody"], &[], None);
+        // Let the replies be handled (the clock moves by 1 ms).
+        tokio::time::sleep(ms(1)).await;
+        h.soak_events();
+    }
+    // t=180: past the deadline set when the pull was sent (had the replies moved it, it
+    // would be t=270).
+    assert_eq!(h.count(is_settled(&b.peer, "r1")), 1, "B expired at t=150");
+    assert!(
+        matches!(&settled_outcome(&h, &b.peer, "r1")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("deadline"))
+    );
     h.wait_for("completion", is_completion("r1")).await;
 }
 
@@ -125,11 +163,11 @@ async fn each_pull_expires_at_its_own_deadline() {
             .filter(|e| matches!(e, KvEvent::Settled { req_id, .. } if &**req_id == id))
             .count()
     };
-    // t=0: r1's pulls. t=600: r2's pulls; r1 finishes on both peers.
+    // t=0: r1's pulls. t=600: r2's and r3's pulls; r1 finishes on both peers.
     h.load(vec![req("r1", &[1])]).await;
     let [a1, b1]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     tokio::time::advance(ms(600)).await;
-    h.load(vec![req("r2", &[2])]).await;
+    h.load(vec![req("r2", &[2]), req("r3", &[3])]).await;
     let [a2, b2]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a1.respond(Finish, &["r1"], &[], None);
     b1.respond(Finish, &["r1"], &[], None);
@@ -143,8 +181,8 @@ async fn each_pull_expires_at_its_own_deadline() {
         "nothing of r2 expired with r1's deadline"
     );
     assert!(a2.is_open() && b2.is_open());
-    // B's reply at t=1200 moves B's deadline to t=2200; A's stays at t=1600.
-    b2.respond(Continue, &[], &[], None);
+    // B's reply at t=1200 (a subset: r3) moves B's deadline to t=2200; A's stays at t=1600.
+    b2.respond(Continue, &["r3"], &[], None);
     settle_down(&mut h).await;
     tokio::time::advance(ms(450)).await; // t=1650
     h.wait_for("A's deadline", is_settled(&a2.peer, "r2")).await;
@@ -270,6 +308,25 @@ async fn duplicate_unknown_and_late_ids_are_stale() {
         "a late err for a settled id is stale"
     );
     assert!(!b.is_open());
+}
+
+/// A peer that keeps naming ids that are not pending gets a `stale` event for its first
+/// replies only: a host that does not read events must not grow with the peer's replies.
+#[actix::test]
+async fn a_pull_emits_a_bounded_number_of_stale_events() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    for _ in 0..20 {
+        a.respond(Continue, &["nobody"], &[], None);
+    }
+    a.respond(Finish, &["r1"], &[], None);
+    b.respond(Finish, &["r1"], &[], None);
+    h.wait_for("completion", is_completion("r1")).await;
+    assert_eq!(
+        h.count(|e| matches!(e, KvEvent::Stale { .. })),
+        kvrecv::actors::peer::STALE_EVENTS_PER_PULL as usize
+    );
 }
 
 /// Rule 2: an id in both `ok_reqs` and `err_reqs` of one reply is a failure, not a success.

@@ -26,10 +26,15 @@ use super::pull_mux::{PullHandle, PullMux};
 use super::rediscovery::PeerHealth;
 use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
+/// `stale` events one pull may emit; a peer that keeps naming ids that are not pending would
+/// otherwise produce one per reply, without bound (a host not reading events then grows).
+pub const STALE_EVENTS_PER_PULL: u32 = 8;
+
 /// Timing knobs of a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerConfig {
-    /// Longest silence tolerated during a pull (restarted by every reply).
+    /// Longest silence tolerated during a pull (restarted by every reply that settles a
+    /// request: P sends none that settles nothing, so such replies cannot keep a pull alive).
     pub pull_timeout: Duration,
     /// Backoff after the first consecutive failure; doubled per failure.
     pub backoff_base: Duration,
@@ -75,9 +80,12 @@ pub struct PullEvent {
 struct Live {
     /// Ends the pull's reply stream (dropping its channel).
     stream: PullHandle<PullEvent>,
-    /// When the pull is abandoned unless a reply comes first (restarted by every reply). On
-    /// tokio's clock, the one the timer runs on.
+    /// When the pull is abandoned unless a reply settling a request comes first (restarted by
+    /// each). On tokio's clock, the one the timer runs on.
     deadline: tokio::time::Instant,
+    /// `stale` events emitted for this pull; past [`STALE_EVENTS_PER_PULL`] stale ids are only
+    /// counted.
+    stale_events: u32,
     started: Instant,
     span: tracing::Span,
     /// Set on a clean FINISH, so the transport may reuse the channel.
@@ -186,6 +194,7 @@ impl Peer {
             Live {
                 stream,
                 deadline,
+                stale_events: 0,
                 started: Instant::now(),
                 span,
                 finish,
@@ -260,12 +269,24 @@ impl Peer {
                 .counter(m::STALE_SETTLES)
                 .increment(count as u64);
             tracing::debug!(count, ?sample, "stale ids in reply");
-            self.events.emit(KvEvent::Stale {
-                peer: self.id().clone(),
-                pull_id,
-                count,
-                sample,
+            let emitted = self.live.get_mut(&pull_id).map_or(0, |l| {
+                l.stale_events += 1;
+                l.stale_events
             });
+            if emitted <= STALE_EVENTS_PER_PULL {
+                self.events.emit(KvEvent::Stale {
+                    peer: self.id().clone(),
+                    pull_id,
+                    count,
+                    sample,
+                });
+            }
+            if emitted == STALE_EVENTS_PER_PULL {
+                tracing::warn!(
+                    "peer keeps naming ids that are not pending: this pull's further stale \
+                     replies are only counted (kvrecv_stale_settles_total)"
+                );
+            }
         }
         let mut to_aggregate = Vec::with_capacity(fx.settles.len());
         for (awaited, s) in fx.settles {
@@ -416,8 +437,10 @@ impl StreamHandler<PullEvent> for Peer {
         match ev.event {
             ChannelEvent::Reply(frames) => {
                 let fx = self.state.on_reply(pull_id, frames);
-                if !fx.pull_done && self.live.contains_key(&pull_id) {
+                if !fx.pull_done && !fx.settles.is_empty() && self.live.contains_key(&pull_id) {
                     // P restarts its readiness wait after every subset; so does D's deadline.
+                    // A reply that settles nothing (empty, or only ids not pending) is no
+                    // subset: it must not keep the pull, and its blocks, alive.
                     let new = self.deadline_from_now(ctx);
                     if let Some(l) = self.live.get_mut(&pull_id) {
                         l.deadline = new;
