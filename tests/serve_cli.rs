@@ -856,3 +856,38 @@ async fn unusable_flag_values_are_refused_at_start() {
         assert!(text.contains(says), "{extra:?}: {text}");
     }
 }
+
+/// A host that closes serve's stdout can hear nothing more: serve stops as at the end of its
+/// input (a non-zero exit, an error on stderr) instead of working on unheard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_stops_serve() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args([
+            "serve",
+            "--layers",
+            "1",
+            "--block-len",
+            "4096",
+            "--num-blocks",
+            "16",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(next_json(&mut out).await["event"], "ready");
+    drop(out);
+    // The answer to this line is the first write that fails.
+    stdin.write_all(b"{\"op\":\"stats\"}\n").await.unwrap();
+    let done = tokio::time::timeout(SAFETY, child.wait_with_output())
+        .await
+        .expect("serve exits")
+        .unwrap();
+    assert!(!done.status.success());
+    let stderr = String::from_utf8_lossy(&done.stderr);
+    assert!(stderr.contains("stdout is closed"), "{stderr}");
+}

@@ -592,6 +592,7 @@ async fn serve(
     let mut paused = false;
     let pause_count = labels.counter(kvrecv::telemetry::STDIN_PAUSES);
     let mut unreleased = Unreleased::default();
+    let mut stdout_lost = false;
     loop {
         if !paused && out.over_high_water() {
             paused = true;
@@ -609,6 +610,12 @@ async fn serve(
                         Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
                     }
                 }
+            }
+            // Nothing serve says can reach the host: stop as at the end of input.
+            () = out.closed() => {
+                tracing::error!("stdout is closed (a write to it failed): shutting down");
+                stdout_lost = true;
+                break;
             }
             // A host that does not read stdout stops being read: its writes block on the pipe.
             () = out.room(), if paused => {
@@ -683,5 +690,9 @@ async fn serve(
     drop(out);
     writer.join().await;
     actix_rt::System::current().stop();
-    ExitCode::SUCCESS
+    if stdout_lost {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    }
 }

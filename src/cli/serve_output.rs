@@ -29,6 +29,8 @@ struct Backlog {
     /// The writer is gone (stdout closed): nothing will drain the count again.
     closed: AtomicBool,
     room: Notify,
+    /// Woken when the writer is gone.
+    gone: Notify,
 }
 
 impl Backlog {
@@ -41,6 +43,7 @@ impl Backlog {
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.room.notify_one();
+        self.gone.notify_waiters();
     }
 }
 
@@ -91,6 +94,19 @@ impl Output {
     /// More than the high-water mark waits and a writer is still there to drain it.
     pub fn over_high_water(&self) -> bool {
         self.queued() > self.high_water && !self.backlog.closed.load(Ordering::Acquire)
+    }
+
+    /// Resolves once stdout's writer is gone (stdout closed, or a write to it failed): nothing
+    /// serve says can reach the host any more.
+    pub async fn closed(&self) {
+        let gone = self.backlog.gone.notified();
+        tokio::pin!(gone);
+        // Registered before the check, so a close in between still wakes us.
+        gone.as_mut().enable();
+        if self.backlog.closed.load(Ordering::Acquire) {
+            return;
+        }
+        gone.await;
     }
 
     /// Resolves once the backlog is at or under half the high-water mark (or stdout is
