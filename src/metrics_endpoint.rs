@@ -79,9 +79,11 @@ async fn answer(stream: &mut TcpStream, handle: &PrometheusHandle) -> std::io::R
     let mut head = Vec::with_capacity(512);
     let mut buf = [0u8; 1024];
     // Where the search for the blank line resumes: only bytes not yet scanned (and the three
-    // before them, which a terminator may straddle).
+    // before them, which a terminator may straddle). A bare-LF head (some clients) ends too.
+    let ends =
+        |h: &[u8]| h.windows(4).any(|w| w == b"\r\n\r\n") || h.windows(2).any(|w| w == b"\n\n");
     let mut scanned = 0;
-    while !head[scanned..].windows(4).any(|w| w == b"\r\n\r\n") {
+    while !ends(&head[scanned..]) {
         if head.len() >= MAX_HEAD {
             return respond(stream, "431 Request Header Fields Too Large", "").await;
         }
@@ -92,10 +94,14 @@ async fn answer(stream: &mut TcpStream, handle: &PrometheusHandle) -> std::io::R
         }
         head.extend_from_slice(&buf[..n]);
     }
-    let line = head.split(|&b| b == b'\r').next().unwrap_or_default();
+    let line = head
+        .split(|&b| b == b'\r' || b == b'\n')
+        .next()
+        .unwrap_or_default();
     let mut parts = line.split(|&b| b == b' ');
+    let path = |p: &[u8]| p.split(|&b| b == b'?').next() == Some(b"/metrics".as_slice());
     match (parts.next(), parts.next()) {
-        (Some(b"GET"), Some(b"/metrics")) => respond(stream, "200 OK", &handle.render()).await,
+        (Some(b"GET"), Some(p)) if path(p) => respond(stream, "200 OK", &handle.render()).await,
         (Some(b"GET"), Some(_)) => respond(stream, "404 Not Found", "").await,
         _ => respond(stream, "405 Method Not Allowed", "").await,
     }
@@ -114,9 +120,7 @@ async fn respond(stream: &mut TcpStream, status: &str, body: &str) -> std::io::R
 mod tests {
     use super::*;
 
-    /// A head that arrives a byte at a time (its blank line split across reads) is answered.
-    #[tokio::test]
-    async fn a_head_sent_byte_by_byte_is_answered() {
+    async fn ask(head: &[u8], byte_by_byte: bool) -> String {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let handle = PrometheusBuilder::new().build_recorder().handle();
@@ -125,14 +129,39 @@ mod tests {
             answer(&mut s, &handle).await
         });
         let mut c = TcpStream::connect(addr).await.unwrap();
-        for b in b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n" {
-            c.write_all(&[*b]).await.unwrap();
-            c.flush().await.unwrap();
-            tokio::task::yield_now().await;
+        if byte_by_byte {
+            for b in head {
+                c.write_all(&[*b]).await.unwrap();
+                c.flush().await.unwrap();
+                tokio::task::yield_now().await;
+            }
+        } else {
+            c.write_all(head).await.unwrap();
         }
         server.await.unwrap().unwrap();
         let mut reply = String::new();
         c.read_to_string(&mut reply).await.unwrap();
+        reply
+    }
+
+    /// Heads ending in bare LFs, and a query string after the path, are answered.
+    #[tokio::test]
+    async fn bare_lf_heads_and_query_strings_are_answered() {
+        for head in [
+            b"GET /metrics HTTP/1.1\n\n".as_slice(),
+            b"GET /metrics?name=x HTTP/1.1\r\n\r\n",
+        ] {
+            let reply = ask(head, false).await;
+            assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
+        }
+        let reply = ask(b"GET /other HTTP/1.1\r\n\r\n", false).await;
+        assert!(reply.starts_with("HTTP/1.1 404"), "{reply}");
+    }
+
+    /// A head that arrives a byte at a time (its blank line split across reads) is answered.
+    #[tokio::test]
+    async fn a_head_sent_byte_by_byte_is_answered() {
+        let reply = ask(b"GET /metrics HTTP/1.1\r\nhost: x\r\n\r\n", true).await;
         assert!(reply.starts_with("HTTP/1.1 200 OK\r\n"), "{reply}");
     }
 }

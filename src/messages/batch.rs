@@ -188,6 +188,7 @@ impl BatchError {
 /// assert!(check_bootstrap_addr("http://[::1]:8998").is_ok());
 /// assert!(check_bootstrap_addr("http://10.0.0.7:99999").is_err());
 /// assert!(check_bootstrap_addr("http://10.0.0.7").is_err());
+/// assert!(check_bootstrap_addr("http://p%31:8998").is_err());
 /// ```
 pub fn check_bootstrap_addr(addr: &str) -> Result<(), &'static str> {
     let scheme = addr.get(..7).filter(|s| s.eq_ignore_ascii_case("http://"));
@@ -215,6 +216,14 @@ pub fn check_bootstrap_addr(addr: &str) -> Result<(), &'static str> {
             let (host, port) = rest.rsplit_once(':').ok_or("no port")?;
             if host.contains(':') {
                 return Err("an IPv6 host needs brackets");
+            }
+            // A DNS name or IPv4 address: what the HTTP client accepts without percent-escapes
+            // (anything else was accepted here and failed later, at the lookup).
+            if !host
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
+            {
+                return Err("the host may hold only letters, digits, '-', '.' and '_'");
             }
             (host, port)
         }
@@ -469,6 +478,14 @@ mod tests {
             ("http://[::1]", "no port"),
             ("http://[]:1", "IPv6"),
             ("http://h :1", "only scheme"),
+            // Accepted once, then failed at the lookup as "invalid uri character".
+            ("http://p%31:8998", "letters, digits"),
+            ("http://h\0:1", "letters, digits"),
+            ("http://h\u{e9}:1", "letters, digits"),
+            ("http://h|x:1", "letters, digits"),
+            ("http://h\\x:1", "letters, digits"),
+            ("http://h]:1", "letters, digits"),
+            ("http://h\u{7f}:1", "letters, digits"),
         ] {
             let r = KvRequest {
                 remote_bootstrap_addr: Some(bad.into()),
