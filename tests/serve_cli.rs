@@ -843,6 +843,9 @@ async fn unusable_flag_values_are_refused_at_start() {
         (&["--max-line-bytes", "0"], "--max-line-bytes"),
         (&["--max-msg-size", "0"], "--max-msg-size"),
         (&["--layers", "4294967295"], "--layers"),
+        (&["--expect-p-tp", "0"], "--expect-p-tp"),
+        (&["--max-p-workers", "0"], "--max-p-workers"),
+        (&["--advertise-host", "a b"], "--advertise-host"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
             .args(base)

@@ -121,14 +121,14 @@ pub struct ServeArgs {
     #[arg(long)]
     pub idle_timeout_ms: Option<u64>,
     /// P's TP size, when known: a /query view with fewer ranks is refused.
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub expect_p_tp: Option<u32>,
     /// P's PP size, when known (with --expect-p-tp).
-    #[arg(long)]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub expect_p_pp: Option<u32>,
     /// Most P workers (TP x PP) accepted from `/query` when --expect-p-tp is not given (a
     /// listing of thousands would exhaust sockets and file descriptors).
-    #[arg(long, default_value_t = 256)]
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_p_workers: u32,
     /// Bootstrap `GET /query` timeout, ms.
     #[arg(long, default_value_t = 5000)]
@@ -268,6 +268,12 @@ impl ServeArgs {
     /// The data-plane target for `layout`.
     pub fn target(&self, layout: &KvLayout) -> Result<TargetConfig, String> {
         let advertise_host = match &self.advertise_host {
+            Some(h) if h.trim().chars().any(|c| c.is_whitespace() || c.is_control()) => {
+                return Err(format!(
+                    "--advertise-host {h:?}: a host name or address has no spaces or control \
+                     characters"
+                ))
+            }
             Some(h) if !h.trim().is_empty() => h.trim().to_owned(),
             Some(_) => return Err("--advertise-host is empty".into()),
             None if self.bind.is_unspecified() => {
