@@ -83,3 +83,26 @@ fn bench_with_its_own_simulator_completes_every_request() {
         assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "no {k}: {r}");
     }
 }
+
+/// A bench whose completions failed (no P at the bootstrap address) says so in its exit
+/// status: its throughput figures measured failures, not the receive path.
+#[test]
+fn a_bench_with_failed_completions_exits_non_zero() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args([
+            "bench",
+            "--bootstrap",
+            "http://127.0.0.1:1",
+            "--requests",
+            "10",
+            "--json",
+            "--log-level",
+            "off",
+        ])
+        .output()
+        .expect("kvrecv runs");
+    assert_eq!(out.status.code(), Some(1));
+    let r: Value = serde_json::from_slice(&out.stdout).expect("the report is still printed");
+    assert!(r["failed_completions"].as_u64().unwrap_or(0) > 0, "{r}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("completions failed"));
+}

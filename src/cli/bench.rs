@@ -56,11 +56,21 @@ pub fn run(a: BenchArgs) -> ExitCode {
             }
         };
     }
+    // A run whose completions failed measured failures, not the receive path: the figures
+    // are printed, and the exit status says so.
+    let verdict = |failed: usize| {
+        if failed == 0 {
+            ExitCode::SUCCESS
+        } else {
+            eprintln!("error: {failed} completions failed (is P reachable and healthy?)");
+            ExitCode::from(1)
+        }
+    };
     match run_bench(cfg) {
         Ok(r) if a.json => match serde_json::to_string(&r) {
             Ok(s) => {
                 println!("{s}");
-                ExitCode::SUCCESS
+                verdict(r.failed_completions)
             }
             Err(e) => {
                 eprintln!("error: {e}");
@@ -69,7 +79,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
         },
         Ok(r) => {
             print!("{}", r.table());
-            ExitCode::SUCCESS
+            verdict(r.failed_completions)
         }
         Err(e) => {
             eprintln!("error: {e}");

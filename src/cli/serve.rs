@@ -268,7 +268,11 @@ impl ServeArgs {
     /// The data-plane target for `layout`.
     pub fn target(&self, layout: &KvLayout) -> Result<TargetConfig, String> {
         let advertise_host = match &self.advertise_host {
-            Some(h) if h.trim().chars().any(|c| c.is_whitespace() || c.is_control()) => {
+            Some(h)
+                if h.trim()
+                    .chars()
+                    .any(|c| c.is_whitespace() || c.is_control()) =>
+            {
                 return Err(format!(
                     "--advertise-host {h:?}: a host name or address has no spaces or control \
                      characters"

@@ -132,6 +132,17 @@ impl Scenario {
         if self.pull_timeout.is_zero() {
             return Err("the pull timeout must be > 0".into());
         }
+        // PROTOCOL.md §3: one TP size divides the other, or no D rank finds its P ranks (every
+        // request would wait out its bootstrap retries instead).
+        if self.p_tp % self.d_tp != 0 && self.d_tp % self.p_tp != 0 {
+            return Err(format!(
+                "--p-tp {} and --d-tp {}: one must divide the other",
+                self.p_tp, self.d_tp
+            ));
+        }
+        if self.windows.is_some_and(|w| w < 2) {
+            return Err("--windows: at least 2 (one is reserved)".into());
+        }
         Ok(())
     }
 }
@@ -199,6 +210,15 @@ mod tests {
             },
             Scenario {
                 d_tp: 0,
+                ..Scenario::default()
+            },
+            Scenario {
+                p_tp: 2,
+                d_tp: 3,
+                ..Scenario::default()
+            },
+            Scenario {
+                windows: Some(1),
                 ..Scenario::default()
             },
         ];
