@@ -894,3 +894,27 @@ async fn a_closed_stdout_stops_serve() {
     let stderr = String::from_utf8_lossy(&done.stderr);
     assert!(stderr.contains("stdout is closed"), "{stderr}");
 }
+
+/// `prefill-sim` whose driver closed its stdout stops with an error, not a panic (exit 101).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefill_sim_stops_cleanly_when_its_stdout_closes() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args(["prefill-sim", "--log-level", "off"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert_eq!(next_json(&mut out).await["event"], "ready");
+    drop(out);
+    stdin.write_all(b"{\"op\":\"stats\"}\n").await.unwrap();
+    let done = tokio::time::timeout(SAFETY, child.wait_with_output())
+        .await
+        .expect("prefill-sim exits")
+        .unwrap();
+    assert_eq!(done.status.code(), Some(1), "{done:?}");
+    assert!(String::from_utf8_lossy(&done.stderr).contains("stdout closed"));
+}

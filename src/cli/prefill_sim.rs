@@ -68,15 +68,19 @@ enum Op {
     Shutdown,
 }
 
+/// One line on stdout; false once stdout is gone (`println!` would panic on the closed pipe).
+fn say(line: impl std::fmt::Display) -> bool {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{line}").and_then(|()| out.flush()).is_ok()
+}
+
 pub fn run(args: PrefillSimArgs) -> ExitCode {
     super::logging::init(&args.log_level);
     let faults = match args.faults.as_deref().map(Faults::from_json).transpose() {
         Ok(f) => f.unwrap_or_default(),
         Err(e) => {
-            println!(
-                "{}",
-                json!({"event": "error", "error": format!("--faults: {e}")})
-            );
+            say(json!({"event": "error", "error": format!("--faults: {e}")}));
             return ExitCode::from(2);
         }
     };
@@ -87,7 +91,7 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            println!("{}", json!({"event": "error", "error": e.to_string()}));
+            say(json!({"event": "error", "error": e.to_string()}));
             return ExitCode::from(1);
         }
     };
@@ -116,7 +120,7 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
         let mut sim = match started {
             Ok(s) => s,
             Err(e) => {
-                println!("{}", json!({"event": "error", "error": e.to_string()}));
+                say(json!({"event": "error", "error": e.to_string()}));
                 return ExitCode::from(1);
             }
         };
@@ -125,10 +129,9 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
             .iter()
             .map(|w| json!({"tp": w.rank().tp_rank, "pp": w.rank().pp_rank, "addr": w.addr()}))
             .collect();
-        println!(
-            "{}",
-            json!({"event": "ready", "engine_id": sim.engine_id(), "bootstrap": sim.bootstrap_url(), "workers": workers})
-        );
+        if !say(json!({"event": "ready", "engine_id": sim.engine_id(), "bootstrap": sim.bootstrap_url(), "workers": workers})) {
+            return ExitCode::from(1);
+        }
         let in_range = |s: &PrefillSim, tp: u32, pp: u32| tp < s.config().tp_size && pp < s.config().pp_size;
         // Capped, and a line that is not UTF-8 is answered, not taken for the end of input.
         let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), MAX_LINE);
@@ -136,11 +139,11 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
             let line = match line {
                 Line::Text(t) => t,
                 Line::NotUtf8 { valid_up_to } => {
-                    println!("{}", json!({"event": "error", "error": format!("not UTF-8 (byte {valid_up_to})")}));
+                    say(json!({"event": "error", "error": format!("not UTF-8 (byte {valid_up_to})")}));
                     continue;
                 }
                 Line::TooLong { len } => {
-                    println!("{}", json!({"event": "error", "error": format!("line of {len} bytes, over {MAX_LINE}")}));
+                    say(json!({"event": "error", "error": format!("line of {len} bytes, over {MAX_LINE}")}));
                     continue;
                 }
             };
@@ -176,9 +179,13 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
                     Err(e) => json!({"event": "error", "error": e.to_string()}),
                 },
             };
-            println!("{reply}");
+            if !say(reply) {
+                // The driver closed our stdout: it hears nothing more, so stop as at EOF.
+                eprintln!("prefill-sim: stdout closed; shutting down");
+                return ExitCode::from(1);
+            }
         }
-        println!("{}", json!({"event": "shutdown"}));
+        say(json!({"event": "shutdown"}));
         ExitCode::SUCCESS
     })
 }
