@@ -144,7 +144,11 @@ impl Default for KvRecvConfig {
 #[derive(Debug, Error)]
 /// Why a configuration is refused.
 pub enum ConfigError {
-    #[error("kv_transfer_config is not valid JSON: {0}")]
+    #[error(
+        "kv_transfer_config {what}: {err}",
+        err = .0,
+        what = if .0.is_data() { "does not have the expected fields and types" } else { "is not valid JSON" }
+    )]
     /// Not JSON, or a typed key with the wrong type.
     Json(#[from] serde_json::Error),
     #[error("kv_role must be \"kv_consumer\" for kvrecv, got {0:?}")]

@@ -108,6 +108,12 @@ pub fn undialable(addr: &str) -> Option<&'static str> {
         Some("contains a NUL byte")
     } else if addr.chars().any(char::is_control) {
         Some("contains a control character")
+    } else if addr.strip_prefix("tcp://").is_some_and(|hp| {
+        hp.rsplit_once(':')
+            .and_then(|(_, port)| port.parse::<u16>().ok())
+            .is_none_or(|p| p == 0)
+    }) {
+        Some("a tcp:// address needs a port in 1..=65535")
     } else {
         None
     }
@@ -148,9 +154,11 @@ impl EngineTopology {
         }
         if let Some(expected) = entry.tp_size {
             if expected != tp_size {
-                return Err(incomplete(format!(
-                    "{tp_size} of {expected} TP ranks registered"
-                )));
+                return Err(incomplete(if tp_size < expected {
+                    format!("{tp_size} of {expected} TP ranks registered")
+                } else {
+                    format!("{tp_size} TP ranks listed, but tp_size is {expected}")
+                }));
             }
         }
         let mut workers = Vec::with_capacity(tp.len());
@@ -187,9 +195,11 @@ impl EngineTopology {
         let pp_size = pp_size.unwrap_or(1);
         if let Some(expected) = entry.pp_size {
             if expected != pp_size {
-                return Err(incomplete(format!(
-                    "{pp_size} of {expected} PP stages registered"
-                )));
+                return Err(incomplete(if pp_size < expected {
+                    format!("{pp_size} of {expected} PP stages registered")
+                } else {
+                    format!("{pp_size} PP stages listed, but pp_size is {expected}")
+                }));
             }
         }
         Ok(EngineTopology {
@@ -392,7 +402,7 @@ mod tests {
                 (
                     t.to_string(),
                     pps.iter()
-                        .map(|p| (p.to_string(), format!("tcp://x:{t}{p}")))
+                        .map(|p| (p.to_string(), format!("tcp://x:1{t}{p}")))
                         .collect(),
                 )
             })
@@ -458,6 +468,8 @@ mod tests {
             ("tcp://127.0.0.1:5\0x", "NUL"),
             ("", "empty"),
             ("tcp://a:1\n", "control"),
+            ("tcp://127.0.0.1:65536", "port"),
+            ("tcp://127.0.0.1", "port"),
         ] {
             let mut q = entry(&[("0", &["0"])], None);
             let e = q.get_mut("0").unwrap();

@@ -435,7 +435,9 @@ impl Channel {
                 // libzmq retries a connect whose socket() failed as it does a refused one.
                 reason: match fd_exhaustion() {
                     Some(use_) => format!("cannot open a connection: {use_}"),
-                    None => "connection refused or unreachable".into(),
+                    None => "connection refused or unreachable (or the host name did not \
+                             resolve)"
+                        .into(),
                 },
             }),
             zmq_sys_events::DISCONNECTED => Some(TransportError::Recv {

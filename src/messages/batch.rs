@@ -45,7 +45,7 @@ pub enum BatchError {
         /// The field.
         field: &'static str,
     },
-    #[error("request {req_id}: `{field}` is empty")]
+    #[error("request {req_id:?}: `{field}` is empty")]
     /// A field the request needs is empty.
     EmptyField {
         /// The request refused.
