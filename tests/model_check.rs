@@ -259,7 +259,6 @@ impl Kv {
         let revoked = s.permits.revoke(&RevokeRequest {
             req: &c.req,
             suspects: &suspects,
-            answered: &c.answered_peers,
             poison_until: now + HOLD,
         });
         for w in s.writes.iter_mut().filter(|w| w.attempt == attempt) {

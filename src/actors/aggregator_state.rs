@@ -205,7 +205,6 @@ impl AggregatorState {
                 uncertain_peers: vec![],
                 unsettled_peers: vec![],
                 transport_failed_peers: vec![],
-                answered_peers: vec![],
             }),
             stale: false,
         }
@@ -341,26 +340,12 @@ impl AggregatorState {
             })
             .map(|(p, _)| p.clone())
             .collect();
-        let answered_peers = self
-            .slots()
-            .filter(|(_, o)| {
-                matches!(
-                    o,
-                    Some(SettleOutcome::Uncertain {
-                        cause: Cause::PeerWideError,
-                        ..
-                    })
-                )
-            })
-            .map(|(p, _)| p.clone())
-            .collect();
         Completion {
             req: self.req.clone(),
             outcome,
             uncertain_peers,
             unsettled_peers,
             transport_failed_peers,
-            answered_peers,
         }
     }
 }
@@ -380,24 +365,6 @@ mod tests {
             bootstrap_addr: "b".into(),
             block_ids: vec![vec![1]],
         })
-    }
-
-    /// A peer-wide ERROR is uncertain and a suspect, and listed as answered (its window is
-    /// poisoned only if written into); a timeout is not answered.
-    #[test]
-    fn a_peer_wide_error_is_an_answered_suspect() {
-        let peers = vec![PeerId::new("a"), PeerId::new("b")];
-        let mut a = AggregatorState::new(req(), peers, Policy::Settle);
-        a.on_settle(&settle(
-            "a",
-            SettleOutcome::uncertain(Cause::PeerWideError, "not paired"),
-        ));
-        let c = a
-            .on_settle(&settle("b", SettleOutcome::uncertain(Cause::Timeout, "t")))
-            .completion
-            .unwrap();
-        assert_eq!(c.suspects(), vec![PeerId::new("a"), PeerId::new("b")]);
-        assert_eq!(c.answered_peers, vec![PeerId::new("a")]);
     }
 
     fn settle(peer: &str, outcome: SettleOutcome) -> Settle {

@@ -330,7 +330,6 @@ mod tests {
             uncertain_peers: uncertain.iter().map(PeerId::new).collect(),
             unsettled_peers: vec![],
             transport_failed_peers: vec![],
-            answered_peers: vec![],
         }
     }
 

@@ -119,7 +119,6 @@ impl Handler<Completion> for BlockManager {
         let revoked = self.landing.revoke(&RevokeRequest {
             req: &c.req,
             suspects: &suspects,
-            answered: &c.answered_peers,
             poison_until: Instant::now() + self.ledger.quarantine_deadline(),
         });
         let revocation = revoked.revocation;

@@ -59,10 +59,6 @@ pub struct Completion {
     /// Peers whose Failed settle came from their transfer engine: a timed-out TE batch can
     /// return before the transport stopped touching D's memory (PROTOCOL.md §5.3).
     pub transport_failed_peers: Vec<PeerId>,
-    /// Uncertain peers whose uncertainty is their own peer-wide ERROR: P ended the pull itself
-    /// (PROTOCOL.md §2.6: validation fails before any transfer). Still suspects, but the window
-    /// of such a pull is poisoned only if a write ever reached it (DESIGN.md §5).
-    pub answered_peers: Vec<PeerId>,
 }
 
 impl Completion {

@@ -39,12 +39,6 @@ pub struct RevokeRequest<'a> {
     /// transport engine, or not settled at all (policy `naive`). The address windows of their
     /// pulls are poisoned (DESIGN.md §5): never handed out again before `poison_until`.
     pub suspects: &'a [PeerId],
-    /// Suspects that ended their pull with a peer-wide ERROR ([`Completion::answered_peers`]):
-    /// their window is poisoned only if a write ever reached it. A writer that validated,
-    /// failed and wrote nothing has nothing late to send.
-    ///
-    /// [`Completion::answered_peers`]: crate::messages::Completion::answered_peers
-    pub answered: &'a [PeerId],
     /// Last resort: when a poisoned window may return to rotation without a fence.
     pub poison_until: Instant,
 }

@@ -59,7 +59,6 @@ pub async fn revoke_suspects(t: &TcpTarget, req: &RequestMeta, suspects: &[PeerI
     let mut r = t.landing().revoke(&RevokeRequest {
         req,
         suspects,
-        answered: &[],
         poison_until: Instant::now() + Duration::from_secs(3600),
     });
     if let Some(q) = r.quiesced.take() {

@@ -112,9 +112,6 @@ pub struct Permit {
     /// Writes admitted into this window that have neither landed nor ended: an ok while one is
     /// open came before its acknowledgement.
     open_writes: AtomicU64,
-    /// A write reached this window (admitted or refused): its writer was sending into it, so a
-    /// suspect's window is poisoned even if the suspect ended the pull with ERROR.
-    touched: AtomicBool,
     /// Bytes landed through this permit.
     pub bytes_landed: AtomicU64,
     /// Writes landed through this permit.
@@ -151,7 +148,6 @@ impl Permit {
             span_cap: self.span_cap.clone(),
             unproven: AtomicBool::new(self.unproven.load(Ordering::SeqCst)),
             open_writes: AtomicU64::new(0),
-            touched: AtomicBool::new(self.touched.load(Ordering::SeqCst)),
             bytes_landed: AtomicU64::new(self.bytes_landed.load(Ordering::SeqCst)),
             writes_landed: AtomicU64::new(self.writes_landed.load(Ordering::SeqCst)),
         }
@@ -651,7 +647,6 @@ impl PermitTable {
             span_cap,
             unproven: AtomicBool::new(false),
             open_writes: AtomicU64::new(0),
-            touched: AtomicBool::new(false),
             bytes_landed: AtomicU64::new(0),
             writes_landed: AtomicU64::new(0),
         });
@@ -728,11 +723,7 @@ impl PermitTable {
                     *spans = Vec::new();
                 }
             }
-            // A suspect that answered ERROR and never sent a byte here has nothing late to
-            // send (it failed validation): poisoning its window would only let a peer that
-            // errors every pull take every window out of rotation.
-            let silent = r.answered.contains(&p.peer) && !p.touched.load(Ordering::SeqCst);
-            if self.poison && r.suspects.contains(&p.peer) && !silent {
+            if self.poison && r.suspects.contains(&p.peer) {
                 let until = inner.poisoned.entry(p.window).or_insert(r.poison_until);
                 *until = (*until).max(r.poison_until);
                 poisoned += 1;
@@ -787,11 +778,12 @@ impl PermitTable {
             .get(r.window as usize)
             .and_then(|s| s.read().unwrap_or_else(|e| e.into_inner()).clone())
             .ok_or(RejectReason::NoPermit)?;
-        if let Access::Write { acknowledged } = access {
-            permit.touched.store(true, Ordering::SeqCst);
-            if !acknowledged {
-                permit.unproven.store(true, Ordering::Release);
-            }
+        if access
+            == (Access::Write {
+                acknowledged: false,
+            })
+        {
+            permit.unproven.store(true, Ordering::Release);
         }
         let group = self.map.group(r.region) as usize;
         let (first, last) = self.map.blocks(r.region, r.offset, size);
@@ -995,7 +987,6 @@ mod tests {
         t.revoke(&RevokeRequest {
             req: r,
             suspects,
-            answered: &[],
             poison_until: until,
         })
     }
@@ -1102,48 +1093,6 @@ mod tests {
         assert_eq!(revoke(&t, &a, std::slice::from_ref(&p), far).poisoned, 0);
         assert_eq!(open(&t, 2, &p, &req("b")), 1);
         assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
-    }
-
-    /// A suspect that ended its pull with ERROR poisons its window only if a write reached it:
-    /// a peer that errors every pull must not take every window out of rotation.
-    #[test]
-    fn an_answered_suspect_poisons_only_a_window_it_wrote_into() {
-        let t = table(3); // windows 0 and 1 usable
-        let p = PeerId::new("p");
-        let far = Instant::now() + Duration::from_secs(3600);
-        let answered = |r: &RequestMeta| {
-            t.revoke(&RevokeRequest {
-                req: r,
-                suspects: std::slice::from_ref(&p),
-                answered: std::slice::from_ref(&p),
-                poison_until: far,
-            })
-        };
-        // ERROR, nothing written: the window goes back into rotation.
-        let (a, b, c) = (req("a"), req("b"), req("c"));
-        let w = open(&t, 1, &p, &a);
-        assert_eq!(answered(&a).poisoned, 0);
-        assert_eq!(open(&t, 2, &p, &b), (w + 1) % 2);
-        assert_eq!(open(&t, 3, &p, &c), w, "reused");
-        // ERROR after a write reached the window (refused or not): poisoned.
-        let r = Resolved {
-            window: w,
-            region: 0,
-            offset: 0,
-            mem_offset: 0,
-        };
-        drop(
-            t.admit(&r, 16, Access::Write { acknowledged: true })
-                .unwrap(),
-        );
-        assert_eq!(answered(&c).poisoned, 1);
-        // A suspect that did not answer (timeout, lost channel) poisons regardless.
-        revoke(&t, &b, std::slice::from_ref(&p), far);
-        assert_eq!(
-            open(&t, 4, &p, &req("d")),
-            2,
-            "both usable windows poisoned: reserved"
-        );
     }
 
     /// What a permit keeps to back an ok goes at the revocation, not when its window is reused

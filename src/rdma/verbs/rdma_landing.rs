@@ -255,7 +255,6 @@ mod tests {
         let revoked = l.revoke(&crate::rdma::RevokeRequest {
             req: &r1,
             suspects: &[],
-            answered: &[],
             poison_until: std::time::Instant::now(),
         });
         assert_eq!(revoked.revocation, crate::rdma::Revocation::NotExact);
