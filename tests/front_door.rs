@@ -268,3 +268,62 @@ async fn clones_share_one_worker() {
         Err(KvRecvError::Stopped)
     ));
 }
+
+/// A P engine that answers every pull with ERROR (here: its layers do not align with D's) is
+/// a suspect each time (an ERROR does not prove its writers idle), but it holds at most its
+/// share of poisoned windows: with 128 usable windows, 24 such requests poison 16, and a
+/// healthy engine's request still lands. (Unshared, such an engine took all 16,384 windows out
+/// of rotation in about 20 s, and every engine's pulls failed for 15 minutes.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_errors_every_pull_cannot_take_every_window() {
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecvBuilder::new(config)
+        .target(|t| t.windows = Some(129))
+        .events(true)
+        .start()
+        .unwrap();
+    let mut events = kv.events().unwrap();
+    let bad = PrefillSim::start(SimConfig {
+        engine_id: "misaligned".into(),
+        layer_names: Some(vec!["other.0".into(), "other.1".into()]),
+        ..SimConfig::default()
+    })
+    .await
+    .unwrap();
+    let good = PrefillSim::start(SimConfig::default()).await.unwrap();
+    let request = |sim: &PrefillSim, id: &str, block: u32| KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
+        remote_engine_id: Some(sim.engine_id().to_owned()),
+        remote_bootstrap_addr: Some(sim.bootstrap_url()),
+        block_ids: vec![vec![block]],
+    };
+    for i in 0..24 {
+        let id = format!("bad-{i}");
+        let reply = kv.load_kv(vec![request(&bad, &id, 1)]).await.unwrap();
+        assert_eq!(reply.awaiting, 1);
+        until(
+            &mut events,
+            |e| matches!(e, KvEvent::Released { req_id, .. } if **req_id == *id),
+        )
+        .await;
+        let step = kv.drain().await.unwrap();
+        assert_eq!(step.invalid_block_ids, vec![1], "the ERROR fails it");
+    }
+    let data = kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.poisoned_windows, 16, "its share of 128: {data:?}");
+    kv.load_kv(vec![request(&good, "good", 2)]).await.unwrap();
+    until(
+        &mut events,
+        |e| matches!(e, KvEvent::Released { req_id, .. } if &**req_id == "good"),
+    )
+    .await;
+    let step = kv.drain().await.unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from("good")]);
+    assert!(step.invalid_block_ids.is_empty(), "{step:?}");
+    kv.shutdown().await;
+}

@@ -61,8 +61,8 @@ impl RejectReason {
 }
 
 /// Why a request whose pull got the reserved window fails.
-const NO_WINDOW: &str =
-    "D had no clean landing window for a pull of this request: its writes were refused";
+const NO_WINDOW: &str = "D had no clean landing window for a pull of this request (all poisoned, \
+     or its engine's share of them): its writes were refused";
 
 /// One KV-cache group's blocks of a pull: (block id, index of the owning request), sorted by
 /// block. Eight bytes a block (a hash map and its slack cost four times that, per request in
@@ -84,6 +84,8 @@ impl BlockOwners {
 pub struct Permit {
     pub pull_id: PullId,
     pub peer: PeerId,
+    /// The engine of the pull's requests (one pull, one engine).
+    engine: Arc<str>,
     pub window: u32,
     /// Per KV-cache group: block id -> index of the owning request in the pull.
     blocks: Vec<BlockOwners>,
@@ -128,6 +130,7 @@ impl Permit {
         Permit {
             pull_id: self.pull_id,
             peer: self.peer.clone(),
+            engine: self.engine.clone(),
             window: self.window,
             blocks: self.blocks.clone(),
             open: self
@@ -338,8 +341,14 @@ struct Inner {
     by_req: RequestPulls,
     /// Pulls whose window has not been reused yet (accounting stays readable until then).
     by_pull: FastMap<PullId, Arc<Permit>>,
-    /// Poisoned windows and when each may return to rotation (DESIGN.md §5).
-    poisoned: FastMap<u32, Instant>,
+    /// Poisoned windows, when each may return to rotation (DESIGN.md §5), and the engine
+    /// whose pull's writer made it a suspect.
+    poisoned: FastMap<u32, (Instant, Arc<str>)>,
+    /// Poisoned windows per engine: an engine at [`PermitTable::engine_poison_cap`] gets no
+    /// more windows until some of its poison expires.
+    poisoned_by_engine: FastMap<Arc<str>, usize>,
+    /// No poison expires before this (a sweep of expired entries is due from then).
+    next_expiry: Option<Instant>,
     /// Requests with a pull that got the reserved window (its writes were all refused).
     windowless: FastSet<ReqId>,
     cursor: u32,
@@ -467,6 +476,8 @@ impl PermitTable {
                 by_req,
                 by_pull,
                 poisoned: inner.poisoned.clone(),
+                poisoned_by_engine: inner.poisoned_by_engine.clone(),
+                next_expiry: inner.next_expiry,
                 windowless: inner.windowless.clone(),
                 cursor: inner.cursor,
             }),
@@ -581,6 +592,25 @@ impl PermitTable {
                 "pull refused a landing window: its id already has an open permit, or it is too large");
             return reserved;
         }
+        // One engine whose writers keep ending up suspects (an engine that times out or
+        // garbles every pull) may hold at most its share of the windows poisoned; past it its
+        // pulls fail safe, and every other engine keeps its windows.
+        let engine = pull.requests[0].engine_id.clone();
+        let cap = self.engine_poison_cap();
+        if inner.poisoned_by_engine.get(&engine).copied().unwrap_or(0) >= cap {
+            self.expire(&mut inner, now);
+        }
+        let held = inner.poisoned_by_engine.get(&engine).copied().unwrap_or(0);
+        if held >= cap {
+            for r in pull.requests {
+                inner.windowless.insert(r.req_id.clone());
+            }
+            self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
+            self.labels.counter(m::WINDOWS_EXHAUSTED).increment(1);
+            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer, engine = %engine,
+                poisoned = held, "engine holds its share of poisoned landing windows; this pull gets the window that admits nothing");
+            return reserved;
+        }
         let cursor = inner.cursor;
         let free = (0..reserved).map(|i| (cursor + i) % reserved).find(|&w| {
             let closed = self.slots[w as usize]
@@ -636,6 +666,7 @@ impl PermitTable {
         let permit = Arc::new(Permit {
             pull_id: pull.pull_id,
             peer: pull.peer.clone(),
+            engine: engine.clone(),
             window,
             blocks,
             open: (0..n).map(|_| AtomicBool::new(true)).collect(),
@@ -678,19 +709,61 @@ impl PermitTable {
     fn clean(&self, inner: &mut Inner, w: u32, now: Instant) -> bool {
         match inner.poisoned.get(&w) {
             None => true,
-            Some(&until) if until <= now => {
-                inner.poisoned.remove(&w);
-                self.epochs.poison_expired.fetch_add(1, Ordering::Relaxed);
-                self.labels
-                    .gauge(m::POISONED_WINDOWS)
-                    .set(inner.poisoned.len() as f64);
-                tracing::warn!(
-                    window = w,
-                    "poisoned landing window back in rotation at its last-resort deadline"
-                );
+            Some((until, _)) if *until <= now => {
+                self.unpoison(inner, w);
                 true
             }
             Some(_) => false,
+        }
+    }
+
+    /// Window `w`'s poison has expired: back in rotation, off its engine's count.
+    fn unpoison(&self, inner: &mut Inner, w: u32) {
+        let Some((_, engine)) = inner.poisoned.remove(&w) else {
+            return;
+        };
+        if let Some(n) = inner.poisoned_by_engine.get_mut(&engine) {
+            *n -= 1;
+            if *n == 0 {
+                inner.poisoned_by_engine.remove(&engine);
+            }
+        }
+        self.epochs.poison_expired.fetch_add(1, Ordering::Relaxed);
+        self.labels
+            .gauge(m::POISONED_WINDOWS)
+            .set(inner.poisoned.len() as f64);
+        tracing::warn!(
+            window = w,
+            "poisoned landing window back in rotation at its last-resort deadline"
+        );
+    }
+
+    /// Unpoison every window whose poison has expired, if one is due (windows are otherwise
+    /// unpoisoned when the rotation reaches them, which a capped engine's pulls never do).
+    fn expire(&self, inner: &mut Inner, now: Instant) {
+        if inner.next_expiry.is_none_or(|t| t > now) {
+            return;
+        }
+        let due: Vec<u32> = inner
+            .poisoned
+            .iter()
+            .filter(|(_, (until, _))| *until <= now)
+            .map(|(w, _)| *w)
+            .collect();
+        for w in due {
+            self.unpoison(inner, w);
+        }
+        inner.next_expiry = inner.poisoned.values().map(|(until, _)| *until).min();
+    }
+
+    /// Most windows one engine may hold poisoned: an eighth of them (2,047 of the default
+    /// 16,384), all of them in tables too small to share (under 64 windows: tests, `repro`).
+    pub fn engine_poison_cap(&self) -> usize {
+        let usable = self.reserved() as usize;
+        if usable >= 64 {
+            usable / 8
+        } else {
+            usable
         }
     }
 
@@ -724,8 +797,23 @@ impl PermitTable {
                 }
             }
             if self.poison && r.suspects.contains(&p.peer) {
-                let until = inner.poisoned.entry(p.window).or_insert(r.poison_until);
-                *until = (*until).max(r.poison_until);
+                match inner.poisoned.get_mut(&p.window) {
+                    Some((until, _)) => *until = (*until).max(r.poison_until),
+                    None => {
+                        inner
+                            .poisoned
+                            .insert(p.window, (r.poison_until, p.engine.clone()));
+                        *inner
+                            .poisoned_by_engine
+                            .entry(p.engine.clone())
+                            .or_default() += 1;
+                    }
+                }
+                inner.next_expiry = Some(
+                    inner
+                        .next_expiry
+                        .map_or(r.poison_until, |t| t.min(r.poison_until)),
+                );
                 poisoned += 1;
                 tracing::info!(window = p.window, pull_id = p.pull_id, peer = %p.peer,
                     req_id = %r.req.req_id, "landing window poisoned: its writer may still write");
@@ -1093,6 +1181,52 @@ mod tests {
         assert_eq!(revoke(&t, &a, std::slice::from_ref(&p), far).poisoned, 0);
         assert_eq!(open(&t, 2, &p, &req("b")), 1);
         assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
+    }
+
+    fn req_of(id: &str, engine: &str) -> Arc<RequestMeta> {
+        Arc::new(RequestMeta {
+            engine_id: engine.into(),
+            ..(*req(id)).clone()
+        })
+    }
+
+    /// An engine whose writers keep ending up suspects holds at most its share of poisoned
+    /// windows: past it its pulls get the reserved window, other engines keep theirs, and it
+    /// gets windows again once its poison expires.
+    #[test]
+    fn an_engine_holds_at_most_its_share_of_poisoned_windows() {
+        let t = table(129); // 128 usable: a share of 16
+        assert_eq!(t.engine_poison_cap(), 16);
+        let reserved = 128;
+        let (p, q) = (PeerId::new("p"), PeerId::new("q"));
+        let now = Instant::now();
+        let until = now + Duration::from_secs(60);
+        for i in 0..16 {
+            let r = req_of(&format!("bad-{i}"), "bad");
+            assert_ne!(open(&t, i + 1, &p, &r), reserved);
+            revoke(&t, &r, std::slice::from_ref(&p), until);
+        }
+        assert_eq!(t.poisoned_windows(), 16);
+        let next = req_of("bad-16", "bad");
+        assert_eq!(open(&t, 100, &p, &next), reserved, "at its share");
+        assert!(t.windowless(&next.req_id));
+        let good = req_of("good", "good");
+        assert_ne!(
+            open(&t, 101, &q, &good),
+            reserved,
+            "another engine is unaffected"
+        );
+        // Once the poison expires the engine gets windows again (no rotation needed).
+        let later = t.open_at(
+            &PullWindow {
+                pull_id: 102,
+                peer: &p,
+                requests: std::slice::from_ref(&req_of("bad-17", "bad")),
+            },
+            until + Duration::from_secs(1),
+        );
+        assert_ne!(later, reserved);
+        assert_eq!(t.poisoned_windows(), 0);
     }
 
     /// What a permit keeps to back an ok goes at the revocation, not when its window is reused
