@@ -756,8 +756,9 @@ impl PermitTable {
         inner.next_expiry = inner.poisoned.values().map(|(until, _)| *until).min();
     }
 
-    /// Most windows one engine may hold poisoned: an eighth of them (2,047 of the default
-    /// 16,384), all of them in tables too small to share (under 64 windows: tests, `repro`).
+    /// Most windows one engine may hold poisoned before its pulls get no window: an eighth of
+    /// them (2,047 of the default 16,384), all of them in tables too small to share (under 64
+    /// windows: tests, `repro`). Pulls already open when it is reached may still add theirs.
     pub fn engine_poison_cap(&self) -> usize {
         let usable = self.reserved() as usize;
         if usable >= 64 {
