@@ -94,8 +94,9 @@ pub struct KvRecvConfig {
     pub load_failure_policy: LoadFailurePolicy,
     /// `kv_connector_extra_config.mooncake_protocol`.
     pub mooncake_protocol: MooncakeProtocol,
-    /// D-side per-pull deadline: the longest silence tolerated from a peer during a pull. The
-    /// default allows P's 480 s readiness wait plus time queued behind P's 20 serving tasks.
+    /// D-side per-pull deadline: the longest a pull waits for a reply that restarts it (one
+    /// that settles a request; DESIGN.md §6). The default allows P's 480 s readiness wait plus
+    /// time queued behind P's 20 serving tasks.
     pub pull_timeout: Duration,
     /// Last resort for a quarantine that cannot be fenced.
     pub quarantine_deadline: Duration,

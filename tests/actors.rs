@@ -107,9 +107,10 @@ async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
     h.wait_for("completion", is_completion("r1")).await;
 }
 
-/// Rule 4 (deadline): replies that settle nothing (an empty CONTINUE, or one naming only ids
-/// that are not pending) do not restart the deadline: P sends none, and a peer that did could
-/// keep a pull, and its blocks, held for ever.
+/// Rule 4 (deadline): replies that settle nothing (an empty CONTINUE: P answers a subset whose
+/// requests all expired on P; or one naming only ids that are not pending) restart the deadline
+/// at most as many times as the pull has requests: a peer sending more cannot keep a pull, and
+/// its blocks, held for ever. (Tokio's clock is paused: the deadlines are exact.)
 #[actix::test]
 async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
     tokio::time::pause();
@@ -121,7 +122,8 @@ async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
     h.load(vec![req("r1", &[3])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Finish, &["r1"], &[], None);
-    for _ in 0..3 {
+    // t=59: the one restart a one-request pull allows (deadline t=209); later ones do not.
+    for _ in 0..4 {
         tokio::time::advance(ms(59)).await;
         b.respond(Continue, &[], &[], None);
         b.respond(Continue, &["nobody"], &[], None);
@@ -129,13 +131,41 @@ async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
         tokio::time::sleep(ms(1)).await;
         h.soak_events();
     }
-    // t=180: past the deadline set when the pull was sent (had the replies moved it, it
-    // would be t=270).
-    assert_eq!(h.count(is_settled(&b.peer, "r1")), 1, "B expired at t=150");
+    // t=240: past t=209 (had every reply restarted it, the deadline would be t=389).
+    assert_eq!(h.count(is_settled(&b.peer, "r1")), 1, "B expired at t=209");
     assert!(
         matches!(&settled_outcome(&h, &b.peer, "r1")[..], [SettleOutcome::Uncertain { reason: r, .. }] if r.contains("deadline"))
     );
     h.wait_for("completion", is_completion("r1")).await;
+}
+
+/// An empty CONTINUE is what P sends for a subset whose requests all expired on P meanwhile
+/// (PROTOCOL.md §2.6): it restarts the deadline like any subset, within the pull's requests.
+#[actix::test]
+async fn an_empty_continue_within_the_pulls_requests_restarts_the_deadline() {
+    tokio::time::pause();
+    let ms = Duration::from_millis;
+    let mut h = Harness::start(Setup {
+        pull_timeout: ms(150),
+        ..Setup::default()
+    });
+    h.load(vec![req("r1", &[3]), req("r2", &[4])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Finish, &["r1", "r2"], &[], None);
+    tokio::time::advance(ms(100)).await;
+    b.respond(Continue, &[], &[], None); // deadline t=250
+    tokio::time::sleep(ms(1)).await;
+    h.soak_events();
+    tokio::time::advance(ms(99)).await; // t=200
+    tokio::time::sleep(ms(1)).await;
+    h.soak_events();
+    assert!(
+        b.is_open(),
+        "the empty CONTINUE moved B's deadline past t=150"
+    );
+    b.respond(Finish, &["r1", "r2"], &[], None);
+    h.wait_for("r2 completion", is_completion("r2")).await;
+    assert_eq!(settled_outcome(&h, &b.peer, "r2"), vec![SettleOutcome::Ok]);
 }
 
 /// Rule 4 (deadline): every pull has a deadline of its own, `pull_timeout` after it was sent

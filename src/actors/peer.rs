@@ -33,8 +33,10 @@ pub const STALE_EVENTS_PER_PULL: u32 = 8;
 /// Timing knobs of a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerConfig {
-    /// Longest silence tolerated during a pull (restarted by every reply that settles a
-    /// request: P sends none that settles nothing, so such replies cannot keep a pull alive).
+    /// Longest silence tolerated during a pull: restarted by a reply that settles a request,
+    /// and by at most as many replies that settle nothing as the pull has requests (P answers
+    /// each subset that became ready, even one whose requests all expired on P meanwhile; a
+    /// peer sending more cannot keep a pull alive with them).
     pub pull_timeout: Duration,
     /// Backoff after the first consecutive failure; doubled per failure.
     pub backoff_base: Duration,
@@ -80,9 +82,11 @@ pub struct PullEvent {
 struct Live {
     /// Ends the pull's reply stream (dropping its channel).
     stream: PullHandle<PullEvent>,
-    /// When the pull is abandoned unless a reply settling a request comes first (restarted by
-    /// each). On tokio's clock, the one the timer runs on.
+    /// When the pull is abandoned unless a reply comes first that restarts it (see
+    /// [`PeerConfig::pull_timeout`]). On tokio's clock, the one the timer runs on.
     deadline: tokio::time::Instant,
+    /// Replies that settled nothing may still restart the deadline this many more times.
+    idle_restarts: usize,
     /// `stale` events emitted for this pull; past [`STALE_EVENTS_PER_PULL`] stale ids are only
     /// counted.
     stale_events: u32,
@@ -194,6 +198,7 @@ impl Peer {
             Live {
                 stream,
                 deadline,
+                idle_restarts: pull.requests.len(),
                 stale_events: 0,
                 started: Instant::now(),
                 span,
@@ -437,10 +442,20 @@ impl StreamHandler<PullEvent> for Peer {
         match ev.event {
             ChannelEvent::Reply(frames) => {
                 let fx = self.state.on_reply(pull_id, frames);
-                if !fx.pull_done && !fx.settles.is_empty() && self.live.contains_key(&pull_id) {
-                    // P restarts its readiness wait after every subset; so does D's deadline.
-                    // A reply that settles nothing (empty, or only ids not pending) is no
-                    // subset: it must not keep the pull, and its blocks, alive.
+                // P restarts its readiness wait after every subset; so does D's deadline. A
+                // reply that settles nothing (every request of its subset expired on P, or a
+                // peer naming only ids not pending) restarts it only while such replies are no
+                // more than the pull's requests: each real subset takes one request from P.
+                let restart = !fx.pull_done
+                    && self.live.get_mut(&pull_id).is_some_and(|l| {
+                        if !fx.settles.is_empty() {
+                            return true;
+                        }
+                        let allowed = l.idle_restarts > 0;
+                        l.idle_restarts = l.idle_restarts.saturating_sub(1);
+                        allowed
+                    });
+                if restart {
                     let new = self.deadline_from_now(ctx);
                     if let Some(l) = self.live.get_mut(&pull_id) {
                         l.deadline = new;
