@@ -4,8 +4,9 @@
 //! Every input line is answered, so a host that keeps writing stdin but stops reading stdout
 //! would grow serve's queue without limit. The queue counts the bytes waiting in it; over the
 //! high-water mark serve stops reading stdin (the host's writes then block on the full pipe)
-//! until the writer has brought it back under the mark. Events still queue while stdin is
-//! paused: they are bounded by the requests already admitted.
+//! until the writer has brought it down to half the mark. Events still queue while stdin is
+//! paused: they are bounded by the requests already admitted (and a pull's `stale` events by
+//! 8). If stdout closes, serve stops.
 
 use std::io::Write;
 use std::os::fd::AsFd;
@@ -22,7 +23,8 @@ use tokio::sync::Notify;
 /// would seem to grow until stdin paused.
 const CREDIT_CHUNK: usize = 16 * 1024;
 
-/// Bytes queued for stdout and not yet written, shared by the queue and its writer.
+/// Bytes queued for stdout and not yet handed to the writer's buffer (at most 64 KiB more sit
+/// there unwritten), shared by the queue and its writer.
 #[derive(Default)]
 struct Backlog {
     bytes: AtomicUsize,
@@ -274,7 +276,7 @@ mod tests {
         };
         let t = std::thread::spawn(move || write_all(q, sink));
         wait_reached.recv().unwrap();
-        // 60 lines still queued, but what went to the buffer is no longer counted.
+        // Lines are still queued, but what went to the buffer is no longer counted.
         assert!(
             out.queued() <= 100 * 1024 - 32 * 1024,
             "queued {}",
@@ -304,6 +306,32 @@ mod tests {
         fn flush(&mut self) -> std::io::Result<()> {
             Ok(())
         }
+    }
+
+    /// stdin resumes at half the mark, not just under it: no pause again one line later.
+    #[test]
+    fn stdin_resumes_at_half_the_high_water_mark() {
+        use futures::FutureExt;
+        let (out, q) = output(100);
+        out.send("x".repeat(149)); // 150 bytes queued
+        assert!(out.over_high_water());
+        q.backlog.written(70); // 80: under the mark, not under half of it
+        assert!(!out.over_high_water());
+        assert!(out.room().now_or_never().is_none());
+        q.backlog.written(30); // 50
+        assert!(out.room().now_or_never().is_some());
+    }
+
+    /// `closed()` resolves once the writer is gone, also for a waiter registered before.
+    #[test]
+    fn closed_resolves_when_the_writer_goes() {
+        use futures::FutureExt;
+        let (out, q) = output(100);
+        let mut waiting = Box::pin(out.closed());
+        assert!(waiting.as_mut().now_or_never().is_none());
+        drop(q);
+        assert!(waiting.now_or_never().is_some());
+        assert!(out.closed().now_or_never().is_some());
     }
 
     #[test]

@@ -600,7 +600,8 @@ impl PeerTransport for ZmqTransport {
 static LAST_FD_EXHAUSTION_MS: AtomicU64 = AtomicU64::new(0);
 
 /// An EMFILE seen this long ago still explains a connect that libzmq retried: when the event is
-/// read, the descriptors the failing pulls held may already be free again.
+/// read, the descriptors the failing pulls held may already be free again. (A connect truly
+/// refused within this time is named an fd shortage too: only the message is affected.)
 const FD_EXHAUSTION_MEMORY: Duration = Duration::from_secs(10);
 
 fn monotonic_ms() -> u64 {

@@ -79,13 +79,17 @@ impl BlockOwners {
     }
 }
 
+/// An engine as the coordinator tells engines apart: (bootstrap address, engine id). Two P
+/// deployments that reuse an engine id behind different bootstrap servers are two engines.
+type EngineKey = (Arc<str>, Arc<str>);
+
 /// One pull's permit.
 #[derive(Debug)]
 pub struct Permit {
     pub pull_id: PullId,
     pub peer: PeerId,
     /// The engine of the pull's requests (one pull, one engine).
-    engine: Arc<str>,
+    engine: EngineKey,
     pub window: u32,
     /// Per KV-cache group: block id -> index of the owning request in the pull.
     blocks: Vec<BlockOwners>,
@@ -101,8 +105,9 @@ pub struct Permit {
     /// landing): what proves an unproven ok. Ranges, not a byte count, so a write landed twice
     /// counts once; contiguous writes merge into one range as they land.
     coverage: Mutex<Vec<Vec<Span>>>,
-    /// Most spans kept per request: two per block and region (a block written in two pieces,
-    /// say by two P ranks, until both land) and some slack. Spans past it are not recorded, so
+    /// Most spans kept per request: two per block and region (pieces of a block landing out
+    /// of order, apart until the gap between them lands) and some slack. Spans past it are not
+    /// recorded, so
     /// a writer that scatters bytes cannot grow this without bound; what it wrote is then
     /// under-counted, which can only fail an ok, never pass one.
     span_cap: Box<[u32]>,
@@ -343,10 +348,10 @@ struct Inner {
     by_pull: FastMap<PullId, Arc<Permit>>,
     /// Poisoned windows, when each may return to rotation (DESIGN.md §5), and the engine
     /// whose pull's writer made it a suspect.
-    poisoned: FastMap<u32, (Instant, Arc<str>)>,
-    /// Poisoned windows per engine: an engine at [`PermitTable::engine_poison_cap`] gets no
-    /// more windows until some of its poison expires.
-    poisoned_by_engine: FastMap<Arc<str>, usize>,
+    poisoned: FastMap<u32, (Instant, EngineKey)>,
+    /// Poisoned windows per engine: under pressure an engine at
+    /// [`PermitTable::engine_poison_cap`] gets no more windows until some of its poison expires.
+    poisoned_by_engine: FastMap<EngineKey, usize>,
     /// No poison expires before this (a sweep of expired entries is due from then).
     next_expiry: Option<Instant>,
     /// Requests with a pull that got the reserved window (its writes were all refused).
@@ -585,31 +590,33 @@ impl PermitTable {
             .get(&pull.pull_id)
             .is_some_and(|p| !p.is_closed());
         if duplicate || u32::try_from(pull.requests.len()).is_err() {
-            for r in pull.requests {
-                inner.windowless.insert(r.req_id.clone());
-            }
             tracing::error!(pull_id = pull.pull_id, duplicate, requests = pull.requests.len(),
                 "pull refused a landing window: its id already has an open permit, or it is too large");
-            return reserved;
+            return Self::refuse(&mut inner, pull, reserved);
         }
         // One engine whose writers keep ending up suspects (an engine that times out or
-        // garbles every pull) may hold at most its share of the windows poisoned; past it its
-        // pulls fail safe, and every other engine keeps its windows.
-        let engine = pull.requests[0].engine_id.clone();
+        // garbles every pull) may hold at most its share of the windows poisoned once half of
+        // them are; past it its pulls fail safe, and every other engine keeps its windows.
+        let engine: EngineKey = (
+            pull.requests[0].bootstrap_addr.clone(),
+            pull.requests[0].engine_id.clone(),
+        );
         let cap = self.engine_poison_cap();
-        if inner.poisoned_by_engine.get(&engine).copied().unwrap_or(0) >= cap {
+        let over = |inner: &Inner| {
+            inner.poisoned.len() >= reserved as usize / 2
+                && inner.poisoned_by_engine.get(&engine).copied().unwrap_or(0) >= cap
+        };
+        if over(&inner) {
             self.expire(&mut inner, now);
         }
-        let held = inner.poisoned_by_engine.get(&engine).copied().unwrap_or(0);
-        if held >= cap {
-            for r in pull.requests {
-                inner.windowless.insert(r.req_id.clone());
-            }
-            self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
-            self.labels.counter(m::WINDOWS_EXHAUSTED).increment(1);
-            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer, engine = %engine,
-                poisoned = held, "engine holds its share of poisoned landing windows; this pull gets the window that admits nothing");
-            return reserved;
+        if over(&inner) {
+            self.labels
+                .counter(m::WINDOWS_REFUSED_ENGINE_SHARE)
+                .increment(1);
+            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer, engine = %engine.1,
+                bootstrap = %engine.0, share = cap,
+                "engine holds its share of poisoned landing windows; this pull gets the window that admits nothing");
+            return Self::refuse(&mut inner, pull, reserved);
         }
         let cursor = inner.cursor;
         let free = (0..reserved).map(|i| (cursor + i) % reserved).find(|&w| {
@@ -621,15 +628,12 @@ impl PermitTable {
             closed && self.clean(&mut inner, w, now)
         });
         let Some(window) = free else {
-            for r in pull.requests {
-                inner.windowless.insert(r.req_id.clone());
-            }
             self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
             self.labels.counter(m::WINDOWS_EXHAUSTED).increment(1);
             tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
                 poisoned = inner.poisoned.len(),
                 "no clean landing window is free; this pull gets the window that admits nothing");
-            return reserved;
+            return Self::refuse(&mut inner, pull, reserved);
         };
         inner.cursor = (window + 1) % reserved;
         let groups = pull
@@ -705,12 +709,25 @@ impl PermitTable {
         window
     }
 
+    /// Give `pull` the reserved window (it admits nothing): its requests' writes are refused
+    /// and they fail with the reason [`NO_WINDOW`].
+    fn refuse(inner: &mut Inner, pull: &PullWindow<'_>, reserved: u32) -> u32 {
+        for r in pull.requests {
+            inner.windowless.insert(r.req_id.clone());
+        }
+        reserved
+    }
+
     /// Whether closed window `w` may be handed out: not poisoned, or its poison expired.
     fn clean(&self, inner: &mut Inner, w: u32, now: Instant) -> bool {
         match inner.poisoned.get(&w) {
             None => true,
             Some((until, _)) if *until <= now => {
                 self.unpoison(inner, w);
+                tracing::warn!(
+                    window = w,
+                    "poisoned landing window back in rotation at its last-resort deadline"
+                );
                 true
             }
             Some(_) => false,
@@ -732,10 +749,6 @@ impl PermitTable {
         self.labels
             .gauge(m::POISONED_WINDOWS)
             .set(inner.poisoned.len() as f64);
-        tracing::warn!(
-            window = w,
-            "poisoned landing window back in rotation at its last-resort deadline"
-        );
     }
 
     /// Unpoison every window whose poison has expired, if one is due (windows are otherwise
@@ -750,15 +763,22 @@ impl PermitTable {
             .filter(|(_, (until, _))| *until <= now)
             .map(|(w, _)| *w)
             .collect();
+        if !due.is_empty() {
+            tracing::warn!(
+                windows = due.len(),
+                "poisoned landing windows back in rotation at their last-resort deadline"
+            );
+        }
         for w in due {
             self.unpoison(inner, w);
         }
         inner.next_expiry = inner.poisoned.values().map(|(until, _)| *until).min();
     }
 
-    /// Most windows one engine may hold poisoned before its pulls get no window: an eighth of
-    /// them (2,047 of the default 16,384), all of them in tables too small to share (under 64
-    /// windows: tests, `repro`). Pulls already open when it is reached may still add theirs.
+    /// Most windows one engine may hold poisoned before its pulls get no window, once half of
+    /// all windows are poisoned: an eighth of the usable ones (2,047 of the default 16,384), all
+    /// of them in tables too small to share (under 64 usable: tests, `repro`). Pulls already
+    /// open when it is reached may still add theirs.
     pub fn engine_poison_cap(&self) -> usize {
         let usable = self.reserved() as usize;
         if usable >= 64 {
@@ -1184,50 +1204,103 @@ mod tests {
         assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
     }
 
-    fn req_of(id: &str, engine: &str) -> Arc<RequestMeta> {
+    fn req_of(id: &str, engine: &str, bootstrap: &str) -> Arc<RequestMeta> {
         Arc::new(RequestMeta {
             engine_id: engine.into(),
+            bootstrap_addr: bootstrap.into(),
             ..(*req(id)).clone()
         })
     }
 
-    /// An engine whose writers keep ending up suspects holds at most its share of poisoned
-    /// windows: past it its pulls get the reserved window, other engines keep theirs, and it
-    /// gets windows again once its poison expires.
+    /// Once half the windows are poisoned, an engine whose writers keep ending up suspects gets
+    /// no window past its share: other engines (an engine id behind another bootstrap server
+    /// included) keep theirs, and it gets windows again once enough poison expired, not before.
     #[test]
-    fn an_engine_holds_at_most_its_share_of_poisoned_windows() {
-        let t = table(129); // 128 usable: a share of 16
+    fn under_pressure_an_engine_holds_at_most_its_share_of_poisoned_windows() {
+        let t = table(129); // 128 usable: a share of 16, pressure from 64 poisoned
         assert_eq!(t.engine_poison_cap(), 16);
         let reserved = 128;
         let (p, q) = (PeerId::new("p"), PeerId::new("q"));
         let now = Instant::now();
-        let until = now + Duration::from_secs(60);
-        for i in 0..16 {
-            let r = req_of(&format!("bad-{i}"), "bad");
-            assert_ne!(open(&t, i + 1, &p, &r), reserved);
-            revoke(&t, &r, std::slice::from_ref(&p), until);
+        let (first, second) = (
+            now + Duration::from_secs(60),
+            now + Duration::from_secs(120),
+        );
+        let bad = |i: u64| req_of(&format!("bad-{i}"), "bad", "http://b:1");
+        let open_at = |pull_id, peer: &PeerId, r: &Arc<RequestMeta>, at| {
+            t.open_at(
+                &PullWindow {
+                    pull_id,
+                    peer,
+                    requests: std::slice::from_ref(r),
+                },
+                at,
+            )
+        };
+        // Past its share but under pressure-free conditions it keeps getting windows.
+        for i in 0..64u64 {
+            let r = bad(i);
+            assert_ne!(open_at(i + 1, &p, &r, now), reserved, "pull {i}");
+            revoke(
+                &t,
+                &r,
+                std::slice::from_ref(&p),
+                if i < 32 { first } else { second },
+            );
         }
-        assert_eq!(t.poisoned_windows(), 16);
-        let next = req_of("bad-16", "bad");
-        assert_eq!(open(&t, 100, &p, &next), reserved, "at its share");
-        assert!(t.windowless(&next.req_id));
-        let good = req_of("good", "good");
-        assert_ne!(
-            open(&t, 101, &q, &good),
+        assert_eq!(t.poisoned_windows(), 64);
+        let next = bad(64);
+        assert_eq!(
+            open_at(100, &p, &next, now),
             reserved,
-            "another engine is unaffected"
+            "at its share, under pressure"
         );
-        // Once the poison expires the engine gets windows again (no rotation needed).
-        let later = t.open_at(
-            &PullWindow {
-                pull_id: 102,
-                peer: &p,
-                requests: std::slice::from_ref(&req_of("bad-17", "bad")),
-            },
-            until + Duration::from_secs(1),
+        assert!(t.windowless(&next.req_id));
+        let good = req_of("good", "good", "http://g:1");
+        assert_ne!(open_at(101, &q, &good, now), reserved, "another engine");
+        let twin = req_of("twin", "bad", "http://other:1");
+        assert_ne!(
+            open_at(102, &q, &twin, now),
+            reserved,
+            "same id, other bootstrap"
         );
-        assert_ne!(later, reserved);
-        assert_eq!(t.poisoned_windows(), 0);
+        // Nothing expires early.
+        let early = first - Duration::from_millis(1);
+        assert_eq!(open_at(103, &p, &bad(65), early), reserved);
+        assert_eq!(t.poisoned_windows(), 64);
+        // The first half of its poison expires: no pressure, windows again (no rotation needed).
+        let later = first + Duration::from_millis(1);
+        assert_ne!(open_at(104, &p, &bad(66), later), reserved);
+        assert_eq!(t.poisoned_windows(), 32);
+    }
+
+    /// A window poisoned again (another request of the same pull) counts once for its engine.
+    #[test]
+    fn a_window_poisoned_twice_counts_once() {
+        let t = table(3);
+        let p = PeerId::new("p");
+        let (a, b) = (
+            req_of("a", "e", "http://b:1"),
+            req_of("b", "e", "http://b:1"),
+        );
+        t.open(&PullWindow {
+            pull_id: 1,
+            peer: &p,
+            requests: &[a.clone(), b.clone()],
+        });
+        let far = Instant::now() + Duration::from_secs(60);
+        revoke(&t, &a, std::slice::from_ref(&p), far);
+        revoke(&t, &b, std::slice::from_ref(&p), far);
+        let inner = t.lock();
+        assert_eq!(inner.poisoned.len(), 1);
+        assert_eq!(
+            inner
+                .poisoned_by_engine
+                .values()
+                .copied()
+                .collect::<Vec<_>>(),
+            vec![1]
+        );
     }
 
     /// What a permit keeps to back an ok goes at the revocation, not when its window is reused

@@ -60,6 +60,8 @@ pub struct WindowMap {
     block_len: Vec<u64>,
     kv_block_len: Vec<u64>,
     group: Vec<u32>,
+    /// Regions per KV-cache group (indexed by group).
+    regions_per_group: Vec<u64>,
     span: u64,
 }
 
@@ -136,6 +138,16 @@ impl WindowMap {
             block_len: layout.regions.iter().map(|r| r.block_len).collect(),
             kv_block_len: layout.regions.iter().map(|r| r.kv_block_len).collect(),
             group: layout.regions.iter().map(|r| r.group_index).collect(),
+            regions_per_group: {
+                // Bounded by the region count (a group index past it has no region to count).
+                let mut n = vec![0u64; layout.regions.len()];
+                for r in &layout.regions {
+                    if let Some(c) = n.get_mut(r.group_index as usize) {
+                        *c += 1;
+                    }
+                }
+                n
+            },
             span,
         })
     }
@@ -188,7 +200,10 @@ impl WindowMap {
 
     /// Regions of KV-cache `group`.
     pub fn regions_in_group(&self, group: u32) -> u64 {
-        self.group.iter().filter(|g| **g == group).count() as u64
+        self.regions_per_group
+            .get(group as usize)
+            .copied()
+            .unwrap_or(0)
     }
 
     /// KV-cache group of `region`.
