@@ -42,6 +42,15 @@ impl Backlog {
         self.room.notify_one();
     }
 
+    /// The writer handed a `len`-byte line (and its newline) to its buffer; `pending` holds
+    /// what it has not credited yet, credited every [`CREDIT_CHUNK`].
+    fn handed(&self, pending: &mut usize, len: usize) {
+        *pending += len + 1;
+        if *pending >= CREDIT_CHUNK {
+            self.written(std::mem::take(pending));
+        }
+    }
+
     fn close(&self) {
         self.closed.store(true, Ordering::Release);
         self.room.notify_one();
@@ -131,12 +140,10 @@ impl OutputQueue {
         let mut n = 0;
         let mut next = Some(first);
         while let Some(line) = next.take().or_else(|| self.rx.try_recv().ok()) {
-            n += line.len() + 1;
-            if let Err(e) = sink(&line) {
+            let r = sink(&line);
+            self.backlog.handed(&mut n, line.len());
+            if let Err(e) = r {
                 return (n, Err(e));
-            }
-            if n >= CREDIT_CHUNK {
-                self.backlog.written(std::mem::take(&mut n));
             }
         }
         (n, Ok(()))
@@ -194,17 +201,17 @@ impl Writer {
 async fn pipe_writer(p: pipe::Sender, mut q: OutputQueue) {
     let mut w = tokio::io::BufWriter::with_capacity(64 * 1024, p);
     while let Some(first) = q.rx.recv().await {
-        // The pipe may be full: lines are written one at a time, each awaited.
-        let mut n = first.len() + 1;
-        let mut ok =
-            w.write_all(first.as_bytes()).await.is_ok() && w.write_all(b"\n").await.is_ok();
-        while ok {
-            if n >= CREDIT_CHUNK {
-                q.backlog.written(std::mem::take(&mut n));
-            }
-            let Ok(line) = q.rx.try_recv() else { break };
-            n += line.len() + 1;
+        // The pipe may be full: lines are written one at a time, each awaited (the same loop
+        // as `OutputQueue::batch`, which cannot await).
+        let mut n = 0;
+        let mut next = Some(first);
+        let mut ok = true;
+        while let Some(line) = next.take().or_else(|| q.rx.try_recv().ok()) {
             ok = w.write_all(line.as_bytes()).await.is_ok() && w.write_all(b"\n").await.is_ok();
+            q.backlog.handed(&mut n, line.len());
+            if !ok {
+                break;
+            }
         }
         ok = ok && w.flush().await.is_ok();
         q.backlog.written(n);
