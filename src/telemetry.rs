@@ -199,8 +199,9 @@ pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
 pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
 /// Pulls that found no clean landing window (their writes are refused).
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
-/// Pulls refused a landing window because their engine held its share of the poisoned ones.
-pub const WINDOWS_REFUSED_ENGINE_SHARE: &str = "kvrecv_windows_refused_engine_share_total";
+/// Pulls refused a landing window because their P deployment held its share of the poisoned
+/// ones.
+pub const WINDOWS_REFUSED_SHARE: &str = "kvrecv_windows_refused_share_total";
 /// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
 pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
 /// Side-channel failures (local, bad_address, connect, send, recv, closed); label kind.
@@ -291,9 +292,9 @@ pub fn describe() {
         "Pulls that found no clean landing window (their writes are refused)"
     );
     describe_counter!(
-        WINDOWS_REFUSED_ENGINE_SHARE,
-        "Pulls refused a landing window because their engine held its share of the poisoned ones \
-         while half the windows were poisoned"
+        WINDOWS_REFUSED_SHARE,
+        "Pulls refused a landing window because their P deployment held its share of the \
+         poisoned ones while half the windows were poisoned"
     );
     describe_counter!(
         CONNECTIONS_REFUSED,

@@ -271,7 +271,7 @@ async fn clones_share_one_worker() {
 
 /// A P engine that answers every pull with ERROR (here: its layers do not align with D's) is
 /// a suspect each time (an ERROR does not prove its writers idle), but once half the windows
-/// are poisoned it holds at most its share: with 128 usable windows, 80 such requests poison 64
+/// are poisoned its deployment (bootstrap server) holds at most its share: with 128 usable windows, 80 such requests poison 64
 /// and the rest get no window, and a healthy engine's request still lands. (Unshared, such an
 /// engine took all 16,384 windows out of rotation in about 20 s, and every engine's pulls
 /// failed for 15 minutes.)

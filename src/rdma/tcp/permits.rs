@@ -62,7 +62,7 @@ impl RejectReason {
 
 /// Why a request whose pull got the reserved window fails.
 const NO_WINDOW: &str = "D had no clean landing window for a pull of this request (all poisoned, \
-     or its engine's share of them): its writes were refused";
+     or its P deployment's share of them): its writes were refused";
 
 /// One KV-cache group's blocks of a pull: (block id, index of the owning request), sorted by
 /// block. Eight bytes a block (a hash map and its slack cost four times that, per request in
@@ -79,17 +79,18 @@ impl BlockOwners {
     }
 }
 
-/// An engine as the coordinator tells engines apart: (bootstrap address, engine id). Two P
-/// deployments that reuse an engine id behind different bootstrap servers are two engines.
-type EngineKey = (Arc<str>, Arc<str>);
+/// A P deployment: its bootstrap server's address. Every DP rank (engine id) of a deployment is
+/// listed by one bootstrap server and shares its configuration, and its mistakes: a misaligned
+/// layout makes every rank error, so the ranks share one share of poisoned windows.
+type Deployment = Arc<str>;
 
 /// One pull's permit.
 #[derive(Debug)]
 pub struct Permit {
     pub pull_id: PullId,
     pub peer: PeerId,
-    /// The engine of the pull's requests (one pull, one engine).
-    engine: EngineKey,
+    /// The P deployment of the pull's requests (one pull, one engine, one deployment).
+    deployment: Deployment,
     pub window: u32,
     /// Per KV-cache group: block id -> index of the owning request in the pull.
     blocks: Vec<BlockOwners>,
@@ -135,7 +136,7 @@ impl Permit {
         Permit {
             pull_id: self.pull_id,
             peer: self.peer.clone(),
-            engine: self.engine.clone(),
+            deployment: self.deployment.clone(),
             window: self.window,
             blocks: self.blocks.clone(),
             open: self
@@ -346,12 +347,13 @@ struct Inner {
     by_req: RequestPulls,
     /// Pulls whose window has not been reused yet (accounting stays readable until then).
     by_pull: FastMap<PullId, Arc<Permit>>,
-    /// Poisoned windows, when each may return to rotation (DESIGN.md §5), and the engine
+    /// Poisoned windows, when each may return to rotation (DESIGN.md §5), and the deployment
     /// whose pull's writer made it a suspect.
-    poisoned: FastMap<u32, (Instant, EngineKey)>,
-    /// Poisoned windows per engine: under pressure an engine at
-    /// [`PermitTable::engine_poison_cap`] gets no more windows until some of its poison expires.
-    poisoned_by_engine: FastMap<EngineKey, usize>,
+    poisoned: FastMap<u32, (Instant, Deployment)>,
+    /// Poisoned windows per deployment: under pressure a deployment at
+    /// [`PermitTable::deployment_poison_cap`] gets no more windows until some of its poison
+    /// expires.
+    poisoned_by_deployment: FastMap<Deployment, usize>,
     /// No poison expires before this (a sweep of expired entries is due from then).
     next_expiry: Option<Instant>,
     /// Requests with a pull that got the reserved window (its writes were all refused).
@@ -481,7 +483,7 @@ impl PermitTable {
                 by_req,
                 by_pull,
                 poisoned: inner.poisoned.clone(),
-                poisoned_by_engine: inner.poisoned_by_engine.clone(),
+                poisoned_by_deployment: inner.poisoned_by_deployment.clone(),
                 next_expiry: inner.next_expiry,
                 windowless: inner.windowless.clone(),
                 cursor: inner.cursor,
@@ -594,28 +596,29 @@ impl PermitTable {
                 "pull refused a landing window: its id already has an open permit, or it is too large");
             return Self::refuse(&mut inner, pull, reserved);
         }
-        // One engine whose writers keep ending up suspects (an engine that times out or
-        // garbles every pull) may hold at most its share of the windows poisoned once half of
-        // them are; past it its pulls fail safe, and every other engine keeps its windows.
-        let engine: EngineKey = (
-            pull.requests[0].bootstrap_addr.clone(),
-            pull.requests[0].engine_id.clone(),
-        );
-        let cap = self.engine_poison_cap();
+        // One P deployment whose writers keep ending up suspects (one that times out or
+        // garbles every pull, whatever its DP ranks) may hold at most its share of the windows
+        // poisoned once half of them are; past it its pulls fail safe, and every other
+        // deployment keeps its windows.
+        let deployment: Deployment = pull.requests[0].bootstrap_addr.clone();
+        let cap = self.deployment_poison_cap();
         let over = |inner: &Inner| {
             inner.poisoned.len() >= reserved as usize / 2
-                && inner.poisoned_by_engine.get(&engine).copied().unwrap_or(0) >= cap
+                && inner
+                    .poisoned_by_deployment
+                    .get(&deployment)
+                    .copied()
+                    .unwrap_or(0)
+                    >= cap
         };
         if over(&inner) {
             self.expire(&mut inner, now);
         }
         if over(&inner) {
-            self.labels
-                .counter(m::WINDOWS_REFUSED_ENGINE_SHARE)
-                .increment(1);
-            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer, engine = %engine.1,
-                bootstrap = %engine.0, share = cap,
-                "engine holds its share of poisoned landing windows; this pull gets the window that admits nothing");
+            self.labels.counter(m::WINDOWS_REFUSED_SHARE).increment(1);
+            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
+                engine = %pull.requests[0].engine_id, bootstrap = %deployment, share = cap,
+                "P deployment holds its share of poisoned landing windows; this pull gets the window that admits nothing");
             return Self::refuse(&mut inner, pull, reserved);
         }
         let cursor = inner.cursor;
@@ -670,7 +673,7 @@ impl PermitTable {
         let permit = Arc::new(Permit {
             pull_id: pull.pull_id,
             peer: pull.peer.clone(),
-            engine: engine.clone(),
+            deployment: deployment.clone(),
             window,
             blocks,
             open: (0..n).map(|_| AtomicBool::new(true)).collect(),
@@ -734,15 +737,15 @@ impl PermitTable {
         }
     }
 
-    /// Window `w`'s poison has expired: back in rotation, off its engine's count.
+    /// Window `w`'s poison has expired: back in rotation, off its deployment's count.
     fn unpoison(&self, inner: &mut Inner, w: u32) {
-        let Some((_, engine)) = inner.poisoned.remove(&w) else {
+        let Some((_, deployment)) = inner.poisoned.remove(&w) else {
             return;
         };
-        if let Some(n) = inner.poisoned_by_engine.get_mut(&engine) {
+        if let Some(n) = inner.poisoned_by_deployment.get_mut(&deployment) {
             *n -= 1;
             if *n == 0 {
-                inner.poisoned_by_engine.remove(&engine);
+                inner.poisoned_by_deployment.remove(&deployment);
             }
         }
         self.epochs.poison_expired.fetch_add(1, Ordering::Relaxed);
@@ -775,11 +778,11 @@ impl PermitTable {
         inner.next_expiry = inner.poisoned.values().map(|(until, _)| *until).min();
     }
 
-    /// Most windows one engine may hold poisoned before its pulls get no window, once half of
-    /// all windows are poisoned: an eighth of the usable ones (2,047 of the default 16,384), all
-    /// of them in tables too small to share (under 64 usable: tests, `repro`). Pulls already
-    /// open when it is reached may still add theirs.
-    pub fn engine_poison_cap(&self) -> usize {
+    /// Most windows one P deployment (bootstrap server) may hold poisoned before its pulls get
+    /// no window, once half of all windows are poisoned: an eighth of the usable ones (2,047 of
+    /// the default 16,384), all of them in tables too small to share (under 64 usable: tests,
+    /// `repro`). Pulls already open when it is reached may still add theirs.
+    pub fn deployment_poison_cap(&self) -> usize {
         let usable = self.reserved() as usize;
         if usable >= 64 {
             usable / 8
@@ -823,10 +826,10 @@ impl PermitTable {
                     None => {
                         inner
                             .poisoned
-                            .insert(p.window, (r.poison_until, p.engine.clone()));
+                            .insert(p.window, (r.poison_until, p.deployment.clone()));
                         *inner
-                            .poisoned_by_engine
-                            .entry(p.engine.clone())
+                            .poisoned_by_deployment
+                            .entry(p.deployment.clone())
                             .or_default() += 1;
                     }
                 }
@@ -1212,13 +1215,14 @@ mod tests {
         })
     }
 
-    /// Once half the windows are poisoned, an engine whose writers keep ending up suspects gets
-    /// no window past its share: other engines (an engine id behind another bootstrap server
-    /// included) keep theirs, and it gets windows again once enough poison expired, not before.
+    /// Once half the windows are poisoned, a P deployment whose writers keep ending up suspects
+    /// (through any of its DP ranks' engine ids) gets no window past its share: other
+    /// deployments (the same engine id behind another bootstrap server included) keep theirs,
+    /// and it gets windows again once enough poison expired, not before.
     #[test]
-    fn under_pressure_an_engine_holds_at_most_its_share_of_poisoned_windows() {
+    fn under_pressure_a_deployment_holds_at_most_its_share_of_poisoned_windows() {
         let t = table(129); // 128 usable: a share of 16, pressure from 64 poisoned
-        assert_eq!(t.engine_poison_cap(), 16);
+        assert_eq!(t.deployment_poison_cap(), 16);
         let reserved = 128;
         let (p, q) = (PeerId::new("p"), PeerId::new("q"));
         let now = Instant::now();
@@ -1226,7 +1230,8 @@ mod tests {
             now + Duration::from_secs(60),
             now + Duration::from_secs(120),
         );
-        let bad = |i: u64| req_of(&format!("bad-{i}"), "bad", "http://b:1");
+        // Twelve DP ranks behind one bootstrap server: one deployment.
+        let bad = |i: u64| req_of(&format!("bad-{i}"), &format!("bad{}", i % 12), "http://b:1");
         let open_at = |pull_id, peer: &PeerId, r: &Arc<RequestMeta>, at| {
             t.open_at(
                 &PullWindow {
@@ -1258,7 +1263,7 @@ mod tests {
         assert!(t.windowless(&next.req_id));
         let good = req_of("good", "good", "http://g:1");
         assert_ne!(open_at(101, &q, &good, now), reserved, "another engine");
-        let twin = req_of("twin", "bad", "http://other:1");
+        let twin = req_of("twin", "bad0", "http://other:1");
         assert_ne!(
             open_at(102, &q, &twin, now),
             reserved,
@@ -1295,7 +1300,7 @@ mod tests {
         assert_eq!(inner.poisoned.len(), 1);
         assert_eq!(
             inner
-                .poisoned_by_engine
+                .poisoned_by_deployment
                 .values()
                 .copied()
                 .collect::<Vec<_>>(),
