@@ -36,6 +36,21 @@ fn settled_outcome(h: &Harness, peer: &PeerId, id: &str) -> Vec<SettleOutcome> {
         .collect()
 }
 
+/// A harness on tokio's paused clock (deadlines exact, nothing waits on the wall clock).
+fn paused_harness(pull_timeout: Duration) -> Harness {
+    tokio::time::pause();
+    Harness::start(Setup {
+        pull_timeout,
+        ..Setup::default()
+    })
+}
+
+/// Let every message queued so far be handled, moving the paused clock by 1 ms.
+async fn settle_down(h: &mut Harness) {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    h.soak_events();
+}
+
 /// Rule 4+5: A ERROR while B is pending publishes the failure at once and nothing else; B's
 /// FINISH then completes the request exactly once.
 #[actix::test]
@@ -83,12 +98,8 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
 /// whose replies settle requests is not. (Tokio's clock is paused: the deadlines are exact.)
 #[actix::test]
 async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
-    tokio::time::pause();
     let ms = Duration::from_millis;
-    let mut h = Harness::start(Setup {
-        pull_timeout: ms(150),
-        ..Setup::default()
-    });
+    let mut h = paused_harness(ms(150));
     h.load(vec![req("r1", &[3]), req("r2", &[4])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     // t=100: B answers a subset (r2), which restarts its deadline (t=250); A stays silent.
@@ -113,12 +124,8 @@ async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
 /// its blocks, held for ever. (Tokio's clock is paused: the deadlines are exact.)
 #[actix::test]
 async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
-    tokio::time::pause();
     let ms = Duration::from_millis;
-    let mut h = Harness::start(Setup {
-        pull_timeout: ms(150),
-        ..Setup::default()
-    });
+    let mut h = paused_harness(ms(150));
     h.load(vec![req("r1", &[3])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Finish, &["r1"], &[], None);
@@ -127,9 +134,7 @@ async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
         tokio::time::advance(ms(59)).await;
         b.respond(Continue, &[], &[], None);
         b.respond(Continue, &["nobody"], &[], None);
-        // Let the replies be handled (the clock moves by 1 ms).
-        tokio::time::sleep(ms(1)).await;
-        h.soak_events();
+        settle_down(&mut h).await;
     }
     // t=240: past t=209 (had every reply restarted it, the deadline would be t=389).
     assert_eq!(h.count(is_settled(&b.peer, "r1")), 1, "B expired at t=209");
@@ -143,22 +148,16 @@ async fn replies_that_settle_nothing_do_not_keep_a_pull_alive() {
 /// (PROTOCOL.md §2.6): it restarts the deadline like any subset, within the pull's requests.
 #[actix::test]
 async fn an_empty_continue_within_the_pulls_requests_restarts_the_deadline() {
-    tokio::time::pause();
     let ms = Duration::from_millis;
-    let mut h = Harness::start(Setup {
-        pull_timeout: ms(150),
-        ..Setup::default()
-    });
+    let mut h = paused_harness(ms(150));
     h.load(vec![req("r1", &[3]), req("r2", &[4])]).await;
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Finish, &["r1", "r2"], &[], None);
     tokio::time::advance(ms(100)).await;
     b.respond(Continue, &[], &[], None); // deadline t=250
-    tokio::time::sleep(ms(1)).await;
-    h.soak_events();
+    settle_down(&mut h).await;
     tokio::time::advance(ms(99)).await; // t=200
-    tokio::time::sleep(ms(1)).await;
-    h.soak_events();
+    settle_down(&mut h).await;
     assert!(
         b.is_open(),
         "the empty CONTINUE moved B's deadline past t=150"
@@ -181,11 +180,6 @@ async fn each_pull_expires_at_its_own_deadline() {
         pull_timeout: ms(1000),
         ..Setup::default()
     });
-    // Let every message queued so far be handled, moving the clock by 1 ms.
-    async fn settle_down(h: &mut Harness) {
-        tokio::time::sleep(Duration::from_millis(1)).await;
-        h.soak_events();
-    }
     let settled = |h: &Harness, id: &str| {
         h.seen
             .borrow()

@@ -860,20 +860,12 @@ async fn unusable_flag_values_are_refused_at_start() {
     }
 }
 
-/// A host that closes serve's stdout can hear nothing more: serve stops as at the end of its
-/// input (a non-zero exit, an error on stderr) instead of working on unheard.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_closed_stdout_stops_serve() {
+/// Run `kvrecv args`, read its ready line, close its stdout, send one line (whose answer is the
+/// first write that fails) and return how the process ended. `stdin` stays open throughout, so
+/// an exit is the closed stdout's doing, not the end of input.
+async fn exit_after_stdout_closes(args: &[&str]) -> std::process::Output {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
-        .args([
-            "serve",
-            "--layers",
-            "1",
-            "--block-len",
-            "4096",
-            "--num-blocks",
-            "16",
-        ])
+        .args(args)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -884,12 +876,29 @@ async fn a_closed_stdout_stops_serve() {
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     assert_eq!(next_json(&mut out).await["event"], "ready");
     drop(out);
-    // The answer to this line is the first write that fails.
     stdin.write_all(b"{\"op\":\"stats\"}\n").await.unwrap();
     let done = tokio::time::timeout(SAFETY, child.wait_with_output())
         .await
-        .expect("serve exits")
+        .expect("the process exits")
         .unwrap();
+    drop(stdin);
+    done
+}
+
+/// A host that closes serve's stdout can hear nothing more: serve stops as at the end of its
+/// input (a non-zero exit, an error on stderr) instead of working on unheard.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_stdout_stops_serve() {
+    let done = exit_after_stdout_closes(&[
+        "serve",
+        "--layers",
+        "1",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "16",
+    ])
+    .await;
     assert!(!done.status.success());
     let stderr = String::from_utf8_lossy(&done.stderr);
     assert!(stderr.contains("stdout is closed"), "{stderr}");
@@ -898,23 +907,7 @@ async fn a_closed_stdout_stops_serve() {
 /// `prefill-sim` whose driver closed its stdout stops with an error, not a panic (exit 101).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prefill_sim_stops_cleanly_when_its_stdout_closes() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
-        .args(["prefill-sim", "--log-level", "off"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .unwrap();
-    let mut stdin = child.stdin.take().unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert_eq!(next_json(&mut out).await["event"], "ready");
-    drop(out);
-    stdin.write_all(b"{\"op\":\"stats\"}\n").await.unwrap();
-    let done = tokio::time::timeout(SAFETY, child.wait_with_output())
-        .await
-        .expect("prefill-sim exits")
-        .unwrap();
+    let done = exit_after_stdout_closes(&["prefill-sim", "--log-level", "off"]).await;
     assert_eq!(done.status.code(), Some(1), "{done:?}");
     assert!(String::from_utf8_lossy(&done.stderr).contains("stdout closed"));
 }
