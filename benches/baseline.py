@@ -6,7 +6,9 @@ The Python D (`py-d`, run by the driver as a child process) is what vLLM's D doe
 asyncio, one pyzmq DEALER per (batch, P worker) connected for the pull and closed after it, the
 metadata encoded and every reply decoded with msgspec (the connector's structs,
 tests/py/mooncake_structs.py), a request done when every P worker reported it. kvrecv's D runs
-as a library (`kvrecv bench --bootstrap`, its own process) and as `kvrecv serve --events
+as a library (`lib`: `kvrecv bench --bootstrap`, its own process, the host loop on the actors'
+thread), through the embedding handle (`embed`: `kvrecv bench --via handle`, `KvRecv` called from
+a multi-thread tokio runtime, the TCP target with permits included) and as `kvrecv serve --events
 completions` driven over its pipes by this script (the driver's own CPU is not counted).
 
 Per D, measured over the same workload after one warm-up batch: D-process CPU per request
@@ -349,26 +351,34 @@ def run_py(a, cfg):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def run_lib(a, cfg):
+def run_lib(a, cfg, via="actors"):
     cmd = [a.kvrecv, "bench", "--bootstrap", cfg["bootstrap"], "--engine-id", cfg["engine_id"],
-           "--peers", str(cfg["tp"]), "--batch", str(cfg["batch"]),
+           "--peers", str(cfg["tp"]), "--batch", str(cfg["batch"]), "--via", via,
            "--in-flight", str(cfg["in_flight"]), "--requests", str(cfg["requests"]), "--json"]
     # Exit 1: the run completed with failed completions (reported below, not raised).
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if out.returncode not in (0, 1):
         raise RuntimeError(f"{' '.join(cmd)} exited {out.returncode}: {out.stderr[-2000:]}")
     r = json.loads(out.stdout)
-    return {
+    row = {
         "cpu_us_per_request": r["cpu_us_per_request"],
         "pulls_per_s": r["pulls_per_s"],
         "p50_us": r["completion_p50_us"],
         "p99_us": r["completion_p99_us"],
-        # Stamped where the coordinator emits the last settle and the completion; "observed":
-        # stamped where a task on the same thread reads them.
-        "after_settle_p99_us": r["after_last_settle_p99_us"],
-        "after_settle_observed_p99_us": r["after_last_settle_observed_p99_us"],
         "failed": r["failed_completions"],
     }
+    if via == "actors":
+        # Stamped where the coordinator emits the last settle and the completion; "observed":
+        # stamped where a task on the same thread reads them.
+        row["after_settle_p99_us"] = r["after_last_settle_p99_us"]
+        row["after_settle_observed_p99_us"] = r["after_last_settle_observed_p99_us"]
+    return row
+
+
+def run_embed(a, cfg):
+    """kvrecv through its embedding handle (`KvRecv`, the README's path) from a multi-thread
+    tokio runtime: every call and event crosses from the host's threads to kvrecv's."""
+    return run_lib(a, cfg, via="handle")
 
 
 def run_serve(a, cfg):
@@ -486,7 +496,7 @@ def median_of(runs):
 
 
 def main_driver(a):
-    ds = {"python": run_py, "lib": run_lib, "serve": run_serve}
+    ds = {"python": run_py, "lib": run_lib, "embed": run_embed, "serve": run_serve}
     ds = {k: v for k, v in ds.items() if k in a.ds.split(",")}
     ints = lambda s: [int(x) for x in s.split(",")]
     rows = []
@@ -528,7 +538,8 @@ def main_driver(a):
             p.wait(timeout=30)
     memory = None
     if a.memory:
-        memory = memory_phase(a, list(ds))
+        # The handle holds what the library holds (the same coordinator on its own thread).
+        memory = memory_phase(a, [d for d in ds if d != "embed"])
         if not a.json:
             print(f"RSS per in-flight request, {a.memory} requests in batches of {a.memory_batch}, P TP2:")
             for d, r in memory.items():
@@ -569,7 +580,7 @@ def main():
     ap.add_argument("--in-flight", default="1,16,64,256")
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--ds", default="python,lib,serve", help="Ds to run, comma-separated")
+    ap.add_argument("--ds", default="python,lib,embed,serve", help="Ds to run, comma-separated")
     ap.add_argument("--small", action="store_true", help="CI scale: TP2, batch 1 and 16, 16 in flight, 200 requests, 1 pair")
     ap.add_argument("--memory", type=int, default=100000,
                     help="requests held in flight for the RSS measurement (0: skip)")

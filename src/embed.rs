@@ -18,8 +18,10 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use std::collections::VecDeque;
 use thiserror::Error;
-use tokio::sync::mpsc::UnboundedReceiver;
+
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
 
 use futures::future::LocalBoxFuture;
@@ -84,7 +86,10 @@ pub enum KvRecvError {
     Stopped,
     /// The event stream was already taken (there is one consumer), or events were not enabled
     /// with [`KvRecvBuilder::events`].
-    #[error("no event stream: enable it with KvRecvBuilder::events(true); it can be taken once")]
+    #[error(
+        "no event stream: enable it with KvRecvBuilder::events(true) (or completion_events()); \
+         it can be taken once"
+    )]
     NoEvents,
 }
 
@@ -106,7 +111,7 @@ pub struct KvRecvBuilder {
     target: TargetConfig,
     bootstrap: BootstrapConfig,
     zmq: ZmqTransportConfig,
-    events: bool,
+    events: Events,
     builtin_pool: bool,
     worker_threads: usize,
     rdma: Option<RdmaStarter>,
@@ -171,7 +176,7 @@ impl KvRecvBuilder {
             target,
             bootstrap: BootstrapConfig::default(),
             zmq: ZmqTransportConfig::default(),
-            events: false,
+            events: Events::Off,
             builtin_pool: false,
             worker_threads: 2,
             rdma: None,
@@ -252,7 +257,15 @@ impl KvRecvBuilder {
     /// Keep [`KvEvent`]s for [`KvRecv::events`]. Off by default: the stream is unbounded (an
     /// observer must never slow the receive path), so enable it only when it is read.
     pub fn events(mut self, on: bool) -> Self {
-        self.events = on;
+        self.events = if on { Events::All } else { Events::Off };
+        self
+    }
+
+    /// Keep only [`KvEvent::Completion`]s for [`KvRecv::events`] (a host that waits for its
+    /// requests' completions and needs no settles): the other events are not even built, which
+    /// saves the worker's thread their cost and the host a wake-up per settle.
+    pub fn completion_events(mut self) -> Self {
+        self.events = Events::Completions;
         self
     }
 
@@ -405,12 +418,37 @@ fn default_rdma() -> Result<RdmaStarter, StartError> {
     }
 }
 
-fn sink(on: bool) -> (EventSink, Option<UnboundedReceiver<KvEvent>>) {
-    if on {
-        let (s, rx) = EventSink::channel();
-        (s, Some(rx))
-    } else {
-        (EventSink::none(), None)
+/// Which events the handle's stream carries.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Events {
+    Off,
+    Completions,
+    All,
+}
+
+fn sink(events: Events) -> (EventSink, Option<UnboundedReceiver<KvEvent>>) {
+    let (s, rx) = match events {
+        Events::Off => return (EventSink::none(), None),
+        Events::Completions => EventSink::completions_channel(),
+        Events::All => EventSink::channel(),
+    };
+    (s, Some(rx))
+}
+
+/// On kvrecv's thread: hands the host the events in bursts, each burst being what the actors
+/// emitted before this task's turn (a batch's completions come from one handler). Sent one by
+/// one across threads, each event woke the host's thread, which read it and slept again before
+/// the next: ~16 context switches per batch of 16 on the host's thread, ~2 in bursts
+/// (`kvrecv bench --via handle`, docs/PERFORMANCE.md).
+async fn forward_events(mut rx: UnboundedReceiver<KvEvent>, tx: UnboundedSender<Vec<KvEvent>>) {
+    while let Some(first) = rx.recv().await {
+        let mut burst = vec![first];
+        while let Ok(ev) = rx.try_recv() {
+            burst.push(ev);
+        }
+        if tx.send(burst).is_err() {
+            return;
+        }
     }
 }
 
@@ -437,6 +475,14 @@ where
 {
     let (ready_tx, ready_rx) = std::sync::mpsc::channel();
     let (done_tx, done_rx) = oneshot::channel::<()>();
+    // Events cross to the host's threads in bursts (see `forward_events`).
+    let (events, bursts) = match events {
+        Some(rx) => {
+            let (tx, bursts) = unbounded_channel();
+            (Some((rx, tx)), Some(bursts))
+        }
+        None => (None, None),
+    };
     std::thread::Builder::new()
         .name("kvrecv".into())
         .spawn(move || {
@@ -470,8 +516,12 @@ where
                     return;
                 }
             };
-            let (coord, system) =
-                sys.block_on(async move { (make(made_with), actix::System::current()) });
+            let (coord, system) = sys.block_on(async move {
+                if let Some((rx, tx)) = events {
+                    actix_rt::spawn(forward_events(rx, tx));
+                }
+                (make(made_with), actix::System::current())
+            });
             if ready_tx.send(Ok((coord, data, system))).is_ok() {
                 let _ = sys.run();
             }
@@ -487,7 +537,7 @@ where
             load_failure_policy,
             data,
             system,
-            events: Mutex::new(events),
+            events: Mutex::new(bursts),
             done: futures::FutureExt::shared(done_rx),
         }),
     })
@@ -513,7 +563,7 @@ struct Inner {
     load_failure_policy: LoadFailurePolicy,
     data: Option<DataPlaneHandle>,
     system: actix::System,
-    events: Mutex<Option<UnboundedReceiver<KvEvent>>>,
+    events: Mutex<Option<UnboundedReceiver<Vec<KvEvent>>>>,
     /// Resolves once kvrecv's thread stopped its actors, listeners and runtime.
     done: futures::future::Shared<oneshot::Receiver<()>>,
 }
@@ -584,20 +634,33 @@ pub struct DataPlaneStats {
 }
 
 /// An asynchronous stream of [`KvEvent`]s (settles, first failures, completions, releases).
-pub struct EventStream(UnboundedReceiver<KvEvent>);
+pub struct EventStream {
+    bursts: UnboundedReceiver<Vec<KvEvent>>,
+    /// The rest of the burst being read.
+    ready: VecDeque<KvEvent>,
+}
 
 impl futures::Stream for EventStream {
     type Item = KvEvent;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<KvEvent>> {
-        self.0.poll_recv(cx)
+        loop {
+            if let Some(ev) = self.ready.pop_front() {
+                return Poll::Ready(Some(ev));
+            }
+            match self.bursts.poll_recv(cx) {
+                Poll::Ready(Some(burst)) => self.ready = burst.into(),
+                Poll::Ready(None) => return Poll::Ready(None),
+                Poll::Pending => return Poll::Pending,
+            }
+        }
     }
 }
 
 impl EventStream {
     /// The next event (`None` once the worker stopped).
     pub async fn recv(&mut self) -> Option<KvEvent> {
-        self.0.recv().await
+        futures::StreamExt::next(self).await
     }
 }
 
@@ -664,7 +727,10 @@ impl KvRecv {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .take()
-            .map(EventStream)
+            .map(|bursts| EventStream {
+                bursts,
+                ready: VecDeque::new(),
+            })
             .ok_or(KvRecvError::NoEvents)
     }
 

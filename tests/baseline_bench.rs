@@ -1,7 +1,7 @@
-//! `benches/baseline.py` at CI scale: kvrecv's D (library and `serve`) and the Python D that
-//! follows vLLM's receive loop, against `kvrecv prefill-sim` in its own process. Asserts only
-//! that it runs and reports every figure, and that no completion failed against a healthy P;
-//! timing is never a test. Needs the venv's Python (msgspec, pyzmq).
+//! `benches/baseline.py` at CI scale: kvrecv's D (library, embedding handle, `serve`) and the
+//! Python D that follows vLLM's receive loop, against `kvrecv prefill-sim` in its own process.
+//! Asserts only that it runs and reports every figure, and that no completion failed against a
+//! healthy P; timing is never a test. Needs the venv's Python (msgspec, pyzmq).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -34,7 +34,7 @@ fn baseline_runs_and_reports_every_d() {
     // --small: TP2, batch 1 and 16, 16 in flight.
     assert_eq!(rows.len(), 2, "{report}");
     for row in rows {
-        for d in ["python", "lib", "serve"] {
+        for d in ["python", "lib", "embed", "serve"] {
             let r = &row[d];
             for k in ["cpu_us_per_request", "pulls_per_s", "p50_us", "p99_us"] {
                 assert!(r[k].is_number(), "{d} has no {k}: {row}");
@@ -44,7 +44,7 @@ fn baseline_runs_and_reports_every_d() {
                 "{d} failed completions against a healthy P: {row}"
             );
         }
-        for d in ["lib", "serve"] {
+        for d in ["lib", "embed", "serve"] {
             assert!(row[d]["pulls_ratio"].is_number(), "{d} has no ratio: {row}");
         }
         for k in ["after_settle_p99_us", "after_settle_observed_p99_us"] {
@@ -66,21 +66,35 @@ fn baseline_runs_and_reports_every_d() {
     }
 }
 
-/// `kvrecv bench` on its built-in defaults (P simulated in process, on threads of its own):
-/// every request completes, none failed, and the figures are reported. Timing is not tested.
+/// `kvrecv bench` on its built-in defaults (P simulated in process, on threads of its own),
+/// on the actors' thread and through the embedding handle: every request completes, none
+/// failed, and the figures are reported. Timing is not tested.
 #[test]
 fn bench_with_its_own_simulator_completes_every_request() {
-    let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
-        .args(["bench", "--requests", "300", "--batch", "4", "--json"])
-        .output()
-        .expect("kvrecv runs");
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "kvrecv bench failed: {stderr}");
-    let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON report");
-    assert_eq!(r["failed_completions"], 0, "{r}");
-    assert_eq!(r["config"]["requests"], 300, "{r}");
-    for k in ["pulls_per_s", "completion_p50_us", "completion_p99_us"] {
-        assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "no {k}: {r}");
+    for via in ["actors", "handle"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+            .args(["bench", "--requests", "300", "--batch", "4", "--json"])
+            .args(["--via", via])
+            .output()
+            .expect("kvrecv runs");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success(),
+            "kvrecv bench --via {via} failed: {stderr}"
+        );
+        let r: Value = serde_json::from_slice(&out.stdout).expect("one JSON report");
+        assert_eq!(r["failed_completions"], 0, "{r}");
+        assert_eq!(r["config"]["requests"], 300, "{r}");
+        assert_eq!(r["config"]["via"], via, "{r}");
+        for k in ["pulls_per_s", "completion_p50_us", "completion_p99_us"] {
+            assert!(r[k].as_f64().is_some_and(|v| v > 0.0), "no {k}: {r}");
+        }
+        // Emission stamps exist only on the actors' thread.
+        assert_eq!(
+            r["after_last_settle_p99_us"].is_number(),
+            via == "actors",
+            "{r}"
+        );
     }
 }
 

@@ -45,6 +45,13 @@ struct World {
 }
 
 async fn world(held: Vec<&'static str>) -> World {
+    world_with(held, |b| b.events(true)).await
+}
+
+async fn world_with(
+    held: Vec<&'static str>,
+    events: impl FnOnce(KvRecvBuilder) -> KvRecvBuilder,
+) -> World {
     let config = KvRecvConfig {
         layout: KvLayout::uniform(2, 4096, 16),
         // Only the abort may settle a held request: no deadline inside the test's time.
@@ -52,7 +59,7 @@ async fn world(held: Vec<&'static str>) -> World {
         quarantine_deadline: Duration::from_secs(3600),
         ..KvRecvConfig::default()
     };
-    let kv = KvRecv::builder(config).events(true).start().unwrap();
+    let kv = events(KvRecv::builder(config)).start().unwrap();
     let events = kv.events().unwrap();
     let (tx, jobs) = mpsc::unbounded_channel();
     let writer = Arc::new(HoldingWriter {
@@ -127,6 +134,49 @@ async fn a_tokio_host_loads_real_bytes_and_drains_through_the_front_door() {
 /// The host aborts a request P is still holding: its peer settles Uncertain ("aborted by the
 /// host"), the failure is published, and the blocks are released only after that settle and
 /// with the fence (the permit revoked, the window poisoned); P's late write is refused.
+/// `completion_events()`: the stream carries each request's completion, once, and nothing
+/// else (no settles, no releases), in the bursts kvrecv's thread hands over; it ends when the
+/// worker stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completion_events_carry_every_completion_once_and_nothing_else() {
+    let mut w = world_with(vec![], KvRecvBuilder::completion_events).await;
+    let ids: Vec<String> = (0..6).map(|i| format!("c{i}")).collect();
+    let batch = ids
+        .iter()
+        .enumerate()
+        .map(|(i, id)| req(&w, id, &[2 * i as u32, 2 * i as u32 + 1]))
+        .collect();
+    let reply = w.kv.load_kv(batch).await.unwrap();
+    assert_eq!(reply.awaiting, 6, "{reply:?}");
+    let mut done = vec![];
+    while done.len() < ids.len() {
+        let ev = tokio::time::timeout(PATIENCE, w.events.recv())
+            .await
+            .expect("a completion in time")
+            .expect("events open");
+        match ev {
+            KvEvent::Completion {
+                req_id, outcome, ..
+            } => {
+                assert!(
+                    matches!(outcome, kvrecv::messages::Outcome::Ok),
+                    "{req_id}: {outcome:?}"
+                );
+                done.push(req_id.to_string());
+            }
+            other => panic!("only completions were asked for, got {other:?}"),
+        }
+    }
+    done.sort();
+    assert_eq!(done, ids, "each request completes exactly once");
+    // Everything the worker emitted is in the stream by the time it stops: nothing else came.
+    w.kv.shutdown().await;
+    let rest = tokio::time::timeout(PATIENCE, w.events.recv())
+        .await
+        .expect("the stream ends with the worker");
+    assert!(rest.is_none(), "an event after the completions: {rest:?}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_settles_the_pending_peer_and_releases_only_once_fenced() {
     let mut w = world(vec!["a"]).await;

@@ -2,7 +2,7 @@
 
 use std::process::ExitCode;
 
-use kvrecv::repro::bench::{run_bench, BenchConfig};
+use kvrecv::repro::bench::{run_bench, BenchConfig, Via};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -30,11 +30,23 @@ pub struct BenchArgs {
     /// reads this process's RSS.
     #[arg(long)]
     pub hold: Option<usize>,
+    /// How the host reaches kvrecv: `actors` (a task on the actors' thread, as `serve` runs its
+    /// loop) or `handle` (the embedding handle `KvRecv`, the README's path, from a multi-thread
+    /// tokio runtime; the TCP target with landing permits included).
+    #[arg(long, value_enum, default_value_t = ViaArg::Actors)]
+    pub via: ViaArg,
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
     #[arg(long, default_value = "warn")]
     pub log_level: String,
+}
+
+/// `--via`.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ViaArg {
+    Actors,
+    Handle,
 }
 
 pub fn run(a: BenchArgs) -> ExitCode {
@@ -46,6 +58,10 @@ pub fn run(a: BenchArgs) -> ExitCode {
         requests: a.requests,
         bootstrap: a.bootstrap,
         engine_id: Some(a.engine_id),
+        via: match a.via {
+            ViaArg::Actors => Via::Actors,
+            ViaArg::Handle => Via::Handle,
+        },
     };
     if let Some(n) = a.hold {
         return match kvrecv::repro::bench::run_hold(cfg, n) {

@@ -1,12 +1,15 @@
 //! `kvrecv bench`: control-plane throughput and latency on loopback (no faults, no data bytes):
 //! kvrecv's D against the in-process prefill simulator with `peers` workers, or against a P in
 //! its own process (`--bootstrap`, e.g. `kvrecv prefill-sim`), where the process CPU it reports
-//! is D's alone (`benches/baseline.py` runs it so, next to a Python D).
+//! is D's alone (`benches/baseline.py` runs it so, next to a Python D). The host loop runs on
+//! the actors' thread (`Via::Actors`, as `serve`'s does) or on a multi-thread tokio runtime
+//! through the embedding handle (`Via::Handle`, as an embedding host's does).
 
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use futures::stream::{poll_fn, Stream, StreamExt};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
@@ -14,7 +17,7 @@ use crate::actors::{Coordinator, CoordinatorParts, EventSink};
 use crate::config::KvRecvConfig;
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport};
 use crate::layout::KvLayout;
-use crate::messages::{KvEvent, KvRequest, LoadKv};
+use crate::messages::{KvEvent, KvRequest, LoadKv, LoadKvReply};
 use crate::rdma::StaticLanding;
 use crate::sim::{PrefillSim, SimConfig};
 
@@ -35,6 +38,21 @@ pub struct BenchConfig {
     pub bootstrap: Option<String>,
     /// That P's engine id.
     pub engine_id: Option<String>,
+    /// How the measured host reaches kvrecv.
+    pub via: Via,
+}
+
+/// How the bench's host drives kvrecv.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Via {
+    /// On the actors' own thread, through [`Coordinator`] (as `serve` does).
+    #[default]
+    Actors,
+    /// Through the embedding handle ([`crate::KvRecv`], the README's path) from a multi-thread
+    /// tokio runtime, as `#[tokio::main]` builds it: every call and event crosses from the
+    /// host's threads to kvrecv's; the TCP target with landing permits is the data plane.
+    Handle,
 }
 
 impl Default for BenchConfig {
@@ -46,6 +64,7 @@ impl Default for BenchConfig {
             requests: 5000,
             bootstrap: None,
             engine_id: None,
+            via: Via::Actors,
         }
     }
 }
@@ -62,9 +81,10 @@ pub struct BenchReport {
     /// From the last peer's settle of a request to the request's completion, each stamped
     /// where the coordinator emits it (the Peer's `settled` event, the aggregator's
     /// `completion`): how long D takes to publish a completion once the last answer is in.
-    pub after_last_settle_p50_us: u64,
+    /// `None` through the handle (its events carry no emission stamp).
+    pub after_last_settle_p50_us: Option<u64>,
     /// The same, 99th percentile.
-    pub after_last_settle_p99_us: u64,
+    pub after_last_settle_p99_us: Option<u64>,
     /// The same interval as an observer task on the actors' thread sees it (both events stamped
     /// when that task reads them): it adds the wait for the observer's turn on the thread,
     /// which depends on what else the host runs there (this bench's own loop, its load_kv).
@@ -86,7 +106,7 @@ impl BenchReport {
     pub fn table(&self) -> String {
         let c = &self.config;
         format!(
-            "peers {}  in flight {}  batch {}  requests {}\n\
+            "peers {}  in flight {}  batch {}  requests {}  via {:?}\n\
              pulls/s                 {:>10.0}\n\
              requests/s              {:>10.0}\n\
              completion p50 (us)     {:>10}\n\
@@ -101,12 +121,14 @@ impl BenchReport {
             c.in_flight,
             c.batch,
             c.requests,
+            c.via,
             self.pulls_per_s,
             self.requests_per_s,
             self.completion_p50_us,
             self.completion_p90_us,
             self.completion_p99_us,
-            self.after_last_settle_p99_us,
+            self.after_last_settle_p99_us
+                .map_or("n/a".into(), |u| u.to_string()),
             self.after_last_settle_observed_p99_us,
             self.bytes_per_in_flight_request
                 .map_or("n/a".into(), |b| format!("{b:.0}")),
@@ -264,14 +286,24 @@ pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
         ),
         (None, None) => unreachable!("the simulator starts when no bootstrap is given"),
     };
-    let sys = actix_rt::System::new();
-    // A task on the actors' LocalSet, as `serve` runs its loop: the future `block_on` polls
-    // has a waker that writes the runtime's eventfd every time an actor wakes it.
-    let report = sys.block_on(async move {
-        actix_rt::spawn(bench(cfg, url, engine))
-            .await
-            .unwrap_or_else(|e| Err(ReproError::Scenario(format!("bench task: {e}"))))
-    });
+    let report = match cfg.via {
+        Via::Actors => {
+            let sys = actix_rt::System::new();
+            // A task on the actors' LocalSet, as `serve` runs its loop: the future `block_on`
+            // polls has a waker that writes the runtime's eventfd every time an actor wakes it.
+            sys.block_on(async move {
+                actix_rt::spawn(bench(cfg, url, engine))
+                    .await
+                    .unwrap_or_else(|e| Err(ReproError::Scenario(format!("bench task: {e}"))))
+            })
+        }
+        // The host's runtime as `#[tokio::main]` builds it (a worker per core).
+        Via::Handle => tokio::runtime::Builder::new_multi_thread()
+            .enable_all()
+            .build()
+            .map_err(|e| ReproError::Scenario(format!("host runtime: {e}")))?
+            .block_on(bench(cfg, url, engine)),
+    };
     drop(sim);
     drop(sim_rt);
     report
@@ -311,8 +343,10 @@ async fn bench(cfg: BenchConfig, url: String, engine: String) -> Result<BenchRep
         completion_p50_us: main.hist.value_at_quantile(0.5),
         completion_p90_us: main.hist.value_at_quantile(0.9),
         completion_p99_us: main.hist.value_at_quantile(0.99),
-        after_last_settle_p50_us: settles.after_settle.value_at_quantile(0.5),
-        after_last_settle_p99_us: settles.after_settle.value_at_quantile(0.99),
+        after_last_settle_p50_us: (!settles.after_settle.is_empty())
+            .then(|| settles.after_settle.value_at_quantile(0.5)),
+        after_last_settle_p99_us: (!settles.after_settle.is_empty())
+            .then(|| settles.after_settle.value_at_quantile(0.99)),
         after_last_settle_observed_p99_us: settles.after_settle_observed.value_at_quantile(0.99),
         bytes_per_in_flight_request: match (main.rss0, main.rss_peak) {
             (Some(a), Some(b)) => Some(b.saturating_sub(a) as f64 / cfg.in_flight as f64),
@@ -338,7 +372,7 @@ struct Phase {
     rss_peak: Option<u64>,
 }
 
-/// `requests` requests through a coordinator of its own; `settles`: observe every event (for
+/// `requests` requests through a D of its own (`cfg.via`); `settles`: observe every event (for
 /// the after-settle latency), else completions only.
 async fn phase(
     cfg: &BenchConfig,
@@ -347,139 +381,234 @@ async fn phase(
     requests: usize,
     settles: bool,
 ) -> Result<Phase, ReproError> {
-    let tag = if settles { "s" } else { "" };
-    let (events, mut rx) = EventSink::stamped_channel(!settles);
     // Blocks come from a free list and go back at their request's completion: the BlockManager
     // handles that completion (and releases the block) before any later load_kv can ask for it.
     // (Block `i % blocks` failed when one slow pull outlived the rotation.)
     let blocks = (cfg.in_flight + cfg.batch) as u32 * 4 + 64;
-    let mut free: std::collections::VecDeque<u32> = (0..blocks).collect();
-    let coord = Coordinator::start(parts(
-        KvRecvConfig {
-            layout: KvLayout::uniform(2, 4096, blocks),
-            pull_timeout: Duration::from_secs(30),
-            ..KvRecvConfig::default()
-        },
-        events,
-    ));
-    let mk = |i: usize, block: u32| KvRequest {
-        // Ids of their own per phase: a P may remember the transfers it served.
-        req_id: format!("{tag}d-{i}"),
-        transfer_id: Some(format!("{tag}t-{i}")),
-        remote_engine_id: Some(engine.to_owned()),
-        remote_bootstrap_addr: Some(url.to_owned()),
-        block_ids: vec![vec![block]],
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, blocks),
+        pull_timeout: Duration::from_secs(30),
+        ..KvRecvConfig::default()
     };
-    let mut loaded_at = crate::fast_hash::FastMap::default();
-    let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
-    let mut after_settle = hist.clone();
-    let mut after_settle_observed = hist.clone();
-    // Warm-up: bootstrap lookup cached, libzmq threads up.
-    let warm = coord
-        .load_kv(LoadKv {
-            requests: vec![mk(0, 0)],
-        })
-        .await?;
-    // A refused request would never complete: stop instead of waiting for it.
-    if let Some(e) = warm.rejected.first() {
-        return Err(ReproError::Scenario(format!(
-            "load_kv refused the warm-up request: {e}"
-        )));
-    }
-    while !matches!(
-        rx.recv().await,
-        Some((_, KvEvent::Completion { .. })) | None
-    ) {}
-    // Events are also stamped as they arrive, by a task of their own, so the latencies below
-    // do not include the time this loop spends awaiting its own load_kv.
-    let (stamped_tx, mut stamped) = tokio::sync::mpsc::unbounded_channel();
-    actix_rt::spawn(async move {
-        while let Some((emitted, ev)) = rx.recv().await {
-            if stamped_tx.send((emitted, Instant::now(), ev)).is_err() {
-                break;
-            }
-        }
-    });
-    let rss0 = rss_bytes();
-    let cpu0 = process_cpu_s();
-    let start = Instant::now();
-    let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
-    let mut failure_causes = std::collections::BTreeMap::new();
-    let end = requests + 1;
-    while completed < requests {
-        while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
-            let n = cfg.batch.min(end - next);
-            let reqs: Vec<KvRequest> = (next..next + n)
-                .map(|i| {
-                    mk(
-                        i,
-                        free.pop_front()
-                            .expect("more blocks than requests in flight"),
-                    )
-                })
-                .collect();
-            let now = Instant::now();
-            for r in &reqs {
-                let last_settle: Option<(Instant, Instant)> = None; // emitted, observed
-                loaded_at.insert(r.req_id.clone(), (now, last_settle, r.block_ids[0][0]));
-            }
-            let reply = coord.load_kv(LoadKv { requests: reqs }).await?;
-            // A refused request would never complete: stop instead of waiting for it.
-            if let Some(e) = reply.rejected.first() {
-                return Err(ReproError::Scenario(format!(
-                    "load_kv refused a request: {e}"
-                )));
-            }
-            next += n;
-            outstanding += n;
-        }
-        let Some((emitted, at, ev)) = stamped.recv().await else {
-            return Err(ReproError::Scenario("event stream closed".into()));
-        };
-        match ev {
-            KvEvent::Completion {
-                req_id, outcome, ..
-            } => {
-                if let crate::messages::Outcome::Failed { reason, .. } = outcome {
-                    *failure_causes.entry(reason).or_insert(0) += 1;
-                }
-                if let Some((t, last_settle, block)) = loaded_at.remove(&*req_id) {
-                    free.push_back(block);
-                    let _ = hist.record((at - t).as_micros() as u64);
-                    if let Some((s_emitted, s_at)) = last_settle {
-                        let us = |d: Duration| d.as_micros() as u64;
-                        let _ =
-                            after_settle.record(us(emitted.saturating_duration_since(s_emitted)));
-                        let _ =
-                            after_settle_observed.record(us(at.saturating_duration_since(s_at)));
+    let run = Run {
+        cfg,
+        url,
+        engine,
+        tag: if settles { "s" } else { "" },
+        blocks,
+        requests,
+    };
+    match cfg.via {
+        Via::Actors => {
+            let (events, mut rx) = EventSink::stamped_channel(!settles);
+            let coord = Coordinator::start(parts(config, events));
+            // Events are stamped as they arrive, by a task of their own on the actors' thread
+            // (no wake-up of another thread), so the latencies do not include the time the
+            // loop spends awaiting its own load_kv.
+            let (stamped_tx, mut stamped) = tokio::sync::mpsc::unbounded_channel();
+            actix_rt::spawn(async move {
+                while let Some((emitted, ev)) = rx.recv().await {
+                    if stamped_tx
+                        .send((Some(emitted), Instant::now(), ev))
+                        .is_err()
+                    {
+                        break;
                     }
                 }
-                outstanding -= 1;
-                completed += 1;
-                // A host drains what finished (vLLM's get_finished, every step): the
-                // coordinator keeps a finished request until drained, within its live limit.
-                if completed % 1024 == 0 {
-                    coord.drain().await?;
-                }
+            });
+            run.drive(&coord, poll_fn(move |cx| stamped.poll_recv(cx)))
+                .await
+        }
+        Via::Handle => {
+            let builder = crate::KvRecvBuilder::new(config);
+            let kv = match settles {
+                true => builder.events(true),
+                false => builder.completion_events(),
             }
-            KvEvent::Settled { req_id, .. } => {
-                if let Some(e) = loaded_at.get_mut(&*req_id) {
-                    e.1 = Some((emitted, at));
-                }
-            }
-            _ => {}
+            .start()
+            .map_err(|e| ReproError::Scenario(format!("kvrecv: {e}")))?;
+            // Read in the loop, as a host's step loop reads them: a task of its own would run
+            // on another of the runtime's threads and add a wake-up per burst of events.
+            let events = kv
+                .events()
+                .map_err(|e| ReproError::Scenario(e.to_string()))?;
+            let phase = run
+                .drive(&kv, events.map(|ev| (None, Instant::now(), ev)))
+                .await;
+            kv.shutdown().await;
+            phase
         }
     }
-    let secs = start.elapsed().as_secs_f64();
-    let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| b - a);
-    Ok(Phase {
-        hist,
-        after_settle,
-        after_settle_observed,
-        failure_causes,
-        secs,
-        cpu,
-        rss0,
-        rss_peak: peak_rss_bytes(),
-    })
+}
+
+/// An event as the loop sees it: when the coordinator emitted it (if stamped there), when it
+/// was read, the event.
+type Stamped = (Option<Instant>, Instant, KvEvent);
+
+/// What the measured loop needs from the D under test.
+trait BenchD {
+    async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, ReproError>;
+    async fn drain(&self) -> Result<(), ReproError>;
+}
+
+impl BenchD for Coordinator {
+    async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, ReproError> {
+        Ok(Coordinator::load_kv(self, LoadKv { requests }).await?)
+    }
+
+    async fn drain(&self) -> Result<(), ReproError> {
+        Coordinator::drain(self).await?;
+        Ok(())
+    }
+}
+
+impl BenchD for crate::KvRecv {
+    async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, ReproError> {
+        crate::KvRecv::load_kv(self, requests)
+            .await
+            .map_err(|e| ReproError::Scenario(e.to_string()))
+    }
+
+    async fn drain(&self) -> Result<(), ReproError> {
+        crate::KvRecv::drain(self)
+            .await
+            .map_err(|e| ReproError::Scenario(e.to_string()))?;
+        Ok(())
+    }
+}
+
+/// One phase's workload.
+struct Run<'a> {
+    cfg: &'a BenchConfig,
+    url: &'a str,
+    engine: &'a str,
+    /// Prefix of the phase's ids (a P may remember the transfers it served).
+    tag: &'static str,
+    blocks: u32,
+    requests: usize,
+}
+
+impl Run<'_> {
+    fn request(&self, i: usize, block: u32) -> KvRequest {
+        let tag = self.tag;
+        KvRequest {
+            req_id: format!("{tag}d-{i}"),
+            transfer_id: Some(format!("{tag}t-{i}")),
+            remote_engine_id: Some(self.engine.to_owned()),
+            remote_bootstrap_addr: Some(self.url.to_owned()),
+            block_ids: vec![vec![block]],
+        }
+    }
+
+    /// A warm-up request, then the measured loop: `in_flight` requests kept outstanding in
+    /// batches, a drain every 1,024 completions.
+    async fn drive(
+        self,
+        d: &impl BenchD,
+        mut stamped: impl Stream<Item = Stamped> + Unpin,
+    ) -> Result<Phase, ReproError> {
+        let cfg = self.cfg;
+        let requests = self.requests;
+        let mut free: std::collections::VecDeque<u32> = (0..self.blocks).collect();
+        let mut loaded_at = crate::fast_hash::FastMap::default();
+        let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
+        let mut after_settle = hist.clone();
+        let mut after_settle_observed = hist.clone();
+        // Warm-up: bootstrap lookup cached, libzmq threads up.
+        let warm = d.load_kv(vec![self.request(0, 0)]).await?;
+        // A refused request would never complete: stop instead of waiting for it.
+        if let Some(e) = warm.rejected.first() {
+            return Err(ReproError::Scenario(format!(
+                "load_kv refused the warm-up request: {e}"
+            )));
+        }
+        while !matches!(
+            stamped.next().await,
+            Some((_, _, KvEvent::Completion { .. })) | None
+        ) {}
+        let rss0 = rss_bytes();
+        let cpu0 = process_cpu_s();
+        let start = Instant::now();
+        let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
+        let mut failure_causes = std::collections::BTreeMap::new();
+        let end = requests + 1;
+        while completed < requests {
+            while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
+                let n = cfg.batch.min(end - next);
+                let reqs: Vec<KvRequest> = (next..next + n)
+                    .map(|i| {
+                        let block = free
+                            .pop_front()
+                            .expect("more blocks than requests in flight");
+                        self.request(i, block)
+                    })
+                    .collect();
+                let now = Instant::now();
+                for r in &reqs {
+                    // The last settle: when emitted (if stamped there), when observed.
+                    let last_settle: Option<(Option<Instant>, Instant)> = None;
+                    loaded_at.insert(r.req_id.clone(), (now, last_settle, r.block_ids[0][0]));
+                }
+                let reply = d.load_kv(reqs).await?;
+                // A refused request would never complete: stop instead of waiting for it.
+                if let Some(e) = reply.rejected.first() {
+                    return Err(ReproError::Scenario(format!(
+                        "load_kv refused a request: {e}"
+                    )));
+                }
+                next += n;
+                outstanding += n;
+            }
+            let Some((emitted, at, ev)) = stamped.next().await else {
+                return Err(ReproError::Scenario("event stream closed".into()));
+            };
+            match ev {
+                KvEvent::Completion {
+                    req_id, outcome, ..
+                } => {
+                    if let crate::messages::Outcome::Failed { reason, .. } = outcome {
+                        *failure_causes.entry(reason).or_insert(0) += 1;
+                    }
+                    if let Some((t, last_settle, block)) = loaded_at.remove(&*req_id) {
+                        free.push_back(block);
+                        let _ = hist.record((at - t).as_micros() as u64);
+                        if let Some((s_emitted, s_at)) = last_settle {
+                            let us = |d: Duration| d.as_micros() as u64;
+                            if let (Some(e), Some(s)) = (emitted, s_emitted) {
+                                let _ = after_settle.record(us(e.saturating_duration_since(s)));
+                            }
+                            let _ = after_settle_observed
+                                .record(us(at.saturating_duration_since(s_at)));
+                        }
+                    }
+                    outstanding -= 1;
+                    completed += 1;
+                    // A host drains what finished (vLLM's get_finished, every step): the
+                    // coordinator keeps a finished request until drained, within its live
+                    // limit.
+                    if completed % 1024 == 0 {
+                        d.drain().await?;
+                    }
+                }
+                KvEvent::Settled { req_id, .. } => {
+                    if let Some(e) = loaded_at.get_mut(&*req_id) {
+                        e.1 = Some((emitted, at));
+                    }
+                }
+                _ => {}
+            }
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| b - a);
+        Ok(Phase {
+            hist,
+            after_settle,
+            after_settle_observed,
+            failure_causes,
+            secs,
+            cpu,
+            rss0,
+            rss_peak: peak_rss_bytes(),
+        })
+    }
 }
