@@ -99,24 +99,42 @@ fn rank_key(k: &str) -> Option<u32> {
     canonical.then(|| k.parse().ok()).flatten()
 }
 
-/// Why `addr` cannot be a ZMQ endpoint, if it cannot: libzmq takes a C string (a NUL would
-/// cut it, and the `zmq` crate panics on one), and no endpoint has control characters.
+/// Why `addr` cannot be a P worker's endpoint, if it cannot. It comes from a bootstrap
+/// server's `/query`, i.e. from the network: libzmq takes a C string (a NUL would cut it, and
+/// the `zmq` crate panics on one), P's workers listen on TCP (`tcp://host:port`, vLLM's
+/// `make_zmq_path`), and anything else would have D dial what the answer chose: an `inproc://`
+/// endpoint of kvrecv's own ZMQ context (its socket monitors), an `ipc://` path on D's host, or
+/// (`tcp://src;dst`) a source address D binds before connecting.
 pub fn undialable(addr: &str) -> Option<&'static str> {
     if addr.is_empty() {
-        Some("empty")
-    } else if addr.contains('\0') {
-        Some("contains a NUL byte")
-    } else if addr.chars().any(char::is_control) {
-        Some("contains a control character")
-    } else if addr.strip_prefix("tcp://").is_some_and(|hp| {
-        hp.rsplit_once(':')
-            .and_then(|(_, port)| port.parse::<u16>().ok())
-            .is_none_or(|p| p == 0)
-    }) {
-        Some("a tcp:// address needs a port in 1..=65535")
-    } else {
-        None
+        return Some("empty");
     }
+    if addr.contains('\0') {
+        return Some("contains a NUL byte");
+    }
+    if addr.chars().any(char::is_control) {
+        return Some("contains a control character");
+    }
+    let Some(host_port) = addr.strip_prefix("tcp://") else {
+        return Some("not a tcp:// address (P's workers listen on TCP)");
+    };
+    if host_port.contains(';') {
+        return Some("a tcp:// address with a source part (src;dst) is not dialled");
+    }
+    let Some((host, port)) = host_port.rsplit_once(':') else {
+        return Some("a tcp:// address needs a port in 1..=65535");
+    };
+    if host.is_empty() || host.chars().any(char::is_whitespace) {
+        return Some("a tcp:// address needs a host (no spaces)");
+    }
+    // Digits only: `u16::from_str` also takes a leading `+`.
+    let port_ok = !port.is_empty()
+        && port.bytes().all(|b| b.is_ascii_digit())
+        && port.parse::<u16>().is_ok_and(|p| p != 0);
+    if !port_ok {
+        return Some("a tcp:// address needs a port in 1..=65535");
+    }
+    None
 }
 
 impl EngineTopology {
@@ -463,6 +481,17 @@ mod tests {
     /// A worker address libzmq cannot take is refused with the topology, never dialled (the
     /// `zmq` crate panics on a NUL: a Peer died and its request never completed).
     #[test]
+    fn p_worker_addresses_as_vllm_writes_them_are_dialled() {
+        for addr in [
+            "tcp://127.0.0.1:5555",
+            "tcp://[::1]:1",
+            "tcp://p-node-3.example:65535",
+        ] {
+            assert_eq!(undialable(addr), None, "{addr}");
+        }
+    }
+
+    #[test]
     fn undialable_worker_addresses_are_refused() {
         for (addr, why) in [
             ("tcp://127.0.0.1:5\0x", "NUL"),
@@ -470,6 +499,13 @@ mod tests {
             ("tcp://a:1\n", "control"),
             ("tcp://127.0.0.1:65536", "port"),
             ("tcp://127.0.0.1", "port"),
+            ("tcp://127.0.0.1:+5555", "port"),
+            ("tcp://127.0.0.1:0", "port"),
+            ("tcp://:5555", "host"),
+            ("tcp://127.0.0.1:6000;127.0.0.1:5555", "source part"),
+            ("inproc://kvrecv-monitor-1", "not a tcp://"),
+            ("ipc:///tmp/p.sock", "not a tcp://"),
+            ("TCP://127.0.0.1:5555", "not a tcp://"),
         ] {
             let mut q = entry(&[("0", &["0"])], None);
             let e = q.get_mut("0").unwrap();
