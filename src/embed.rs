@@ -18,6 +18,7 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use thiserror::Error;
 
@@ -440,16 +441,31 @@ fn sink(events: Events) -> (EventSink, Option<UnboundedReceiver<KvEvent>>) {
 /// one across threads, each event woke the host's thread, which read it and slept again before
 /// the next: ~16 context switches per batch of 16 on the host's thread, ~2 in bursts
 /// (`kvrecv bench --via handle`, docs/PERFORMANCE.md).
-async fn forward_events(mut rx: UnboundedReceiver<KvEvent>, tx: UnboundedSender<Vec<KvEvent>>) {
-    while let Some(first) = rx.recv().await {
-        let mut burst = vec![first];
-        while let Ok(ev) = rx.try_recv() {
-            burst.push(ev);
-        }
-        if tx.send(burst).is_err() {
+async fn forward_events(
+    rx: Rc<RefCell<UnboundedReceiver<KvEvent>>>,
+    tx: UnboundedSender<Vec<KvEvent>>,
+) {
+    // The receiver is borrowed only inside a poll, never across an await: the thread takes it
+    // back after the System stopped (`forward_burst` there) for what this task had no turn for.
+    while let Some(first) = std::future::poll_fn(|cx| rx.borrow_mut().poll_recv(cx)).await {
+        if !forward_burst(first, &mut rx.borrow_mut(), &tx) {
             return;
         }
     }
+}
+
+/// Sends `first` and whatever else is queued as one burst; false once the host dropped the
+/// stream.
+fn forward_burst(
+    first: KvEvent,
+    rx: &mut UnboundedReceiver<KvEvent>,
+    tx: &UnboundedSender<Vec<KvEvent>>,
+) -> bool {
+    let mut burst = vec![first];
+    while let Ok(ev) = rx.try_recv() {
+        burst.push(ev);
+    }
+    tx.send(burst).is_ok()
 }
 
 /// What the data runtime started: what the coordinator is made with, the handle's view of the
@@ -516,14 +532,24 @@ where
                     return;
                 }
             };
+            let events = events.map(|(rx, tx)| (Rc::new(RefCell::new(rx)), tx));
+            let forwarder = events.clone();
             let (coord, system) = sys.block_on(async move {
-                if let Some((rx, tx)) = events {
+                if let Some((rx, tx)) = forwarder {
                     actix_rt::spawn(forward_events(rx, tx));
                 }
                 (make(made_with), actix::System::current())
             });
             if ready_tx.send(Ok((coord, data, system))).is_ok() {
                 let _ = sys.run();
+            }
+            // The actors are gone (and their senders with them); what they emitted after the
+            // forwarder's last turn still reaches the host, as it did through one channel.
+            if let Some((rx, tx)) = events {
+                let mut rx = rx.borrow_mut();
+                if let Ok(first) = rx.try_recv() {
+                    forward_burst(first, &mut rx, &tx);
+                }
             }
             // Listeners stop when the target drops, after the actors stopped.
             drop(keep);
@@ -822,6 +848,41 @@ mod tests {
     use super::*;
 
     fn assert_send_sync_clone<T: Send + Sync + Clone + 'static>() {}
+
+    fn released(id: &str) -> KvEvent {
+        KvEvent::Released {
+            req_id: ReqId::from(id),
+            blocks: vec![],
+            fenced: true,
+            forced: false,
+        }
+    }
+
+    fn id(ev: &KvEvent) -> &str {
+        match ev {
+            KvEvent::Released { req_id, .. } => req_id,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_burst_is_everything_queued_in_order_and_stops_once_the_host_is_gone() {
+        let (sink_tx, mut rx) = unbounded_channel();
+        let (tx, mut bursts) = unbounded_channel();
+        for i in 1..4 {
+            sink_tx.send(released(&format!("r{i}"))).unwrap();
+        }
+        assert!(forward_burst(released("r0"), &mut rx, &tx));
+        let burst = bursts.try_recv().expect("one burst");
+        let ids: Vec<&str> = burst.iter().map(id).collect();
+        assert_eq!(ids, ["r0", "r1", "r2", "r3"]);
+        assert!(bursts.try_recv().is_err(), "one burst, not one per event");
+        drop(bursts);
+        assert!(
+            !forward_burst(released("r4"), &mut rx, &tx),
+            "the host dropped the stream"
+        );
+    }
 
     #[test]
     fn the_handle_is_send_sync_clone() {
