@@ -499,7 +499,7 @@ where
         }
         None => (None, None),
     };
-    std::thread::Builder::new()
+    let thread = std::thread::Builder::new()
         .name("kvrecv".into())
         .spawn(move || {
             let data_rt = tokio::runtime::Builder::new_multi_thread()
@@ -565,6 +565,7 @@ where
             system,
             events: Mutex::new(bursts),
             done: futures::FutureExt::shared(done_rx),
+            thread: Some(thread),
         }),
     })
 }
@@ -592,17 +593,33 @@ struct Inner {
     events: Mutex<Option<UnboundedReceiver<Vec<KvEvent>>>>,
     /// Resolves once kvrecv's thread stopped its actors, listeners and runtime.
     done: futures::future::Shared<oneshot::Receiver<()>>,
+    /// kvrecv's thread, joined when the last handle goes.
+    thread: Option<std::thread::JoinHandle<()>>,
 }
 
 impl Drop for Inner {
-    /// The last handle gone: stop kvrecv's System (its thread then ends on its own).
+    /// The last handle gone: stop kvrecv's System and wait for its thread, so that once the
+    /// drop returns no connection of the data target can still write into the host's memory
+    /// (a host that returns early with `?` frees its KV cache right after). Not from kvrecv's
+    /// own threads (a handle dropped there would wait for itself): those only stop it.
     fn drop(&mut self) {
         self.system.stop();
+        let Some(thread) = self.thread.take() else {
+            return;
+        };
+        let current = std::thread::current();
+        let ours = current.id() == thread.thread().id()
+            || current.name().is_some_and(|n| n.starts_with("kvrecv-io"));
+        if !ours {
+            let _ = thread.join();
+        }
     }
 }
 
 /// A running D worker. `Send + Sync + Clone`: every clone talks to the same worker; the worker
-/// stops at [`KvRecv::shutdown`] or when the last clone is dropped.
+/// stops at [`KvRecv::shutdown`] or when the last clone is dropped (the drop then waits, a few
+/// milliseconds, until kvrecv's thread and its data target stopped: nothing writes into host
+/// memory after it returns).
 ///
 /// ```no_run
 /// # async fn host() -> Result<(), Box<dyn std::error::Error>> {
@@ -714,7 +731,9 @@ impl KvRecv {
     }
 
     /// Hand a batch over (after allocating its blocks). Refused requests come back in
-    /// [`LoadKvReply::rejected`]; the rest of the batch goes on.
+    /// [`LoadKvReply::rejected`]; the rest of the batch goes on. Not cancel-safe: dropped
+    /// after its first poll, the batch may or may not have been loaded (a loaded request
+    /// still completes through [`KvRecv::drain`]); await it to the end.
     pub async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, KvRecvError> {
         self.inner
             .coord
@@ -726,6 +745,8 @@ impl KvRecv {
     /// Once per scheduler step: vLLM's `get_finished` (`finished_recving`: the blocks may be
     /// reused) and `get_block_ids_with_load_errors` (`invalid_block_ids`, or `failed_recving`
     /// for multi-group caches) in one call. A failure is never drained after its completion.
+    /// Cancel-safe: a drain dropped before it returned (in `select!`, under `timeout`) hands
+    /// nothing over, and the next drain returns what it took. Drains run one at a time.
     pub async fn drain(&self) -> Result<StepOutput, KvRecvError> {
         self.inner.coord.drain().await.map_err(stopped)
     }
@@ -733,7 +754,8 @@ impl KvRecv {
     /// Stop waiting for `req_id` (the client went away). Peers still pending for it settle
     /// Uncertain ("aborted by the host"), the failure is published, and its blocks appear in
     /// `finished_recving` only once no peer can write into them (fenced, or the last-resort
-    /// deadline) - never early. A request not yet sent completes Failed at once. Aborting an
+    /// deadline) - never early. A request still in its bootstrap lookup is never sent: it
+    /// completes Failed when the lookup ends (at most the bootstrap timeout). Aborting an
     /// unknown or completed request does nothing.
     pub async fn abort(&self, req_id: &str) -> Result<AbortReply, KvRecvError> {
         self.inner

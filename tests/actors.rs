@@ -893,3 +893,72 @@ async fn only_a_clean_finish_marks_the_channel_reusable() {
     assert!(!c.finished_cleanly(), "malformed: never reused");
     assert!(d.finished_cleanly());
 }
+
+/// Two requests loaded, answered by both peers and released: ready in the next drain.
+async fn two_released(h: &mut Harness) {
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    for p in h.pulls(2).await {
+        p.respond(Finish, &["r1", "r2"], &[], None);
+    }
+    h.wait_for("release r1", is_released("r1")).await;
+    h.wait_for("release r2", is_released("r2")).await;
+}
+
+fn sorted(ids: &[ReqId]) -> Vec<String> {
+    let mut v: Vec<String> = ids.iter().map(|r| r.to_string()).collect();
+    v.sort();
+    v
+}
+
+/// A host drains inside `select!` or `timeout`: a drain dropped after its first poll, before
+/// the BlockManager handled it, hands nothing over, and the next drain has it all. (It lost
+/// the step's completions for good: the requests never reached the host and their blocks
+/// never came back.)
+#[actix::test]
+async fn a_drain_dropped_before_its_reply_loses_nothing() {
+    let mut h = Harness::start(Setup::default());
+    two_released(&mut h).await;
+    {
+        let mut dropped = std::pin::pin!(h.coord.drain());
+        assert!(futures::poll!(dropped.as_mut()).is_pending());
+    }
+    let step = h.coord.drain().await.unwrap();
+    assert_eq!(sorted(&step.finished_recving), ["r1", "r2"]);
+    assert!(
+        h.coord.drain().await.unwrap().is_empty(),
+        "handed over once"
+    );
+}
+
+/// The same when the reply was already sent but never read: it goes back to the ledger ahead
+/// of what completes later, and its requests are live again until handed over (a second load
+/// of the id is refused, as for any completed request not yet drained).
+#[actix::test]
+async fn a_drain_dropped_after_its_reply_puts_it_back_in_front() {
+    let mut h = Harness::start(Setup::default());
+    two_released(&mut h).await;
+    {
+        let mut dropped = std::pin::pin!(h.coord.drain());
+        assert!(futures::poll!(dropped.as_mut()).is_pending());
+        // The BlockManager handles the drain (and replies) before this message.
+        h.coord.block_manager.send(GetLedgerStats).await.unwrap();
+    }
+    let again = h.load(vec![req("r1", &[7])]).await;
+    assert!(
+        matches!(again.rejected.as_slice(), [BatchError::AlreadyLive { .. }]),
+        "{again:?}"
+    );
+    h.load(vec![req("r3", &[3])]).await;
+    for p in h.pulls(2).await {
+        p.respond(Finish, &["r3"], &[], None);
+    }
+    h.wait_for("release r3", is_released("r3")).await;
+    let step = h.coord.drain().await.unwrap();
+    assert_eq!(
+        sorted(&step.finished_recving[..2]),
+        ["r1", "r2"],
+        "{step:?}"
+    );
+    assert_eq!(step.finished_recving[2].to_string(), "r3", "older first");
+    assert_eq!(step.finished_recving.len(), 3);
+}

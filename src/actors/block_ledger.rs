@@ -279,6 +279,19 @@ impl BlockLedger {
         self.held.get(req_id).map(|h| h.peers.as_slice())
     }
 
+    /// Put back a drain's output the host never received, in front of what came since (it is
+    /// older): the ids are live again until a drain hands them over. A failure signal stays
+    /// ahead of its completion because the caller restores before any later drain.
+    pub fn undrain(&mut self, back: StepOutput) {
+        for id in &back.finished_recving {
+            self.live.insert(id.clone());
+        }
+        let newer = std::mem::replace(&mut self.out, back);
+        self.out.finished_recving.extend(newer.finished_recving);
+        self.out.failed_recving.extend(newer.failed_recving);
+        self.out.invalid_block_ids.extend(newer.invalid_block_ids);
+    }
+
     /// Everything ready for the host since the last drain.
     pub fn drain(&mut self) -> StepOutput {
         let out = std::mem::take(&mut self.out);

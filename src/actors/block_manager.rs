@@ -9,8 +9,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 
 use crate::config::Policy;
 use crate::messages::{
-    Admit, Allocate, BatchError, Completion, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
-    LedgerStats, ReqId,
+    Admit, Allocate, BatchError, Completion, Drain, DrainTo, FirstFailure, Free, GetLedgerStats,
+    KvEvent, LedgerStats, ReqId, Undrained,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -193,6 +193,25 @@ impl Handler<Drain> for BlockManager {
 
     fn handle(&mut self, _: Drain, _ctx: &mut Context<Self>) -> MessageResult<Drain> {
         MessageResult(self.ledger.drain())
+    }
+}
+
+impl Handler<DrainTo> for BlockManager {
+    type Result = ();
+
+    fn handle(&mut self, DrainTo(reply): DrainTo, _ctx: &mut Context<Self>) {
+        if let Err(out) = reply.send(self.ledger.drain()) {
+            // The host stopped waiting before the reply: nothing was handed over.
+            self.ledger.undrain(out);
+        }
+    }
+}
+
+impl Handler<Undrained> for BlockManager {
+    type Result = ();
+
+    fn handle(&mut self, Undrained(out): Undrained, _ctx: &mut Context<Self>) {
+        self.ledger.undrain(out);
     }
 }
 

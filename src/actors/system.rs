@@ -7,7 +7,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{Drain, LoadKv, LoadKvReply, StepOutput};
+use crate::messages::{DrainTo, LoadKv, LoadKvReply, StepOutput, Undrained};
 use crate::rdma::Landing;
 
 use super::block_ledger::BlockLedger;
@@ -43,6 +43,8 @@ pub struct Coordinator {
     pub block_manager: Addr<BlockManager>,
     /// The built-in pool's ownership table, for the data plane's audit.
     pub ownership: Option<Arc<BlockOwnership>>,
+    /// One drain at a time (see [`Coordinator::drain`]).
+    drains: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl Coordinator {
@@ -78,6 +80,7 @@ impl Coordinator {
             receiver,
             block_manager,
             ownership,
+            drains: Arc::default(),
         }
     }
 
@@ -86,8 +89,62 @@ impl Coordinator {
         self.receiver.send(batch).await
     }
 
-    /// The per-step drain.
+    /// The per-step drain. Cancel-safe: a drain dropped before it returned (a `select!` branch
+    /// that lost, a `timeout`) hands nothing over; what it took goes back to the ledger, ahead
+    /// of anything newer, for the next drain. Drains run one at a time, so that a put-back is
+    /// in the ledger before any later drain takes from it (a failure signal then never reaches
+    /// the host after its request's completion).
     pub async fn drain(&self) -> Result<StepOutput, actix::MailboxError> {
-        self.block_manager.send(Drain).await
+        let turn = self.drains.clone().lock_owned().await;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        // Not `send`: its reply would be lost with a dropped future. A closed mailbox drops the
+        // message and with it `tx`: the receive below then fails.
+        self.block_manager.do_send(DrainTo(tx));
+        PendingDrain {
+            reply: rx,
+            block_manager: self.block_manager.clone(),
+            done: false,
+            _turn: turn,
+        }
+        .await
+    }
+}
+
+/// A drain's reply on its way; dropped unread, it gives the output back (see
+/// [`Coordinator::drain`]).
+struct PendingDrain {
+    reply: tokio::sync::oneshot::Receiver<StepOutput>,
+    block_manager: Addr<BlockManager>,
+    done: bool,
+    /// Released after `drop` sent any put-back (fields drop after `Drop::drop`).
+    _turn: tokio::sync::OwnedMutexGuard<()>,
+}
+
+impl std::future::Future for PendingDrain {
+    type Output = Result<StepOutput, actix::MailboxError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        let r = std::task::ready!(std::pin::Pin::new(&mut self.reply).poll(cx));
+        self.done = true;
+        std::task::Poll::Ready(r.map_err(|_| actix::MailboxError::Closed))
+    }
+}
+
+impl Drop for PendingDrain {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // After `close` the BlockManager's send fails and it puts the output back itself; a
+        // reply sent before it is still here, and goes back by message.
+        self.reply.close();
+        if let Ok(out) = self.reply.try_recv() {
+            if !out.is_empty() {
+                self.block_manager.do_send(Undrained(out));
+            }
+        }
     }
 }

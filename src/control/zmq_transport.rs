@@ -64,6 +64,10 @@ pub struct ZmqTransportConfig {
     /// A pooled DEALER unused for this long is closed (a peer that went away, a burst that
     /// ended) when the pool is next touched.
     pub idle_timeout: Duration,
+    /// Raise the process's soft `RLIMIT_NOFILE` to its hard limit when the transport starts
+    /// (default on; the limit stays raised). Off for a host that keeps a low limit on purpose
+    /// (`select()` and `FD_SETSIZE`): pulls then fail once descriptors run out.
+    pub raise_nofile_limit: bool,
 }
 
 impl Default for ZmqTransportConfig {
@@ -76,6 +80,7 @@ impl Default for ZmqTransportConfig {
             max_sockets: DEFAULT_MAX_SOCKETS,
             idle_per_peer: 64,
             idle_timeout: Duration::from_secs(60),
+            raise_nofile_limit: true,
         }
     }
 }
@@ -251,12 +256,14 @@ mod zmq_sys_events {
 
 impl ZmqTransport {
     /// A transport on a new context. Also raises the process's soft `RLIMIT_NOFILE` to its
-    /// hard limit (as Go's runtime does at start): every socket holds descriptors, and a pull
-    /// that cannot get one fails its requests.
+    /// hard limit (as Go's runtime does at start) unless `raise_nofile_limit` is off: every
+    /// socket holds descriptors, and a pull that cannot get one fails its requests.
     pub fn new(cfg: ZmqTransportConfig) -> Self {
-        match rlimit::increase_nofile_limit(u64::MAX) {
-            Ok(n) => tracing::debug!(nofile = n, "file descriptor limit"),
-            Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
+        if cfg.raise_nofile_limit {
+            match rlimit::increase_nofile_limit(u64::MAX) {
+                Ok(n) => tracing::debug!(nofile = n, "file descriptor limit"),
+                Err(e) => tracing::warn!(error = %e, "cannot raise the file descriptor limit"),
+            }
         }
         let ctx = ZmqContext::new(cfg.max_sockets).unwrap_or_else(|e| {
             // Out of memory or descriptors at start: libzmq's own default context still works.

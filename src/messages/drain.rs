@@ -29,3 +29,16 @@ impl StepOutput {
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "StepOutput")]
 pub struct Drain;
+
+/// Host -> BlockManager: take everything ready and hand it over through `0`. If the host no
+/// longer waits (its drain future was dropped), the output goes back to the ledger, in front of
+/// anything newer: a dropped drain loses nothing.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DrainTo(pub tokio::sync::oneshot::Sender<StepOutput>);
+
+/// Host -> BlockManager: a drain's output the host never read (its future was dropped after the
+/// reply was sent): put it back in front of anything newer.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct Undrained(pub StepOutput);

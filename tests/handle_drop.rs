@@ -1,0 +1,43 @@
+//! Dropping the last handle waits for kvrecv's threads (its actors' thread and the data
+//! target's runtime), so that nothing of the worker can write into the host's memory once the
+//! drop returned: a host that leaves early (`?`) frees its KV cache right after. Alone in its
+//! binary: it counts this process's threads by name.
+
+use kvrecv::config::KvRecvConfig;
+use kvrecv::layout::KvLayout;
+use kvrecv::{HostMemory, HostRegion, KvRecv};
+
+fn kvrecv_threads() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .expect("procfs")
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|c| c.trim().to_owned())
+        .filter(|c| c.starts_with("kvrecv"))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_handle_dropped_leaves_no_kvrecv_thread() {
+    let mut kv_cache = vec![vec![0u8; 8 * 4096]; 2];
+    for round in 0..3 {
+        let regions = kv_cache
+            .iter_mut()
+            // SAFETY: the Vecs outlive the worker: the drop below waits for its threads.
+            .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) })
+            .collect::<Result<Vec<_>, _>>()
+            .unwrap();
+        let kv = KvRecv::builder(KvRecvConfig {
+            layout: KvLayout::uniform(2, 4096, 8),
+            ..KvRecvConfig::default()
+        })
+        .host_memory(HostMemory::new(regions))
+        .start()
+        .unwrap();
+        let clone = kv.clone();
+        assert!(!kvrecv_threads().is_empty(), "the worker runs");
+        assert!(clone.drain().await.unwrap().is_empty());
+        drop(kv);
+        drop(clone);
+        assert_eq!(kvrecv_threads(), Vec::<String>::new(), "round {round}");
+    }
+}
