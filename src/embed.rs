@@ -752,7 +752,9 @@ impl KvRecv {
     }
 
     /// Stop waiting for `req_id` (the client went away). Peers still pending for it settle
-    /// Uncertain ("aborted by the host"), the failure is published, and its blocks appear in
+    /// Uncertain ("aborted by the host") - a peer whose pull still owes other requests of the
+    /// batch once those are settled, so that P's transfer of them is not failed by the
+    /// aborted request's closed permit - the failure is published, and its blocks appear in
     /// `finished_recving` only once no peer can write into them (fenced, or the last-resort
     /// deadline) - never early. A request still in its bootstrap lookup is never sent: it
     /// completes Failed when the lookup ends (at most the bootstrap timeout). Aborting an

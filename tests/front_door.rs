@@ -13,7 +13,7 @@ use kvrecv::messages::{KvEvent, KvRequest, ReqId, SettleOutcome, ABORTED_BY_HOST
 use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{KvWriter, PrefillSim, SimConfig, WriteJob};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, Semaphore};
 
 /// Safety net only: every wait ends on an event long before this.
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -25,6 +25,8 @@ struct HoldingWriter {
     te: TeWriter,
     held: Vec<&'static str>,
     jobs: mpsc::UnboundedSender<WriteJob>,
+    /// When given, each job waits for one permit before it writes.
+    gate: Option<Arc<Semaphore>>,
 }
 
 impl KvWriter for HoldingWriter {
@@ -33,7 +35,14 @@ impl KvWriter for HoldingWriter {
         if job.req_ids.iter().any(|r| self.held.contains(&r.as_str())) {
             return Box::pin(std::future::pending());
         }
-        self.te.write(job)
+        let write = self.te.write(job);
+        match self.gate.clone() {
+            None => write,
+            Some(gate) => Box::pin(async move {
+                gate.acquire().await.expect("gate open").forget();
+                write.await
+            }),
+        }
     }
 }
 
@@ -45,12 +54,13 @@ struct World {
 }
 
 async fn world(held: Vec<&'static str>) -> World {
-    world_with(held, |b| b.events(true)).await
+    world_with(held, |b| b.events(true), None).await
 }
 
 async fn world_with(
     held: Vec<&'static str>,
     events: impl FnOnce(KvRecvBuilder) -> KvRecvBuilder,
+    gate: Option<Arc<Semaphore>>,
 ) -> World {
     let config = KvRecvConfig {
         layout: KvLayout::uniform(2, 4096, 16),
@@ -66,6 +76,7 @@ async fn world_with(
         te: TeWriter::new(InitiatorConfig::default()),
         held,
         jobs: tx,
+        gate,
     });
     let sim = PrefillSim::start_with_writer(SimConfig::default(), writer)
         .await
@@ -139,7 +150,7 @@ async fn a_tokio_host_loads_real_bytes_and_drains_through_the_front_door() {
 /// worker stops.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completion_events_carry_every_completion_once_and_nothing_else() {
-    let mut w = world_with(vec![], KvRecvBuilder::completion_events).await;
+    let mut w = world_with(vec![], KvRecvBuilder::completion_events, None).await;
     let ids: Vec<String> = (0..6).map(|i| format!("c{i}")).collect();
     let batch = ids
         .iter()
@@ -272,6 +283,52 @@ async fn abort_leaves_the_other_requests_of_the_peer_alone() {
     assert_eq!(step.invalid_block_ids, vec![1], "only a failed");
     let data = w.kv.stats().await.unwrap().data.unwrap();
     assert_eq!(data.bytes_landed, 2 * 4096, "b's block, both regions");
+    w.kv.shutdown().await;
+}
+
+/// P writes a pull's ready requests in one transfer. Aborting one of them while that transfer
+/// is on its way must not fail the others: the aborted request's permit stays open until its
+/// pull has nothing else pending (its blocks stay held meanwhile), so the transfer lands whole,
+/// the others complete ok, and only the aborted one fails. (Closing its permit at once failed
+/// the whole transfer: P answered "transfer engine returned -1" for every request of it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborting_one_request_of_a_batch_leaves_the_rest_of_its_transfer_alone() {
+    let gate = Arc::new(Semaphore::new(0));
+    let mut w = world_with(vec![], |b| b.events(true), Some(gate.clone())).await;
+    let batch = ["x", "y", "z"]
+        .iter()
+        .zip([1u32, 2, 3])
+        .map(|(id, b)| req(&w, id, &[b]))
+        .collect();
+    assert_eq!(w.kv.load_kv(batch).await.unwrap().awaiting, 3);
+    let job = tokio::time::timeout(PATIENCE, w.jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(job.req_ids.len(), 3, "one transfer for the batch: {job:?}");
+    assert_eq!(w.kv.abort("x").await.unwrap().peers_settled, 1);
+    gate.add_permits(1);
+    until(&mut w.events, released("x")).await;
+    let mut finished = vec![];
+    let mut invalid = vec![];
+    while finished.len() < 3 {
+        let step = w.kv.drain().await.unwrap();
+        finished.extend(step.finished_recving.iter().map(|r| r.to_string()));
+        invalid.extend(step.invalid_block_ids);
+        if finished.len() < 3 {
+            until(&mut w.events, |e| matches!(e, KvEvent::Released { .. })).await;
+        }
+    }
+    finished.sort();
+    assert_eq!(finished, ["x", "y", "z"]);
+    assert_eq!(invalid, [1], "only the aborted request failed");
+    let data = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.rejected_revoked, 0, "the transfer landed whole");
+    assert_eq!(
+        data.bytes_landed,
+        3 * 2 * 4096,
+        "three blocks, both regions"
+    );
     w.kv.shutdown().await;
 }
 

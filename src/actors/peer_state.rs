@@ -71,6 +71,18 @@ struct InFlight {
     pending: PendingSet,
     /// Requests the pull carried (the bound on what a reply may name).
     carried: usize,
+    /// Pending requests the host aborted, with the abort's reason: they settle Uncertain
+    /// once nothing else of the pull is pending (see [`PeerState::abort`]).
+    aborted: Vec<(ReqId, String)>,
+}
+
+impl InFlight {
+    fn abort_reason(&self, req_id: &str) -> Option<&str> {
+        self.aborted
+            .iter()
+            .find(|(id, _)| &**id == req_id)
+            .map(|(_, why)| why.as_str())
+    }
 }
 
 /// Pending requests of every in-flight pull of one peer.
@@ -104,6 +116,9 @@ impl PeerState {
             p.carried.hash(h);
             let ids: Vec<&ReqId> = p.pending.iter().map(|r| &r.meta.req_id).collect();
             ids.hash(h);
+            let mut aborted: Vec<&ReqId> = p.aborted.iter().map(|(id, _)| id).collect();
+            aborted.sort();
+            aborted.hash(h);
         }
     }
 
@@ -124,8 +139,14 @@ impl PeerState {
     pub fn start(&mut self, pull: &Pull) {
         let pending = PendingSet::new(&pull.requests);
         let carried = pending.len();
-        self.pulls
-            .insert(pull.pull_id, InFlight { pending, carried });
+        self.pulls.insert(
+            pull.pull_id,
+            InFlight {
+                pending,
+                carried,
+                aborted: Vec::new(),
+            },
+        );
     }
 
     /// A pull that was never sent: settle each of its requests Failed at once. It is never
@@ -151,6 +172,11 @@ impl PeerState {
         let Some(pull) = self.pulls.get_mut(&pull_id) else {
             return;
         };
+        // An aborted request settles as aborted, whatever the reply says of it.
+        let outcome = match pull.abort_reason(req_id) {
+            Some(why) => SettleOutcome::uncertain(Cause::Aborted, why),
+            None => outcome,
+        };
         match pull.pending.remove(req_id) {
             Some(req) => fx.settles.push((
                 req.awaited,
@@ -169,18 +195,46 @@ impl PeerState {
     fn settle_rest(&mut self, fx: &mut Effects, pull_id: PullId, outcome: SettleOutcome) {
         if let Some(pull) = self.pulls.remove(&pull_id) {
             for req in pull.pending.iter() {
+                let outcome = match pull.abort_reason(&req.meta.req_id) {
+                    Some(why) => SettleOutcome::uncertain(Cause::Aborted, why),
+                    None => outcome.clone(),
+                };
                 fx.settles.push((
                     req.awaited,
                     Settle {
                         peer: self.peer.clone(),
                         pull_id,
                         req_id: req.meta.req_id.clone(),
-                        outcome: outcome.clone(),
+                        outcome,
                     },
                 ));
             }
         }
         fx.pull_done = true;
+    }
+
+    /// Once only aborted requests are pending in the pull, settle them (Uncertain, aborted):
+    /// nothing the peer may still send for the pull concerns anyone else.
+    fn settle_aborted_if_alone(&mut self, fx: &mut Effects, pull_id: PullId) {
+        let Some(pull) = self.pulls.get(&pull_id) else {
+            return;
+        };
+        if pull.aborted.is_empty()
+            || pull
+                .pending
+                .iter()
+                .any(|r| pull.abort_reason(&r.meta.req_id).is_none())
+        {
+            return;
+        }
+        let ids: Vec<ReqId> = pull.aborted.iter().map(|(id, _)| id.clone()).collect();
+        for id in ids {
+            // The outcome is replaced by the abort's in `settle`.
+            self.settle(fx, pull_id, &id, SettleOutcome::Ok);
+        }
+        if let Some(pull) = self.pulls.get_mut(&pull_id) {
+            pull.aborted.clear();
+        }
     }
 
     /// One reply off the pull's channel. Its cost is linear in the pull's size: a reply naming
@@ -230,6 +284,7 @@ impl PeerState {
         for id in resp.ok() {
             self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
         }
+        self.settle_aborted_if_alone(&mut fx, pull_id);
         match resp.status {
             // More subsets follow; the channel stays open until FINISH, ERROR or the deadline.
             XferStatus::Continue => {}
@@ -276,9 +331,13 @@ impl PeerState {
         fx
     }
 
-    /// The host aborted `req_id`: settle it Uncertain in every pull that still owes it (the
-    /// peer has its block addresses and may still write). The pulls stay open for their other
-    /// requests; a later reply naming the id counts as stale. Returns how many pulls held it.
+    /// The host aborted `req_id`: it settles Uncertain ("aborted") in every pull that still
+    /// owes it (the peer has its block addresses and may still write), at once when nothing else
+    /// of that pull is pending, else once the pull's other requests are settled (or the pull
+    /// ends). P writes a pull's ready requests in one transfer: closing the aborted request's
+    /// landing permit while the others are in flight failed that whole transfer, and with it
+    /// every other request of the batch. Its blocks stay held meanwhile; a reply naming it
+    /// settles it as aborted. Returns how many pulls held it.
     pub fn abort(&mut self, req_id: &str, reason: &str) -> (Effects, usize) {
         let mut fx = Effects::default();
         let mut ids: Vec<PullId> = self
@@ -289,12 +348,12 @@ impl PeerState {
             .collect();
         ids.sort_unstable();
         for id in &ids {
-            self.settle(
-                &mut fx,
-                *id,
-                req_id,
-                SettleOutcome::uncertain(Cause::Aborted, reason),
-            );
+            if let Some(pull) = self.pulls.get_mut(id) {
+                if pull.abort_reason(req_id).is_none() {
+                    pull.aborted.push((ReqId::from(req_id), reason.to_owned()));
+                }
+            }
+            self.settle_aborted_if_alone(&mut fx, *id);
         }
         (fx, ids.len())
     }
@@ -360,36 +419,79 @@ mod tests {
             .collect()
     }
 
+    fn aborted() -> SettleOutcome {
+        SettleOutcome::uncertain(Cause::Aborted, "aborted by the host")
+    }
+
     #[test]
-    fn abort_settles_the_request_uncertain_in_every_pull_and_leaves_the_rest_pending() {
+    fn abort_settles_at_once_where_nothing_else_is_pending_and_later_where_something_is() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
         st.start(&pull(1, &["a", "b"]));
         st.start(&pull(2, &["a"]));
         let (fx, n) = st.abort("a", "aborted by the host");
-        assert_eq!(n, 2);
+        assert_eq!(n, 2, "both pulls owed it");
+        // Pull 2 had only `a`; pull 1 still waits for `b`, which P may be writing in the same
+        // transfer as `a`.
+        assert_eq!(outcomes(&fx), vec![("a".into(), aborted())]);
+        assert!(!fx.pull_done, "the pulls stay open");
+        assert_eq!(st.pending_count(), 2, "a (held for pull 1) and b");
+        assert_eq!(st.abort("a", "again").1, 1, "still owed by pull 1");
+        // P answers both: b as it says, a as aborted whatever P says of it.
+        let fx = st.on_reply(
+            1,
+            reply(XferStatus::Continue, vec!["a".into(), "b".into()], vec![]),
+        );
+        assert_eq!(
+            outcomes(&fx),
+            vec![("a".into(), aborted()), ("b".into(), SettleOutcome::Ok)]
+        );
+        // Settled once: a later ok for it is stale.
+        let late = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
+        assert!(late.settles.is_empty());
+        assert_eq!(late.stale.count, 1);
+    }
+
+    #[test]
+    fn an_aborted_request_settles_once_its_pull_has_nothing_else_pending() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start(&pull(1, &["a", "b", "c"]));
+        assert!(st.abort("a", "aborted by the host").0.settles.is_empty());
+        let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["b".into()], vec![]));
+        assert_eq!(outcomes(&fx), vec![("b".into(), SettleOutcome::Ok)]);
+        // c fails: nothing but the aborted request is left, so it settles too.
+        let fx = st.on_reply(1, reply(XferStatus::Continue, vec![], vec!["c".into()]));
         assert_eq!(
             outcomes(&fx),
             vec![
                 (
-                    "a".into(),
-                    SettleOutcome::uncertain(Cause::Aborted, "aborted by the host")
+                    "c".into(),
+                    SettleOutcome::failed(Cause::PeerError, "peer reported failure")
                 ),
-                (
-                    "a".into(),
-                    SettleOutcome::uncertain(Cause::Aborted, "aborted by the host")
-                ),
+                ("a".into(), aborted()),
             ]
         );
-        assert!(
-            !fx.pull_done,
-            "the pulls stay open for their other requests"
-        );
-        assert_eq!(st.pending_count(), 1, "b is still owed");
-        // Settled once: a second abort and a late ok for it change nothing.
-        assert_eq!(st.abort("a", "again").1, 0);
-        let late = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
-        assert!(late.settles.is_empty());
-        assert_eq!(late.stale.count, 1);
+        assert_eq!(st.pending_count(), 0);
+    }
+
+    #[test]
+    fn an_aborted_request_still_held_settles_as_aborted_when_the_pull_ends() {
+        for end in ["deadline", "finish", "error"] {
+            let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+            st.start(&pull(1, &["a", "b"]));
+            st.abort("a", "aborted by the host");
+            let fx = match end {
+                "deadline" => st.abandon(1, Cause::Timeout, "deadline".into()),
+                "finish" => st.on_reply(1, reply(XferStatus::Finish, vec!["b".into()], vec![])),
+                _ => st.on_reply(1, reply(XferStatus::Error, vec![], vec![])),
+            };
+            let a: Vec<_> = outcomes(&fx)
+                .into_iter()
+                .filter(|(id, _)| id == "a")
+                .collect();
+            assert_eq!(a, vec![("a".into(), aborted())], "{end}");
+            assert!(fx.pull_done, "{end}");
+            assert_eq!(st.pending_count(), 0, "{end}");
+        }
     }
 
     #[test]

@@ -21,15 +21,16 @@ pub struct Abort {
 /// What an abort reached.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
 pub struct AbortReply {
-    /// Peers that still owed the request and settled it Uncertain.
+    /// Peers that still owed the request: each settles it Uncertain, at once or once the
+    /// other pending requests of its pull are settled.
     pub peers_settled: usize,
     /// The request was loaded but not yet sent to any peer (its topology lookup was in
     /// flight): it completes Failed without being sent.
     pub before_dispatch: bool,
 }
 
-/// Receiver -> Peer: settle `req_id` Uncertain if it is still pending in any pull; answers how
-/// many pulls held it.
+/// Receiver -> Peer: settle `req_id` Uncertain if it is still pending in any pull (once the
+/// pull has nothing else pending, `PeerState::abort`); answers how many pulls held it.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "usize")]
 pub struct AbortAtPeer {
