@@ -506,6 +506,17 @@ impl RegisteredMemory {
                 spans.len()
             )));
         }
+        let used: Vec<(u64, u64)> = host
+            .regions()
+            .iter()
+            .zip(spans)
+            .map(|(r, &(_, len))| (r.ptr.as_ptr() as u64, len))
+            .collect();
+        if let Some((a, b)) = first_overlap(&used) {
+            return Err(MemoryError::HostRegions(format!(
+                "regions {a} and {b} overlap: two layers would land in the same bytes"
+            )));
+        }
         let mut segments = Vec::with_capacity(spans.len());
         let mut end = 0u64;
         for (i, (r, &(start, len))) in host.regions().iter().zip(spans).enumerate() {
@@ -551,6 +562,16 @@ impl RegisteredMemory {
                         "{} regions registered, the layout has {}",
                         regions.len(),
                         spans.len()
+                    )));
+                }
+                let used: Vec<(u64, u64)> = regions
+                    .iter()
+                    .zip(spans)
+                    .map(|(r, &(_, need))| (r.ptr, need))
+                    .collect();
+                if let Some((a, b)) = first_overlap(&used) {
+                    return Err(MemoryError::DeviceRegions(format!(
+                        "regions {a} and {b} overlap: two layers would land in the same bytes"
                     )));
                 }
                 let ordinal = regions.first().map_or(0, |r| r.ordinal);
@@ -761,6 +782,16 @@ impl RegisteredMemory {
     }
 }
 
+/// The first two of `ranges` (start, length) whose bytes overlap, by index, lower first.
+fn first_overlap(ranges: &[(u64, u64)]) -> Option<(usize, usize)> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].0);
+    order.windows(2).find_map(|w| {
+        let (a, b) = (ranges[w[0]], ranges[w[1]]);
+        (a.0.saturating_add(a.1) > b.0).then(|| (w[0].min(w[1]), w[0].max(w[1])))
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -812,24 +843,57 @@ mod tests {
     }
 
     #[test]
+    fn host_regions_whose_used_bytes_overlap_are_refused() {
+        let mut a = vec![0u8; 256];
+        let p = a.as_mut_ptr();
+        let host = |offsets: [usize; 2]| {
+            // SAFETY: `a` outlives every HostMemory here; nothing is written.
+            let regions = offsets
+                .iter()
+                .map(|&o| unsafe { HostRegion::new(p.add(o), 128).unwrap() })
+                .collect();
+            RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)])
+        };
+        // The same buffer twice, and the second region starting inside the first's 64 bytes.
+        for offsets in [[0, 0], [0, 32], [32, 0]] {
+            let Err(e) = host(offsets) else {
+                panic!("{offsets:?}: overlap accepted")
+            };
+            assert!(e.to_string().contains("regions 0 and 1 overlap"), "{e}");
+        }
+        // Adjacent is fine: the first's span ends where the second begins (its unused tail may
+        // overlap the next region: only the layout's bytes are written).
+        assert!(host([0, 64]).is_ok());
+        assert!(host([128, 0]).is_ok());
+        assert_eq!(first_overlap(&[(10, 5), (0, 10), (15, 1)]), None);
+        assert_eq!(first_overlap(&[(10, 5), (0, 11)]), Some((0, 1)));
+    }
+
+    #[test]
     fn host_device_regions_are_checked_and_need_cuda() {
         // SAFETY: never dereferenced: every start below is refused before any copy.
-        let r = |ordinal, len| unsafe { DeviceRegion::new(ordinal, 0x7000_0000, len) }.unwrap();
+        let r = |ordinal, ptr, len| unsafe { DeviceRegion::new(ordinal, ptr, len) }.unwrap();
         let spans = [(0, 64), (64, 64)];
         let err = |regions| {
             RegisteredMemory::device_owned(DeviceMemory::new(regions), &spans).unwrap_err()
         };
-        assert!(matches!(err(vec![r(0, 64)]), MemoryError::DeviceRegions(_)));
+        let (p0, p1) = (0x7000_0000, 0x7000_1000);
         assert!(matches!(
-            err(vec![r(0, 64), r(0, 63)]),
+            err(vec![r(0, p0, 64)]),
             MemoryError::DeviceRegions(_)
         ));
         assert!(matches!(
-            err(vec![r(0, 64), r(1, 64)]),
+            err(vec![r(0, p0, 64), r(0, p1, 63)]),
             MemoryError::DeviceRegions(_)
         ));
+        assert!(matches!(
+            err(vec![r(0, p0, 64), r(1, p1, 64)]),
+            MemoryError::DeviceRegions(_)
+        ));
+        let e = err(vec![r(0, p0, 64), r(0, p0 + 32, 64)]);
+        assert!(e.to_string().contains("overlap"), "{e}");
         // Fits: the feature and a driver decide.
-        let e = err(vec![r(0, 64), r(0, 64)]);
+        let e = err(vec![r(0, p0, 64), r(0, p1, 64)]);
         #[cfg(not(feature = "cuda"))]
         assert!(matches!(e, MemoryError::CudaNotBuilt), "{e}");
         #[cfg(feature = "cuda")]
