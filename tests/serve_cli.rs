@@ -263,6 +263,79 @@ async fn bad_configuration_is_reported_as_an_error_line() {
     assert!(!status.success());
 }
 
+/// A P whose transfers never finish; each job is reported to the test (P has the pull).
+struct Stuck(tokio::sync::mpsc::UnboundedSender<WriteJob>);
+
+impl KvWriter for Stuck {
+    fn write(&self, job: WriteJob) -> BoxFuture<'static, Result<(), String>> {
+        let _ = self.0.send(job);
+        Box::pin(std::future::pending())
+    }
+}
+
+/// `{"op":"abort","req_id":..}`: the host's client went away while P is writing. The answer
+/// says one peer owed it; it fails ("aborted"), completes, its blocks come back through drain
+/// (fenced: the permit is closed). An unknown id settles nothing; a line without `req_id`, or
+/// an op given a `req_id` it does not take, gets an error line and serve keeps going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
+    let (tx, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(Stuck(tx)))
+        .await
+        .unwrap();
+    let mut s = Serve::start(&[
+        "--layers",
+        "2",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "64",
+        "--log-level",
+        "warn",
+    ]);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_ids": [[5]]}]});
+    s.send(&load.to_string()).await;
+    assert_eq!(s.wait("load_kv", |v| ev(v, "load_kv")).await["awaiting"], 1);
+    tokio::time::timeout(SAFETY, jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+
+    s.send(r#"{"op":"abort"}"#).await;
+    let e = s.wait("error", |v| ev(v, "error")).await;
+    assert!(e["error"].as_str().unwrap().contains("req_id"), "{e}");
+    s.send(r#"{"op":"drain","req_id":"d-1"}"#).await;
+    s.wait("error", |v| ev(v, "error")).await;
+    s.send(r#"{"op":"abort","req_id":"nobody"}"#).await;
+    let a = s.wait("abort", |v| ev(v, "abort")).await;
+    assert_eq!(
+        (a["req_id"].as_str(), a["peers_settled"].as_u64()),
+        (Some("nobody"), Some(0))
+    );
+
+    s.send(r#"{"op":"abort","req_id":"d-1"}"#).await;
+    let a = s.wait("abort", |v| ev(v, "abort")).await;
+    assert_eq!(a["peers_settled"], 1, "{a}");
+    assert_eq!(a["before_dispatch"], false, "{a}");
+    let c = s.wait("completion", |v| ev(v, "completion")).await;
+    assert_eq!(c["outcome"], "failed", "{c}");
+    assert!(c["reason"].as_str().unwrap().contains("aborted"), "{c}");
+    let r = s.wait("release", |v| ev(v, "released")).await;
+    assert_eq!(r["fenced"], true, "{r}");
+    s.send(r#"{"op":"drain"}"#).await;
+    let d = s.wait("drain", |v| ev(v, "drain")).await;
+    assert_eq!(d["finished_recving"], json!(["d-1"]));
+    assert_eq!(d["invalid_block_ids"], json!([5]));
+    s.send(r#"{"op":"shutdown"}"#).await;
+    assert_eq!(
+        s.wait("shutdown", |v| ev(v, "shutdown")).await["unreleased"],
+        0
+    );
+}
+
 /// The simulator's TE writer, remembering every job so the test can replay one late.
 struct Recording {
     inner: TeWriter,

@@ -1,9 +1,10 @@
 //! `kvrecv serve`: a D receiver driven by a host scheduler over a pipe.
 //!
 //! stdout carries one JSON object per line: `ready` once, then the answer to every input line
-//! (`load_kv`, `drain`, `error`, `shutdown`) and every coordinator event ([`KvEvent`], tagged
-//! `event`). stdin carries one JSON command per line:
+//! (`load_kv`, `abort`, `drain`, `stats`, `error`, `shutdown`) and every coordinator event
+//! ([`KvEvent`], tagged `event`). stdin carries one JSON command per line:
 //! `{"op":"load_kv","requests":[{"req_id","transfer_id","remote_engine_id","remote_bootstrap_addr","block_ids":[[..]]}]}`,
+//! `{"op":"abort","req_id":"..."}` (the client went away: as `KvRecv::abort`),
 //! `{"op":"drain"}`, `{"op":"stats"}`, `{"op":"shutdown"}` (end of input also shuts down). A bad
 //! line (not JSON, not UTF-8, longer than `--max-line-bytes`) gets an `error` line and the
 //! process keeps running. Logs go to stderr. `--events` chooses which coordinator events are
@@ -313,6 +314,7 @@ impl ServeArgs {
 /// One input line.
 enum Op {
     LoadKv { requests: Vec<KvRequest> },
+    Abort { req_id: String },
     Drain,
     Stats,
     Shutdown,
@@ -326,12 +328,14 @@ enum Op {
 struct OpLine {
     op: OpName,
     requests: Option<Vec<KvRequest>>,
+    req_id: Option<String>,
 }
 
 #[derive(Deserialize)]
 #[serde(try_from = "String")]
 enum OpName {
     LoadKv,
+    Abort,
     Drain,
     Stats,
     Shutdown,
@@ -343,12 +347,13 @@ impl TryFrom<String> for OpName {
     fn try_from(s: String) -> Result<OpName, String> {
         Ok(match s.as_str() {
             "load_kv" => OpName::LoadKv,
+            "abort" => OpName::Abort,
             "drain" => OpName::Drain,
             "stats" => OpName::Stats,
             "shutdown" => OpName::Shutdown,
             _ => {
                 return Err(format!(
-                    "unknown op {s:?}; ops: load_kv, drain, stats, shutdown"
+                    "unknown op {s:?}; ops: load_kv, abort, drain, stats, shutdown"
                 ))
             }
         })
@@ -361,13 +366,16 @@ impl Op {
             return Err("a line is one JSON object, e.g. {\"op\":\"drain\"}".into());
         }
         let l: OpLine = serde_json::from_str(line).map_err(|e| e.to_string())?;
-        match (l.op, l.requests) {
-            (OpName::LoadKv, Some(requests)) => Ok(Op::LoadKv { requests }),
-            (OpName::LoadKv, None) => Err("load_kv needs `requests`".into()),
-            (_, Some(_)) => Err("only load_kv takes `requests`".into()),
-            (OpName::Drain, None) => Ok(Op::Drain),
-            (OpName::Stats, None) => Ok(Op::Stats),
-            (OpName::Shutdown, None) => Ok(Op::Shutdown),
+        match (l.op, l.requests, l.req_id) {
+            (OpName::LoadKv, Some(requests), None) => Ok(Op::LoadKv { requests }),
+            (OpName::LoadKv, None, _) => Err("load_kv needs `requests`".into()),
+            (OpName::Abort, None, Some(req_id)) if !req_id.is_empty() => Ok(Op::Abort { req_id }),
+            (OpName::Abort, None, _) => Err("abort needs a non-empty `req_id`".into()),
+            (_, Some(_), _) => Err("only load_kv takes `requests`".into()),
+            (_, _, Some(_)) => Err("only abort takes `req_id`".into()),
+            (OpName::Drain, None, None) => Ok(Op::Drain),
+            (OpName::Stats, None, None) => Ok(Op::Stats),
+            (OpName::Shutdown, None, None) => Ok(Op::Shutdown),
         }
     }
 }
@@ -502,6 +510,16 @@ async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> ser
                             "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids}),
             Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
         },
+        Op::Abort { req_id } => {
+            let abort = kvrecv::messages::Abort {
+                req_id: req_id.as_str().into(),
+            };
+            match coord.receiver.send(abort).await {
+                Ok(r) => json!({"event": "abort", "line": n, "req_id": req_id,
+                                "peers_settled": r.peers_settled, "before_dispatch": r.before_dispatch}),
+                Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
+            }
+        }
         Op::LoadKv { requests } => match coord.load_kv(LoadKv { requests }).await {
             Ok(r) => {
                 json!({"event": "load_kv", "line": n, "accepted": r.accepted, "awaiting": r.awaiting,
