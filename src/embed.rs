@@ -449,6 +449,11 @@ async fn forward_events(
     // back after the System stopped (`forward_burst` there) for what this task had no turn for.
     while let Some(first) = std::future::poll_fn(|cx| rx.borrow_mut().poll_recv(cx)).await {
         if !forward_burst(first, &mut rx.borrow_mut(), &tx) {
+            // The host dropped its stream: close the actors' channel, so that their events are
+            // dropped where they are emitted rather than queued for nobody.
+            let mut rx = rx.borrow_mut();
+            rx.close();
+            while rx.try_recv().is_ok() {}
             return;
         }
     }
@@ -887,6 +892,28 @@ mod tests {
             KvEvent::Released { req_id, .. } => req_id,
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn once_the_host_dropped_its_stream_events_are_no_longer_queued() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let local = tokio::task::LocalSet::new();
+        let (sink_tx, rx) = unbounded_channel();
+        let (tx, bursts) = unbounded_channel();
+        drop(bursts);
+        // kvrecv's thread keeps a reference too (for the flush after a stop).
+        let rx = Rc::new(RefCell::new(rx));
+        let kept = rx.clone();
+        let forwarder = local.spawn_local(forward_events(rx, tx));
+        sink_tx.send(released("r0")).unwrap();
+        local.block_on(&rt, forwarder).unwrap();
+        assert!(
+            sink_tx.send(released("r1")).is_err(),
+            "the actors' channel is closed: later events are dropped, not kept"
+        );
+        assert!(kept.borrow_mut().try_recv().is_err(), "nothing queued");
     }
 
     #[test]

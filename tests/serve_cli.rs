@@ -307,8 +307,17 @@ async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
     s.send(r#"{"op":"abort"}"#).await;
     let e = s.wait("error", |v| ev(v, "error")).await;
     assert!(e["error"].as_str().unwrap().contains("req_id"), "{e}");
-    s.send(r#"{"op":"drain","req_id":"d-1"}"#).await;
-    s.wait("error", |v| ev(v, "error")).await;
+    for wrong in [
+        r#"{"op":"drain","req_id":"d-1"}"#,
+        r#"{"op":"load_kv","requests":[],"req_id":"d-1"}"#,
+    ] {
+        s.send(wrong).await;
+        let e = s.wait("error", |v| ev(v, "error")).await;
+        assert!(
+            e["error"].as_str().unwrap().contains("only abort takes"),
+            "{e}"
+        );
+    }
     s.send(r#"{"op":"abort","req_id":"nobody"}"#).await;
     let a = s.wait("abort", |v| ev(v, "abort")).await;
     assert_eq!(

@@ -178,15 +178,18 @@ impl PeerState {
             None => outcome,
         };
         match pull.pending.remove(req_id) {
-            Some(req) => fx.settles.push((
-                req.awaited,
-                Settle {
-                    peer: self.peer.clone(),
-                    pull_id,
-                    req_id: req.meta.req_id.clone(),
-                    outcome,
-                },
-            )),
+            Some(req) => {
+                pull.aborted.retain(|(id, _)| &**id != req_id);
+                fx.settles.push((
+                    req.awaited,
+                    Settle {
+                        peer: self.peer.clone(),
+                        pull_id,
+                        req_id: req.meta.req_id.clone(),
+                        outcome,
+                    },
+                ));
+            }
             None => fx.stale.note(req_id),
         }
     }
@@ -231,9 +234,6 @@ impl PeerState {
         for id in ids {
             // The outcome is replaced by the abort's in `settle`.
             self.settle(fx, pull_id, &id, SettleOutcome::Ok);
-        }
-        if let Some(pull) = self.pulls.get_mut(&pull_id) {
-            pull.aborted.clear();
         }
     }
 
@@ -445,10 +445,31 @@ mod tests {
             outcomes(&fx),
             vec![("a".into(), aborted()), ("b".into(), SettleOutcome::Ok)]
         );
+        assert!(
+            fx.stale.is_empty(),
+            "nothing P said was stale: {:?}",
+            fx.stale
+        );
         // Settled once: a later ok for it is stale.
         let late = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
         assert!(late.settles.is_empty());
         assert_eq!(late.stale.count, 1);
+    }
+
+    #[test]
+    fn an_aborted_request_p_answered_is_not_settled_again() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start(&pull(1, &["a", "b", "c"]));
+        st.abort("a", "aborted by the host");
+        let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
+        assert_eq!(outcomes(&fx), vec![("a".into(), aborted())]);
+        let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["b".into()], vec![]));
+        assert_eq!(outcomes(&fx), vec![("b".into(), SettleOutcome::Ok)]);
+        assert!(fx.stale.is_empty(), "{:?}", fx.stale);
+        // Aborting the last one settles it alone, with nothing stale.
+        let (fx, n) = st.abort("c", "aborted by the host");
+        assert_eq!((outcomes(&fx), n), (vec![("c".into(), aborted())], 1));
+        assert!(fx.stale.is_empty(), "{:?}", fx.stale);
     }
 
     #[test]

@@ -93,8 +93,14 @@ impl Coordinator {
     /// that lost, a `timeout`) hands nothing over; what it took goes back to the ledger, ahead
     /// of anything newer, for the next drain. Drains run one at a time, so that a put-back is
     /// in the ledger before any later drain takes from it (a failure signal then never reaches
-    /// the host after its request's completion).
+    /// the host after its request's completion): a second drain waits until the first
+    /// returned or was dropped, so do not hold one pending while awaiting another.
     pub async fn drain(&self) -> Result<StepOutput, actix::MailboxError> {
+        // Stopped: say so at once, without waiting for a turn a drain caught by the stop may
+        // hold.
+        if !self.block_manager.connected() {
+            return Err(actix::MailboxError::Closed);
+        }
         let turn = self.drains.clone().lock_owned().await;
         let (tx, rx) = tokio::sync::oneshot::channel();
         // Not `send`: its reply would be lost with a dropped future. A closed mailbox drops the

@@ -369,6 +369,7 @@ impl Op {
         match (l.op, l.requests, l.req_id) {
             (OpName::LoadKv, Some(requests), None) => Ok(Op::LoadKv { requests }),
             (OpName::LoadKv, None, _) => Err("load_kv needs `requests`".into()),
+            (OpName::LoadKv, Some(_), Some(_)) => Err("only abort takes `req_id`".into()),
             (OpName::Abort, None, Some(req_id)) if !req_id.is_empty() => Ok(Op::Abort { req_id }),
             (OpName::Abort, None, _) => Err("abort needs a non-empty `req_id`".into()),
             (_, Some(_), _) => Err("only load_kv takes `requests`".into()),
