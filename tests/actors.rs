@@ -928,6 +928,9 @@ async fn a_drain_dropped_before_its_reply_loses_nothing() {
         h.coord.drain().await.unwrap().is_empty(),
         "handed over once"
     );
+    // Read by the host: the id may be loaded again at once.
+    let again = h.load(vec![req("r1", &[7])]).await;
+    assert!(again.rejected.is_empty(), "{again:?}");
 }
 
 /// The same when the reply was already sent but never read: it goes back to the ledger ahead
@@ -942,6 +945,12 @@ async fn a_drain_dropped_after_its_reply_puts_it_back_in_front() {
         assert!(futures::poll!(dropped.as_mut()).is_pending());
         // The BlockManager handles the drain (and replies) before this message.
         h.coord.block_manager.send(GetLedgerStats).await.unwrap();
+        // Sent but not read: the host does not know r1 finished, so r1 is still live.
+        let early = h.load(vec![req("r1", &[7])]).await;
+        assert!(
+            matches!(early.rejected.as_slice(), [BatchError::AlreadyLive { .. }]),
+            "{early:?}"
+        );
     }
     let again = h.load(vec![req("r1", &[7])]).await;
     assert!(

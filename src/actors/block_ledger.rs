@@ -279,26 +279,34 @@ impl BlockLedger {
         self.held.get(req_id).map(|h| h.peers.as_slice())
     }
 
-    /// Put back a drain's output the host never received, in front of what came since (it is
-    /// older): the ids are live again until a drain hands them over. A failure signal stays
-    /// ahead of its completion because the caller restores before any later drain.
+    /// Put back a drain's output the host never received (see [`BlockLedger::take`]), in front
+    /// of what came since (it is older). A failure signal stays ahead of its completion because
+    /// the caller restores before any later drain.
     pub fn undrain(&mut self, back: StepOutput) {
-        for id in &back.finished_recving {
-            self.live.insert(id.clone());
-        }
         let newer = std::mem::replace(&mut self.out, back);
         self.out.finished_recving.extend(newer.finished_recving);
         self.out.failed_recving.extend(newer.failed_recving);
         self.out.invalid_block_ids.extend(newer.invalid_block_ids);
     }
 
-    /// Everything ready for the host since the last drain.
-    pub fn drain(&mut self) -> StepOutput {
-        let out = std::mem::take(&mut self.out);
-        // Handed to the host: the id may be loaded again.
-        for id in &out.finished_recving {
+    /// Everything ready for the host since the last drain, its requests still live: they
+    /// become loadable again at [`BlockLedger::handed`], once the host has the output (a
+    /// drain whose reply the host may not read; see `Coordinator::drain`).
+    pub fn take(&mut self) -> StepOutput {
+        std::mem::take(&mut self.out)
+    }
+
+    /// The host has these finished requests: their ids may be loaded again.
+    pub fn handed(&mut self, finished: &[ReqId]) {
+        for id in finished {
             self.live.remove(id);
         }
+    }
+
+    /// Everything ready for the host since the last drain, handed over at once.
+    pub fn drain(&mut self) -> StepOutput {
+        let out = self.take();
+        self.handed(&out.finished_recving);
         out
     }
 }

@@ -10,7 +10,7 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 use crate::config::Policy;
 use crate::messages::{
     Admit, Allocate, BatchError, Completion, Drain, DrainTo, FirstFailure, Free, GetLedgerStats,
-    KvEvent, LedgerStats, ReqId, Undrained,
+    Handed, KvEvent, LedgerStats, ReqId, Undrained,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -200,10 +200,18 @@ impl Handler<DrainTo> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, DrainTo(reply): DrainTo, _ctx: &mut Context<Self>) {
-        if let Err(out) = reply.send(self.ledger.drain()) {
+        if let Err(out) = reply.send(self.ledger.take()) {
             // The host stopped waiting before the reply: nothing was handed over.
             self.ledger.undrain(out);
         }
+    }
+}
+
+impl Handler<Handed> for BlockManager {
+    type Result = ();
+
+    fn handle(&mut self, Handed(finished): Handed, _ctx: &mut Context<Self>) {
+        self.ledger.handed(&finished);
     }
 }
 

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{DrainTo, LoadKv, LoadKvReply, StepOutput, Undrained};
+use crate::messages::{DrainTo, Handed, LoadKv, LoadKvReply, StepOutput, Undrained};
 use crate::rdma::Landing;
 
 use super::block_ledger::BlockLedger;
@@ -135,6 +135,15 @@ impl std::future::Future for PendingDrain {
     ) -> std::task::Poll<Self::Output> {
         let r = std::task::ready!(std::pin::Pin::new(&mut self.reply).poll(cx));
         self.done = true;
+        if let Ok(out) = &r {
+            // The host has it: its finished ids may be loaded again (before this message
+            // they stayed live, so a load of one was refused while the host might not have
+            // read the drain). Sent before the turn is released.
+            if !out.finished_recving.is_empty() {
+                self.block_manager
+                    .do_send(Handed(out.finished_recving.clone()));
+            }
+        }
         std::task::Poll::Ready(r.map_err(|_| actix::MailboxError::Closed))
     }
 }

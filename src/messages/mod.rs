@@ -26,7 +26,7 @@ pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
 pub use batch::{BatchError, Interner, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
 pub use completion::{Completion, FirstFailure, Outcome};
-pub use drain::{Drain, DrainTo, StepOutput, Undrained};
+pub use drain::{Drain, DrainTo, Handed, StepOutput, Undrained};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
