@@ -345,6 +345,47 @@ async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
     );
 }
 
+/// SIGTERM (an operator's stop, a container runtime's): serve stops as at the end of its input,
+/// so the host still reads the `shutdown` line with the requests abandoned in flight (here the
+/// one P never finishes), and the exit status is success.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_serve_as_the_end_of_input_does() {
+    let (tx, mut jobs) = tokio::sync::mpsc::unbounded_channel();
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(Stuck(tx)))
+        .await
+        .unwrap();
+    let mut s = Serve::start(&[
+        "--layers",
+        "2",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "64",
+        "--log-level",
+        "warn",
+    ]);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_ids": [[5]]}]});
+    s.send(&load.to_string()).await;
+    s.wait("load_kv", |v| ev(v, "load_kv")).await;
+    tokio::time::timeout(SAFETY, jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let pid = s.child.id().expect("running") as libc::pid_t;
+    // SAFETY: signals our own child, which is still running (not yet waited for).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let last = s.wait("shutdown", |v| ev(v, "shutdown")).await;
+    assert_eq!(last["unreleased"], 1, "{last}");
+    let status = tokio::time::timeout(SAFETY, s.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+}
+
 /// The simulator's TE writer, remembering every job so the test can replay one late.
 struct Recording {
     inner: TeWriter,

@@ -11,7 +11,7 @@
 //! printed: `all` (default), `completions` (only `completion` lines), `none` (a host that only
 //! needs `drain`; the coordinator then produces no events at all).
 //!
-//! `shutdown` (or the end of input) is answered by a last `drain` line when anything was released
+//! `shutdown` (or the end of input, or SIGTERM/SIGINT) is answered by a last `drain` line when anything was released
 //! since the host's last drain, then `{"event":"shutdown","unreleased":N}`: N awaited requests
 //! were never released (abandoned in flight).
 //!
@@ -531,6 +531,30 @@ async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> ser
     }
 }
 
+/// SIGTERM and SIGINT, as one source.
+struct StopSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl StopSignals {
+    fn new() -> std::io::Result<Self> {
+        use tokio::signal::unix::{signal, SignalKind};
+        Ok(StopSignals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
+    }
+
+    /// The next stop signal's name.
+    async fn next(&mut self) -> &'static str {
+        tokio::select! {
+            _ = self.term.recv() => "SIGTERM",
+            _ = self.int.recv() => "SIGINT",
+        }
+    }
+}
+
 /// Requests awaited (per `load_kv` answers) and not yet handed back released (per `drain`
 /// answers): each awaited request is in exactly one drain's `finished_recving`, at release.
 #[derive(Default)]
@@ -622,6 +646,19 @@ async fn serve(
     let pause_count = labels.counter(kvrecv::telemetry::STDIN_PAUSES);
     let mut unreleased = Unreleased::default();
     let mut stdout_lost = false;
+    let mut stop = match StopSignals::new() {
+        Ok(s) => s,
+        Err(e) => {
+            emit(
+                &out,
+                json!({"event": "error", "error": format!("signal handlers: {e}")}),
+            );
+            drop(out);
+            writer.join().await;
+            actix_rt::System::current().stop();
+            return ExitCode::from(2);
+        }
+    };
     loop {
         if !paused && out.over_high_water() {
             paused = true;
@@ -639,6 +676,12 @@ async fn serve(
                         Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
                     }
                 }
+            }
+            // An operator's stop (SIGTERM, SIGINT): as at the end of input, so the host still
+            // gets the last drain and the count of requests abandoned in flight.
+            name = stop.next() => {
+                tracing::warn!(signal = name, "stopping: shutting down as at the end of input");
+                break;
             }
             // Nothing serve says can reach the host: stop as at the end of input.
             () = out.closed() => {
