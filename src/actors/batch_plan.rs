@@ -25,22 +25,43 @@ pub struct Validated {
 }
 
 /// Validate every request of a batch against the wire rules ([`KvRequest::validate`]) and the
-/// layout (group count, block range), refusing an id listed twice in the batch.
+/// layout (group count, block range), refusing an id listed twice in the batch, and an awaited
+/// request whose P transfer (engine, `transfer_id`) another awaited request of the batch has.
 pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout, interner: &mut Interner) -> Validated {
     let mut out = Validated::default();
     let mut seen = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
+    let mut transfers = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
     for (i, kv) in requests.into_iter().enumerate() {
         match kv
             .validate_with(interner)
             .and_then(|m| check_blocks(&m, layout).map(|_| m))
         {
-            Ok(m) if !seen.insert(m.req_id.clone()) => out.rejected.push((
+            Ok(m) if seen.contains(&m.req_id) => out.rejected.push((
                 i,
                 BatchError::Duplicate {
                     req_id: m.req_id.to_string(),
                 },
             )),
-            Ok(m) => out.valid.push((i, Arc::new(m))),
+            Ok(m)
+                if m.is_awaiting()
+                    && !transfers.insert((
+                        m.bootstrap_addr.clone(),
+                        m.engine_id.clone(),
+                        m.transfer_id.clone(),
+                    )) =>
+            {
+                out.rejected.push((
+                    i,
+                    BatchError::DuplicateTransferId {
+                        req_id: m.req_id.to_string(),
+                        transfer_id: m.transfer_id.to_string(),
+                    },
+                ))
+            }
+            Ok(m) => {
+                seen.insert(m.req_id.clone());
+                out.valid.push((i, Arc::new(m)));
+            }
             Err(e) => out.rejected.push((i, e)),
         }
     }
@@ -223,6 +244,35 @@ mod tests {
                 (2, "duplicate_in_batch"),
                 (3, "group_count")
             ]
+        );
+    }
+
+    #[test]
+    fn two_awaited_requests_of_one_p_transfer_are_refused_after_the_first() {
+        let l = KvLayout::uniform(1, 4096, 8);
+        let with_transfer = |id: &str, engine: &str, t: &str, blocks: Vec<Vec<u32>>| KvRequest {
+            transfer_id: Some(t.into()),
+            ..kv(id, engine, blocks)
+        };
+        let v = validate(
+            vec![
+                with_transfer("a", "e1", "t", vec![vec![1]]),
+                with_transfer("b", "e1", "t", vec![vec![2]]),
+                // Another engine's transfer of the same name, and a request with nothing to
+                // receive, are not the same transfer.
+                with_transfer("c", "e2", "t", vec![vec![3]]),
+                with_transfer("d", "e1", "t", vec![]),
+            ],
+            &l,
+            &mut Interner::default(),
+        );
+        let ok: Vec<&str> = v.valid.iter().map(|(_, m)| &*m.req_id).collect();
+        assert_eq!(ok, ["a", "c", "d"]);
+        assert!(
+            matches!(&v.rejected[..], [(1, BatchError::DuplicateTransferId { req_id, transfer_id })]
+                if req_id == "b" && transfer_id == "t"),
+            "{:?}",
+            v.rejected
         );
     }
 

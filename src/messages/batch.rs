@@ -59,6 +59,17 @@ pub enum BatchError {
         /// The request refused.
         req_id: String,
     },
+    #[error(
+        "request {req_id}: transfer_id {transfer_id} is already another request's in the batch \
+         (P keys its transfers by it: two requests cannot share one)"
+    )]
+    /// Two requests of one batch name the same P transfer (same engine and `transfer_id`).
+    DuplicateTransferId {
+        /// The request refused.
+        req_id: String,
+        /// The transfer it shares.
+        transfer_id: String,
+    },
     #[error("request {req_id}: block id {block} is outside the pool of {num_blocks} blocks")]
     /// A block id outside the layout's pool.
     BlockOutOfRange {
@@ -150,6 +161,7 @@ impl BatchError {
             BatchError::MissingField { req_id, .. }
             | BatchError::EmptyField { req_id, .. }
             | BatchError::Duplicate { req_id }
+            | BatchError::DuplicateTransferId { req_id, .. }
             | BatchError::BlockOutOfRange { req_id, .. }
             | BatchError::GroupCount { req_id, .. }
             | BatchError::BadBootstrapAddr { req_id, .. }
@@ -166,6 +178,7 @@ impl BatchError {
         match self {
             BatchError::MissingField { .. } | BatchError::EmptyField { .. } => "missing_field",
             BatchError::Duplicate { .. } => "duplicate_in_batch",
+            BatchError::DuplicateTransferId { .. } => "duplicate_transfer_id",
             BatchError::BlockOutOfRange { .. } => "block_out_of_range",
             BatchError::GroupCount { .. } => "group_count",
             BatchError::BadBootstrapAddr { .. } => "bad_bootstrap_addr",
