@@ -762,7 +762,7 @@ impl KvRecv {
     /// aborted request's closed permit - the failure is published, and its blocks appear in
     /// `finished_recving` only once no peer can write into them (fenced, or the last-resort
     /// deadline) - never early. A request still in its bootstrap lookup is never sent: it
-    /// completes Failed when the lookup ends (at most the bootstrap timeout). Aborting an
+    /// completes Failed at once. Aborting an
     /// unknown or completed request does nothing.
     pub async fn abort(&self, req_id: &str) -> Result<AbortReply, KvRecvError> {
         self.inner

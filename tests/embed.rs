@@ -96,7 +96,9 @@ impl kvrecv::actors::TopologySource for GatedTopology {
 }
 
 /// An abort that arrives while the request's topology lookup is in flight: nothing is ever sent
-/// for it (no peer has its addresses), it completes Failed at once and its blocks come back.
+/// for it (no peer has its addresses), it completes Failed at once, before the lookup ends, and
+/// its blocks come back. The id, drained, may be loaded again while the first lookup still
+/// runs: that new request is sent once the lookup ends, the aborted one never is.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_before_dispatch_fails_the_request_without_sending_it() {
     let (tx, rx) = std::sync::mpsc::channel();
@@ -128,10 +130,9 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
         remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
         block_ids: vec![vec![3]],
     };
-    assert_eq!(kv.load_kv(vec![r]).await.unwrap().awaiting, 1);
+    assert_eq!(kv.load_kv(vec![r.clone()]).await.unwrap().awaiting, 1);
     let ab = kv.abort("r1").await.unwrap();
     assert!(ab.before_dispatch, "{ab:?}");
-    go.send(()).unwrap();
     let mut step = kv.drain().await.unwrap();
     for _ in 0..10_000 {
         if !step.finished_recving.is_empty() {
@@ -140,9 +141,27 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
         tokio::task::yield_now().await;
         step = kv.drain().await.unwrap();
     }
-    assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+    assert_eq!(
+        step.finished_recving,
+        vec![ReqId::from("r1")],
+        "before the lookup ends"
+    );
     assert_eq!(step.invalid_block_ids, vec![3]);
-    assert!(opened.try_recv().is_err(), "nothing was sent");
+    // The same id again, blocks 4, while the first lookup is still held.
+    let again = KvRequest {
+        block_ids: vec![vec![4]],
+        ..r.clone()
+    };
+    assert_eq!(kv.load_kv(vec![again]).await.unwrap().awaiting, 1);
+    go.send(()).unwrap();
+    let pull = tokio::time::timeout(std::time::Duration::from_secs(30), opened.recv())
+        .await
+        .expect("the new request is sent")
+        .expect("transport open");
+    let md = pull.metadata();
+    let blocks: Vec<_> = md.req_blocks.values().map(|(_, b)| b.clone()).collect();
+    assert_eq!(blocks, vec![vec![vec![4]]], "only the new request, once");
+    assert!(opened.try_recv().is_err(), "one pull");
     kv.shutdown().await;
 }
 

@@ -2,7 +2,7 @@
 //! engine, registers every awaited request with the RequestAggregator and hands each Peer its
 //! pull.
 
-use crate::fast_hash::{FastMap, FastSet};
+use crate::fast_hash::FastMap;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -49,9 +49,11 @@ pub struct Receiver {
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
     rediscovery: Rc<RefCell<Rediscovery>>,
     /// Awaited requests admitted but not yet dispatched (their topology lookup is in flight).
-    undispatched: FastSet<ReqId>,
-    /// Of those, the ones the host aborted: failed at dispatch instead of sent.
-    aborted: FastSet<ReqId>,
+    undispatched: FastMap<ReqId, SharedRequest>,
+    /// Requests the host aborted while undispatched: already failed, skipped at dispatch. Kept
+    /// by identity, not id: once drained, the id may be loaded again before the first lookup
+    /// ends, and that new request must go out.
+    aborted: Vec<SharedRequest>,
     /// Engine ids and bootstrap addresses, shared by every request that names them.
     interner: Interner,
     /// Metadata encoder (a seam so a test can make it fail).
@@ -98,8 +100,8 @@ impl Receiver {
             events,
             peers: FastMap::default(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
-            undispatched: FastSet::default(),
-            aborted: FastSet::default(),
+            undispatched: FastMap::default(),
+            aborted: Vec::new(),
             interner: Interner::default(),
             encode: |md, tail| match tail {
                 Some(t) => md.encode_with(t),
@@ -174,6 +176,18 @@ impl Receiver {
         self.fail_awaiting(group, why.to_string());
     }
 
+    /// `r` is being dispatched (or failed): no longer undispatched, unless the id is now another
+    /// request's (loaded again after this one was aborted and drained).
+    fn forget_undispatched(&mut self, r: &SharedRequest) {
+        if self
+            .undispatched
+            .get(&r.req_id)
+            .is_some_and(|u| Arc::ptr_eq(u, r))
+        {
+            self.undispatched.remove(&r.req_id);
+        }
+    }
+
     fn fail_awaiting(&mut self, group: Vec<SharedRequest>, reason: String) {
         let requests: Vec<_> = group.into_iter().filter(|r| r.is_awaiting()).collect();
         if !requests.is_empty() {
@@ -189,15 +203,19 @@ impl Receiver {
     ) {
         let mut group = group;
         for r in &group {
-            self.undispatched.remove(&r.req_id);
+            self.forget_undispatched(r);
         }
         if !self.aborted.is_empty() {
-            // Aborted before anything was sent: no peer has its addresses, so Failed now.
-            let (gone, rest): (Vec<_>, Vec<_>) = group
-                .into_iter()
-                .partition(|r| self.aborted.remove(&r.req_id));
-            group = rest;
-            self.fail_awaiting(gone, ABORTED_BY_HOST.into());
+            // Aborted during the lookup: failed then, never sent.
+            group.retain(
+                |r| match self.aborted.iter().position(|a| Arc::ptr_eq(a, r)) {
+                    Some(i) => {
+                        self.aborted.swap_remove(i);
+                        false
+                    }
+                    None => true,
+                },
+            );
             if group.is_empty() {
                 return;
             }
@@ -323,12 +341,15 @@ impl Handler<LoadKv> for Receiver {
 impl Handler<Abort> for Receiver {
     type Result = ResponseActFuture<Self, AbortReply>;
 
-    /// Downward only: a request not yet sent is failed at dispatch; otherwise every peer is
-    /// asked to settle what it still owes for it (Uncertain). The aggregator then publishes the
-    /// failure and completes, and the BlockManager holds the blocks until they are fenced.
+    /// Downward only: a request not yet sent (its topology lookup in flight) fails at once and
+    /// is never sent (no peer has its addresses: its blocks come back with the completion);
+    /// otherwise every peer is asked to settle what it still owes for it (Uncertain). The
+    /// aggregator then publishes the failure and completes, and the BlockManager holds the
+    /// blocks until they are fenced.
     fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
-        if self.undispatched.contains(&msg.req_id) {
-            self.aborted.insert(msg.req_id.clone());
+        if let Some(r) = self.undispatched.remove(&msg.req_id) {
+            self.aborted.push(r.clone());
+            self.fail_awaiting(vec![r], ABORTED_BY_HOST.into());
             self.labels
                 .counter_by(m::ABORTS, "stage", "before_dispatch")
                 .increment(1);
@@ -393,7 +414,7 @@ impl Receiver {
             reply.accepted += 1;
             reply.awaiting += usize::from(meta.is_awaiting());
             if meta.is_awaiting() {
-                self.undispatched.insert(meta.req_id.clone());
+                self.undispatched.insert(meta.req_id.clone(), meta.clone());
             }
             admitted.push(meta);
         }
@@ -411,7 +432,7 @@ impl Receiver {
             match plan {
                 Plan::Fail(why) => {
                     for r in &group {
-                        self.undispatched.remove(&r.req_id);
+                        self.forget_undispatched(r);
                     }
                     self.fail_unreachable(group, why);
                     continue;

@@ -25,7 +25,7 @@ pub struct AbortReply {
     /// other pending requests of its pull are settled.
     pub peers_settled: usize,
     /// The request was loaded but not yet sent to any peer (its topology lookup was in
-    /// flight): it completes Failed without being sent.
+    /// flight): it completed Failed at once and is never sent.
     pub before_dispatch: bool,
 }
 
