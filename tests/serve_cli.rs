@@ -273,12 +273,8 @@ impl KvWriter for Stuck {
     }
 }
 
-/// `{"op":"abort","req_id":..}`: the host's client went away while P is writing. The answer
-/// says one peer owed it; it fails ("aborted"), completes, its blocks come back through drain
-/// (fenced: the permit is closed). An unknown id settles nothing; a line without `req_id`, or
-/// an op given a `req_id` it does not take, gets an error line and serve keeps going.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
+/// serve with one request, `d-1` (block 5), that P has and never finishes writing.
+async fn serve_with_one_request_p_holds() -> (Serve, PrefillSim) {
     let (tx, mut jobs) = tokio::sync::mpsc::unbounded_channel();
     let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(Stuck(tx)))
         .await
@@ -303,6 +299,16 @@ async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
         .await
         .unwrap()
         .unwrap();
+    (s, sim)
+}
+
+/// `{"op":"abort","req_id":..}`: the host's client went away while P is writing. The answer
+/// says one peer owed it; it fails ("aborted"), completes, its blocks come back through drain
+/// (fenced: the permit is closed). An unknown id settles nothing; a line without `req_id`, or
+/// an op given a `req_id` it does not take, gets an error line and serve keeps going.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
+    let (mut s, _sim) = serve_with_one_request_p_holds().await;
 
     s.send(r#"{"op":"abort"}"#).await;
     let e = s.wait("error", |v| ev(v, "error")).await;
@@ -350,30 +356,7 @@ async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
 /// one P never finishes), and the exit status is success.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_serve_as_the_end_of_input_does() {
-    let (tx, mut jobs) = tokio::sync::mpsc::unbounded_channel();
-    let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(Stuck(tx)))
-        .await
-        .unwrap();
-    let mut s = Serve::start(&[
-        "--layers",
-        "2",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "64",
-        "--log-level",
-        "warn",
-    ]);
-    s.wait("ready", |v| ev(v, "ready")).await;
-    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
-        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
-        "block_ids": [[5]]}]});
-    s.send(&load.to_string()).await;
-    s.wait("load_kv", |v| ev(v, "load_kv")).await;
-    tokio::time::timeout(SAFETY, jobs.recv())
-        .await
-        .unwrap()
-        .unwrap();
+    let (mut s, _sim) = serve_with_one_request_p_holds().await;
     let pid = s.child.id().expect("running") as libc::pid_t;
     // SAFETY: signals our own child, which is still running (not yet waited for).
     assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);

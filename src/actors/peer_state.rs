@@ -83,6 +83,33 @@ impl InFlight {
             .find(|(id, _)| &**id == req_id)
             .map(|(_, why)| why.as_str())
     }
+
+    /// How `req_id` settles: as aborted if the host aborted it, whatever else was said of it.
+    fn outcome_of(&self, req_id: &str, said: SettleOutcome) -> SettleOutcome {
+        match self.abort_reason(req_id) {
+            Some(why) => SettleOutcome::uncertain(Cause::Aborted, why),
+            None => said,
+        }
+    }
+}
+
+/// A settle to send, flagged whether an aggregator awaits it.
+fn settle_of(
+    peer: &PeerId,
+    pull_id: PullId,
+    req_id: &ReqId,
+    awaited: bool,
+    outcome: SettleOutcome,
+) -> (bool, Settle) {
+    (
+        awaited,
+        Settle {
+            peer: peer.clone(),
+            pull_id,
+            req_id: req_id.clone(),
+            outcome,
+        },
+    )
 }
 
 /// Pending requests of every in-flight pull of one peer.
@@ -172,22 +199,16 @@ impl PeerState {
         let Some(pull) = self.pulls.get_mut(&pull_id) else {
             return;
         };
-        // An aborted request settles as aborted, whatever the reply says of it.
-        let outcome = match pull.abort_reason(req_id) {
-            Some(why) => SettleOutcome::uncertain(Cause::Aborted, why),
-            None => outcome,
-        };
+        let outcome = pull.outcome_of(req_id, outcome);
         match pull.pending.remove(req_id) {
             Some(req) => {
                 pull.aborted.retain(|(id, _)| &**id != req_id);
-                fx.settles.push((
+                fx.settles.push(settle_of(
+                    &self.peer,
+                    pull_id,
+                    &req.meta.req_id,
                     req.awaited,
-                    Settle {
-                        peer: self.peer.clone(),
-                        pull_id,
-                        req_id: req.meta.req_id.clone(),
-                        outcome,
-                    },
+                    outcome,
                 ));
             }
             None => fx.stale.note(req_id),
@@ -198,19 +219,10 @@ impl PeerState {
     fn settle_rest(&mut self, fx: &mut Effects, pull_id: PullId, outcome: SettleOutcome) {
         if let Some(pull) = self.pulls.remove(&pull_id) {
             for req in pull.pending.iter() {
-                let outcome = match pull.abort_reason(&req.meta.req_id) {
-                    Some(why) => SettleOutcome::uncertain(Cause::Aborted, why),
-                    None => outcome.clone(),
-                };
-                fx.settles.push((
-                    req.awaited,
-                    Settle {
-                        peer: self.peer.clone(),
-                        pull_id,
-                        req_id: req.meta.req_id.clone(),
-                        outcome,
-                    },
-                ));
+                let id = &req.meta.req_id;
+                let outcome = pull.outcome_of(id, outcome.clone());
+                fx.settles
+                    .push(settle_of(&self.peer, pull_id, id, req.awaited, outcome));
             }
         }
         fx.pull_done = true;
