@@ -17,6 +17,18 @@ use tokio::process::{Child, ChildStdin, ChildStdout, Command};
 
 const SAFETY: Duration = Duration::from_secs(30);
 
+/// A two-layer layout of 64 blocks of 4 KiB, warnings only.
+const BASIC: &[&str] = &[
+    "--layers",
+    "2",
+    "--block-len",
+    "4096",
+    "--num-blocks",
+    "64",
+    "--log-level",
+    "warn",
+];
+
 struct Serve {
     child: Child,
     stdin: ChildStdin,
@@ -102,16 +114,7 @@ async fn serve_session_over_the_pipe() {
             ..Faults::default()
         },
     );
-    let mut s = Serve::start(&[
-        "--layers",
-        "2",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "64",
-        "--log-level",
-        "warn",
-    ]);
+    let mut s = Serve::start(BASIC);
     let ready = s.wait("ready", |v| ev(v, "ready")).await;
     assert_eq!(ready["regions"].as_array().unwrap().len(), 2);
     assert_eq!(ready["regions"][0]["base_addr"], 0x7e00_0000_0000u64);
@@ -279,16 +282,7 @@ async fn serve_with_one_request_p_holds() -> (Serve, PrefillSim) {
     let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(Stuck(tx)))
         .await
         .unwrap();
-    let mut s = Serve::start(&[
-        "--layers",
-        "2",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "64",
-        "--log-level",
-        "warn",
-    ]);
+    let mut s = Serve::start(BASIC);
     s.wait("ready", |v| ev(v, "ready")).await;
     let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
         "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
@@ -410,16 +404,7 @@ async fn write_into_serve(extra: &[&str]) -> (Result<(), String>, Value, Value) 
     )
     .await
     .unwrap();
-    let mut args = vec![
-        "--layers",
-        "2",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "64",
-        "--log-level",
-        "warn",
-    ];
+    let mut args = BASIC.to_vec();
     args.extend_from_slice(extra);
     let mut s = Serve::start(&args);
     let ready = s.wait("ready", |v| ev(v, "ready")).await;
