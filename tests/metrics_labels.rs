@@ -129,6 +129,23 @@ async fn two_workers_in_one_process_keep_their_series_apart() {
     released(&mut a_events, "ra").await;
     released(&mut b_events, "rb").await;
 
+    // A drain the host stops waiting for (dropped after its first poll) hands nothing over:
+    // the next drain has it, and the put-back is counted.
+    let first = {
+        let mut d = std::pin::pin!(a.drain());
+        futures::poll!(d.as_mut())
+    };
+    let step = match first {
+        // It was answered before it could be dropped: nothing to put back.
+        std::task::Poll::Ready(step) => step.unwrap(),
+        std::task::Poll::Pending => {
+            let step = a.drain().await.unwrap();
+            assert_eq!(store.counter(m::DRAINS_PUT_BACK, "d-a"), 1);
+            step
+        }
+    };
+    assert_eq!(step.finished_recving, [kvrecv::ReqId::from("ra")]);
+
     // 2 regions x 4096 bytes a block.
     assert_eq!(store.counter(m::BYTES_LANDED, "d-a"), 2 * 4096);
     assert_eq!(store.counter(m::BYTES_LANDED, "d-b"), 3 * 2 * 4096);

@@ -10,7 +10,7 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 use crate::config::Policy;
 use crate::messages::{
     Admit, Allocate, BatchError, Completion, Drain, DrainTo, FirstFailure, Free, GetLedgerStats,
-    Handed, KvEvent, LedgerStats, ReqId, Undrained,
+    Handed, KvEvent, LedgerStats, ReqId, StepOutput, Undrained,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -202,8 +202,21 @@ impl Handler<DrainTo> for BlockManager {
     fn handle(&mut self, DrainTo(reply): DrainTo, _ctx: &mut Context<Self>) {
         if let Err(out) = reply.send(self.ledger.take()) {
             // The host stopped waiting before the reply: nothing was handed over.
-            self.ledger.undrain(out);
+            self.put_back(out);
         }
+    }
+}
+
+impl BlockManager {
+    fn put_back(&mut self, out: StepOutput) {
+        if !out.is_empty() {
+            tracing::info!(
+                finished = out.finished_recving.len(),
+                "a drain the host stopped waiting for: its output is kept for the next"
+            );
+            self.labels.counter(m::DRAINS_PUT_BACK).increment(1);
+        }
+        self.ledger.undrain(out);
     }
 }
 
@@ -219,7 +232,7 @@ impl Handler<Undrained> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, Undrained(out): Undrained, _ctx: &mut Context<Self>) {
-        self.ledger.undrain(out);
+        self.put_back(out);
     }
 }
 
