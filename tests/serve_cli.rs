@@ -304,9 +304,12 @@ async fn serve_with_one_request_p_holds() -> (Serve, PrefillSim) {
 async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
     let (mut s, _sim) = serve_with_one_request_p_holds().await;
 
-    s.send(r#"{"op":"abort"}"#).await;
-    let e = s.wait("error", |v| ev(v, "error")).await;
-    assert!(e["error"].as_str().unwrap().contains("req_id"), "{e}");
+    let too_long = json!({"op": "abort", "req_id": "x".repeat(2000)}).to_string();
+    for bad in [r#"{"op":"abort"}"#, too_long.as_str()] {
+        s.send(bad).await;
+        let e = s.wait("error", |v| ev(v, "error")).await;
+        assert!(e["error"].as_str().unwrap().contains("req_id"), "{e}");
+    }
     for wrong in [
         r#"{"op":"drain","req_id":"d-1"}"#,
         r#"{"op":"load_kv","requests":[],"req_id":"d-1"}"#,

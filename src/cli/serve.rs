@@ -370,8 +370,15 @@ impl Op {
             (OpName::LoadKv, Some(requests), None) => Ok(Op::LoadKv { requests }),
             (OpName::LoadKv, None, _) => Err("load_kv needs `requests`".into()),
             (OpName::LoadKv, Some(_), Some(_)) => Err("only abort takes `req_id`".into()),
-            (OpName::Abort, None, Some(req_id)) if !req_id.is_empty() => Ok(Op::Abort { req_id }),
-            (OpName::Abort, None, _) => Err("abort needs a non-empty `req_id`".into()),
+            (OpName::Abort, None, Some(req_id))
+                if !req_id.is_empty() && req_id.len() <= kvrecv::messages::batch::MAX_ID_BYTES =>
+            {
+                Ok(Op::Abort { req_id })
+            }
+            (OpName::Abort, None, _) => Err(format!(
+                "abort needs a non-empty `req_id` of at most {} bytes",
+                kvrecv::messages::batch::MAX_ID_BYTES
+            )),
             (_, Some(_), _) => Err("only load_kv takes `requests`".into()),
             (_, _, Some(_)) => Err("only abort takes `req_id`".into()),
             (OpName::Drain, None, None) => Ok(Op::Drain),

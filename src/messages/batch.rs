@@ -32,6 +32,11 @@ pub struct KvRequest {
     pub block_ids: Vec<Vec<u32>>,
 }
 
+/// The longest request id, transfer id, engine id or bootstrap address accepted, bytes: far
+/// above what vLLM writes (ids of a few dozen bytes), low enough that each pull carrying them
+/// stays small.
+pub const MAX_ID_BYTES: usize = 1024;
+
 /// A request of `load_kv` that cannot be pulled.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum BatchError {
@@ -52,6 +57,19 @@ pub enum BatchError {
         req_id: String,
         /// The field.
         field: &'static str,
+    },
+    #[error("request {req_id}: {field} is {len} bytes, over the {max} an id may have")]
+    /// An id or address longer than any vLLM writes ([`MAX_ID_BYTES`]); `req_id` is cut to
+    /// its first 64 characters here.
+    TooLong {
+        /// The request refused (its first 64 characters).
+        req_id: String,
+        /// The field.
+        field: &'static str,
+        /// Its length, bytes.
+        len: usize,
+        /// The limit.
+        max: usize,
     },
     #[error("request {req_id} appears twice in the batch")]
     /// The same request twice in one batch.
@@ -160,6 +178,7 @@ impl BatchError {
         match self {
             BatchError::MissingField { req_id, .. }
             | BatchError::EmptyField { req_id, .. }
+            | BatchError::TooLong { req_id, .. }
             | BatchError::Duplicate { req_id }
             | BatchError::DuplicateTransferId { req_id, .. }
             | BatchError::BlockOutOfRange { req_id, .. }
@@ -177,6 +196,7 @@ impl BatchError {
     pub fn kind(&self) -> &'static str {
         match self {
             BatchError::MissingField { .. } | BatchError::EmptyField { .. } => "missing_field",
+            BatchError::TooLong { .. } => "too_long",
             BatchError::Duplicate { .. } => "duplicate_in_batch",
             BatchError::DuplicateTransferId { .. } => "duplicate_transfer_id",
             BatchError::BlockOutOfRange { .. } => "block_out_of_range",
@@ -337,9 +357,29 @@ impl KvRequest {
                 field: "req_id",
             });
         }
+        let too_long = |field: &'static str, v: &str| {
+            (v.len() > MAX_ID_BYTES).then(|| BatchError::TooLong {
+                req_id: self.req_id.chars().take(64).collect(),
+                field,
+                len: v.len(),
+                max: MAX_ID_BYTES,
+            })
+        };
+        if let Some(e) = too_long("req_id", &self.req_id) {
+            return Err(e);
+        }
         let transfer_id = field(self, &self.transfer_id, "transfer_id")?;
         let engine_id = field(self, &self.remote_engine_id, "remote_engine_id")?;
         let bootstrap = field(self, &self.remote_bootstrap_addr, "remote_bootstrap_addr")?;
+        for (name, v) in [
+            ("transfer_id", transfer_id),
+            ("remote_engine_id", engine_id),
+            ("remote_bootstrap_addr", bootstrap),
+        ] {
+            if let Some(e) = too_long(name, v) {
+                return Err(e);
+            }
+        }
         let bootstrap = bootstrap.trim_end_matches('/');
         check_bootstrap_addr(bootstrap).map_err(|reason| BatchError::BadBootstrapAddr {
             req_id: self.req_id.clone(),
@@ -445,6 +485,60 @@ mod tests {
             );
             r.req_id.clear();
         }
+    }
+
+    #[test]
+    fn ids_and_addresses_over_the_limit_are_refused_with_the_field_named() {
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        let fits = "y".repeat(MAX_ID_BYTES);
+        let host = format!("http://{}:1", "h".repeat(MAX_ID_BYTES));
+        for (field, r) in [
+            (
+                "req_id",
+                KvRequest {
+                    req_id: long.clone(),
+                    ..req()
+                },
+            ),
+            (
+                "transfer_id",
+                KvRequest {
+                    transfer_id: Some(long.clone()),
+                    ..req()
+                },
+            ),
+            (
+                "remote_engine_id",
+                KvRequest {
+                    remote_engine_id: Some(long.clone()),
+                    ..req()
+                },
+            ),
+            (
+                "remote_bootstrap_addr",
+                KvRequest {
+                    remote_bootstrap_addr: Some(host.clone()),
+                    ..req()
+                },
+            ),
+        ] {
+            match r.validate() {
+                Err(BatchError::TooLong {
+                    field: f, req_id, ..
+                }) => {
+                    assert_eq!(f, field);
+                    assert!(req_id.len() <= 64, "the error carries a cut id");
+                }
+                other => panic!("{field}: {other:?}"),
+            }
+        }
+        let at_limit = KvRequest {
+            req_id: fits.clone(),
+            transfer_id: Some(fits.clone()),
+            remote_engine_id: Some(fits),
+            ..req()
+        };
+        assert!(at_limit.validate().is_ok());
     }
 
     #[test]
