@@ -304,7 +304,9 @@ async fn serve_with_one_request_p_holds() -> (Serve, PrefillSim) {
 async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {
     let (mut s, _sim) = serve_with_one_request_p_holds().await;
 
-    let too_long = json!({"op": "abort", "req_id": "x".repeat(2000)}).to_string();
+    let too_long =
+        json!({"op": "abort", "req_id": "x".repeat(kvrecv::messages::batch::MAX_ID_BYTES + 1)})
+            .to_string();
     for bad in [r#"{"op":"abort"}"#, too_long.as_str()] {
         s.send(bad).await;
         let e = s.wait("error", |v| ev(v, "error")).await;

@@ -33,9 +33,10 @@ pub struct KvRequest {
 }
 
 /// The longest request id, transfer id, engine id or bootstrap address accepted, bytes: far
-/// above what vLLM writes (ids of a few dozen bytes), low enough that each pull carrying them
-/// stays small.
-pub const MAX_ID_BYTES: usize = 1024;
+/// above what vLLM writes (a few dozen bytes; a client's `X-Request-Id` header can make a
+/// request id longer, within an HTTP server's 8 KiB header limit), low enough that a pull
+/// carrying many of them stays small.
+pub const MAX_ID_BYTES: usize = 16 * 1024;
 
 /// A request of `load_kv` that cannot be pulled.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
