@@ -510,6 +510,8 @@ where
             let data_rt = tokio::runtime::Builder::new_multi_thread()
                 .worker_threads(worker_threads)
                 .thread_name("kvrecv-io")
+                // Not the control plane's CPU: a thread spawned later from its thread inherits it.
+                .on_thread_start(crate::control::control_cpu::unpin_current_thread)
                 .enable_all()
                 .build();
             let data_rt = match data_rt {

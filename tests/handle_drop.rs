@@ -1,5 +1,5 @@
 //! Dropping the last handle waits for kvrecv's threads (its actors' thread and the data
-//! target's runtime), so that nothing of the worker can write into the host's memory once the
+//! target's runtime) — which run where they should, the actors' thread on one CPU — so that nothing of the worker can write into the host's memory once the
 //! drop returned: a host that leaves early (`?`) frees its KV cache right after. Alone in its
 //! binary: it counts this process's threads by name.
 
@@ -14,6 +14,16 @@ fn kvrecv_threads() -> Vec<String> {
         .map(|c| c.trim().to_owned())
         .filter(|c| c.starts_with("kvrecv"))
         .collect()
+}
+
+fn cpus(status: impl AsRef<std::path::Path>) -> String {
+    std::fs::read_to_string(status)
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -35,6 +45,25 @@ async fn the_last_handle_dropped_leaves_no_kvrecv_thread() {
         .unwrap();
         let clone = kv.clone();
         assert!(!kvrecv_threads().is_empty(), "the worker runs");
+        // Its actors' thread pinned to one CPU (ZmqTransportConfig::control_cpu), its data
+        // runtime's threads and the host's own left with every CPU.
+        let all = cpus("/proc/thread-self/status");
+        let mut actors = 0;
+        for t in std::fs::read_dir("/proc/self/task").unwrap() {
+            let dir = t.unwrap().path();
+            let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+            match name.trim() {
+                "kvrecv" => {
+                    actors += 1;
+                    let one = cpus(dir.join("status"));
+                    assert!(one.parse::<usize>().is_ok(), "one CPU: {one}");
+                }
+                "kvrecv-io" => assert_eq!(cpus(dir.join("status")), all),
+                _ => {}
+            }
+        }
+        // libzmq's threads, once a pull made them, carry their creator's name and CPU.
+        assert!(actors >= 1);
         assert!(clone.drain().await.unwrap().is_empty());
         drop(kv);
         drop(clone);

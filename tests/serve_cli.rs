@@ -1007,3 +1007,73 @@ async fn prefill_sim_stops_cleanly_when_its_stdout_closes() {
     assert_eq!(done.status.code(), Some(1), "{done:?}");
     assert!(String::from_utf8_lossy(&done.stderr).contains("stdout closed"));
 }
+
+/// Each thread of `pid`: its name and its `Cpus_allowed_list`.
+fn thread_cpus(pid: u32) -> Vec<(String, String)> {
+    let mut v = vec![];
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = t.unwrap().path();
+        let (Ok(comm), Ok(status)) = (
+            std::fs::read_to_string(dir.join("comm")),
+            std::fs::read_to_string(dir.join("status")),
+        ) else {
+            continue; // the thread ended meanwhile
+        };
+        let cpus = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+            .unwrap()
+            .trim()
+            .to_owned();
+        v.push((comm.trim().to_owned(), cpus));
+    }
+    v
+}
+
+/// `--control-cpu`: by default the actors' thread and libzmq's threads (created by the first
+/// pull) run on the one CPU the ready line names, while the data plane's threads keep every
+/// CPU; `any`, or a CPU serve may not use, pins nothing (and serve still serves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_control_plane_runs_on_one_cpu_and_the_data_plane_on_all() {
+    let sim = PrefillSim::start(SimConfig::default()).await.unwrap();
+    let all = std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))
+        .unwrap()
+        .trim()
+        .to_owned();
+    for placement in [None, Some("any"), Some("1000000")] {
+        let mut args = BASIC.to_vec();
+        if let Some(p) = placement {
+            args.extend(["--control-cpu", p]);
+        }
+        let mut s = Serve::start(&args);
+        let ready = s.wait("ready", |v| ev(v, "ready")).await;
+        let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+            "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+            "block_ids": [[5]]}]});
+        s.send(&load.to_string()).await;
+        let c = s.wait("completion", |v| ev(v, "completion")).await;
+        assert_eq!(c["outcome"], "ok", "{placement:?}");
+        let threads = thread_cpus(s.child.id().unwrap());
+        let (data, control): (Vec<_>, Vec<_>) =
+            threads.iter().partition(|(name, _)| name == "kvrecv-data");
+        assert_eq!(data.len(), 2, "{threads:?}");
+        assert!(data.iter().all(|(_, c)| *c == all), "{threads:?}");
+        // The actors' thread, libzmq's I/O and reaper threads.
+        assert!(control.len() >= 3, "{threads:?}");
+        match placement {
+            None => {
+                let cpu = ready["control_cpu"].as_u64().expect("a CPU").to_string();
+                assert!(control.iter().all(|(_, c)| *c == cpu), "{threads:?}");
+            }
+            Some(_) => {
+                assert!(ready["control_cpu"].is_null(), "{ready}");
+                assert!(control.iter().all(|(_, c)| *c == all), "{threads:?}");
+            }
+        }
+        s.send(r#"{"op":"shutdown"}"#).await;
+        s.wait("shutdown", |v| ev(v, "shutdown")).await;
+    }
+}

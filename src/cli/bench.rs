@@ -2,6 +2,7 @@
 
 use std::process::ExitCode;
 
+use kvrecv::control::ControlCpu;
 use kvrecv::repro::bench::{run_bench, BenchConfig, Via};
 
 #[derive(clap::Args, Debug)]
@@ -35,6 +36,9 @@ pub struct BenchArgs {
     /// tokio runtime; the TCP target with landing permits included).
     #[arg(long, value_enum, default_value_t = ViaArg::Actors)]
     pub via: ViaArg,
+    /// Where kvrecv's control plane runs: `current`, a CPU number or `any` (as `serve`).
+    #[arg(long, default_value_t = ControlCpu::Current)]
+    pub control_cpu: ControlCpu,
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -62,6 +66,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
             ViaArg::Actors => Via::Actors,
             ViaArg::Handle => Via::Handle,
         },
+        control_cpu: a.control_cpu,
     };
     if let Some(n) = a.hold {
         return match kvrecv::repro::bench::run_hold(cfg, n) {

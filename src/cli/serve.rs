@@ -44,7 +44,10 @@ use super::serve_output::{output, Output, Writer};
 use super::serve_target::DataTarget;
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::{KvRecvConfig, MooncakeProtocol, Policy};
-use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use kvrecv::control::control_cpu::unpin_current_thread;
+use kvrecv::control::{
+    BootstrapConfig, ControlCpu, HttpTopology, ZmqTransport, ZmqTransportConfig,
+};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
 use kvrecv::rdma::memory::MemoryKind;
@@ -137,6 +140,11 @@ pub struct ServeArgs {
     /// Largest control-plane message accepted from a peer, bytes (at least 1 KiB).
     #[arg(long, default_value_t = 16 * 1024 * 1024, value_parser = clap::value_parser!(i64).range(1024..))]
     pub max_msg_size: i64,
+    /// Where the control plane runs (the actors' thread and libzmq's I/O thread, together):
+    /// `current` (the CPU serve starts its actors on), a CPU number, or `any` (not pinned).
+    /// One CPU saves a cross-CPU wake-up per hand-off between the two (docs/PERFORMANCE.md).
+    #[arg(long, default_value_t = ControlCpu::Current)]
+    pub control_cpu: ControlCpu,
     /// Serve Prometheus text on this address (`/metrics`).
     #[arg(long)]
     pub metrics: Option<SocketAddr>,
@@ -426,6 +434,8 @@ pub fn run(args: ServeArgs) -> ExitCode {
     let data_rt = match tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("kvrecv-data")
+        // Not the control plane's CPU: a thread spawned later from its thread inherits it.
+        .on_thread_start(unpin_current_thread)
         .enable_all()
         .build()
     {
@@ -473,6 +483,7 @@ fn ready_line(
     metrics: Option<SocketAddr>,
     cfg: &KvRecvConfig,
     target: &DataTarget,
+    control_cpu: Option<usize>,
 ) -> serde_json::Value {
     let (host, port) = target.landing().endpoint();
     let (data_plane, bases) = target.ready();
@@ -490,7 +501,7 @@ fn ready_line(
     let mut v = json!({
         "event": "ready", "version": env!("CARGO_PKG_VERSION"), "pid": std::process::id(),
         "endpoint": {"host": host, "port": port},
-        "metrics": metrics.map(|a| a.to_string()),
+        "metrics": metrics.map(|a| a.to_string()), "control_cpu": control_cpu,
         "policy": cfg.policy.as_str(), "pull_timeout_ms": cfg.pull_timeout.as_millis() as u64,
         "d_rank": {"tp_size": d.tp_size, "tp_rank": d.tp_rank, "pp_size": d.pp_size, "pp_rank": d.pp_rank},
         "num_blocks": cfg.layout.num_blocks, "num_groups": cfg.layout.num_groups, "regions": regions,
@@ -631,21 +642,22 @@ async fn serve(
         ..BootstrapConfig::default()
     };
     let landing = target.landing();
+    let transport = ZmqTransport::new(ZmqTransportConfig {
+        max_msg_size: args.max_msg_size,
+        control_cpu: args.control_cpu,
+        ..ZmqTransportConfig::default()
+    })
+    .with_labels(labels.clone());
+    let control_cpu = transport.control_cpu();
     let coord = Coordinator::start(CoordinatorParts {
         config: cfg.clone(),
         topology: Rc::new(HttpTopology::new(bootstrap).with_labels(labels.clone())),
-        transport: Rc::new(
-            ZmqTransport::new(ZmqTransportConfig {
-                max_msg_size: args.max_msg_size,
-                ..ZmqTransportConfig::default()
-            })
-            .with_labels(labels.clone()),
-        ),
+        transport: Rc::new(transport),
         landing,
         events,
         builtin_pool: false,
     });
-    emit(&out, ready_line(metrics, &cfg, &target));
+    emit(&out, ready_line(metrics, &cfg, &target, control_cpu));
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;

@@ -3,6 +3,7 @@
 #[doc(hidden)]
 pub mod async_socket;
 pub mod bootstrap_client;
+pub mod control_cpu;
 #[doc(hidden)]
 pub mod http;
 #[doc(hidden)]
@@ -11,5 +12,6 @@ pub mod zmq_transport;
 
 pub use async_socket::{AsyncSocket, SocketError};
 pub use bootstrap_client::{BootstrapConfig, HttpTopology};
+pub use control_cpu::ControlCpu;
 pub use zmq_context::ZmqContext;
 pub use zmq_transport::{ZmqTransport, ZmqTransportConfig};

@@ -58,6 +58,20 @@ impl ZmqContext {
         Ok(ZmqContext { raw })
     }
 
+    /// Run the context's I/O thread on `cpu` (`ZMQ_THREAD_AFFINITY_CPU_ADD`). Takes effect
+    /// only before the context's first socket, which starts the thread.
+    pub fn set_io_thread_cpu(&self, cpu: usize) -> Result<(), zmq::Error> {
+        let cpu = i32::try_from(cpu).map_err(|_| zmq::Error::EINVAL)?;
+        // SAFETY: a live context; the option takes an int (a CPU number).
+        let rc = unsafe {
+            zmq_sys::zmq_ctx_set(self.raw.0, zmq_sys::ZMQ_THREAD_AFFINITY_CPU_ADD as _, cpu)
+        };
+        if rc == -1 {
+            return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
+        }
+        Ok(())
+    }
+
     /// The socket cap in force.
     pub fn max_sockets(&self) -> i32 {
         // SAFETY: a live context.

@@ -41,6 +41,7 @@ use crate::messages::PeerId;
 use crate::telemetry::{self as m, Labels};
 
 use super::async_socket::{AsyncSocket, SocketError};
+use super::control_cpu::{pin_current_thread, ControlCpu};
 use super::zmq_context::{ZmqContext, DEFAULT_MAX_SOCKETS};
 
 /// Knobs of the ZMQ side channel.
@@ -68,6 +69,13 @@ pub struct ZmqTransportConfig {
     /// (default on; the limit stays raised). Off for a host that keeps a low limit on purpose
     /// (`select()` and `FD_SETSIZE`): pulls then fail once descriptors run out.
     pub raise_nofile_limit: bool,
+    /// Where the control plane runs: the thread that creates the transport (the one that runs
+    /// the coordinator's actors and uses the sockets) and libzmq's I/O thread are pinned to one
+    /// CPU ([`ControlCpu::Current`], the default: the CPU that thread is on then), so that a
+    /// pull's hand-offs between them are not cross-CPU wake-ups. [`ControlCpu::Any`] pins
+    /// nothing. Threads that thread spawns later inherit its CPU (the data plane's runtimes
+    /// give theirs back: [`crate::control::control_cpu::unpin_current_thread`]).
+    pub control_cpu: ControlCpu,
 }
 
 impl Default for ZmqTransportConfig {
@@ -81,6 +89,7 @@ impl Default for ZmqTransportConfig {
             idle_per_peer: 64,
             idle_timeout: Duration::from_secs(60),
             raise_nofile_limit: true,
+            control_cpu: ControlCpu::default(),
         }
     }
 }
@@ -91,6 +100,7 @@ pub struct ZmqTransport {
     cfg: ZmqTransportConfig,
     pool: Rc<Pool>,
     labels: Labels,
+    cpu: Option<usize>,
 }
 
 /// How often the pool looks for DEALERs idle past their timeout.
@@ -270,13 +280,33 @@ impl ZmqTransport {
             tracing::error!(error = %e, "cannot create a ZMQ context with a raised socket cap");
             ZmqContext::new(1023).expect("a libzmq context")
         });
+        let cpu = match pin_current_thread(cfg.control_cpu) {
+            Ok(cpu) => cpu,
+            Err(e) => {
+                tracing::warn!(error = %e, placement = %cfg.control_cpu, "cannot place the control plane; the scheduler places it");
+                None
+            }
+        };
+        if let Some(cpu) = cpu {
+            match ctx.set_io_thread_cpu(cpu) {
+                Ok(()) => tracing::info!(cpu, "control plane (actors and libzmq's I/O thread) on one CPU"),
+                Err(e) => tracing::warn!(error = %e, cpu, "cannot place libzmq's I/O thread"),
+            }
+        }
         let pool = Rc::new(Pool::new(&cfg));
         ZmqTransport {
             ctx,
             cfg,
             pool,
             labels: Labels::default(),
+            cpu,
         }
+    }
+
+    /// The CPU the control plane was pinned to, if it was (see
+    /// [`ZmqTransportConfig::control_cpu`]).
+    pub fn control_cpu(&self) -> Option<usize> {
+        self.cpu
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).

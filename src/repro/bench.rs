@@ -15,7 +15,7 @@ use serde::Serialize;
 
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
 use crate::config::KvRecvConfig;
-use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport};
+use crate::control::{BootstrapConfig, ControlCpu, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::layout::KvLayout;
 use crate::messages::{KvEvent, KvRequest, LoadKv, LoadKvReply};
 use crate::rdma::StaticLanding;
@@ -40,6 +40,13 @@ pub struct BenchConfig {
     pub engine_id: Option<String>,
     /// How the measured host reaches kvrecv.
     pub via: Via,
+    /// Where kvrecv's control plane runs ([`ZmqTransportConfig::control_cpu`]).
+    #[serde(serialize_with = "as_text")]
+    pub control_cpu: ControlCpu,
+}
+
+fn as_text<S: serde::Serializer>(v: &ControlCpu, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
 }
 
 /// How the bench's host drives kvrecv.
@@ -65,6 +72,7 @@ impl Default for BenchConfig {
             bootstrap: None,
             engine_id: None,
             via: Via::Actors,
+            control_cpu: ControlCpu::default(),
         }
     }
 }
@@ -185,11 +193,14 @@ pub fn run_hold(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
 
 /// The bench's D: the real control plane (HTTP bootstrap, ZMQ), landing nowhere (P writes no
 /// bytes here; the data plane has its own bench).
-fn parts(config: KvRecvConfig, events: EventSink) -> CoordinatorParts {
+fn parts(config: KvRecvConfig, events: EventSink, control_cpu: ControlCpu) -> CoordinatorParts {
     CoordinatorParts {
         config,
         topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
-        transport: Rc::new(ZmqTransport::default()),
+        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig {
+            control_cpu,
+            ..ZmqTransportConfig::default()
+        })),
         landing: Arc::new(StaticLanding::new(
             "127.0.0.1",
             15000,
@@ -220,6 +231,7 @@ async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> 
             ..KvRecvConfig::default()
         },
         EventSink::none(),
+        cfg.control_cpu,
     ));
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     println!(
@@ -401,7 +413,7 @@ async fn phase(
     match cfg.via {
         Via::Actors => {
             let (events, mut rx) = EventSink::stamped_channel(!settles);
-            let coord = Coordinator::start(parts(config, events));
+            let coord = Coordinator::start(parts(config, events, run.cfg.control_cpu));
             // Events are stamped as they arrive, by a task of their own on the actors' thread
             // (no wake-up of another thread), so the latencies do not include the time the
             // loop spends awaiting its own load_kv.
@@ -420,7 +432,10 @@ async fn phase(
                 .await
         }
         Via::Handle => {
-            let builder = crate::KvRecvBuilder::new(config);
+            let builder = crate::KvRecvBuilder::new(config).zmq(ZmqTransportConfig {
+                control_cpu: cfg.control_cpu,
+                ..ZmqTransportConfig::default()
+            });
             let kv = match settles {
                 true => builder.events(true),
                 false => builder.completion_events(),
