@@ -289,7 +289,10 @@ impl ZmqTransport {
         };
         if let Some(cpu) = cpu {
             match ctx.set_io_thread_cpu(cpu) {
-                Ok(()) => tracing::info!(cpu, "control plane (actors and libzmq's I/O thread) on one CPU"),
+                Ok(()) => tracing::info!(
+                    cpu,
+                    "control plane (actors and libzmq's I/O thread) on one CPU"
+                ),
                 Err(e) => tracing::warn!(error = %e, cpu, "cannot place libzmq's I/O thread"),
             }
         }
