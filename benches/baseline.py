@@ -381,11 +381,128 @@ def run_embed(a, cfg):
     return run_lib(a, cfg, via="handle")
 
 
+def serve_d_blocking(a):
+    """serve driven as a compiled host would drive it: one thread, blocking reads of whatever
+    stdout has, the next batch written as soon as the in-flight limit allows. The asyncio driver
+    (`serve_d`) put two event-loop task switches per round trip on serve's critical path, which
+    at one batch in flight capped serve's pulls/s at the driver's speed (`--serve-driver
+    asyncio` keeps it, for comparison)."""
+    blocks = (a.in_flight + a.batch) * 4 + 64  # as `kvrecv bench`
+    p = subprocess.Popen(
+        [a.kvrecv, "serve", "--layers", str(LAYERS), "--block-len", str(BLOCK_LEN),
+         "--num-blocks", str(blocks), "--events", "completions", "--log-level", "warn"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
+    )
+    rd, wr = p.stdout.fileno(), p.stdin.fileno()
+    rest = [b""]
+
+    def lines():
+        chunk = os.read(rd, 1 << 16)
+        if not chunk:
+            raise RuntimeError("serve closed its stdout")
+        *whole, rest[0] = (rest[0] + chunk).split(b"\n")
+        return whole
+
+    def write(b):
+        view = memoryview(b)
+        while view:
+            view = view[os.write(wr, view):]
+
+    pending = []
+    while not pending:
+        pending = lines()
+    ready = json.loads(pending.pop(0))
+    assert ready["event"] == "ready", ready
+    submitted, lat_us = {}, []
+    free, block_of = collections.deque(range(blocks)), {}
+    st = {"outstanding": 0, "done": 0, "failed": 0, "drained": 0}
+
+    def take(line):
+        if line.startswith(b'{"event":"completion","req_id":"'):
+            rid = line[32 : line.index(b'"', 32)].decode()
+            ok = b'"outcome":"ok"' in line
+        else:
+            v = json.loads(line)
+            e = v["event"]
+            if e == "load_kv":
+                assert not v["rejected"], v
+                return
+            if e == "error":
+                raise RuntimeError(v)
+            if e != "completion":
+                return
+            rid, ok = v["req_id"], v["outcome"] == "ok"
+        t0 = submitted.pop(rid, None)
+        if t0 is not None:
+            lat_us.append((time.perf_counter() - t0) * 1e6)
+        free.append(block_of.pop(rid))
+        st["failed"] += 0 if ok else 1
+        st["outstanding"] -= 1
+        st["done"] += 1
+
+    def prepare(first, n):
+        reqs = []
+        for i in range(first, first + n):
+            b = free.popleft()
+            block_of[f"d-{i}"] = b
+            reqs.append({"req_id": f"d-{i}", "transfer_id": f"t-{i}", "remote_engine_id": a.engine_id,
+                         "remote_bootstrap_addr": a.bootstrap, "block_ids": [[b]]})
+        return (json.dumps({"op": "load_kv", "requests": reqs}) + "\n").encode(), [r["req_id"] for r in reqs]
+
+    prepared = {}
+
+    def submit(first, n):
+        line, ids = prepared.pop(first, None) or prepare(first, n)
+        now = time.perf_counter()
+        for rid in ids:
+            submitted[rid] = now
+        st["outstanding"] += n
+        write(line)
+
+    def settle_lines(ls):
+        for line in ls:
+            if line:
+                take(line)
+
+    settle_lines(pending)
+    submit(0, 1)
+    while st["done"] < 1:
+        settle_lines(lines())
+    lat_us.clear()
+    st.update(done=0, failed=0, drained=0)
+    c0, t0 = cpu_s(p.pid), time.perf_counter()
+    nxt, end = 1, a.requests + 1
+    while st["done"] < a.requests:
+        while st["outstanding"] + a.batch <= max(a.in_flight, a.batch) and nxt < end:
+            n = min(a.batch, end - nxt)
+            submit(nxt, n)
+            nxt += n
+        # vLLM's get_finished, as the asyncio driver does: serve keeps a finished request until
+        # drained and refuses new ones past its live-request limit.
+        if st["done"] - st["drained"] >= 1024:
+            st["drained"] = st["done"]
+            write(b'{"op":"drain"}\n')
+        # The next batch is built while this one is in flight.
+        if nxt < end and nxt not in prepared:
+            prepared[nxt] = prepare(nxt, min(a.batch, end - nxt))
+        if st["done"] < a.requests:
+            settle_lines(lines())
+    secs, cpu = time.perf_counter() - t0, cpu_s(p.pid) - c0
+    write(b'{"op":"shutdown"}\n')
+    p.stdin.close()
+    while os.read(rd, 1 << 16):
+        pass
+    p.wait(timeout=60)
+    return summary(lat_us, cpu, secs, a.requests, a.batch, a.peers, st["failed"])
+
+
 def run_serve(a, cfg):
     ns = argparse.Namespace(kvrecv=a.kvrecv, bootstrap=cfg["bootstrap"],
                             engine_id=cfg["engine_id"], batch=cfg["batch"],
                             in_flight=cfg["in_flight"], requests=cfg["requests"], peers=cfg["tp"])
-    return asyncio.run(asyncio.wait_for(serve_d(ns), 600))
+    if getattr(a, "serve_driver", "blocking") == "asyncio":
+        return asyncio.run(asyncio.wait_for(serve_d(ns), 600))
+    return serve_d_blocking(ns)
 
 
 def start_p(a, tp, wait_ready=False):
@@ -581,6 +698,8 @@ def main():
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--ds", default="python,lib,embed,serve", help="Ds to run, comma-separated")
+    ap.add_argument("--serve-driver", choices=["blocking", "asyncio"], default="blocking",
+                    help="how this script drives serve's pipes (its CPU is never counted)")
     ap.add_argument("--small", action="store_true", help="CI scale: TP2, batch 1 and 16, 16 in flight, 200 requests, 1 pair")
     ap.add_argument("--memory", type=int, default=100000,
                     help="requests held in flight for the RSS measurement (0: skip)")

@@ -7,11 +7,27 @@ use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
 use kvrecv::{HostMemory, HostRegion, KvRecv};
 
+/// The kernel's flag of a task inside `exit()`: past its last instruction of user code, and
+/// already joined as far as `pthread_join` is concerned; it stays listed in /proc until the
+/// kernel has released it, which on a busy CPU (the control plane's is pinned) takes a while.
+const PF_EXITING: u64 = 0x4;
+
+/// kvrecv's threads still running code: named `kvrecv*` and not exiting.
 fn kvrecv_threads() -> Vec<String> {
     std::fs::read_dir("/proc/self/task")
         .expect("procfs")
-        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-        .map(|c| c.trim().to_owned())
+        .filter_map(|t| {
+            let dir = t.ok()?.path();
+            let comm = std::fs::read_to_string(dir.join("comm")).ok()?;
+            let stat = std::fs::read_to_string(dir.join("stat")).ok()?;
+            // After the name's `)`: state, ppid, pgrp, session, tty_nr, tpgid, flags.
+            let flags: u64 = stat[stat.rfind(')')? + 2..]
+                .split(' ')
+                .nth(6)?
+                .parse()
+                .ok()?;
+            (flags & PF_EXITING == 0).then(|| comm.trim().to_owned())
+        })
         .filter(|c| c.starts_with("kvrecv"))
         .collect()
 }
