@@ -9,7 +9,8 @@ tests/py/mooncake_structs.py), a request done when every P worker reported it. k
 as a library (`lib`: `kvrecv bench --bootstrap`, its own process, the host loop on the actors'
 thread), through the embedding handle (`embed`: `kvrecv bench --via handle`, `KvRecv` called from
 a multi-thread tokio runtime, the TCP target with permits included) and as `kvrecv serve --events
-completions` driven over its pipes by this script (the driver's own CPU is not counted).
+completions` driven over its pipes by this script from one blocking thread (the driver's own CPU
+is not counted).
 
 Per D, measured over the same workload after one warm-up batch: D-process CPU per request
 (user+sys from /proc/<pid>/stat, never wall time), pulls/s, latency p50/p99 from submit to
