@@ -689,11 +689,17 @@ async fn serve(
         }
         tokio::select! {
             ev = event_rx.recv() => {
-                if let Some(ev) = ev.filter(|e| level.prints(e)) {
-                    match serde_json::to_string(&ev) {
-                        Ok(line) => out.send(line),
-                        Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
+                // What else is queued goes out in this turn: a reply settles a whole batch, and
+                // a `select!` round per event polled every other branch again for each.
+                let mut next = ev;
+                while let Some(ev) = next {
+                    if level.prints(&ev) {
+                        match serde_json::to_string(&ev) {
+                            Ok(line) => out.send(line),
+                            Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
+                        }
                     }
+                    next = event_rx.try_recv().ok();
                 }
             }
             // An operator's stop (SIGTERM, SIGINT): as at the end of input, so the host still
