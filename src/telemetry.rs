@@ -163,6 +163,8 @@ pub const STALE_SETTLES: &str = "kvrecv_stale_settles_total";
 pub const MALFORMED_REPLIES: &str = "kvrecv_malformed_replies_total";
 /// Pulls abandoned at the D-side deadline.
 pub const DEADLINE_EXPIRIES: &str = "kvrecv_pull_deadline_expiries_total";
+/// Replies that named none of their pull's requests (a stray of an earlier exchange).
+pub const STRAY_REPLIES: &str = "kvrecv_stray_replies_total";
 /// Supervised restarts of a peer actor.
 pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
 /// Requests whose first failure was reported.
@@ -248,6 +250,10 @@ pub fn describe() {
     );
     describe_counter!(MALFORMED_REPLIES, "Undecodable or multi-frame replies");
     describe_counter!(DEADLINE_EXPIRIES, "Pulls abandoned at the D-side deadline");
+    describe_counter!(
+        STRAY_REPLIES,
+        "Replies that named none of their pull's requests (ignored; the channel is not reused)"
+    );
     describe_counter!(PEER_RESTARTS, "Supervised restarts of a peer actor");
     describe_counter!(FIRST_FAILURES, "Requests whose first failure was reported");
     describe_counter!(COMPLETIONS, "Completions, by outcome");

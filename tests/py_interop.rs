@@ -149,6 +149,17 @@ async fn python_pyzmq_msgspec_peer_drives_the_ugly_cases() {
     h.load(vec![req("ok-1", "t-ok-1", &engine, &url, &[6, 7])])
         .await;
     assert_eq!(h.completion("ok-1").await.0, Outcome::Ok);
+
+    // 5. Before its answer, worker 0 sends a FINISH naming only the previous pull's request
+    //    (an earlier exchange's duplicate on the connection D reused): it is not this pull's
+    //    answer, and the request completes Ok; that connection is not used again.
+    h.load(vec![req("stray-1", "t-stray-1", &engine, &url, &[8])])
+        .await;
+    assert_eq!(h.settle("stray-1", &w[0]).await, SettleOutcome::Ok);
+    assert_eq!(h.completion("stray-1").await.0, Outcome::Ok);
+    h.load(vec![req("ok-2", "t-ok-2", &engine, &url, &[9])])
+        .await;
+    assert_eq!(h.completion("ok-2").await.0, Outcome::Ok);
     p.say("quit");
     let done = p.line().await;
     assert_eq!(done["event"], "done");
@@ -157,5 +168,10 @@ async fn python_pyzmq_msgspec_peer_drives_the_ugly_cases() {
         serde_json::json!([]),
         "P found protocol violations by D"
     );
-    assert_eq!(done["pulls"], 8); // 4 batches x 2 workers
+    assert_eq!(done["pulls"], 12); // 6 batches x 2 workers
+    assert!(
+        done["reused"].as_u64().unwrap() > 0,
+        "D reuses connections: {done}"
+    );
+    assert_eq!(done["reused_after_stray"], 0, "{done}");
 }

@@ -94,6 +94,8 @@ struct Live {
     span: tracing::Span,
     /// Set on a clean FINISH, so the transport may reuse the channel.
     finish: CleanFinish,
+    /// A stray message reached the channel (see [`Effects::stray`]): never reuse it.
+    stray: bool,
 }
 
 /// One actor per prefill peer (ZMQ endpoint): sends pulls, matches replies to pending ids, and
@@ -203,6 +205,7 @@ impl Peer {
                 started: Instant::now(),
                 span,
                 finish,
+                stray: false,
             },
         );
     }
@@ -314,9 +317,16 @@ impl Peer {
         if !to_aggregate.is_empty() {
             self.aggregator.do_send(Settles(to_aggregate));
         }
+        if fx.stray {
+            self.labels.counter(m::STRAY_REPLIES).increment(1);
+            tracing::warn!(pull_id, "a reply named none of the pull's requests (a stray of an earlier exchange); its channel will not be reused");
+            if let Some(l) = self.live.get_mut(&pull_id) {
+                l.stray = true;
+            }
+        }
         if fx.finished_cleanly {
             // Before `close` drops the stream: the transport reads it then.
-            if let Some(l) = self.live.get(&pull_id) {
+            if let Some(l) = self.live.get(&pull_id).filter(|l| !l.stray) {
                 l.finish.set();
             }
             self.consecutive_failures = 0;

@@ -24,6 +24,10 @@ pub struct Effects {
     pub malformed: Option<String>,
     /// The pull ended with FINISH (a healthy peer).
     pub finished_cleanly: bool,
+    /// A reply named only requests the pull never carried: a message of an earlier exchange
+    /// that reached a reused channel (P answered a pull again after its FINISH). Ignored for
+    /// this pull (its ids count as stale), and the channel is not reused.
+    pub stray: bool,
 }
 
 /// Ids a reply named that were not pending (rule 1): one summary per reply, so a reply naming a
@@ -274,6 +278,24 @@ impl PeerState {
                 return fx;
             }
         };
+        // A reply that names requests, none of them this pull's, does not answer this pull (on
+        // a fresh DEALER per pull, as vLLM's D has, it could not arrive here at all): its FINISH
+        // must not end the pull, or P's real answer would be dropped as stale.
+        let names_any = !(resp.ok().is_empty() && resp.err().is_empty());
+        if names_any
+            && self.pulls.get(&pull_id).is_some_and(|p| {
+                resp.err()
+                    .iter()
+                    .chain(resp.ok())
+                    .all(|id| !p.pending.carries(id))
+            })
+        {
+            for id in resp.err().iter().chain(resp.ok()) {
+                fx.stale.note(id);
+            }
+            fx.stray = true;
+            return fx;
+        }
         let err_reason = resp
             .err_msg
             .clone()
@@ -466,6 +488,40 @@ mod tests {
         let late = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
         assert!(late.settles.is_empty());
         assert_eq!(late.stale.count, 1);
+    }
+
+    /// On a reused channel, P's answer to an earlier pull (sent again after its FINISH) can
+    /// arrive first: it names only requests this pull never carried, so it is stale and does
+    /// not end the pull; P's real FINISH then settles the pull's request.
+    #[test]
+    fn a_reply_naming_none_of_the_pulls_requests_does_not_end_it() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start(&pull(2, &["r1"]));
+        let fx = st.on_reply(2, reply(XferStatus::Finish, vec![], vec!["r0".into()]));
+        assert!(fx.stray && !fx.pull_done && !fx.finished_cleanly);
+        assert!(fx.settles.is_empty());
+        assert_eq!(fx.stale.count, 1);
+        let fx = st.on_reply(2, reply(XferStatus::Finish, vec!["r1".into()], vec![]));
+        assert_eq!(outcomes(&fx), vec![("r1".into(), SettleOutcome::Ok)]);
+        assert!(fx.finished_cleanly && fx.pull_done && !fx.stray);
+        // A reply naming one of the pull's requests is the pull's, whatever else it names;
+        // one naming nothing at all is a FINISH that omitted everything.
+        st.start(&pull(3, &["r2", "r3"]));
+        let fx = st.on_reply(
+            3,
+            reply(XferStatus::Continue, vec!["r2".into(), "zz".into()], vec![]),
+        );
+        assert!(!fx.stray);
+        assert_eq!(outcomes(&fx), vec![("r2".into(), SettleOutcome::Ok)]);
+        // Settled already, still the pull's own: a repeat is stale but not stray.
+        let fx = st.on_reply(3, reply(XferStatus::Continue, vec!["r2".into()], vec![]));
+        assert!(!fx.stray && fx.stale.count == 1);
+        let fx = st.on_reply(3, reply(XferStatus::Finish, vec![], vec![]));
+        assert!(!fx.stray && fx.pull_done);
+        assert_eq!(
+            outcomes(&fx),
+            vec![("r3".into(), SettleOutcome::failed(Cause::Omitted, OMITTED))]
+        );
     }
 
     #[test]

@@ -53,6 +53,13 @@ impl PendingSet {
     }
 
     /// Whether `req_id` is still owed.
+    /// Whether the pull carried `req_id`, settled or not.
+    pub fn carries(&self, req_id: &str) -> bool {
+        self.requests
+            .binary_search_by(|r| (*r.meta.req_id).cmp(req_id))
+            .is_ok()
+    }
+
     pub fn contains(&self, req_id: &str) -> bool {
         self.find(req_id).is_some()
     }

@@ -8,7 +8,12 @@ the D request ids of a pull (worker 0 misbehaves, worker 1 is healthy):
           a "release" line arrives on stdin (so D sees the ERROR while worker 1 is pending)
   omit-*  worker 0: FINISH naming only ids that do not end in "-b" (silent omission)
   garb-*  worker 0: a garbage frame instead of msgpack
+  stray-* worker 0: first a FINISH naming only its previous pull's ids (err_reqs; a duplicate of
+          an earlier exchange reaching the connection D reuses), then FINISH ok_reqs=all
   other   both: FINISH ok_reqs=all
+
+Worker 0 also counts pulls that came on a connection (DEALER identity) it had seen before
+(`reused`) and those that came on one it had sent a stray message to (`reused_after_stray`).
 
 stdout: one JSON "ready" line; on "quit" a "done" line with counters and protocol violations
 by D (a message that is not exactly [identity, payload], undecodable metadata).
@@ -35,7 +40,9 @@ decoder = msgspec.msgpack.Decoder(MooncakeXferMetadata)
 encoder = msgspec.msgpack.Encoder()
 release = threading.Event()
 lock = threading.Lock()
-stats = {"pulls": 0, "violations": []}
+stats = {"pulls": 0, "violations": [], "reused": 0, "reused_after_stray": 0}
+seen, strayed = set(), set()  # worker 0's DEALER identities
+last_ids = []  # worker 0's previous pull
 
 
 def note_violation(msg):
@@ -65,6 +72,17 @@ def serve(ctx, rank, sock):
             note_violation(f"worker {rank}: unexpected metadata {md}")
         ids = sorted(md.req_blocks)
         kind = ids[0].split("-")[0] if ids else ""
+        if rank == 0:
+            with lock:
+                stats["reused"] += identity in seen
+                stats["reused_after_stray"] += identity in strayed
+                seen.add(identity)
+                if kind == "stray":
+                    strayed.add(identity)
+                previous = list(last_ids)
+                last_ids[:] = ids
+            if kind == "stray":
+                send(sock, identity, encoder.encode(MooncakeXferResponse(status=MooncakeXferResponseStatus.FINISH, err_reqs=previous, err_msg="stray")))
         threading.Thread(target=answer, args=(sock, rank, identity, kind, ids), daemon=True).start()
 
 
