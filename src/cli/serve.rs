@@ -137,7 +137,8 @@ pub struct ServeArgs {
     /// Bootstrap `GET /query` timeout, ms.
     #[arg(long, default_value_t = 5000)]
     pub bootstrap_timeout_ms: u64,
-    /// Largest control-plane message accepted from a peer, bytes (at least 1 KiB).
+    /// Largest control-plane frame accepted from a peer, bytes (at least 1 KiB). libzmq caps
+    /// frames, not messages: a many-frame reply is refused only once whole (PROTOCOL.md §7.2).
     #[arg(long, default_value_t = 16 * 1024 * 1024, value_parser = clap::value_parser!(i64).range(1024..))]
     pub max_msg_size: i64,
     /// Where the control plane runs (the actors' thread and libzmq's I/O thread, together):

@@ -47,7 +47,9 @@ use super::zmq_context::{ZmqContext, DEFAULT_MAX_SOCKETS};
 /// Knobs of the ZMQ side channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ZmqTransportConfig {
-    /// `ZMQ_MAXMSGSIZE`: an inbound frame larger than this drops the connection.
+    /// `ZMQ_MAXMSGSIZE`: an inbound frame larger than this drops the connection. libzmq has
+    /// no cap on a whole multipart message: one of many frames under this is queued whole
+    /// before it can be refused as a malformed reply (PROTOCOL.md §7.2).
     pub max_msg_size: i64,
     /// `ZMQ_CONNECT_TIMEOUT`: a TCP connect that takes longer counts as refused.
     pub connect_timeout: Duration,
