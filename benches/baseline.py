@@ -212,127 +212,6 @@ async def py_d(a):
     print(json.dumps(summary(lat_us, cpu, secs, a.requests, a.batch, len(workers), state["failed"])))
 
 
-# ---------------------------------------------------------------- kvrecv serve, over its pipes
-
-
-async def serve_d(a):
-    blocks = (a.in_flight + a.batch) * 4 + 64  # as `kvrecv bench`
-    p = await asyncio.create_subprocess_exec(
-        a.kvrecv, "serve", "--layers", str(LAYERS), "--block-len", str(BLOCK_LEN),
-        "--num-blocks", str(blocks), "--events", "completions", "--log-level", "warn",
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, limit=1 << 24,
-    )
-    ready = json.loads(await p.stdout.readline())
-    assert ready["event"] == "ready", ready
-    submitted, lat_us = {}, []
-    # Blocks from a free list, back at their request's completion (serve releases a completed
-    # request's blocks before it reads a later line); `i % blocks` failed when one slow pull
-    # outlived the rotation.
-    free, block_of = collections.deque(range(blocks)), {}
-    state = {"outstanding": 0, "done": 0, "failed": 0}
-    wake = asyncio.Event()
-
-    async def lines():
-        # Whatever is buffered, split into lines: one event-loop turn per read rather than per
-        # line, so the driver (a host, its CPU not counted) adds as little latency as it can.
-        rest = b""
-        while True:
-            chunk = await p.stdout.read(1 << 16)
-            if not chunk:
-                return
-            *whole, rest = (rest + chunk).split(b"\n")
-            for line in whole:
-                yield line
-
-    async def read():
-        async for line in lines():
-            # Completions are most lines: picked apart without a JSON parse, so the driver's own
-            # CPU (it shares the cores) limits serve as little as it can.
-            if line.startswith(b'{"event":"completion","req_id":"'):
-                rid = line[32 : line.index(b'"', 32)].decode()
-                t0 = submitted.pop(rid, None)
-                if t0 is not None:
-                    lat_us.append((time.perf_counter() - t0) * 1e6)
-                free.append(block_of.pop(rid))
-                if b'"outcome":"ok"' not in line:
-                    state["failed"] += 1
-                state["outstanding"] -= 1
-                state["done"] += 1
-                wake.set()
-                continue
-            v = json.loads(line)
-            e = v["event"]
-            if e == "completion":
-                t0 = submitted.pop(v["req_id"], None)
-                if t0 is not None:
-                    lat_us.append((time.perf_counter() - t0) * 1e6)
-                free.append(block_of.pop(v["req_id"]))
-                if v["outcome"] != "ok":
-                    state["failed"] += 1
-                state["outstanding"] -= 1
-                state["done"] += 1
-                wake.set()
-            elif e == "load_kv":
-                assert not v["rejected"], v
-            elif e == "error":
-                raise RuntimeError(v)
-
-    prepared = {}  # first request -> (line, ids), built ahead
-
-    def prepare(first, n):
-        reqs = []
-        for i in range(first, first + n):
-            b = free.popleft()
-            block_of[f"d-{i}"] = b
-            reqs.append({"req_id": f"d-{i}", "transfer_id": f"t-{i}", "remote_engine_id": a.engine_id,
-                         "remote_bootstrap_addr": a.bootstrap, "block_ids": [[b]]})
-        line = (json.dumps({"op": "load_kv", "requests": reqs}) + "\n").encode()
-        return line, [r["req_id"] for r in reqs]
-
-    def submit(first, n):
-        line, ids = prepared.pop(first, None) or prepare(first, n)
-        now = time.perf_counter()
-        for rid in ids:
-            submitted[rid] = now
-        state["outstanding"] += n
-        p.stdin.write(line)
-
-    reader = asyncio.ensure_future(read())
-    submit(0, 1)
-    while state["done"] < 1:
-        wake.clear()
-        await wake.wait()
-    lat_us.clear()
-    state.update(done=0, failed=0, drained=0)
-    c0, t0 = cpu_s(p.pid), time.perf_counter()
-    nxt, end = 1, a.requests + 1
-    while state["done"] < a.requests:
-        while state["outstanding"] + a.batch <= max(a.in_flight, a.batch) and nxt < end:
-            n = min(a.batch, end - nxt)
-            submit(nxt, n)
-            nxt += n
-        # A host drains what finished (vLLM's get_finished, every step): serve keeps a finished
-        # request until drained and refuses new ones past its live-request limit.
-        if state["done"] - state["drained"] >= 1024:
-            state["drained"] = state["done"]
-            p.stdin.write(b'{"op":"drain"}\n')
-        await p.stdin.drain()
-        # The next batch is built while this one is in flight, as a host has its next step's
-        # requests ready: at 16 in flight and batch 16 (one batch at a time) building it after
-        # the completions put this Python driver's work on serve's critical path.
-        if nxt < end and nxt not in prepared:
-            prepared[nxt] = prepare(nxt, min(a.batch, end - nxt))
-        wake.clear()
-        if state["done"] < a.requests:
-            await wake.wait()
-    secs, cpu = time.perf_counter() - t0, cpu_s(p.pid) - c0
-    p.stdin.write(b'{"op":"shutdown"}\n')
-    await p.stdin.drain()
-    await p.wait()
-    reader.cancel()
-    return summary(lat_us, cpu, secs, a.requests, a.batch, a.peers, state["failed"])
-
-
 # ---------------------------------------------------------------- the driver
 
 
@@ -382,12 +261,14 @@ def run_embed(a, cfg):
     return run_lib(a, cfg, via="handle")
 
 
-def serve_d_blocking(a):
+# ---------------------------------------------------------------- kvrecv serve, over its pipes
+
+
+def serve_d(a):
     """serve driven as a compiled host would drive it: one thread, blocking reads of whatever
-    stdout has, the next batch written as soon as the in-flight limit allows. The asyncio driver
-    (`serve_d`) put two event-loop task switches per round trip on serve's critical path, which
-    at one batch in flight capped serve's pulls/s at the driver's speed (`--serve-driver
-    asyncio` keeps it, for comparison)."""
+    stdout has, the next batch written as soon as the in-flight limit allows. (An asyncio driver,
+    until a0a84f1, put two event-loop task switches per round trip on serve's critical path,
+    which at one batch in flight capped serve's pulls/s at the driver's speed.)"""
     blocks = (a.in_flight + a.batch) * 4 + 64  # as `kvrecv bench`
     p = subprocess.Popen(
         [a.kvrecv, "serve", "--layers", str(LAYERS), "--block-len", str(BLOCK_LEN),
@@ -478,7 +359,7 @@ def serve_d_blocking(a):
             n = min(a.batch, end - nxt)
             submit(nxt, n)
             nxt += n
-        # vLLM's get_finished, as the asyncio driver does: serve keeps a finished request until
+        # vLLM's get_finished, every step: serve keeps a finished request until
         # drained and refuses new ones past its live-request limit.
         if st["done"] - st["drained"] >= 1024:
             st["drained"] = st["done"]
@@ -501,9 +382,7 @@ def run_serve(a, cfg):
     ns = argparse.Namespace(kvrecv=a.kvrecv, bootstrap=cfg["bootstrap"],
                             engine_id=cfg["engine_id"], batch=cfg["batch"],
                             in_flight=cfg["in_flight"], requests=cfg["requests"], peers=cfg["tp"])
-    if getattr(a, "serve_driver", "blocking") == "asyncio":
-        return asyncio.run(asyncio.wait_for(serve_d(ns), 600))
-    return serve_d_blocking(ns)
+    return serve_d(ns)
 
 
 def start_p(a, tp, wait_ready=False):
@@ -699,8 +578,6 @@ def main():
     ap.add_argument("--requests", type=int, default=4000)
     ap.add_argument("--pairs", type=int, default=3)
     ap.add_argument("--ds", default="python,lib,embed,serve", help="Ds to run, comma-separated")
-    ap.add_argument("--serve-driver", choices=["blocking", "asyncio"], default="blocking",
-                    help="how this script drives serve's pipes (its CPU is never counted)")
     ap.add_argument("--small", action="store_true", help="CI scale: TP2, batch 1 and 16, 16 in flight, 200 requests, 1 pair")
     ap.add_argument("--memory", type=int, default=100000,
                     help="requests held in flight for the RSS measurement (0: skip)")
