@@ -33,13 +33,16 @@ impl PendingSet {
         self.settled[i / 64] & (1 << (i % 64)) != 0
     }
 
+    /// Index of `req_id` if the pull carried it.
+    fn index(&self, req_id: &str) -> Option<usize> {
+        self.requests
+            .binary_search_by(|r| (*r.meta.req_id).cmp(req_id))
+            .ok()
+    }
+
     /// Index of `req_id` if it is still owed.
     fn find(&self, req_id: &str) -> Option<usize> {
-        let i = self
-            .requests
-            .binary_search_by(|r| (*r.meta.req_id).cmp(req_id))
-            .ok()?;
-        (!self.is_settled(i)).then_some(i)
+        self.index(req_id).filter(|&i| !self.is_settled(i))
     }
 
     /// Number of requests still owed.
@@ -52,14 +55,12 @@ impl PendingSet {
         self.left == 0
     }
 
-    /// Whether `req_id` is still owed.
     /// Whether the pull carried `req_id`, settled or not.
     pub fn carries(&self, req_id: &str) -> bool {
-        self.requests
-            .binary_search_by(|r| (*r.meta.req_id).cmp(req_id))
-            .is_ok()
+        self.index(req_id).is_some()
     }
 
+    /// Whether `req_id` is still owed.
     pub fn contains(&self, req_id: &str) -> bool {
         self.find(req_id).is_some()
     }
