@@ -98,6 +98,11 @@ pub struct KvRecvConfig {
     /// that settles a request; DESIGN.md §6). The default allows P's 480 s readiness wait plus
     /// time queued behind P's 20 serving tasks.
     pub pull_timeout: Duration,
+    /// How long D still waits for P's answer to a request the host aborted (once its pull owes
+    /// nothing else): P's answer proves its writes stopped, so the pull's landing window goes
+    /// back into rotation; without one by then the window is poisoned until
+    /// `quarantine_deadline` (DESIGN.md §5). The aborted request's blocks are held meanwhile.
+    pub abort_grace: Duration,
     /// Last resort for a quarantine that cannot be fenced.
     pub quarantine_deadline: Duration,
     /// Backoff before a failed peer is used again; doubled per consecutive failure.
@@ -129,6 +134,7 @@ impl Default for KvRecvConfig {
             load_failure_policy: LoadFailurePolicy::Fail,
             mooncake_protocol: MooncakeProtocol::Tcp,
             pull_timeout: Duration::from_secs(600),
+            abort_grace: Duration::from_secs(30),
             quarantine_deadline: Duration::from_secs(900),
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
@@ -232,6 +238,7 @@ const VLLM_KEYS: &[&str] = &[
 struct RawKvRecv {
     policy: Option<Policy>,
     pull_timeout_ms: Option<u64>,
+    abort_grace_ms: Option<u64>,
     quarantine_deadline_ms: Option<u64>,
     peer_backoff_base_ms: Option<u64>,
     peer_backoff_max_ms: Option<u64>,
@@ -309,6 +316,7 @@ impl KvRecvConfig {
         };
         cfg.policy = k.policy.unwrap_or_default();
         cfg.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", cfg.pull_timeout)?;
+        cfg.abort_grace = ms(k.abort_grace_ms, "abort_grace_ms", cfg.abort_grace)?;
         cfg.quarantine_deadline = ms(
             k.quarantine_deadline_ms,
             "quarantine_deadline_ms",

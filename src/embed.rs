@@ -758,14 +758,14 @@ impl KvRecv {
         self.inner.coord.drain().await.map_err(stopped)
     }
 
-    /// Stop waiting for `req_id` (the client went away). Peers still pending for it settle
-    /// Uncertain ("aborted by the host") - a peer whose pull still owes other requests of the
-    /// batch once those are settled, so that P's transfer of them is not failed by the
-    /// aborted request's closed permit - the failure is published, and its blocks appear in
-    /// `finished_recving` only once no peer can write into them (fenced, or the last-resort
-    /// deadline) - never early. A request still in its bootstrap lookup is never sent: it
-    /// completes Failed at once. Aborting an
-    /// unknown or completed request does nothing.
+    /// Stop waiting for `req_id` (the client went away). P still has its block addresses, so
+    /// each peer that owes it settles it ("aborted by the host") on P's answer, which proves P
+    /// stopped writing (its landing window stays in rotation), or Uncertain if no answer came
+    /// within [`KvRecvConfig::abort_grace`](crate::config::KvRecvConfig::abort_grace) once its
+    /// pull owed nothing else (fenced: the window poisoned). The request fails either way, and
+    /// its blocks appear in `finished_recving` only once no peer can write into them - never
+    /// early. A request still in its bootstrap lookup is never sent: it completes Failed at
+    /// once. Aborting an unknown or completed request does nothing.
     pub async fn abort(&self, req_id: &str) -> Result<AbortReply, KvRecvError> {
         self.inner
             .coord

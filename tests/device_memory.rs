@@ -111,6 +111,8 @@ async fn a_late_write_never_reaches_host_device_memory() {
     let config = KvRecvConfig {
         layout: KvLayout::uniform(1, SMALL as u64, BLOCKS as u32),
         pull_timeout: Duration::from_secs(3600),
+        // P never answers `a`: the abort settles it once this passed.
+        abort_grace: Duration::from_millis(200),
         ..KvRecvConfig::default()
     };
     let kv = KvRecv::builder(config)

@@ -53,6 +53,9 @@ struct World {
     jobs: mpsc::UnboundedReceiver<WriteJob>,
 }
 
+/// How long D waits for P's answer to an aborted request, where P holds it for ever.
+const SHORT_GRACE: Duration = Duration::from_millis(200);
+
 async fn world(held: Vec<&'static str>) -> World {
     world_with(held, |b| b.events(true), None).await
 }
@@ -62,10 +65,21 @@ async fn world_with(
     events: impl FnOnce(KvRecvBuilder) -> KvRecvBuilder,
     gate: Option<Arc<Semaphore>>,
 ) -> World {
+    world_graced(held, events, gate, SHORT_GRACE).await
+}
+
+async fn world_graced(
+    held: Vec<&'static str>,
+    events: impl FnOnce(KvRecvBuilder) -> KvRecvBuilder,
+    gate: Option<Arc<Semaphore>>,
+    abort_grace: Duration,
+) -> World {
     let config = KvRecvConfig {
         layout: KvLayout::uniform(2, 4096, 16),
-        // Only the abort may settle a held request: no deadline inside the test's time.
+        // Only an abort (after its grace) may settle a held request: no deadline inside the
+        // test's time.
         pull_timeout: Duration::from_secs(3600),
+        abort_grace,
         quarantine_deadline: Duration::from_secs(3600),
         ..KvRecvConfig::default()
     };
@@ -142,9 +156,10 @@ async fn a_tokio_host_loads_real_bytes_and_drains_through_the_front_door() {
     assert!(matches!(w.kv.drain().await, Err(KvRecvError::Stopped)));
 }
 
-/// The host aborts a request P is still holding: its peer settles Uncertain ("aborted by the
-/// host"), the failure is published, and the blocks are released only after that settle and
-/// with the fence (the permit revoked, the window poisoned); P's late write is refused.
+/// The host aborts a request P is still holding and never answers: once the abort's grace
+/// passed without P's answer, its peer settles Uncertain ("aborted by the host"), the failure
+/// is published, and the blocks are released only after that settle and with the fence (the
+/// permit revoked, the window poisoned); P's late write is refused.
 /// `completion_events()`: the stream carries each request's completion, once, and nothing
 /// else (no settles, no releases), in the bursts kvrecv's thread hands over; it ends when the
 /// worker stops.
@@ -243,6 +258,105 @@ async fn abort_settles_the_pending_peer_and_releases_only_once_fenced() {
     assert_eq!(data.poisoned_windows, 1, "the aborted pull's window");
     // A second abort finds nothing pending.
     assert_eq!(w.kv.abort("a").await.unwrap().peers_settled, 0);
+    w.kv.shutdown().await;
+}
+
+/// The host aborts a request whose only pull P answers a moment later: P's write lands (the
+/// blocks are still the request's, its permit open) and its ok proves P stopped writing, so
+/// the request fails as aborted and is released without a fence, and its landing window is not
+/// poisoned: an abort P answers costs no window. (Settled Uncertain at once, as before, every
+/// such abort took a window out of rotation for the whole quarantine deadline.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abort_p_then_answers_poisons_no_window() {
+    let gate = Arc::new(Semaphore::new(0));
+    let mut w = world_graced(vec![], |b| b.events(true), Some(gate.clone()), PATIENCE).await;
+    let reply = w.kv.load_kv(vec![req(&w, "a", &[4])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1);
+    tokio::time::timeout(PATIENCE, w.jobs.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(w.kv.abort("a").await.unwrap().peers_settled, 1);
+    assert!(
+        w.kv.drain().await.unwrap().is_empty(),
+        "the blocks stay held while P may write"
+    );
+    gate.add_permits(1);
+    let seen = until(&mut w.events, released("a")).await;
+    assert!(
+        seen.iter().any(|e| matches!(e, KvEvent::Settled { req_id, outcome: SettleOutcome::Failed { reason, .. }, .. }
+            if &**req_id == "a" && reason == ABORTED_BY_HOST)),
+        "P's ok settles it Failed, as aborted: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(
+            |e| matches!(e, KvEvent::Completion { req_id, outcome, uncertain_peers, .. }
+            if &**req_id == "a" && !outcome.is_ok() && uncertain_peers.is_empty())
+        ),
+        "it fails, with no peer uncertain: {seen:?}"
+    );
+    let KvEvent::Released { fenced, blocks, .. } = seen.last().unwrap() else {
+        unreachable!()
+    };
+    assert!(!*fenced, "no suspect to fence");
+    assert_eq!(blocks, &vec![4]);
+    let step = w.kv.drain().await.unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from("a")]);
+    assert_eq!(step.invalid_block_ids, vec![4], "the abort fails it");
+    let data = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.poisoned_windows, 0, "{data:?}");
+    assert_eq!(
+        data.bytes_landed,
+        2 * 4096,
+        "P's write landed in a's held block"
+    );
+    assert_eq!(data.live_permits, 0, "the completion revoked the permit");
+    w.kv.shutdown().await;
+}
+
+/// Aborts that P answers take no window out of rotation, however many: with 4 landing windows
+/// (3 usable), ten requests aborted in flight one after another, each answered by P, leave
+/// none poisoned, and a healthy request after them still gets a clean window and lands. (Each
+/// such abort poisoned a window for the whole quarantine deadline before, and from the fourth
+/// on every pull got the reserved window and failed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aborts_p_answers_never_exhaust_the_landing_windows() {
+    let gate = Arc::new(Semaphore::new(0));
+    let mut w = world_graced(
+        vec![],
+        |b| b.events(true).target(|t| t.windows = Some(4)),
+        Some(gate.clone()),
+        PATIENCE,
+    )
+    .await;
+    for i in 0..10 {
+        let id = format!("x{i}");
+        let reply = w.kv.load_kv(vec![req(&w, &id, &[2])]).await.unwrap();
+        assert_eq!(reply.awaiting, 1, "{id}: {reply:?}");
+        tokio::time::timeout(PATIENCE, w.jobs.recv())
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(w.kv.abort(&id).await.unwrap().peers_settled, 1, "{id}");
+        gate.add_permits(1);
+        until(&mut w.events, released(&id)).await;
+        let step = w.kv.drain().await.unwrap();
+        assert_eq!(step.finished_recving, vec![ReqId::from(id.as_str())]);
+        let data = w.kv.stats().await.unwrap().data.unwrap();
+        assert_eq!(data.poisoned_windows, 0, "after {id}: {data:?}");
+    }
+    let reply = w.kv.load_kv(vec![req(&w, "h", &[3])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1);
+    gate.add_permits(1);
+    let seen = until(&mut w.events, released("h")).await;
+    assert!(
+        seen.iter()
+            .any(|e| matches!(e, KvEvent::Completion { req_id, outcome, .. }
+            if &**req_id == "h" && outcome.is_ok())),
+        "the healthy request lands: {seen:?}"
+    );
+    let data = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(data.bytes_landed, 11 * 2 * 4096, "{data:?}");
     w.kv.shutdown().await;
 }
 

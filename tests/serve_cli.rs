@@ -282,7 +282,10 @@ async fn serve_with_one_request_p_holds() -> (Serve, PrefillSim) {
     let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(Stuck(tx)))
         .await
         .unwrap();
-    let mut s = Serve::start(BASIC);
+    // P never answers the held request: an abort settles it once its grace passed.
+    let mut args = BASIC.to_vec();
+    args.extend(["--abort-grace-ms", "200"]);
+    let mut s = Serve::start(&args);
     s.wait("ready", |v| ev(v, "ready")).await;
     let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
         "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
@@ -297,8 +300,8 @@ async fn serve_with_one_request_p_holds() -> (Serve, PrefillSim) {
 }
 
 /// `{"op":"abort","req_id":..}`: the host's client went away while P is writing. The answer
-/// says one peer owed it; it fails ("aborted"), completes, its blocks come back through drain
-/// (fenced: the permit is closed). An unknown id settles nothing; a line without `req_id`, or
+/// says one peer owed it; P never answers, so once `--abort-grace-ms` passed it fails
+/// ("aborted"), completes, its blocks come back through drain (fenced: the permit is closed). An unknown id settles nothing; a line without `req_id`, or
 /// an op given a `req_id` it does not take, gets an error line and serve keeps going.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_over_the_pipe_fails_the_request_and_hands_its_blocks_back() {

@@ -272,10 +272,42 @@ impl AggregatorState {
                 });
             }
         }
+        if self.outstanding == 0 {
+            self.check_aborted_oks();
+        }
         if self.outstanding == 0 || naive_stop {
             fx.completion = Some(self.complete());
         }
         fx
+    }
+
+    /// A peer that answered ok for a request the host had aborted settled Failed `Aborted`
+    /// (`PeerState`): like any ok, it proves P's writes stopped only if what landed backs it
+    /// (PROTOCOL.md §5.3). If it does not, such peers count as uncertain, and their pulls'
+    /// windows are poisoned.
+    fn check_aborted_oks(&mut self) {
+        let answered_abort = |o: &Option<SettleOutcome>| {
+            matches!(
+                o,
+                Some(SettleOutcome::Failed {
+                    cause: Cause::Aborted,
+                    ..
+                })
+            )
+        };
+        let Some(not_ok) = self.not_ok.as_deref_mut() else {
+            return;
+        };
+        if !not_ok.iter().any(|(_, o)| answered_abort(o)) {
+            return;
+        }
+        let Some(Err(reason)) = self.rules.verifier.as_ref().map(|l| l.verify_ok(&self.req)) else {
+            return;
+        };
+        tracing::warn!(req_id = %self.req.req_id, %reason, "ok for an aborted request not backed by landed bytes");
+        for (_, o) in not_ok.iter_mut().filter(|(_, o)| answered_abort(o)) {
+            *o = Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone()));
+        }
     }
 
     /// Each peer with its settle so far.
@@ -496,6 +528,38 @@ mod tests {
         ) -> futures::future::LocalBoxFuture<'static, Result<(), crate::rdma::FenceError>> {
             Box::pin(async { Ok(()) })
         }
+    }
+
+    /// P answered ok for a request the host aborted (`PeerState` settles it Failed `Aborted`):
+    /// the peer is no suspect when what landed backs the ok, and uncertain when it does not.
+    #[test]
+    fn an_aborted_request_p_answered_ok_is_no_suspect_unless_the_bytes_say_otherwise() {
+        let peers = vec![PeerId::new("a"), PeerId::new("b")];
+        let answered = || SettleOutcome::failed(Cause::Aborted, "aborted by the host");
+        let mut plain = AggregatorState::new(req(), peers.clone(), Policy::Settle);
+        let fx = plain.on_settle(&settle("a", answered()));
+        assert!(fx.first_failure.is_some(), "the abort is the failure");
+        let c = plain
+            .on_settle(&settle("b", answered()))
+            .completion
+            .unwrap();
+        assert!(!c.outcome.is_ok());
+        assert!(c.suspects().is_empty(), "{c:?}");
+        let mut checked = AggregatorState::new(req(), peers.clone(), Policy::Settle)
+            .verified_by(Arc::new(Unbacked));
+        checked.on_settle(&settle("a", answered()));
+        let c = checked
+            .on_settle(&settle(
+                "b",
+                SettleOutcome::failed(Cause::PeerError, "expired"),
+            ))
+            .completion
+            .unwrap();
+        assert_eq!(
+            c.uncertain_peers,
+            vec![PeerId::new("a")],
+            "a's ok is not backed: its bytes may still be in flight; b wrote nothing"
+        );
     }
 
     #[test]

@@ -42,6 +42,10 @@ pub struct PeerConfig {
     pub backoff_base: Duration,
     /// Cap of the doubled backoff.
     pub backoff_max: Duration,
+    /// How long after the host aborts a request D still waits for P's answer to it, once the
+    /// pull owes nothing else: an answer proves P stopped writing (its window is not
+    /// poisoned); no answer by then settles it Uncertain (poisoned until the fence).
+    pub abort_grace: Duration,
 }
 
 impl PeerConfig {
@@ -50,7 +54,8 @@ impl PeerConfig {
     /// ```
     /// use std::time::Duration;
     /// let c = kvrecv::actors::PeerConfig { pull_timeout: Duration::from_secs(1),
-    ///     backoff_base: Duration::from_millis(100), backoff_max: Duration::from_millis(250) };
+    ///     backoff_base: Duration::from_millis(100), backoff_max: Duration::from_millis(250),
+    ///     abort_grace: Duration::from_secs(30) };
     /// assert_eq!(c.backoff(1), Duration::from_millis(100));
     /// assert_eq!(c.backoff(2), Duration::from_millis(200));
     /// assert_eq!(c.backoff(9), Duration::from_millis(250));
@@ -96,6 +101,9 @@ struct Live {
     finish: CleanFinish,
     /// A stray message reached the channel (see [`Effects::stray`]): never reuse it.
     stray: bool,
+    /// The host aborted a request of this pull: once the pull owes nothing else, its deadline
+    /// is no later than this (the abort's grace).
+    abort_deadline: Option<tokio::time::Instant>,
 }
 
 /// One actor per prefill peer (ZMQ endpoint): sends pulls, matches replies to pending ids, and
@@ -206,6 +214,7 @@ impl Peer {
                 span,
                 finish,
                 stray: false,
+                abort_deadline: None,
             },
         );
     }
@@ -217,8 +226,24 @@ impl Peer {
         at
     }
 
-    /// Make the timer fire no later than `at`. Deadlines are all `pull_timeout` after their
-    /// start, so a new one is never earlier than the armed one and nothing is re-registered.
+    /// A pull that owes only aborted requests waits no longer than the abort's grace.
+    fn cap_at_abort_grace(&mut self, pull_id: PullId, ctx: &mut Context<Self>) {
+        if !self.state.only_aborted_pending(pull_id) {
+            return;
+        }
+        let Some(l) = self.live.get_mut(&pull_id) else {
+            return;
+        };
+        let Some(at) = l.abort_deadline.filter(|&at| at < l.deadline) else {
+            return;
+        };
+        l.deadline = at;
+        self.arm_timer(at, ctx);
+    }
+
+    /// Make the timer fire no later than `at`. Deadlines are `pull_timeout` after their start
+    /// (only an abort's grace is sooner), so a new one is rarely earlier than the armed one
+    /// and rarely re-registers the timer.
     fn arm_timer(&mut self, at: tokio::time::Instant, ctx: &mut Context<Self>) {
         if let Some((armed, handle)) = self.timer {
             if armed <= at {
@@ -430,16 +455,23 @@ impl Handler<UnsentPull> for Peer {
 impl Handler<AbortAtPeer> for Peer {
     type Result = usize;
 
-    /// The host stopped waiting: what this peer still owes for the request settles Uncertain
-    /// (it has the addresses and may still write), so the blocks wait for the fence.
-    fn handle(&mut self, msg: AbortAtPeer, _ctx: &mut Context<Self>) -> usize {
-        let (fx, pulls) = self.state.abort(&msg.req_id, ABORTED_BY_HOST);
-        if pulls > 0 {
-            tracing::info!(peer = %self.id(), req_id = %msg.req_id, pulls, "request aborted by the host");
+    /// The host stopped waiting: P still has the request's addresses and may be writing, so
+    /// the request settles (as aborted) on P's answer, which proves P stopped, or Uncertain
+    /// once the abort's grace passed without one; the blocks wait for that either way.
+    fn handle(&mut self, msg: AbortAtPeer, ctx: &mut Context<Self>) -> usize {
+        let pulls = self.state.abort(&msg.req_id, ABORTED_BY_HOST);
+        if !pulls.is_empty() {
+            tracing::info!(peer = %self.id(), req_id = %msg.req_id, pulls = pulls.len(),
+                grace = ?self.cfg.abort_grace, "request aborted by the host; waiting for P's answer");
         }
-        // Pull id 0: the settles carry their own pull ids; no pull is closed by an abort.
-        self.apply(0, fx);
-        pulls
+        let at = tokio::time::Instant::now() + self.cfg.abort_grace;
+        for &pull_id in &pulls {
+            if let Some(l) = self.live.get_mut(&pull_id) {
+                l.abort_deadline.get_or_insert(at);
+            }
+            self.cap_at_abort_grace(pull_id, ctx);
+        }
+        pulls.len()
     }
 }
 
@@ -472,6 +504,7 @@ impl StreamHandler<PullEvent> for Peer {
                     }
                 }
                 self.apply(pull_id, fx);
+                self.cap_at_abort_grace(pull_id, ctx);
             }
             // Nothing left D: that pull fails (no writer has it), the peer is not restarted.
             ChannelEvent::Failed(

@@ -75,8 +75,8 @@ struct InFlight {
     pending: PendingSet,
     /// Requests the pull carried (the bound on what a reply may name).
     carried: usize,
-    /// Pending requests the host aborted, with the abort's reason: they settle Uncertain
-    /// once nothing else of the pull is pending (see [`PeerState::abort`]).
+    /// Pending requests the host aborted, with the abort's reason: they settle as aborted when
+    /// P answers them or the pull ends (see [`PeerState::abort`]).
     aborted: Vec<(ReqId, String)>,
 }
 
@@ -88,11 +88,21 @@ impl InFlight {
             .map(|(_, why)| why.as_str())
     }
 
-    /// How `req_id` settles: as aborted if the host aborted it, whatever else was said of it.
+    /// How `req_id` settles: as aborted if the host aborted it, keeping what P's answer proves.
+    /// P's ok (its writes for the request are done: the landed bytes are checked as for any ok)
+    /// settles Failed `Aborted`; P's failure keeps its cause (a transfer-engine failure still
+    /// makes the peer a suspect); no answer stays Uncertain. Only an Uncertain or
+    /// transfer-engine settle poisons the pull's landing window (DESIGN.md §5).
     fn outcome_of(&self, req_id: &str, said: SettleOutcome) -> SettleOutcome {
-        match self.abort_reason(req_id) {
-            Some(why) => SettleOutcome::uncertain(Cause::Aborted, why),
-            None => said,
+        let Some(why) = self.abort_reason(req_id) else {
+            return said;
+        };
+        match said {
+            SettleOutcome::Ok => SettleOutcome::failed(Cause::Aborted, why),
+            SettleOutcome::Failed { cause, reason } => {
+                SettleOutcome::failed(cause, format!("{why} (P: {reason})"))
+            }
+            SettleOutcome::Uncertain { .. } => SettleOutcome::uncertain(Cause::Aborted, why),
         }
     }
 }
@@ -232,25 +242,16 @@ impl PeerState {
         fx.pull_done = true;
     }
 
-    /// Once only aborted requests are pending in the pull, settle them (Uncertain, aborted):
-    /// nothing the peer may still send for the pull concerns anyone else.
-    fn settle_aborted_if_alone(&mut self, fx: &mut Effects, pull_id: PullId) {
-        let Some(pull) = self.pulls.get(&pull_id) else {
-            return;
-        };
-        if pull.aborted.is_empty()
-            || pull
-                .pending
-                .iter()
-                .any(|r| pull.abort_reason(&r.meta.req_id).is_none())
-        {
-            return;
-        }
-        let ids: Vec<ReqId> = pull.aborted.iter().map(|(id, _)| id.clone()).collect();
-        for id in ids {
-            // The outcome is replaced by the abort's in `settle`.
-            self.settle(fx, pull_id, &id, SettleOutcome::Ok);
-        }
+    /// Whether everything the pull still owes was aborted by the host: nothing it may still
+    /// answer concerns a request anyone waits for (the Peer then shortens its deadline to the
+    /// abort's grace).
+    pub fn only_aborted_pending(&self, pull_id: PullId) -> bool {
+        self.pulls.get(&pull_id).is_some_and(|p| {
+            !p.aborted.is_empty()
+                && p.pending
+                    .iter()
+                    .all(|r| p.abort_reason(&r.meta.req_id).is_some())
+        })
     }
 
     /// One reply off the pull's channel. Its cost is linear in the pull's size: a reply naming
@@ -318,7 +319,6 @@ impl PeerState {
         for id in resp.ok() {
             self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
         }
-        self.settle_aborted_if_alone(&mut fx, pull_id);
         match resp.status {
             // More subsets follow; the channel stays open until FINISH, ERROR or the deadline.
             XferStatus::Continue => {}
@@ -365,31 +365,29 @@ impl PeerState {
         fx
     }
 
-    /// The host aborted `req_id`: it settles Uncertain ("aborted") in every pull that still
-    /// owes it (the peer has its block addresses and may still write), at once when nothing else
-    /// of that pull is pending, else once the pull's other requests are settled (or the pull
-    /// ends). P writes a pull's ready requests in one transfer: closing the aborted request's
-    /// landing permit while the others are in flight failed that whole transfer, and with it
-    /// every other request of the batch. Its blocks stay held meanwhile; a reply naming it
-    /// settles it as aborted. Returns how many pulls held it.
-    pub fn abort(&mut self, req_id: &str, reason: &str) -> (Effects, usize) {
-        let mut fx = Effects::default();
+    /// The host aborted `req_id`: it is marked aborted in every pull that still owes it, and
+    /// settles as aborted when P answers it or the pull ends ([`InFlight::outcome_of`]). Nothing
+    /// settles here: the peer has the request's block addresses and may be writing them, and
+    /// its answer is what proves it stopped. Settling at once (Uncertain) poisoned the pull's
+    /// landing window for the whole quarantine deadline even when P then answered ok, and an
+    /// abort rate of a few per second filled a deployment's share of windows. Closing the
+    /// permit at once also failed P's whole transfer, and with it the batch's other requests.
+    /// The blocks stay held meanwhile; the Peer bounds the wait ([`Self::only_aborted_pending`]).
+    /// Returns the pulls that hold it.
+    pub fn abort(&mut self, req_id: &str, reason: &str) -> Vec<PullId> {
         let mut ids: Vec<PullId> = self
             .pulls
-            .iter()
+            .iter_mut()
             .filter(|(_, p)| p.pending.contains(req_id))
-            .map(|(id, _)| *id)
+            .map(|(id, p)| {
+                if p.abort_reason(req_id).is_none() {
+                    p.aborted.push((ReqId::from(req_id), reason.to_owned()));
+                }
+                *id
+            })
             .collect();
         ids.sort_unstable();
-        for id in &ids {
-            if let Some(pull) = self.pulls.get_mut(id) {
-                if pull.abort_reason(req_id).is_none() {
-                    pull.aborted.push((ReqId::from(req_id), reason.to_owned()));
-                }
-            }
-            self.settle_aborted_if_alone(&mut fx, *id);
-        }
-        (fx, ids.len())
+        ids
     }
 
     /// Restart: settle everything of every pull Uncertain; returns the pulls that were dropped.
@@ -457,32 +455,58 @@ mod tests {
         SettleOutcome::uncertain(Cause::Aborted, "aborted by the host")
     }
 
+    /// P answered an aborted request ok: its writes are done, so it is Failed, not Uncertain.
+    fn aborted_answered() -> SettleOutcome {
+        SettleOutcome::failed(Cause::Aborted, "aborted by the host")
+    }
+
+    /// An abort settles nothing by itself: P's answer does, as aborted, keeping what the
+    /// answer proves (ok: Failed; a transfer-engine failure keeps its cause).
     #[test]
-    fn abort_settles_at_once_where_nothing_else_is_pending_and_later_where_something_is() {
+    fn an_abort_waits_for_p_and_its_answer_settles_the_request_as_aborted() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
         st.start(&pull(1, &["a", "b"]));
         st.start(&pull(2, &["a"]));
-        let (fx, n) = st.abort("a", "aborted by the host");
-        assert_eq!(n, 2, "both pulls owed it");
-        // Pull 2 had only `a`; pull 1 still waits for `b`, which P may be writing in the same
-        // transfer as `a`.
-        assert_eq!(outcomes(&fx), vec![("a".into(), aborted())]);
-        assert!(!fx.pull_done, "the pulls stay open");
-        assert_eq!(st.pending_count(), 2, "a (held for pull 1) and b");
-        assert_eq!(st.abort("a", "again").1, 1, "still owed by pull 1");
-        // P answers both: b as it says, a as aborted whatever P says of it.
+        assert_eq!(
+            st.abort("a", "aborted by the host"),
+            vec![1, 2],
+            "both pulls owed it"
+        );
+        assert!(
+            st.only_aborted_pending(2),
+            "pull 2 owes only the aborted request"
+        );
+        assert!(!st.only_aborted_pending(1), "pull 1 still owes b");
+        assert_eq!(st.pending_count(), 3, "nothing settled: a twice, and b");
+        assert_eq!(st.abort("a", "again"), vec![1, 2]);
         let fx = st.on_reply(
             1,
             reply(XferStatus::Continue, vec!["a".into(), "b".into()], vec![]),
         );
         assert_eq!(
             outcomes(&fx),
-            vec![("a".into(), aborted()), ("b".into(), SettleOutcome::Ok)]
+            vec![
+                ("a".into(), aborted_answered()),
+                ("b".into(), SettleOutcome::Ok)
+            ]
         );
-        assert!(
-            fx.stale.is_empty(),
-            "nothing P said was stale: {:?}",
-            fx.stale
+        assert!(fx.stale.is_empty(), "{:?}", fx.stale);
+        let te = MooncakeXferResponse {
+            status: XferStatus::Finish,
+            ok_reqs: Some(vec![]),
+            err_reqs: Some(vec!["a".into()]),
+            err_msg: Some(format!("{TE_FAILURE} -1")),
+        };
+        let fx = st.on_reply(2, vec![te.encode().unwrap()]);
+        assert_eq!(
+            outcomes(&fx),
+            vec![(
+                "a".into(),
+                SettleOutcome::failed(
+                    Cause::TransportEngine,
+                    format!("aborted by the host (P: {TE_FAILURE} -1)")
+                )
+            )]
         );
         // Settled once: a later ok for it is stale.
         let late = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
@@ -530,35 +554,39 @@ mod tests {
         st.start(&pull(1, &["a", "b", "c"]));
         st.abort("a", "aborted by the host");
         let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
-        assert_eq!(outcomes(&fx), vec![("a".into(), aborted())]);
+        assert_eq!(outcomes(&fx), vec![("a".into(), aborted_answered())]);
         let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["b".into()], vec![]));
         assert_eq!(outcomes(&fx), vec![("b".into(), SettleOutcome::Ok)]);
         assert!(fx.stale.is_empty(), "{:?}", fx.stale);
-        // Aborting the last one settles it alone, with nothing stale.
-        let (fx, n) = st.abort("c", "aborted by the host");
-        assert_eq!((outcomes(&fx), n), (vec![("c".into(), aborted())], 1));
-        assert!(fx.stale.is_empty(), "{:?}", fx.stale);
+        // Aborting the last one leaves it to P's answer, which settles it with nothing stale.
+        assert_eq!(st.abort("c", "aborted by the host"), vec![1]);
+        assert!(st.only_aborted_pending(1));
+        let fx = st.on_reply(1, reply(XferStatus::Finish, vec!["c".into()], vec![]));
+        assert_eq!(outcomes(&fx), vec![("c".into(), aborted_answered())]);
+        assert!(fx.stale.is_empty() && fx.pull_done && fx.finished_cleanly);
     }
 
     #[test]
-    fn an_aborted_request_settles_once_its_pull_has_nothing_else_pending() {
+    fn a_pull_left_with_only_aborted_requests_waits_for_p_or_its_deadline() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
         st.start(&pull(1, &["a", "b", "c"]));
-        assert!(st.abort("a", "aborted by the host").0.settles.is_empty());
+        assert!(st.abort("a", "aborted by the host").len() == 1);
         let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["b".into()], vec![]));
         assert_eq!(outcomes(&fx), vec![("b".into(), SettleOutcome::Ok)]);
-        // c fails: nothing but the aborted request is left, so it settles too.
+        assert!(!st.only_aborted_pending(1));
         let fx = st.on_reply(1, reply(XferStatus::Continue, vec![], vec!["c".into()]));
         assert_eq!(
             outcomes(&fx),
-            vec![
-                (
-                    "c".into(),
-                    SettleOutcome::failed(Cause::PeerError, "peer reported failure")
-                ),
-                ("a".into(), aborted()),
-            ]
+            vec![(
+                "c".into(),
+                SettleOutcome::failed(Cause::PeerError, "peer reported failure")
+            )]
         );
+        assert!(st.only_aborted_pending(1), "only a is left");
+        assert_eq!(st.pending_count(), 1, "a waits for P");
+        // No answer before the deadline: D cannot know P stopped.
+        let fx = st.abandon(1, Cause::Timeout, "deadline".into());
+        assert_eq!(outcomes(&fx), vec![("a".into(), aborted())]);
         assert_eq!(st.pending_count(), 0);
     }
 
@@ -577,7 +605,15 @@ mod tests {
                 .into_iter()
                 .filter(|(id, _)| id == "a")
                 .collect();
-            assert_eq!(a, vec![("a".into(), aborted())], "{end}");
+            // A FINISH that omits it is P's answer (rule 3: it did not write it).
+            let want = match end {
+                "finish" => SettleOutcome::failed(
+                    Cause::Omitted,
+                    format!("aborted by the host (P: {OMITTED})"),
+                ),
+                _ => aborted(),
+            };
+            assert_eq!(a, vec![("a".into(), want)], "{end}");
             assert!(fx.pull_done, "{end}");
             assert_eq!(st.pending_count(), 0, "{end}");
         }

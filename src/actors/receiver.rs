@@ -140,6 +140,7 @@ impl Receiver {
             pull_timeout: self.cfg.pull_timeout,
             backoff_base: self.cfg.peer_backoff_base,
             backoff_max: self.cfg.peer_backoff_max,
+            abort_grace: self.cfg.abort_grace,
         };
         let health = PeerHealth::new(self.rediscovery.clone());
         let labels = self.labels.clone();

@@ -84,6 +84,11 @@ pub struct ServeArgs {
     /// D-side per-pull deadline (longest silence from a peer), ms.
     #[arg(long)]
     pub pull_timeout_ms: Option<u64>,
+    /// How long D still waits for P's answer to a request the host aborted, ms: an answer
+    /// proves P stopped writing (its landing window stays in rotation); none by then poisons
+    /// the window until the quarantine deadline. The request's blocks stay held meanwhile.
+    #[arg(long)]
+    pub abort_grace_ms: Option<u64>,
     #[arg(long, value_enum)]
     pub policy: Option<Policy>,
     /// The transport P writes with (overrides `mooncake_protocol`): `tcp` (kvrecv's TCP target)
@@ -262,6 +267,9 @@ impl ServeArgs {
         d.pp_rank = self.pp_rank.unwrap_or(d.pp_rank);
         if let Some(ms) = self.pull_timeout_ms {
             cfg.pull_timeout = Duration::from_millis(ms.max(1));
+        }
+        if let Some(ms) = self.abort_grace_ms {
+            cfg.abort_grace = Duration::from_millis(ms);
         }
         if let Some(p) = self.policy {
             cfg.policy = p;

@@ -27,7 +27,8 @@ pub enum Cause {
     Malformed,
     /// A peer-wide ERROR.
     PeerWideError,
-    /// The host aborted the request.
+    /// The host aborted the request: `Failed` when P answered it ok afterwards (its writes
+    /// stopped), `Uncertain` when P had not answered within the abort's grace.
     Aborted,
     /// Every peer said ok, but what landed does not back it (v1 accounting, no window).
     Unbacked,
