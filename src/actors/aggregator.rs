@@ -17,7 +17,9 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message};
 
-use crate::messages::{KvEvent, PullId, ReqId, Settle, Settles, SharedRequest};
+use crate::messages::{
+    Completion, Completions, KvEvent, PullId, ReqId, Settle, Settles, SharedRequest,
+};
 use crate::telemetry::{self as m, Labels};
 
 use super::aggregator_state::{AggEffects, AggregatorState};
@@ -88,22 +90,21 @@ impl RequestAggregator {
         self
     }
 
-    /// Publish what a request's state machine said; `since` is when aggregation started.
-    fn publish(&self, fx: AggEffects, since: Instant) {
+    /// Take what a request's state machine said; `since` is when aggregation started. It is
+    /// published by [`Self::flush`].
+    fn publish(&self, fx: AggEffects, since: Instant, out: &mut Outbox) {
         if let Some(ff) = fx.first_failure {
             tracing::warn!(req_id = %ff.req.req_id, peer = ?ff.peer, reason = %ff.reason, "first failure");
             self.labels.counter(m::FIRST_FAILURES).increment(1);
-            let ev = self.events.wants_detail().then(|| KvEvent::FirstFailure {
-                req_id: ff.req.req_id.clone(),
-                peer: ff.peer.clone(),
-                reason: ff.reason.clone(),
-            });
-            // Queue for the BlockManager before telling observers, so an observer's next
-            // message to the BlockManager is handled after this one.
-            self.block_manager.do_send(ff);
-            if let Some(ev) = ev {
-                self.events.emit(ev);
+            if self.events.wants_detail() {
+                out.events.push(KvEvent::FirstFailure {
+                    req_id: ff.req.req_id.clone(),
+                    peer: ff.peer.clone(),
+                    reason: ff.reason.clone(),
+                });
             }
+            // A request's first failure reaches the BlockManager before its completion.
+            self.block_manager.do_send(ff);
         }
         if let Some(c) = fx.completion {
             let label = if c.outcome.is_ok() { "ok" } else { "failed" };
@@ -114,18 +115,39 @@ impl RequestAggregator {
             self.labels
                 .histogram(m::COMPLETION_LATENCY)
                 .record(since.elapsed().as_secs_f64());
-            let ev = self.events.is_on().then(|| KvEvent::Completion {
-                req_id: c.req.req_id.clone(),
-                outcome: c.outcome.clone(),
-                uncertain_peers: c.uncertain_peers.clone(),
-                unsettled_peers: c.unsettled_peers.clone(),
-            });
-            self.block_manager.do_send(c);
-            if let Some(ev) = ev {
-                self.events.emit(ev);
+            if self.events.is_on() {
+                out.events.push(KvEvent::Completion {
+                    req_id: c.req.req_id.clone(),
+                    outcome: c.outcome.clone(),
+                    uncertain_peers: c.uncertain_peers.clone(),
+                    unsettled_peers: c.unsettled_peers.clone(),
+                });
             }
+            out.completions.push(c);
         }
     }
+
+    /// Hand the completions to the BlockManager (one message), then tell observers: an
+    /// observer's next message to the BlockManager (a drain) is handled after them.
+    fn flush(&self, out: Outbox) {
+        let mut completions = out.completions;
+        match completions.len() {
+            0 => {}
+            1 => self.block_manager.do_send(completions.swap_remove(0)),
+            _ => self.block_manager.do_send(Completions(completions)),
+        }
+        for ev in out.events {
+            self.events.emit(ev);
+        }
+    }
+}
+
+/// What one message's settles produced, published together by [`RequestAggregator::flush`].
+#[derive(Default)]
+struct Outbox {
+    completions: Vec<Completion>,
+    /// Inline for a reply that settles one request (no allocation).
+    events: smallvec::SmallVec<[KvEvent; 2]>,
 }
 
 impl Actor for RequestAggregator {
@@ -159,11 +181,13 @@ impl Handler<FailUnsent> for RequestAggregator {
 
     fn handle(&mut self, msg: FailUnsent, _ctx: &mut Context<Self>) {
         let since = Instant::now();
+        let mut out = Outbox::default();
         for req in msg.requests {
             let mut state = AggregatorState::new(req, vec![], crate::config::Policy::Settle);
             let fx = state.fail_now(msg.reason.clone());
-            self.publish(fx, since);
+            self.publish(fx, since, &mut out);
         }
+        self.flush(out);
     }
 }
 
@@ -171,9 +195,11 @@ impl Handler<Settles> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, msg: Settles, _ctx: &mut Context<Self>) {
+        let mut out = Outbox::default();
         for s in msg.0 {
-            self.settle(s);
+            self.settle(s, &mut out);
         }
+        self.flush(out);
     }
 }
 
@@ -181,12 +207,14 @@ impl Handler<Settle> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, s: Settle, _ctx: &mut Context<Self>) {
-        self.settle(s);
+        let mut out = Outbox::default();
+        self.settle(s, &mut out);
+        self.flush(out);
     }
 }
 
 impl RequestAggregator {
-    fn settle(&mut self, s: Settle) {
+    fn settle(&mut self, s: Settle, out: &mut Outbox) {
         // Everything logged while handling a settle names the request and the peer it came from.
         let _span = tracing::debug_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
         let Some(entry) = self.live.get_mut(&s.req_id).filter(|e| e.counts(s.pull_id)) else {
@@ -203,7 +231,7 @@ impl RequestAggregator {
         if fx.completion.is_some() {
             self.live.remove(&s.req_id);
         }
-        self.publish(fx, since);
+        self.publish(fx, since, out);
     }
 }
 

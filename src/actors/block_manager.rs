@@ -2,6 +2,7 @@
 //! every completion, quarantines blocks that uncertain peers may still write until the data
 //! plane fences them (or the last-resort deadline), and serves the host's per-step drain.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -9,8 +10,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 
 use crate::config::Policy;
 use crate::messages::{
-    Admit, Allocate, BatchError, Completion, Drain, DrainTo, FirstFailure, Free, GetLedgerStats,
-    Handed, KvEvent, LedgerStats, ReqId, StepOutput, Undrained,
+    Admit, Allocate, BatchError, Completion, Completions, Drain, DrainTo, FirstFailure, Free,
+    GetLedgerStats, Handed, KvEvent, LedgerStats, ReqId, StepOutput, Undrained,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -112,25 +113,45 @@ impl Handler<Completion> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, c: Completion, ctx: &mut Context<Self>) {
-        // Revoke first, whatever the outcome: an ok from a v1 writer or a timed-out TE batch is
-        // no proof that the bytes stopped moving (DESIGN.md §5). The windows of suspect peers
-        // are poisoned for as long as a quarantine may last.
-        let suspects = c.suspects();
-        let revoked = self.landing.revoke(&RevokeRequest {
-            req: &c.req,
-            suspects: &suspects,
-            poison_until: Instant::now() + self.ledger.quarantine_deadline(),
-        });
-        let revocation = revoked.revocation;
-        match revoked.quiesced {
-            None => self.dispose(c, revocation, !suspects.is_empty(), ctx),
-            // A read admitted before the revocation is finishing its copy: hold this mailbox
-            // (not the thread) until it has, so nothing is released or drained early.
-            Some(quiet) => ctx.wait(
-                quiet
-                    .into_actor(self)
-                    .map(move |(), act, ctx| act.dispose(c, revocation, !suspects.is_empty(), ctx)),
-            ),
+        self.complete_in_order(VecDeque::from([c]), ctx);
+    }
+}
+
+impl Handler<Completions> for BlockManager {
+    type Result = ();
+
+    fn handle(&mut self, cs: Completions, ctx: &mut Context<Self>) {
+        self.complete_in_order(cs.0.into(), ctx);
+    }
+}
+
+impl BlockManager {
+    /// Revoke and dispose of each completion in turn. Revoke first, whatever the outcome: an ok
+    /// from a v1 writer or a timed-out TE batch is no proof that the bytes stopped moving
+    /// (DESIGN.md §5). The windows of suspect peers are poisoned for as long as a quarantine
+    /// may last. A revocation a landing read is still finishing holds this mailbox (not the
+    /// thread) until it has, and the completions after it wait with it, so nothing is
+    /// released or drained early.
+    fn complete_in_order(&mut self, mut list: VecDeque<Completion>, ctx: &mut Context<Self>) {
+        while let Some(c) = list.pop_front() {
+            let suspects = c.suspects();
+            let revoked = self.landing.revoke(&RevokeRequest {
+                req: &c.req,
+                suspects: &suspects,
+                poison_until: Instant::now() + self.ledger.quarantine_deadline(),
+            });
+            let revocation = revoked.revocation;
+            let had_suspects = !suspects.is_empty();
+            match revoked.quiesced {
+                None => self.dispose(c, revocation, had_suspects, ctx),
+                Some(quiet) => {
+                    ctx.wait(quiet.into_actor(self).map(move |(), act, ctx| {
+                        act.dispose(c, revocation, had_suspects, ctx);
+                        act.complete_in_order(list, ctx);
+                    }));
+                    return;
+                }
+            }
         }
     }
 }
@@ -273,5 +294,110 @@ impl Handler<GetLedgerStats> for BlockManager {
             quarantined_blocks: self.ledger.quarantined_blocks(),
             free_blocks: self.ledger.pool().map(|p| p.free_blocks()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+    use std::time::Duration;
+
+    use futures::FutureExt;
+    use tokio::sync::oneshot;
+
+    use super::*;
+    use crate::messages::{Outcome, PeerId, RequestMeta, SharedRequest};
+    use crate::rdma::{FenceError, PullWindow, Revoked};
+
+    /// A data plane where a read into `a`'s blocks is still copying when `a` is revoked: its
+    /// revocation quiesces when the test says so.
+    struct Copying {
+        a_quiet: Mutex<Option<oneshot::Receiver<()>>>,
+    }
+
+    impl Landing for Copying {
+        fn endpoint(&self) -> (String, u32) {
+            (String::new(), 0)
+        }
+        fn open_pull(&self, _w: &PullWindow<'_>) -> Vec<u64> {
+            vec![]
+        }
+        fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
+            let rx = (&*r.req.req_id == "a")
+                .then(|| self.a_quiet.lock().unwrap().take())
+                .flatten();
+            Revoked {
+                revocation: Revocation::Exact,
+                poisoned: 0,
+                quiesced: rx.map(|rx| rx.map(|_| ()).boxed()),
+            }
+        }
+        fn fence(
+            &self,
+            _p: &[PeerId],
+        ) -> futures::future::LocalBoxFuture<'static, Result<(), FenceError>> {
+            Box::pin(async { Ok(()) })
+        }
+    }
+
+    fn req(id: &str, block: u32) -> SharedRequest {
+        Arc::new(RequestMeta {
+            req_id: id.into(),
+            transfer_id: format!("t-{id}").into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "http://b:1".into(),
+            block_ids: vec![vec![block]],
+        })
+    }
+
+    fn ok(r: &SharedRequest) -> Completion {
+        Completion {
+            req: r.clone(),
+            outcome: Outcome::Ok,
+            uncertain_peers: vec![],
+            unsettled_peers: vec![],
+            transport_failed_peers: vec![],
+        }
+    }
+
+    /// One message carries a batch's completions; a revocation a landing read is still
+    /// finishing holds that completion's release and every one after it (in order), until the
+    /// read is done: nothing is drained early.
+    #[actix::test]
+    async fn completions_after_a_quiescing_revocation_wait_for_it() {
+        let (tx, rx) = oneshot::channel();
+        let landing = Arc::new(Copying {
+            a_quiet: Mutex::new(Some(rx)),
+        });
+        let bm = BlockManager::new(
+            BlockLedger::new(Duration::from_secs(60), None),
+            landing,
+            Policy::Settle,
+            EventSink::none(),
+        )
+        .start();
+        let (a, b) = (req("a", 1), req("b", 2));
+        let verdicts = bm
+            .send(Admit {
+                requests: vec![a.clone(), b.clone()],
+            })
+            .await
+            .unwrap();
+        assert!(verdicts.iter().all(Result::is_ok), "{verdicts:?}");
+        bm.do_send(Completions(vec![ok(&a), ok(&b)]));
+        // A drain queued behind the completions waits with them.
+        let early = bm.send(Drain);
+        let mut early = std::pin::pin!(early);
+        for _ in 0..16 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            futures::poll!(early.as_mut()).is_pending(),
+            "the drain is not answered while a's read is still copying"
+        );
+        tx.send(()).unwrap();
+        let out = early.await.unwrap();
+        let ids: Vec<&str> = out.finished_recving.iter().map(|r| &**r).collect();
+        assert_eq!(ids, ["a", "b"], "released together, in order, once quiet");
     }
 }

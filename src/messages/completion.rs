@@ -82,3 +82,10 @@ impl Completion {
         v
     }
 }
+
+/// RequestAggregator -> BlockManager: the completions one batch of settles produced, in order
+/// (one message where a reply settles a whole batch, not one per request). Handled as that
+/// many [`Completion`]s one after another.
+#[derive(Debug, Clone, Message)]
+#[rtype(result = "()")]
+pub struct Completions(pub Vec<Completion>);

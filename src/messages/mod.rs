@@ -25,7 +25,7 @@ pub mod wire;
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
 pub use batch::{BatchError, Interner, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
-pub use completion::{Completion, FirstFailure, Outcome};
+pub use completion::{Completion, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, DrainTo, Handed, StepOutput, Undrained};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
