@@ -109,6 +109,10 @@ pub struct KvRecvConfig {
     pub peer_backoff_base: Duration,
     /// Cap of the peer backoff.
     pub peer_backoff_max: Duration,
+    /// A Peer (one P worker's actor, its state and pooled sockets) no pull was handed for this
+    /// long is retired, once nothing of it is in flight: peers that came and went do not
+    /// accumulate (a bootstrap server may list up to `max_p_workers` new ones per engine).
+    pub peer_retire_after: Duration,
     /// Requests live at once (loaded, not yet drained); more are refused with
     /// `BatchError::Backpressure`.
     pub max_live_requests: usize,
@@ -138,6 +142,7 @@ impl Default for KvRecvConfig {
             quarantine_deadline: Duration::from_secs(900),
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
+            peer_retire_after: Duration::from_secs(60),
             max_live_requests: crate::actors::block_ledger::DEFAULT_MAX_LIVE,
             topology_retry_base: Duration::from_millis(100),
             topology_retry_max: Duration::from_secs(2),
@@ -242,6 +247,7 @@ struct RawKvRecv {
     quarantine_deadline_ms: Option<u64>,
     peer_backoff_base_ms: Option<u64>,
     peer_backoff_max_ms: Option<u64>,
+    peer_retire_after_ms: Option<u64>,
     max_live_requests: Option<usize>,
     topology_retry_base_ms: Option<u64>,
     topology_retry_max_ms: Option<u64>,
@@ -321,6 +327,11 @@ impl KvRecvConfig {
             k.quarantine_deadline_ms,
             "quarantine_deadline_ms",
             cfg.quarantine_deadline,
+        )?;
+        cfg.peer_retire_after = ms(
+            k.peer_retire_after_ms,
+            "peer_retire_after_ms",
+            cfg.peer_retire_after,
         )?;
         cfg.peer_backoff_base = ms(
             k.peer_backoff_base_ms,

@@ -167,6 +167,10 @@ pub const DEADLINE_EXPIRIES: &str = "kvrecv_pull_deadline_expiries_total";
 pub const STRAY_REPLIES: &str = "kvrecv_stray_replies_total";
 /// Supervised restarts of a peer actor.
 pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
+/// Peer actors (one per P worker D pulls from) the Receiver holds now.
+pub const PEERS: &str = "kvrecv_peers";
+/// Peer actors retired after `peer_retire_after` without a pull.
+pub const PEERS_RETIRED: &str = "kvrecv_peers_retired_total";
 /// Requests whose first failure was reported.
 pub const FIRST_FAILURES: &str = "kvrecv_first_failures_total";
 /// Completions, by outcome; label outcome.

@@ -971,3 +971,137 @@ async fn a_drain_dropped_after_its_reply_puts_it_back_in_front() {
     assert_eq!(step.finished_recving[2].to_string(), "r3", "older first");
     assert_eq!(step.finished_recving.len(), 3);
 }
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+fn aborted_uncertain() -> SettleOutcome {
+    SettleOutcome::uncertain(Cause::Aborted, kvrecv::messages::ABORTED_BY_HOST)
+}
+
+fn aborted_answered() -> SettleOutcome {
+    SettleOutcome::failed(Cause::Aborted, kvrecv::messages::ABORTED_BY_HOST)
+}
+
+async fn abort(h: &Harness, id: &str) -> kvrecv::messages::AbortReply {
+    h.coord
+        .receiver
+        .send(kvrecv::messages::Abort { req_id: id.into() })
+        .await
+        .expect("receiver alive")
+}
+
+/// An abort settles nothing by itself: P's answer does (Failed, aborted: P stopped), and a peer
+/// that does not answer settles Uncertain once the abort's grace has passed (its pull owes
+/// nothing else), not at the pull deadline. (Tokio's clock is paused: the grace is exact.)
+#[actix::test]
+async fn an_abort_waits_for_ps_answer_for_at_most_its_grace() {
+    tokio::time::pause();
+    let mut h = Harness::start(Setup {
+        pull_timeout: ms(60_000),
+        abort_grace: ms(500),
+        ..Setup::default()
+    });
+    h.load(vec![req("r1", &[1])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    assert_eq!(abort(&h, "r1").await.peers_settled, 2);
+    tokio::time::sleep(ms(400)).await;
+    h.soak_events();
+    assert_eq!(
+        h.count(|e| matches!(e, KvEvent::Settled { .. })),
+        0,
+        "nothing settles before P answers or the grace passes"
+    );
+    a.respond(Finish, &["r1"], &[], None);
+    h.wait_for("a's settle", is_settled(&a.peer, "r1")).await;
+    assert_eq!(settled_outcome(&h, &a.peer, "r1"), vec![aborted_answered()]);
+    assert!(b.is_open());
+    tokio::time::sleep(ms(150)).await;
+    let c = h.wait_for("completion", is_completion("r1")).await;
+    assert_eq!(
+        settled_outcome(&h, &b.peer, "r1"),
+        vec![aborted_uncertain()]
+    );
+    let KvEvent::Completion {
+        uncertain_peers, ..
+    } = c
+    else {
+        unreachable!()
+    };
+    assert_eq!(
+        uncertain_peers,
+        vec![b.peer.clone()],
+        "only the silent peer is a suspect"
+    );
+}
+
+/// A Peer no pull was handed for `peer_retire_after` is retired: the Receiver forgets it (a
+/// bootstrap server listing peers that come and go leaves nothing behind), and a later pull to
+/// the same address gets a new Peer that serves it. (Tokio's clock is paused.)
+#[actix::test]
+async fn idle_peers_are_retired_and_a_later_pull_gets_a_new_one() {
+    tokio::time::pause();
+    let mut h = Harness::start(Setup {
+        peer_retire_after: ms(1000),
+        ..Setup::default()
+    });
+    let receiver = h.coord.receiver.clone();
+    let peers = || async { receiver.send(kvrecv::messages::CountPeers).await.unwrap() };
+    h.load(vec![req("r1", &[1])]).await;
+    for p in h.pulls(2).await {
+        p.respond(Finish, &["r1"], &[], None);
+    }
+    h.wait_for("completion", is_completion("r1")).await;
+    assert_eq!(peers().await, 2);
+    tokio::time::sleep(ms(3000)).await;
+    assert_eq!(peers().await, 0, "both retired");
+    h.coord.drain().await.unwrap();
+    h.load(vec![req("r2", &[2])]).await;
+    for p in h.pulls(2).await {
+        p.respond(Finish, &["r2"], &[], None);
+    }
+    let c = h.wait_for("completion", is_completion("r2")).await;
+    assert!(
+        matches!(
+            c,
+            KvEvent::Completion {
+                outcome: Outcome::Ok,
+                ..
+            }
+        ),
+        "{c:?}"
+    );
+    assert_eq!(peers().await, 2);
+}
+
+/// A Peer retired while a pull is still in flight serves that pull to its end, and an abort
+/// still reaches it; it is gone from the Receiver at once. (Tokio's clock is paused.)
+#[actix::test]
+async fn a_peer_retired_mid_pull_serves_it_and_still_hears_aborts() {
+    tokio::time::pause();
+    let mut h = Harness::start(Setup {
+        peer_retire_after: ms(1000),
+        ..Setup::default()
+    });
+    h.load(vec![req("r1", &[1])]).await;
+    let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
+    a.respond(Finish, &["r1"], &[], None);
+    tokio::time::sleep(ms(3000)).await;
+    let n = h
+        .coord
+        .receiver
+        .send(kvrecv::messages::CountPeers)
+        .await
+        .unwrap();
+    assert_eq!(n, 0, "forgotten by the Receiver");
+    assert!(b.is_open(), "b's pull is still served");
+    assert_eq!(
+        abort(&h, "r1").await.peers_settled,
+        1,
+        "the abort reached b"
+    );
+    b.respond(Finish, &["r1"], &[], None);
+    h.wait_for("completion", is_completion("r1")).await;
+    assert_eq!(settled_outcome(&h, &b.peer, "r1"), vec![aborted_answered()]);
+}

@@ -16,7 +16,7 @@ use actix::{
 use futures::StreamExt;
 
 use crate::messages::{
-    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Settles, UnsentPull, ABORTED_BY_HOST,
+    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Retire, Settles, UnsentPull, ABORTED_BY_HOST,
 };
 use crate::telemetry::{self as m, Labels};
 
@@ -130,6 +130,8 @@ pub struct Peer {
     backoff_until: Option<Instant>,
     /// The channel error that stopped the previous incarnation (for the health record).
     last_failure: Option<String>,
+    /// The Receiver retired this Peer: it stops once no pull is in flight.
+    retiring: bool,
     labels: Labels,
 }
 
@@ -158,6 +160,7 @@ impl Peer {
             consecutive_failures: 0,
             backoff_until: None,
             last_failure: None,
+            retiring: false,
             labels: Labels::default(),
         }
     }
@@ -282,6 +285,7 @@ impl Peer {
         if let Some(next) = self.live.values().map(|l| l.deadline).min() {
             self.arm_timer(next, ctx);
         }
+        self.stop_if_retired(ctx);
     }
 
     /// Send settles, count, and close the pull's channel when it is over.
@@ -475,6 +479,26 @@ impl Handler<AbortAtPeer> for Peer {
     }
 }
 
+impl Handler<Retire> for Peer {
+    type Result = ();
+
+    fn handle(&mut self, _: Retire, ctx: &mut Context<Self>) {
+        self.retiring = true;
+        self.stop_if_retired(ctx);
+    }
+}
+
+impl Peer {
+    /// A retired Peer stops once no pull is in flight. With no address left (the Receiver
+    /// dropped its own) the supervisor does not restart it.
+    fn stop_if_retired(&mut self, ctx: &mut Context<Self>) {
+        if self.retiring && self.live.is_empty() {
+            tracing::debug!(peer = %self.id(), "retired: no pull for a while");
+            ctx.stop();
+        }
+    }
+}
+
 impl StreamHandler<PullEvent> for Peer {
     fn handle(&mut self, ev: PullEvent, ctx: &mut Context<Self>) {
         let pull_id = ev.pull_id;
@@ -517,7 +541,19 @@ impl StreamHandler<PullEvent> for Peer {
                 self.last_failure = Some(e.to_string());
                 let fx = self.state.abandon(pull_id, Cause::Channel, e.to_string());
                 self.apply(pull_id, fx);
+                if self.retiring {
+                    // Retired, nothing restarts us (the Receiver holds no address of ours):
+                    // what the other pulls owe is settled here, as `restarting` would.
+                    let (fx, pulls) = self
+                        .state
+                        .abandon_all(&format!("peer {} failed: {e}", self.id()));
+                    self.apply(0, fx);
+                    for id in pulls {
+                        self.close(id);
+                    }
+                }
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
+                return;
             }
             ChannelEvent::Ended => {
                 let fx = self.state.abandon(
@@ -528,6 +564,7 @@ impl StreamHandler<PullEvent> for Peer {
                 self.apply(pull_id, fx);
             }
         }
+        self.stop_if_retired(ctx);
     }
 
     /// One pull's channel ending is not the actor's end.

@@ -10,14 +10,14 @@ use std::time::Instant;
 
 use actix::{
     Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, ResponseActFuture, Supervisor,
-    WrapFuture,
+    WeakAddr, WrapFuture,
 };
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    Abort, AbortAtPeer, AbortReply, Admit, BatchError, Interner, LoadKv, LoadKvReply, MetadataRef,
-    MetadataTail, PeerId, Pull, PullRequest, ReqId, SharedRequest, UnsentPull, WireError,
-    ABORTED_BY_HOST,
+    Abort, AbortAtPeer, AbortReply, Admit, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
+    MetadataRef, MetadataTail, PeerId, Pull, PullRequest, ReqId, Retire, SharedRequest, UnsentPull,
+    WireError, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -45,7 +45,10 @@ pub struct Receiver {
     /// Every awaited request's settles are aggregated there (started with the Receiver).
     aggregator: Option<Addr<RequestAggregator>>,
     events: EventSink,
-    peers: FastMap<PeerId, Addr<Peer>>,
+    peers: FastMap<PeerId, PeerSlot>,
+    /// Peers retired with pulls still in flight: they stop after the last, and an abort still
+    /// reaches them meanwhile (weak: they do not keep the actor alive).
+    retiring: Vec<WeakAddr<Peer>>,
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
     rediscovery: Rc<RefCell<Rediscovery>>,
     /// Awaited requests admitted but not yet dispatched (their topology lookup is in flight).
@@ -99,6 +102,7 @@ impl Receiver {
             aggregator: None,
             events,
             peers: FastMap::default(),
+            retiring: Vec::new(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
             undispatched: FastMap::default(),
             aborted: Vec::new(),
@@ -131,8 +135,9 @@ impl Receiver {
     }
 
     fn peer(&mut self, id: &PeerId) -> Addr<Peer> {
-        if let Some(a) = self.peers.get(id) {
-            return a.clone();
+        if let Some(slot) = self.peers.get_mut(id) {
+            slot.used = tokio::time::Instant::now();
+            return slot.addr.clone();
         }
         let (pid, transport, events) = (id.clone(), self.transport.clone(), self.events.clone());
         let aggregator = self.aggregator().recipient();
@@ -147,8 +152,47 @@ impl Receiver {
         let addr = Supervisor::start(move |_| {
             Peer::new(pid, transport, cfg, events, aggregator, health).with_labels(labels)
         });
-        self.peers.insert(id.clone(), addr.clone());
+        self.peers.insert(
+            id.clone(),
+            PeerSlot {
+                addr: addr.clone(),
+                used: tokio::time::Instant::now(),
+            },
+        );
+        self.labels.gauge(m::PEERS).set(self.peers.len() as f64);
         addr
+    }
+
+    /// Retire the Peers no pull was handed for `peer_retire_after`: forgotten here at once (a
+    /// later pull to the address starts a new Peer), stopped once their pulls in flight ended.
+    fn retire_idle_peers(&mut self) {
+        let now = tokio::time::Instant::now();
+        let after = self.cfg.peer_retire_after;
+        let idle: Vec<PeerId> = self
+            .peers
+            .iter()
+            .filter(|(_, s)| now.saturating_duration_since(s.used) >= after)
+            .map(|(id, _)| id.clone())
+            .collect();
+        self.retiring.retain(|w| w.upgrade().is_some());
+        if idle.is_empty() {
+            return;
+        }
+        for id in &idle {
+            if let Some(slot) = self.peers.remove(id) {
+                self.retiring.push(slot.addr.downgrade());
+                slot.addr.do_send(Retire);
+            }
+        }
+        self.labels
+            .counter(m::PEERS_RETIRED)
+            .increment(idle.len() as u64);
+        self.labels.gauge(m::PEERS).set(self.peers.len() as f64);
+        tracing::debug!(
+            retired = idle.len(),
+            left = self.peers.len(),
+            "idle peers retired"
+        );
     }
 
     /// No writer exists for this batch (DESIGN.md §4 rule 7).
@@ -302,8 +346,31 @@ impl Receiver {
     }
 }
 
+/// A Peer the Receiver hands pulls to, and when it last did.
+struct PeerSlot {
+    addr: Addr<Peer>,
+    used: tokio::time::Instant,
+}
+
 impl Actor for Receiver {
     type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Checked a few times per retirement period, at most every 10 s.
+        let every = (self.cfg.peer_retire_after / 4).clamp(
+            std::time::Duration::from_millis(1),
+            std::time::Duration::from_secs(10),
+        );
+        ctx.run_interval(every, |act, _ctx| act.retire_idle_peers());
+    }
+}
+
+impl Handler<CountPeers> for Receiver {
+    type Result = usize;
+
+    fn handle(&mut self, _: CountPeers, _ctx: &mut Context<Self>) -> usize {
+        self.peers.len()
+    }
 }
 
 impl Handler<LoadKv> for Receiver {
@@ -360,15 +427,19 @@ impl Handler<Abort> for Receiver {
                 before_dispatch: true,
             }));
         }
+        let retiring: Vec<Addr<Peer>> = self.retiring.iter().filter_map(|w| w.upgrade()).collect();
         let asks: Vec<_> = self
             .peers
             .values()
+            .map(|s| &s.addr)
+            .chain(&retiring)
             .map(|p| {
                 p.send(AbortAtPeer {
                     req_id: msg.req_id.clone(),
                 })
             })
             .collect();
+        drop(retiring);
         let req_id = msg.req_id;
         Box::pin(futures::future::join_all(asks).into_actor(self).map(
             move |answers, act: &mut Self, _| {

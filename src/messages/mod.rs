@@ -18,6 +18,7 @@ pub mod msgpack_strict;
 #[doc(hidden)]
 pub mod pool;
 pub mod pull;
+pub mod retire;
 pub mod settle;
 #[doc(hidden)]
 pub mod wire;
@@ -31,6 +32,7 @@ pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
+pub use retire::{CountPeers, Retire};
 pub use settle::{Cause, Settle, SettleOutcome, Settles};
 pub use wire::{
     MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError,

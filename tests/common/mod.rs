@@ -109,6 +109,8 @@ pub struct Setup {
     pub policy: Policy,
     pub pull_timeout: Duration,
     pub quarantine_deadline: Duration,
+    pub abort_grace: Duration,
+    pub peer_retire_after: Duration,
     pub landing: ManualLanding,
 }
 
@@ -121,6 +123,8 @@ impl Default for Setup {
             policy: Policy::Settle,
             pull_timeout: Duration::from_secs(60),
             quarantine_deadline: Duration::from_secs(60),
+            abort_grace: Duration::from_secs(60),
+            peer_retire_after: Duration::from_secs(3600),
             landing: ManualLanding::exact(),
         }
     }
@@ -139,6 +143,8 @@ impl Harness {
             policy: s.policy,
             pull_timeout: s.pull_timeout,
             quarantine_deadline: s.quarantine_deadline,
+            abort_grace: s.abort_grace,
+            peer_retire_after: s.peer_retire_after,
             // No restart backoff: a pull during one fails at once (issue: rediscovery), and
             // these tests send the next pull right after a restart.
             peer_backoff_base: Duration::ZERO,

@@ -1,0 +1,18 @@
+//! Receiver -> Peer: a Peer no pull was handed for a while is retired (its actor, its state
+//! and its pooled sockets go), so that peers that came and went (a P restarted on new ports,
+//! a bootstrap server listing workers that never answer) do not accumulate for the life of
+//! the process.
+
+use actix::Message;
+
+/// Stop once nothing is in flight. The Receiver has already forgotten the Peer: a later pull
+/// to the same address gets a new one. Pulls still in flight are served to their end (aborts
+/// still reach them) and the actor stops after the last.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct Retire;
+
+/// -> Receiver: how many Peer actors it holds now (retiring ones not counted).
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "usize")]
+pub struct CountPeers;
