@@ -165,6 +165,7 @@ impl Receiver {
 
     /// Retire the Peers no pull was handed for `peer_retire_after`: forgotten here at once (a
     /// later pull to the address starts a new Peer), stopped once their pulls in flight ended.
+    /// The engines no batch named as long are forgotten too.
     fn retire_idle_peers(&mut self) {
         let now = tokio::time::Instant::now();
         let after = self.cfg.peer_retire_after;
@@ -175,6 +176,14 @@ impl Receiver {
             .map(|(id, _)| id.clone())
             .collect();
         self.retiring.retain(|w| w.upgrade().is_some());
+        // The engines no batch named as long: their records, and their cached topologies.
+        let forgotten = self
+            .rediscovery
+            .borrow_mut()
+            .forget_idle(Instant::now(), after);
+        for (bootstrap, engine) in &forgotten {
+            self.topology.invalidate(bootstrap, engine);
+        }
         if idle.is_empty() {
             return;
         }

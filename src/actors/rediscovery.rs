@@ -98,6 +98,8 @@ struct Engine {
     attempts: u32,
     /// No new query before this.
     next_lookup: Option<Instant>,
+    /// When a batch last named the engine (see [`Rediscovery::forget_idle`]).
+    last_seen: Option<Instant>,
 }
 
 /// Peer health and per-engine lookup backoff. See the module docs.
@@ -152,6 +154,10 @@ impl Rediscovery {
 
     /// Before looking `key` up for a batch.
     pub fn plan(&mut self, key: &EngineKey, now: Instant) -> Plan {
+        let Some(e) = self.engines.get_mut(key) else {
+            return Plan::Lookup;
+        };
+        e.last_seen = Some(now);
         let Some(e) = self.engines.get(key) else {
             return Plan::Lookup;
         };
@@ -179,6 +185,7 @@ impl Rediscovery {
     /// The lookup failed: nothing is cached; ask again only after the backoff.
     pub fn lookup_failed(&mut self, key: &EngineKey, error: String, now: Instant) {
         let e = self.engines.entry(key.clone()).or_default();
+        e.last_seen = Some(now);
         e.last_error = Some(error);
         e.attempts += 1;
         e.next_lookup = Some(now + self.cfg.backoff(e.attempts));
@@ -195,6 +202,7 @@ impl Rediscovery {
         let down = self.down_peer(peers, now);
         let healthy = !peers.iter().any(|p| self.down.contains_key(p));
         let e = self.engines.entry(key.clone()).or_default();
+        e.last_seen = Some(now);
         e.last_error = None;
         if healthy {
             e.attempts = 0;
@@ -210,6 +218,32 @@ impl Rediscovery {
             }
         }
         down
+    }
+
+    /// Forget the engines no batch named for `idle` whose lookup backoff is over, and the
+    /// down records no remaining engine names whose backoff is over: an engine that came and
+    /// went (a P deployment replaced, a bootstrap address seen once) leaves nothing behind.
+    /// Returns the engines forgotten, whose cached topologies the caller drops too; a later
+    /// batch naming one looks it up afresh.
+    pub fn forget_idle(&mut self, now: Instant, idle: Duration) -> Vec<EngineKey> {
+        let stale = |e: &Engine| {
+            e.last_seen
+                .is_none_or(|t| now.saturating_duration_since(t) >= idle)
+                && e.next_lookup.is_none_or(|t| t <= now)
+        };
+        let gone: Vec<EngineKey> = self
+            .engines
+            .iter()
+            .filter(|(_, e)| stale(e))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &gone {
+            self.engines.remove(k);
+        }
+        let engines = &self.engines;
+        self.down
+            .retain(|p, d| d.until > now || engines.values().any(|e| e.peers.contains(p)));
+        gone
     }
 }
 
@@ -250,6 +284,33 @@ mod tests {
 
     fn p(n: u32) -> PeerId {
         PeerId::new(format!("tcp://p:{n}"))
+    }
+
+    /// Engines no batch named for the idle time are forgotten (with the down records only they
+    /// named), unless their lookup backoff still runs; a batch naming one keeps it.
+    #[test]
+    fn idle_engines_are_forgotten_with_their_down_peers() {
+        let (mut r, t0) = (r(), Instant::now());
+        let other: EngineKey = ("http://b:2".into(), "e1".into());
+        let failing: EngineKey = ("http://b:3".into(), "e2".into());
+        r.lookup_ok(&key(), &[p(1)], t0);
+        r.lookup_ok(&other, &[p(2)], t0);
+        r.peer_down(&p(2), t0 + 10 * MS, "refused".into());
+        assert_eq!(r.forget_idle(t0 + 500 * MS, 1000 * MS), vec![]);
+        // `key` is named again; `other` is not.
+        r.plan(&key(), t0 + 900 * MS);
+        r.lookup_failed(&failing, "refused".into(), t0 + 900 * MS);
+        let gone = r.forget_idle(t0 + 1500 * MS, 1000 * MS);
+        assert_eq!(gone, vec![other.clone()]);
+        assert!(
+            r.down.is_empty(),
+            "p2's record went with the only engine naming it"
+        );
+        // Idle, but its lookup backoff (100 ms from t0 + 900) is over only later.
+        r.lookup_failed(&failing, "refused".into(), t0 + 1999 * MS);
+        assert_eq!(r.forget_idle(t0 + 2000 * MS, Duration::ZERO), vec![key()]);
+        assert_eq!(r.forget_idle(t0 + 2300 * MS, Duration::ZERO), vec![failing]);
+        assert!(r.engines.is_empty());
     }
 
     #[test]
