@@ -359,6 +359,30 @@ struct Inner {
     /// Requests with a pull that got the reserved window (its writes were all refused).
     windowless: FastSet<ReqId>,
     cursor: u32,
+    /// When a refused pull was last logged, and the refusals since (counted by the metrics
+    /// either way): a deployment past its share, or a flood of suspects, refuses every pull,
+    /// and an error line per pull flooded the log.
+    refusals_logged: Option<Instant>,
+    refusals_unlogged: u64,
+}
+
+/// Refused pulls are logged at most once per this, with the count of those not logged.
+const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
+
+impl Inner {
+    /// Whether to log a refusal now; `Some(n)`: log it, with `n` refusals left unlogged since
+    /// the last line.
+    fn log_refusal(&mut self, now: Instant) -> Option<u64> {
+        if self
+            .refusals_logged
+            .is_some_and(|t| now.saturating_duration_since(t) < REFUSAL_LOG_EVERY)
+        {
+            self.refusals_unlogged += 1;
+            return None;
+        }
+        self.refusals_logged = Some(now);
+        Some(std::mem::take(&mut self.refusals_unlogged))
+    }
 }
 
 impl Inner {
@@ -487,6 +511,8 @@ impl PermitTable {
                 next_expiry: inner.next_expiry,
                 windowless: inner.windowless.clone(),
                 cursor: inner.cursor,
+                refusals_logged: inner.refusals_logged,
+                refusals_unlogged: inner.refusals_unlogged,
             }),
             live: AtomicU64::new(self.live.load(Ordering::SeqCst)),
             epochs: EpochStats::default(),
@@ -616,9 +642,12 @@ impl PermitTable {
         }
         if over(&inner) {
             self.labels.counter(m::WINDOWS_REFUSED_SHARE).increment(1);
-            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
-                engine = %pull.requests[0].engine_id, bootstrap = %deployment, share = cap,
-                "P deployment holds its share of poisoned landing windows; this pull gets the window that admits nothing");
+            if let Some(unlogged) = inner.log_refusal(now) {
+                tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
+                    engine = %pull.requests[0].engine_id, bootstrap = %deployment, share = cap,
+                    refused_unlogged = unlogged,
+                    "P deployment holds its share of poisoned landing windows; this pull gets the window that admits nothing (further refusals logged at most every 10 s)");
+            }
             return Self::refuse(&mut inner, pull, reserved);
         }
         let cursor = inner.cursor;
@@ -633,9 +662,11 @@ impl PermitTable {
         let Some(window) = free else {
             self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
             self.labels.counter(m::WINDOWS_EXHAUSTED).increment(1);
-            tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
-                poisoned = inner.poisoned.len(),
-                "no clean landing window is free; this pull gets the window that admits nothing");
+            if let Some(unlogged) = inner.log_refusal(now) {
+                tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
+                    poisoned = inner.poisoned.len(), refused_unlogged = unlogged,
+                    "no clean landing window is free; this pull gets the window that admits nothing (further refusals logged at most every 10 s)");
+            }
             return Self::refuse(&mut inner, pull, reserved);
         };
         inner.cursor = (window + 1) % reserved;
@@ -1071,6 +1102,20 @@ mod tests {
     use super::*;
     use crate::layout::KvLayout;
     use crate::messages::RequestMeta;
+
+    /// A deployment past its share refuses every pull: the error line comes at most every
+    /// 10 s, with how many refusals went unlogged since the last one.
+    #[test]
+    fn refusals_are_logged_at_most_every_ten_seconds() {
+        let mut inner = Inner::default();
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        assert_eq!(inner.log_refusal(t0), Some(0));
+        assert_eq!(inner.log_refusal(t0 + s(1)), None);
+        assert_eq!(inner.log_refusal(t0 + s(9)), None);
+        assert_eq!(inner.log_refusal(t0 + s(10)), Some(2));
+        assert_eq!(inner.log_refusal(t0 + s(11)), None);
+    }
 
     fn table(windows: u32) -> PermitTable {
         let map = WindowMap::new(&KvLayout::uniform(1, 4096, 4), 0x7e00_0000_0000, windows);
