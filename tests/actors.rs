@@ -1053,9 +1053,13 @@ async fn idle_peers_are_retired_and_a_later_pull_gets_a_new_one() {
         p.respond(Finish, &["r1"], &[], None);
     }
     h.wait_for("completion", is_completion("r1")).await;
-    assert_eq!(peers().await, 2);
+    assert_eq!(peers().await, count(2, 0));
     tokio::time::sleep(ms(3000)).await;
-    assert_eq!(peers().await, 0, "both retired");
+    assert_eq!(
+        peers().await,
+        count(0, 0),
+        "both retired and stopped (nothing was in flight)"
+    );
     h.coord.drain().await.unwrap();
     h.load(vec![req("r2", &[2])]).await;
     for p in h.pulls(2).await {
@@ -1072,7 +1076,7 @@ async fn idle_peers_are_retired_and_a_later_pull_gets_a_new_one() {
         ),
         "{c:?}"
     );
-    assert_eq!(peers().await, 2);
+    assert_eq!(peers().await, count(2, 0));
 }
 
 /// A Peer retired while a pull is still in flight serves that pull to its end, and an abort
@@ -1088,13 +1092,13 @@ async fn a_peer_retired_mid_pull_serves_it_and_still_hears_aborts() {
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Finish, &["r1"], &[], None);
     tokio::time::sleep(ms(3000)).await;
-    let n = h
-        .coord
-        .receiver
-        .send(kvrecv::messages::CountPeers)
-        .await
-        .unwrap();
-    assert_eq!(n, 0, "forgotten by the Receiver");
+    let receiver = h.coord.receiver.clone();
+    let peers = || async { receiver.send(kvrecv::messages::CountPeers).await.unwrap() };
+    assert_eq!(
+        peers().await,
+        count(0, 1),
+        "both forgotten by the Receiver; a stopped, b still serving its pull"
+    );
     assert!(b.is_open(), "b's pull is still served");
     assert_eq!(
         abort(&h, "r1").await.peers_settled,
@@ -1104,4 +1108,10 @@ async fn a_peer_retired_mid_pull_serves_it_and_still_hears_aborts() {
     b.respond(Finish, &["r1"], &[], None);
     h.wait_for("completion", is_completion("r1")).await;
     assert_eq!(settled_outcome(&h, &b.peer, "r1"), vec![aborted_answered()]);
+    settle_down(&mut h).await;
+    assert_eq!(peers().await, count(0, 0), "b stopped after its last pull");
+}
+
+fn count(serving: usize, retiring: usize) -> kvrecv::messages::PeerCount {
+    kvrecv::messages::PeerCount { serving, retiring }
 }

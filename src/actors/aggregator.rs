@@ -130,11 +130,8 @@ impl RequestAggregator {
     /// Hand the completions to the BlockManager (one message), then tell observers: an
     /// observer's next message to the BlockManager (a drain) is handled after them.
     fn flush(&self, out: Outbox) {
-        let mut completions = out.completions;
-        match completions.len() {
-            0 => {}
-            1 => self.block_manager.do_send(completions.swap_remove(0)),
-            _ => self.block_manager.do_send(Completions(completions)),
+        if !out.completions.is_empty() {
+            self.block_manager.do_send(Completions(out.completions));
         }
         for ev in out.events {
             self.events.emit(ev);

@@ -408,11 +408,7 @@ impl Supervised for Peer {
         self.restarts += 1;
         self.consecutive_failures += 1;
         let reason = format!("peer {} restarted after a channel failure", self.id());
-        let (fx, pulls) = self.state.abandon_all(&reason);
-        self.apply(0, fx);
-        for id in pulls {
-            self.close(id);
-        }
+        self.abandon_all(&reason);
         for (_, l) in self.live.drain() {
             l.stream.end();
         }
@@ -489,6 +485,15 @@ impl Handler<Retire> for Peer {
 }
 
 impl Peer {
+    /// Settle Uncertain everything every pull still owes, and close those pulls.
+    fn abandon_all(&mut self, reason: &str) {
+        let (fx, pulls) = self.state.abandon_all(reason);
+        self.apply(0, fx);
+        for id in pulls {
+            self.close(id);
+        }
+    }
+
     /// A retired Peer stops once no pull is in flight. With no address left (the Receiver
     /// dropped its own) the supervisor does not restart it.
     fn stop_if_retired(&mut self, ctx: &mut Context<Self>) {
@@ -544,13 +549,7 @@ impl StreamHandler<PullEvent> for Peer {
                 if self.retiring {
                     // Retired, nothing restarts us (the Receiver holds no address of ours):
                     // what the other pulls owe is settled here, as `restarting` would.
-                    let (fx, pulls) = self
-                        .state
-                        .abandon_all(&format!("peer {} failed: {e}", self.id()));
-                    self.apply(0, fx);
-                    for id in pulls {
-                        self.close(id);
-                    }
+                    self.abandon_all(&format!("peer {} failed: {e}", self.id()));
                 }
                 ctx.stop(); // the supervisor restarts us; `restarting` settles the rest
                 return;

@@ -16,8 +16,8 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, Admit, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
-    MetadataRef, MetadataTail, PeerId, Pull, PullRequest, ReqId, Retire, SharedRequest, UnsentPull,
-    WireError, ABORTED_BY_HOST,
+    MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId, Retire, SharedRequest,
+    UnsentPull, WireError, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -375,10 +375,14 @@ impl Actor for Receiver {
 }
 
 impl Handler<CountPeers> for Receiver {
-    type Result = usize;
+    type Result = PeerCount;
 
-    fn handle(&mut self, _: CountPeers, _ctx: &mut Context<Self>) -> usize {
-        self.peers.len()
+    fn handle(&mut self, _: CountPeers, _ctx: &mut Context<Self>) -> PeerCount {
+        self.retiring.retain(|w| w.upgrade().is_some());
+        PeerCount {
+            serving: self.peers.len(),
+            retiring: self.retiring.len(),
+        }
     }
 }
 

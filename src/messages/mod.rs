@@ -32,7 +32,7 @@ pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
-pub use retire::{CountPeers, Retire};
+pub use retire::{CountPeers, PeerCount, Retire};
 pub use settle::{Cause, Settle, SettleOutcome, Settles};
 pub use wire::{
     MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError,

@@ -12,7 +12,16 @@ use actix::Message;
 #[rtype(result = "()")]
 pub struct Retire;
 
-/// -> Receiver: how many Peer actors it holds now (retiring ones not counted).
+/// -> Receiver: how many Peer actors there are now.
 #[derive(Debug, Clone, Copy, Message)]
-#[rtype(result = "usize")]
+#[rtype(result = "PeerCount")]
 pub struct CountPeers;
+
+/// The answer to [`CountPeers`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
+pub struct PeerCount {
+    /// Peers the Receiver hands pulls to.
+    pub serving: usize,
+    /// Retired Peers still serving a pull in flight (stopped ones are not counted).
+    pub retiring: usize,
+}
