@@ -72,6 +72,32 @@ impl ZmqContext {
         Ok(())
     }
 
+    /// Run the context's I/O thread under `SCHED_BATCH` (`ZMQ_THREAD_SCHED_POLICY`), so that
+    /// waking it never preempts the thread that woke it: on the actors' CPU, a pull's send
+    /// then costs the actors' thread no switch to the I/O thread and back before it has
+    /// finished its turn (which may send more). Set only while the calling thread is
+    /// `SCHED_OTHER`: libzmq's thread applies the policy with the priority it inherited and
+    /// aborts the process if the kernel refuses (a real-time priority would be refused).
+    /// Returns whether it was set. Takes effect only before the context's first socket.
+    pub fn set_io_thread_batch(&self) -> Result<bool, zmq::Error> {
+        // SAFETY: plain query of the calling thread's policy.
+        if unsafe { libc::sched_getscheduler(0) } != libc::SCHED_OTHER {
+            return Ok(false);
+        }
+        // SAFETY: a live context; the option takes an int (a policy).
+        let rc = unsafe {
+            zmq_sys::zmq_ctx_set(
+                self.raw.0,
+                zmq_sys::ZMQ_THREAD_SCHED_POLICY as _,
+                libc::SCHED_BATCH,
+            )
+        };
+        if rc == -1 {
+            return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
+        }
+        Ok(true)
+    }
+
     /// The socket cap in force.
     pub fn max_sockets(&self) -> i32 {
         // SAFETY: a live context.
@@ -121,5 +147,48 @@ mod tests {
         let big = ZmqContext::new(DEFAULT_MAX_SOCKETS).unwrap();
         let many: Vec<_> = (0..1100).map(|_| big.socket(zmq::PAIR).unwrap()).collect();
         assert_eq!(many.len(), 1100);
+    }
+
+    /// Scheduling policy of each thread of this process (field 41 of /proc's stat).
+    fn thread_policies() -> std::collections::HashMap<u64, i32> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|e| {
+                let tid: u64 = e.ok()?.file_name().to_str()?.parse().ok()?;
+                let stat = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).ok()?;
+                // Fields after the command name, which ends at the last ')'; policy is field 41.
+                let rest = &stat[stat.rfind(')')? + 2..];
+                Some((tid, rest.split(' ').nth(41 - 3)?.parse().ok()?))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn the_io_thread_runs_sched_batch_and_the_caller_keeps_its_policy() {
+        let before = thread_policies();
+        let ctx = ZmqContext::new(8).unwrap();
+        assert!(
+            ctx.set_io_thread_batch().unwrap(),
+            "the test thread is SCHED_OTHER"
+        );
+        // The first socket starts the context's threads (its I/O thread and its reaper), which
+        // apply the policy as they start; a message over TCP has gone through the I/O thread.
+        let a = ctx.socket(zmq::PAIR).unwrap();
+        a.bind("tcp://127.0.0.1:*").unwrap();
+        let b = ctx.socket(zmq::PAIR).unwrap();
+        b.connect(&a.get_last_endpoint().unwrap().unwrap()).unwrap();
+        b.send("x", 0).unwrap();
+        assert_eq!(a.recv_bytes(0).unwrap(), b"x");
+        let started: Vec<i32> = thread_policies()
+            .into_iter()
+            .filter(|(tid, _)| !before.contains_key(tid))
+            .map(|(_, p)| p)
+            .collect();
+        assert!(
+            started.contains(&libc::SCHED_BATCH),
+            "no thread started by the context runs SCHED_BATCH: {started:?}"
+        );
+        // SAFETY: plain query of the calling thread's policy.
+        assert_eq!(unsafe { libc::sched_getscheduler(0) }, libc::SCHED_OTHER);
     }
 }

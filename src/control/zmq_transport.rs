@@ -297,6 +297,10 @@ impl ZmqTransport {
                 ),
                 Err(e) => tracing::warn!(error = %e, cpu, "cannot place libzmq's I/O thread"),
             }
+            // Sharing a CPU, the two would otherwise preempt each other at every send.
+            if let Err(e) = ctx.set_io_thread_batch() {
+                tracing::warn!(error = %e, "cannot set libzmq's I/O thread's policy");
+            }
         }
         let pool = Rc::new(Pool::new(&cfg));
         ZmqTransport {
