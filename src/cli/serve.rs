@@ -405,6 +405,17 @@ impl Op {
     }
 }
 
+/// Append `ev`'s line and a newline to `chunk` (an `error` line if it cannot be serialized).
+fn event_line(chunk: &mut Vec<u8>, ev: &KvEvent) {
+    let start = chunk.len();
+    if let Err(e) = serde_json::to_writer(&mut *chunk, ev) {
+        chunk.truncate(start);
+        let err = json!({"event": "error", "error": format!("event not serializable: {e}")});
+        chunk.extend_from_slice(err.to_string().as_bytes());
+    }
+    chunk.push(b'\n');
+}
+
 fn emit(out: &Output, v: serde_json::Value) {
     out.send(v.to_string());
 }
@@ -687,6 +698,11 @@ async fn serve(
             return ExitCode::from(2);
         }
     };
+    // Made once, not per round of the loop: each registers a waiter when made.
+    let stopped = stop.next();
+    tokio::pin!(stopped);
+    let closed = out.closed();
+    tokio::pin!(closed);
     loop {
         if !paused && out.over_high_water() {
             paused = true;
@@ -698,27 +714,31 @@ async fn serve(
         }
         tokio::select! {
             ev = event_rx.recv() => {
-                // What else is queued goes out in this turn: a reply settles a whole batch, and
-                // a `select!` round per event polled every other branch again for each.
+                // What else is queued goes out in this turn, as one chunk of lines: a reply
+                // settles a whole batch, and a `select!` round (or a queued line) per event
+                // cost more than printing it.
+                let mut chunk = Vec::new();
                 let mut next = ev;
                 while let Some(ev) = next {
                     if level.prints(&ev) {
-                        match serde_json::to_string(&ev) {
-                            Ok(line) => out.send(line),
-                            Err(e) => emit(&out, json!({"event": "error", "error": format!("event not serializable: {e}")})),
-                        }
+                        event_line(&mut chunk, &ev);
                     }
                     next = event_rx.try_recv().ok();
+                }
+                if !chunk.is_empty() {
+                    chunk.pop(); // the queue adds the last newline
+                    // Serialized JSON is UTF-8.
+                    out.send(String::from_utf8(chunk).unwrap_or_default());
                 }
             }
             // An operator's stop (SIGTERM, SIGINT): as at the end of input, so the host still
             // gets the last drain and the count of requests abandoned in flight.
-            name = stop.next() => {
+            name = &mut stopped => {
                 tracing::warn!(signal = name, "stopping: shutting down as at the end of input");
                 break;
             }
             // Nothing serve says can reach the host: stop as at the end of input.
-            () = out.closed() => {
+            () = &mut closed => {
                 tracing::error!("stdout is closed (a write to it failed): shutting down");
                 stdout_lost = true;
                 break;

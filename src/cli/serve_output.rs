@@ -109,15 +109,19 @@ impl Output {
 
     /// Resolves once stdout's writer is gone (stdout closed, or a write to it failed): nothing
     /// serve says can reach the host any more.
-    pub async fn closed(&self) {
-        let gone = self.backlog.gone.notified();
-        tokio::pin!(gone);
-        // Registered before the check, so a close in between still wakes us.
-        gone.as_mut().enable();
-        if self.backlog.closed.load(Ordering::Acquire) {
-            return;
+    /// Owns what it waits on, so serve makes it once, not per round of its loop.
+    pub fn closed(&self) -> impl std::future::Future<Output = ()> + 'static {
+        let backlog = self.backlog.clone();
+        async move {
+            let gone = backlog.gone.notified();
+            tokio::pin!(gone);
+            // Registered before the check, so a close in between still wakes us.
+            gone.as_mut().enable();
+            if backlog.closed.load(Ordering::Acquire) {
+                return;
+            }
+            gone.await;
         }
-        gone.await;
     }
 
     /// Resolves once the backlog is at or under half the high-water mark (or stdout is
