@@ -33,7 +33,7 @@ pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout, interner: &mut Inte
     let mut transfers = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
     for (i, kv) in requests.into_iter().enumerate() {
         match kv
-            .validate_with(interner)
+            .into_meta(interner)
             .and_then(|m| check_blocks(&m, layout).map(|_| m))
         {
             Ok(m) if seen.contains(&m.req_id) => out.rejected.push((

@@ -295,10 +295,26 @@ pub struct RequestMeta {
 #[derive(Debug, Default)]
 pub struct Interner {
     seen: FastSet<Arc<str>>,
+    /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
+    bootstraps: FastSet<Arc<str>>,
 }
 
 impl Interner {
     const CAP: usize = 4096;
+
+    /// Whether `addr` already passed [`check_bootstrap_addr`].
+    fn checked_bootstrap(&self, addr: &str) -> bool {
+        self.bootstraps.contains(addr)
+    }
+
+    /// Remember that `addr` passed [`check_bootstrap_addr`].
+    fn bootstrap_ok(&mut self, addr: &str) {
+        if self.bootstraps.len() >= Self::CAP {
+            self.bootstraps.clear();
+        }
+        let a = self.intern(addr);
+        self.bootstraps.insert(a);
+    }
 
     /// The shared copy of `s`.
     pub fn intern(&mut self, s: &str) -> Arc<str> {
@@ -335,6 +351,36 @@ impl KvRequest {
 
     /// [`Self::validate`], sharing engine ids and bootstrap addresses through `interner`.
     pub fn validate_with(&self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+        let (transfer_id, engine_id, bootstrap) = self.checked(interner)?;
+        Ok(RequestMeta {
+            req_id: ReqId::from(self.req_id.as_str()),
+            transfer_id: Arc::from(transfer_id),
+            engine_id: interner.intern(engine_id),
+            bootstrap_addr: interner.intern(bootstrap),
+            block_ids: self.block_ids.clone(),
+        })
+    }
+
+    /// [`Self::validate_with`], taking the request: its block lists move into the result.
+    pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+        let (transfer_id, engine_id, bootstrap) = self.checked(interner)?;
+        let (transfer_id, engine_id, bootstrap_addr) = (
+            Arc::from(transfer_id),
+            interner.intern(engine_id),
+            interner.intern(bootstrap),
+        );
+        Ok(RequestMeta {
+            req_id: ReqId::from(self.req_id.as_str()),
+            transfer_id,
+            engine_id,
+            bootstrap_addr,
+            block_ids: self.block_ids,
+        })
+    }
+
+    /// Every check of [`Self::validate`]: the transfer id, engine id and bootstrap address
+    /// (its trailing `/` trimmed) of a valid request.
+    fn checked(&self, interner: &mut Interner) -> Result<(&str, &str, &str), BatchError> {
         fn field<'a>(
             req: &'a KvRequest,
             v: &'a Option<String>,
@@ -382,27 +428,35 @@ impl KvRequest {
             }
         }
         let bootstrap = bootstrap.trim_end_matches('/');
-        check_bootstrap_addr(bootstrap).map_err(|reason| BatchError::BadBootstrapAddr {
-            req_id: self.req_id.clone(),
-            addr: bootstrap.to_owned(),
-            reason,
-        })?;
+        if !interner.checked_bootstrap(bootstrap) {
+            check_bootstrap_addr(bootstrap).map_err(|reason| BatchError::BadBootstrapAddr {
+                req_id: self.req_id.clone(),
+                addr: bootstrap.to_owned(),
+                reason,
+            })?;
+            interner.bootstrap_ok(bootstrap);
+        }
         self.check_unique_blocks()?;
-        Ok(RequestMeta {
-            req_id: ReqId::from(self.req_id.as_str()),
-            transfer_id: Arc::from(transfer_id),
-            engine_id: interner.intern(engine_id),
-            bootstrap_addr: interner.intern(bootstrap),
-            block_ids: self.block_ids.clone(),
-        })
+        Ok((transfer_id, engine_id, bootstrap))
     }
 
     /// A block listed twice in one group would be written twice by every peer and released
     /// twice; block ids are unique only within a group (PROTOCOL.md §4).
     fn check_unique_blocks(&self) -> Result<(), BatchError> {
         for (group, blocks) in self.block_ids.iter().enumerate() {
-            let mut seen = FastSet::with_capacity_and_hasher(blocks.len(), Default::default());
-            if let Some(&block) = blocks.iter().find(|b| !seen.insert(**b)) {
+            // A request's blocks are few (a long prompt's a few hundred): a pairwise scan of a
+            // short list costs less than building a set.
+            let dup = if blocks.len() <= 32 {
+                blocks
+                    .iter()
+                    .enumerate()
+                    .find(|(i, b)| blocks[..*i].contains(b))
+                    .map(|(_, &b)| b)
+            } else {
+                let mut seen = FastSet::with_capacity_and_hasher(blocks.len(), Default::default());
+                blocks.iter().find(|b| !seen.insert(**b)).copied()
+            };
+            if let Some(block) = dup {
                 return Err(BatchError::DuplicateBlock {
                     req_id: self.req_id.clone(),
                     group,
@@ -627,5 +681,49 @@ mod tests {
             ..req()
         };
         assert!(across.validate().is_ok(), "ids are unique per group only");
+        // Long lists are checked through a set, short ones pairwise: both find the repeat.
+        for len in [2u32, 32, 33, 500] {
+            let mut ids: Vec<u32> = (0..len).collect();
+            ids.push(len / 2);
+            let long = KvRequest {
+                block_ids: vec![ids],
+                ..req()
+            };
+            assert!(
+                matches!(long.validate(), Err(BatchError::DuplicateBlock { block, .. }) if block == len / 2),
+                "{len} blocks"
+            );
+            let unique = KvRequest {
+                block_ids: vec![(0..len).collect()],
+                ..req()
+            };
+            assert!(unique.validate().is_ok(), "{len} blocks");
+        }
+    }
+
+    /// An address is checked once per interner, and only one that passed is remembered: a bad
+    /// one is refused every time.
+    #[test]
+    fn the_interner_remembers_only_bootstrap_addresses_that_passed() {
+        let mut interner = Interner::default();
+        let bad = KvRequest {
+            remote_bootstrap_addr: Some("ftp://x:1".into()),
+            ..req()
+        };
+        for _ in 0..2 {
+            assert!(matches!(
+                bad.validate_with(&mut interner),
+                Err(BatchError::BadBootstrapAddr { .. })
+            ));
+        }
+        let good = req();
+        let a = good.validate_with(&mut interner).unwrap();
+        let b = good.clone().into_meta(&mut interner).unwrap();
+        assert!(Arc::ptr_eq(&a.bootstrap_addr, &b.bootstrap_addr));
+        assert_eq!(a, b);
+        assert!(matches!(
+            bad.into_meta(&mut interner),
+            Err(BatchError::BadBootstrapAddr { .. })
+        ));
     }
 }
