@@ -9,8 +9,10 @@ tests/py/mooncake_structs.py), a request done when every P worker reported it. k
 as a library (`lib`: `kvrecv bench --bootstrap`, its own process, the host loop on the actors'
 thread), through the embedding handle (`embed`: `kvrecv bench --via handle`, `KvRecv` called from
 a multi-thread tokio runtime, the TCP target with permits included) and as `kvrecv serve --events
-completions` driven over its pipes by this script from one blocking thread (the driver's own CPU
-is not counted).
+completions --answers failures` (a host that learns of its requests from their completions)
+driven over its pipes by this script from one blocking thread (the driver's own CPU is not
+counted); `serve_all` is the same with every input line answered (`--answers all`, serve's
+default: one more pipe write, and wake-up of the host, per batch).
 
 Per D, measured over the same workload after one warm-up batch: D-process CPU per request
 (user+sys from /proc/<pid>/stat, never wall time), pulls/s, latency p50/p99 from submit to
@@ -272,7 +274,8 @@ def serve_d(a):
     blocks = (a.in_flight + a.batch) * 4 + 64  # as `kvrecv bench`
     p = subprocess.Popen(
         [a.kvrecv, "serve", "--layers", str(LAYERS), "--block-len", str(BLOCK_LEN),
-         "--num-blocks", str(blocks), "--events", "completions", "--log-level", "warn"],
+         "--num-blocks", str(blocks), "--events", "completions", "--answers", a.answers,
+         "--log-level", "warn"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0,
     )
     rd, wr = p.stdout.fileno(), p.stdin.fileno()
@@ -378,11 +381,16 @@ def serve_d(a):
     return summary(lat_us, cpu, secs, a.requests, a.batch, a.peers, st["failed"])
 
 
-def run_serve(a, cfg):
+def run_serve(a, cfg, answers="failures"):
     ns = argparse.Namespace(kvrecv=a.kvrecv, bootstrap=cfg["bootstrap"],
                             engine_id=cfg["engine_id"], batch=cfg["batch"],
-                            in_flight=cfg["in_flight"], requests=cfg["requests"], peers=cfg["tp"])
+                            in_flight=cfg["in_flight"], requests=cfg["requests"], peers=cfg["tp"],
+                            answers=answers)
     return serve_d(ns)
+
+
+def run_serve_all(a, cfg):
+    return run_serve(a, cfg, answers="all")
 
 
 def start_p(a, tp, wait_ready=False):
@@ -493,7 +501,8 @@ def median_of(runs):
 
 
 def main_driver(a):
-    ds = {"python": run_py, "lib": run_lib, "embed": run_embed, "serve": run_serve}
+    ds = {"python": run_py, "lib": run_lib, "embed": run_embed, "serve": run_serve,
+          "serve_all": run_serve_all}
     ds = {k: v for k, v in ds.items() if k in a.ds.split(",")}
     ints = lambda s: [int(x) for x in s.split(",")]
     rows = []
@@ -536,7 +545,7 @@ def main_driver(a):
     memory = None
     if a.memory:
         # The handle holds what the library holds (the same coordinator on its own thread).
-        memory = memory_phase(a, [d for d in ds if d != "embed"])
+        memory = memory_phase(a, [d for d in ds if d not in ("embed", "serve_all")])
         if not a.json:
             print(f"RSS per in-flight request, {a.memory} requests in batches of {a.memory_batch}, P TP2:")
             for d, r in memory.items():
@@ -557,7 +566,7 @@ def print_row(row, ds):
             ratio = f"  CPU {cpu}  pulls/s {r['pulls_ratio']:.2f}x"
         after = (f"  after last settle p99 {r['after_settle_p99_us']} us"
                  f" (observed {r['after_settle_observed_p99_us']} us)") if "after_settle_p99_us" in r else ""
-        print(f"  {k:<7} CPU/req {r['cpu_us_per_request']:8.1f} us  pulls/s {r['pulls_per_s']:9.0f}"
+        print(f"  {k:<9} CPU/req {r['cpu_us_per_request']:8.1f} us  pulls/s {r['pulls_per_s']:9.0f}"
               f"  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  failed {r['failed']}{ratio}{after}")
     sys.stdout.flush()
 

@@ -610,6 +610,76 @@ async fn events_flag_limits_the_event_lines() {
     }
 }
 
+/// `--answers failures`: a `load_kv` whose every request was accepted gets no answer line; one
+/// with a rejection, a bad line, `drain` and `shutdown` are answered as always, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_failures_leaves_out_only_fully_accepted_load_kv_answers() {
+    let sim = PrefillSim::start(SimConfig::default()).await.unwrap();
+    let mut s = Serve::start(&[
+        "--layers",
+        "1",
+        "--block-len",
+        "4096",
+        "--num-blocks",
+        "16",
+        "--events",
+        "completions",
+        "--answers",
+        "failures",
+        "--log-level",
+        "warn",
+    ]);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let req = |i: u32| {
+        json!({"req_id": format!("d-{i}"), "transfer_id": format!("t-{i}"),
+               "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+               "block_ids": [[i]]})
+    };
+    s.send(&json!({"op": "load_kv", "requests": [req(1)]}).to_string())
+        .await;
+    // The line was taken (its request completes) and nothing answered it: the next answer is
+    // the stats line sent after it.
+    let c = s.wait("completion", |v| ev(v, "completion")).await;
+    assert_eq!(c["req_id"], "d-1");
+    assert_eq!(c["outcome"], "ok", "{c}");
+    s.send(r#"{"op":"stats"}"#).await;
+    let stats = s.wait("stats", |v| !ev(v, "completion")).await;
+    assert!(ev(&stats, "stats"), "the first answer printed: {stats}");
+    assert_eq!(stats["line"], 2);
+    // A rejection is answered, with what was accepted.
+    let mut bad = req(3);
+    bad["transfer_id"] = Value::Null;
+    s.send(&json!({"op": "load_kv", "requests": [req(2), bad]}).to_string())
+        .await;
+    let a = s.wait("load_kv", |v| !ev(v, "completion")).await;
+    assert!(ev(&a, "load_kv"), "{a}");
+    assert_eq!(
+        (a["line"].clone(), a["accepted"].clone()),
+        (json!(3), json!(1))
+    );
+    assert_eq!(a["rejected"].as_array().map(Vec::len), Some(1), "{a}");
+    s.send("not json").await;
+    let e = s.wait("error", |v| !ev(v, "completion")).await;
+    assert!(ev(&e, "error") && e["line"] == 4, "{e}");
+    loop {
+        s.send(r#"{"op":"drain"}"#).await;
+        let d = s.wait("drain", |v| ev(v, "drain")).await;
+        if d["finished_recving"] == json!(["d-2"]) || d["finished_recving"] == json!(["d-1", "d-2"])
+        {
+            break;
+        }
+    }
+    s.send(r#"{"op":"shutdown"}"#).await;
+    let end = s.wait("shutdown", |v| ev(v, "shutdown")).await;
+    assert_eq!(end["unreleased"], 0, "{end}");
+    let load_kv_lines = s.seen.iter().filter(|v| ev(v, "load_kv")).count();
+    assert_eq!(
+        load_kv_lines, 1,
+        "only the batch with a rejection: {:#?}",
+        s.seen
+    );
+}
+
 /// The next stdout line of a child, as JSON.
 async fn next_json(out: &mut Lines<BufReader<ChildStdout>>) -> Value {
     let line = tokio::time::timeout(SAFETY, out.next_line())

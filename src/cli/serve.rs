@@ -9,7 +9,10 @@
 //! line (not JSON, not UTF-8, longer than `--max-line-bytes`) gets an `error` line and the
 //! process keeps running. Logs go to stderr. `--events` chooses which coordinator events are
 //! printed: `all` (default), `completions` (only `completion` lines), `none` (a host that only
-//! needs `drain`; the coordinator then produces no events at all).
+//! needs `drain`; the coordinator then produces no events at all). `--answers failures` leaves
+//! out the answer to a `load_kv` whose every request was accepted (every other answer is
+//! printed): a host that learns of its requests from their completions saves a pipe write, and
+//! its own wake-up, per batch.
 //!
 //! `shutdown` (or the end of input, or SIGTERM/SIGINT) is answered by a last `drain` line when anything was released
 //! since the host's last drain, then `{"event":"shutdown","unreleased":N}`: N awaited requests
@@ -167,6 +170,12 @@ pub struct ServeArgs {
     /// none (answers to input lines only; for hosts that only `drain`).
     #[arg(long, value_enum, default_value_t = EventLevel::All)]
     pub events: EventLevel,
+    /// Answers to input lines printed on stdout: all, or failures (a `load_kv` whose every
+    /// request was accepted gets no line; rejections, errors and every other op are answered
+    /// as always). For hosts that learn of their requests from completions and drains: one
+    /// write to stdout, and one wake-up of the host, fewer per batch.
+    #[arg(long, value_enum, default_value_t = AnswerLevel::All)]
+    pub answers: AnswerLevel,
     /// Log filter when RUST_LOG is unset.
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -193,6 +202,25 @@ impl EventLevel {
             EventLevel::All => true,
             EventLevel::Completions => matches!(ev, KvEvent::Completion { .. }),
             EventLevel::None => false,
+        }
+    }
+}
+
+/// Which answers to input lines `serve` prints.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerLevel {
+    All,
+    Failures,
+}
+
+impl AnswerLevel {
+    fn prints(self, answer: &serde_json::Value) -> bool {
+        match self {
+            AnswerLevel::All => true,
+            AnswerLevel::Failures => {
+                answer["event"] != "load_kv"
+                    || answer["rejected"].as_array().is_none_or(|r| !r.is_empty())
+            }
         }
     }
 }
@@ -640,6 +668,7 @@ async fn serve(
     // With no events printed the coordinator gets no sink and builds none; the receiver then
     // comes from a channel kept open, so the loop below just never hears from it.
     let level = args.events;
+    let answers = args.answers;
     let (events, mut event_rx, _no_events) = match level {
         EventLevel::None => {
             let (tx, rx) = EventSink::channel();
@@ -781,7 +810,9 @@ async fn serve(
                     Ok(op) => {
                         let v = answer(op, n, &coord, &target).await;
                         unreleased.count(&v);
-                        emit(&out, v);
+                        if answers.prints(&v) {
+                            emit(&out, v);
+                        }
                     }
                 }
             }
