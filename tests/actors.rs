@@ -1115,3 +1115,35 @@ async fn a_peer_retired_mid_pull_serves_it_and_still_hears_aborts() {
 fn count(serving: usize, retiring: usize) -> kvrecv::messages::PeerCount {
     kvrecv::messages::PeerCount { serving, retiring }
 }
+
+/// A host that drops its actix system without stopping it (the runtime goes with it, and actix
+/// polls every actor once more from its drop, outside any runtime) must not panic there: the
+/// Receiver's periodic sweep is armed only while a runtime is there. Both a coordinator never
+/// polled (started from its drop) and one that served are dropped so.
+#[test]
+fn a_system_dropped_without_stopping_drops_the_coordinator_quietly() {
+    // tokio catches a panic in a task's drop and prints it: count the ones on this thread.
+    thread_local!(static PANICS: std::cell::Cell<usize> = const { std::cell::Cell::new(0) });
+    let prev = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        PANICS.with(|p| p.set(p.get() + 1));
+        prev(info)
+    }));
+    let sys = actix::System::new();
+    let h = sys.block_on(async { Harness::start(Setup::default()) });
+    drop(h);
+    drop(sys);
+    let sys = actix::System::new();
+    let mut h = sys.block_on(async { Harness::start(Setup::default()) });
+    sys.block_on(async {
+        h.load(vec![req("a", &[1])]).await;
+        h.pulls(2).await;
+    });
+    drop(h);
+    drop(sys);
+    assert_eq!(
+        PANICS.with(|p| p.get()),
+        0,
+        "a panic while dropping the actors"
+    );
+}

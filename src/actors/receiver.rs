@@ -370,8 +370,22 @@ impl Actor for Receiver {
             std::time::Duration::from_millis(1),
             std::time::Duration::from_secs(10),
         );
-        ctx.run_interval(every, |act, _ctx| act.retire_idle_peers());
+        schedule_sweep(ctx, every);
     }
+}
+
+/// The idle-peer sweep, every `every`. Not `run_interval`: a system dropped without being
+/// stopped polls its actors once more from their drop, outside any runtime (an actor never
+/// polled before is even started there), and making or re-arming a timer there panics. The
+/// sweep is armed only while a runtime is there.
+fn schedule_sweep(ctx: &mut Context<Receiver>, every: std::time::Duration) {
+    if tokio::runtime::Handle::try_current().is_err() {
+        return;
+    }
+    ctx.run_later(every, move |act, ctx| {
+        act.retire_idle_peers();
+        schedule_sweep(ctx, every);
+    });
 }
 
 impl Handler<CountPeers> for Receiver {
