@@ -544,12 +544,22 @@ impl Receiver {
                 }
                 Plan::Lookup => {}
             }
-            let lookup = self.topology.lookup(&key.0, &key.1);
-            ctx.spawn(
-                lookup
-                    .into_actor(self)
-                    .map(move |topo, act, _ctx| act.dispatch(key, group, topo)),
-            );
+            // A cached topology is ready at once: dispatched now, not through a future the
+            // context polls on its next turn.
+            let mut lookup = self.topology.lookup(&key.0, &key.1);
+            let ready = lookup.as_mut().poll(&mut std::task::Context::from_waker(
+                futures::task::noop_waker_ref(),
+            ));
+            match ready {
+                std::task::Poll::Ready(topo) => self.dispatch(key, group, topo),
+                std::task::Poll::Pending => {
+                    ctx.spawn(
+                        lookup
+                            .into_actor(self)
+                            .map(move |topo, act, _ctx| act.dispatch(key, group, topo)),
+                    );
+                }
+            }
         }
         reply
     }
