@@ -361,8 +361,12 @@ impl KvRequest {
         })
     }
 
-    /// [`Self::validate_with`], taking the request: its block lists move into the result.
-    pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+    /// [`Self::validate_with`], taking the request: its block lists move into the result,
+    /// trimmed to their length (a parser grows them in steps, and the metadata lives as long
+    /// as the request: ~80 B per request at 100k in flight).
+    pub fn into_meta(mut self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+        self.block_ids.shrink_to_fit();
+        self.block_ids.iter_mut().for_each(Vec::shrink_to_fit);
         let (transfer_id, engine_id, bootstrap) = self.checked(interner)?;
         let (transfer_id, engine_id, bootstrap_addr) = (
             Arc::from(transfer_id),
@@ -699,6 +703,21 @@ mod tests {
             };
             assert!(unique.validate().is_ok(), "{len} blocks");
         }
+    }
+
+    /// A request's metadata lives as long as the request: its block lists keep no spare
+    /// capacity from parsing (at 100k in flight that was ~80 B per request).
+    #[test]
+    fn metadata_block_lists_keep_no_spare_capacity() {
+        let r: KvRequest = serde_json::from_str(
+            r#"{"req_id":"d-1","transfer_id":"t-1","remote_engine_id":"e",
+                "remote_bootstrap_addr":"http://127.0.0.1:1","block_ids":[[1],[2,3,4,5,6]]}"#,
+        )
+        .unwrap();
+        let m = r.into_meta(&mut Interner::default()).unwrap();
+        assert_eq!(m.block_ids, vec![vec![1], vec![2, 3, 4, 5, 6]]);
+        assert_eq!(m.block_ids.capacity(), 2);
+        assert!(m.block_ids.iter().all(|g| g.capacity() == g.len()));
     }
 
     /// An address is checked once per interner, and only one that passed is remembered: a bad
