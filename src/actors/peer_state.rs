@@ -297,24 +297,26 @@ impl PeerState {
             fx.stray = true;
             return fx;
         }
-        let err_reason = resp
-            .err_msg
-            .clone()
-            .unwrap_or_else(|| "peer reported failure".into());
-        // Classified once, here: P's transfer-engine failures are told apart by their text.
-        let err_cause = if err_reason.contains(TE_FAILURE) {
-            Cause::TransportEngine
-        } else {
-            Cause::PeerError
-        };
         // err_reqs first: an id in both lists is a failure (its ok entry is then stale).
-        for id in resp.err() {
-            self.settle(
-                &mut fx,
-                pull_id,
-                id,
-                SettleOutcome::failed(err_cause, err_reason.clone()),
-            );
+        if !resp.err().is_empty() {
+            let err_reason = resp
+                .err_msg
+                .clone()
+                .unwrap_or_else(|| "peer reported failure".into());
+            // Classified once, here: P's transfer-engine failures are told apart by their text.
+            let err_cause = if err_reason.contains(TE_FAILURE) {
+                Cause::TransportEngine
+            } else {
+                Cause::PeerError
+            };
+            for id in resp.err() {
+                self.settle(
+                    &mut fx,
+                    pull_id,
+                    id,
+                    SettleOutcome::failed(err_cause, err_reason.clone()),
+                );
+            }
         }
         for id in resp.ok() {
             self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);

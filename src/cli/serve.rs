@@ -587,13 +587,21 @@ async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> ser
                 Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
             }
         }
-        Op::LoadKv { requests } => match coord.load_kv(LoadKv { requests }).await {
-            Ok(r) => {
-                json!({"event": "load_kv", "line": n, "accepted": r.accepted, "awaiting": r.awaiting,
-                            "rejected": r.rejected.iter().map(|e| e.to_string()).collect::<Vec<_>>()})
-            }
-            Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
-        },
+        Op::LoadKv { requests } => load_kv_answer(coord.load_kv(LoadKv { requests }).await, n),
+    }
+}
+
+/// The answer line to a `load_kv` (line `n`).
+fn load_kv_answer(
+    r: Result<kvrecv::messages::LoadKvReply, actix::MailboxError>,
+    n: u64,
+) -> serde_json::Value {
+    match r {
+        Ok(r) => {
+            json!({"event": "load_kv", "line": n, "accepted": r.accepted, "awaiting": r.awaiting,
+                   "rejected": r.rejected.iter().map(|e| e.to_string()).collect::<Vec<_>>()})
+        }
+        Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
     }
 }
 
@@ -807,6 +815,17 @@ async fn serve(
                 match Op::parse(&line) {
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e})),
                     Ok(Op::Shutdown) => break,
+                    // An answer that is not printed is not built either.
+                    Ok(Op::LoadKv { requests }) if answers == AnswerLevel::Failures => {
+                        match coord.load_kv(LoadKv { requests }).await {
+                            Ok(r) if r.rejected.is_empty() => unreleased.0 += r.awaiting as u64,
+                            r => {
+                                let v = load_kv_answer(r, n);
+                                unreleased.count(&v);
+                                emit(&out, v);
+                            }
+                        }
+                    }
                     Ok(op) => {
                         let v = answer(op, n, &coord, &target).await;
                         unreleased.count(&v);
