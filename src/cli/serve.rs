@@ -213,18 +213,6 @@ pub enum AnswerLevel {
     Failures,
 }
 
-impl AnswerLevel {
-    fn prints(self, answer: &serde_json::Value) -> bool {
-        match self {
-            AnswerLevel::All => true,
-            AnswerLevel::Failures => {
-                answer["event"] != "load_kv"
-                    || answer["rejected"].as_array().is_none_or(|r| !r.is_empty())
-            }
-        }
-    }
-}
-
 fn at_least_1k(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(n) if n >= 1024 => Ok(n),
@@ -815,10 +803,12 @@ async fn serve(
                 match Op::parse(&line) {
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e})),
                     Ok(Op::Shutdown) => break,
-                    // An answer that is not printed is not built either.
-                    Ok(Op::LoadKv { requests }) if answers == AnswerLevel::Failures => {
+                    Ok(Op::LoadKv { requests }) => {
                         match coord.load_kv(LoadKv { requests }).await {
-                            Ok(r) if r.rejected.is_empty() => unreleased.0 += r.awaiting as u64,
+                            // Not printed, so not built either.
+                            Ok(r) if answers == AnswerLevel::Failures && r.rejected.is_empty() => {
+                                unreleased.0 += r.awaiting as u64
+                            }
                             r => {
                                 let v = load_kv_answer(r, n);
                                 unreleased.count(&v);
@@ -829,9 +819,7 @@ async fn serve(
                     Ok(op) => {
                         let v = answer(op, n, &coord, &target).await;
                         unreleased.count(&v);
-                        if answers.prints(&v) {
-                            emit(&out, v);
-                        }
+                        emit(&out, v);
                     }
                 }
             }

@@ -351,14 +351,7 @@ impl KvRequest {
 
     /// [`Self::validate`], sharing engine ids and bootstrap addresses through `interner`.
     pub fn validate_with(&self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
-        let (transfer_id, engine_id, bootstrap) = self.checked(interner)?;
-        Ok(RequestMeta {
-            req_id: ReqId::from(self.req_id.as_str()),
-            transfer_id: Arc::from(transfer_id),
-            engine_id: interner.intern(engine_id),
-            bootstrap_addr: interner.intern(bootstrap),
-            block_ids: self.block_ids.clone(),
-        })
+        self.clone().into_meta(interner)
     }
 
     /// [`Self::validate_with`], taking the request: its block lists move into the result,
