@@ -49,7 +49,9 @@ impl<R: AsyncBufRead + Unpin> LineReader<R> {
                 // End of input: a last line without `\n` still counts.
                 return Ok((self.len > 0).then(|| self.finish()));
             }
-            let (chunk, used, done) = match avail.iter().position(|&b| b == b'\n') {
+            // A SIMD search: a byte-at-a-time loop over a batch's 2.5 KB line was 1.5% of
+            // serve's actors' thread.
+            let (chunk, used, done) = match memchr::memchr(b'\n', avail) {
                 Some(i) => (&avail[..i], i + 1, true),
                 None => (avail, avail.len(), false),
             };

@@ -1,6 +1,7 @@
 //! Subcommands of the `kvrecv` binary, one module each; `main.rs` only dispatches.
 
 pub mod bench;
+pub mod event_line;
 pub mod line_reader;
 pub mod logging;
 pub mod prefill_sim;

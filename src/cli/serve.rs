@@ -42,6 +42,7 @@ use serde_json::json;
 use tokio::io::{AsyncRead, BufReader};
 use tokio::net::unix::pipe;
 
+use super::event_line::event_line;
 use super::line_reader::{Line, LineReader};
 use super::serve_output::{output, Output, Writer};
 use super::serve_target::DataTarget;
@@ -419,17 +420,6 @@ impl Op {
             (OpName::Shutdown, None, None) => Ok(Op::Shutdown),
         }
     }
-}
-
-/// Append `ev`'s line and a newline to `chunk` (an `error` line if it cannot be serialized).
-fn event_line(chunk: &mut Vec<u8>, ev: &KvEvent) {
-    let start = chunk.len();
-    if let Err(e) = serde_json::to_writer(&mut *chunk, ev) {
-        chunk.truncate(start);
-        let err = json!({"event": "error", "error": format!("event not serializable: {e}")});
-        chunk.extend_from_slice(err.to_string().as_bytes());
-    }
-    chunk.push(b'\n');
 }
 
 fn emit(out: &Output, v: serde_json::Value) {
