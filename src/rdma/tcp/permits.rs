@@ -386,6 +386,11 @@ impl Inner {
 }
 
 impl Inner {
+    /// Whether a pull of `req` got the reserved window (no hash while none did).
+    fn is_windowless(&self, req: &ReqId) -> bool {
+        !self.windowless.is_empty() && self.windowless.contains(req)
+    }
+
     /// The permits of a request's (pull, index) pairs.
     fn permits_of(&self, pairs: Pairs) -> SmallVec<[(Arc<Permit>, usize); 2]> {
         pairs
@@ -832,7 +837,9 @@ impl PermitTable {
         let mut inner = self.lock();
         let pairs = inner.by_req.remove(&r.req.req_id);
         let entries = inner.permits_of(pairs);
-        inner.windowless.remove(&r.req.req_id);
+        if !inner.windowless.is_empty() {
+            inner.windowless.remove(&r.req.req_id);
+        }
         let mut poisoned = 0;
         for (p, i) in &entries {
             if p.open[*i].swap(false, Ordering::SeqCst)
@@ -968,7 +975,7 @@ impl PermitTable {
 
     /// Whether a pull of `req` got the reserved window (its writes are all refused).
     pub fn windowless(&self, req: &ReqId) -> bool {
-        self.lock().windowless.contains(req)
+        self.lock().is_windowless(req)
     }
 
     /// Whether every peer's ok for `req` is backed by what landed (PROTOCOL.md §5.3): a pull
@@ -981,19 +988,23 @@ impl PermitTable {
             return Ok(());
         }
         let inner = self.lock();
-        if inner.windowless.contains(&req.req_id) {
+        if inner.is_windowless(&req.req_id) {
             return Err(
                 "a pull of this request got no landing window: its writes were refused".into(),
             );
         }
-        let entries = inner.permits_of(inner.by_req.get(&req.req_id));
+        let pairs = inner.by_req.get(&req.req_id);
         // `open_writes` first: a write that ends unlanded sets `unproven` before it leaves
-        // `open_writes`, so reading them the other way round could miss both.
-        if !entries.iter().any(|(p, _)| {
-            p.open_writes.load(Ordering::Acquire) > 0 || p.unproven.load(Ordering::Acquire)
+        // `open_writes`, so reading them the other way round could miss both. Looked at in
+        // place (no permit is cloned) for the common case: every ok already proven.
+        if !pairs.iter().any(|(pull, _)| {
+            inner.by_pull.get(pull).is_some_and(|p| {
+                p.open_writes.load(Ordering::Acquire) > 0 || p.unproven.load(Ordering::Acquire)
+            })
         }) {
             return Ok(());
         }
+        let entries = inner.permits_of(pairs);
         // Offsets within a region are the same in every window: the union over every pull of
         // the request is what physically landed in its blocks.
         let mut ranges: Vec<Span> = Vec::new();

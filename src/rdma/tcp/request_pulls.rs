@@ -42,7 +42,8 @@ pub struct RequestPulls {
 impl RequestPulls {
     /// Record that `req` is at `index` of `pull`.
     pub fn add(&mut self, req: &ReqId, pull: PullId, index: u32) {
-        if let Some(list) = self.lists.get_mut(req) {
+        // `lists` is empty unless a request's pulls broke a run: no hash in the common case.
+        if let Some(list) = self.lists_mut(req) {
             list.push((pull, index));
             return;
         }
@@ -79,18 +80,35 @@ impl RequestPulls {
         if let Some(run) = self.runs.get(req) {
             return run.iter().collect();
         }
+        if self.lists.is_empty() {
+            return Pairs::new();
+        }
         self.lists
             .get(req)
             .map(|l| l.iter().map(|&(p, i)| (p, i as usize)).collect())
             .unwrap_or_default()
     }
 
+    fn lists_mut(&mut self, req: &ReqId) -> Option<&mut SmallVec<[(PullId, u32); 2]>> {
+        if self.lists.is_empty() {
+            return None;
+        }
+        self.lists.get_mut(req)
+    }
+
     /// Forget `req`, returning its (pull, index) pairs.
     pub fn remove(&mut self, req: &ReqId) -> Pairs {
-        let pairs = self.get(req);
-        self.runs.remove(req);
-        self.lists.remove(req);
-        pairs
+        // A request is in `runs` or in `lists`, never both (`add` moves it).
+        if let Some(run) = self.runs.remove(req) {
+            return run.iter().collect();
+        }
+        if self.lists.is_empty() {
+            return Pairs::new();
+        }
+        self.lists
+            .remove(req)
+            .map(|l| l.iter().map(|&(p, i)| (p, i as usize)).collect())
+            .unwrap_or_default()
     }
 
     /// Every request with its pairs, sorted (model checking).
@@ -127,6 +145,10 @@ mod tests {
         );
         assert_eq!(t.get(&id("a")).as_slice(), &[(10, 4), (11, 4), (12, 4)]);
         assert_eq!(t.get(&id("b")).as_slice(), &[(10, 5)]);
+        assert_eq!(t.remove(&id("a")).as_slice(), &[(10, 4), (11, 4), (12, 4)]);
+        assert!(t.get(&id("a")).is_empty() && t.remove(&id("a")).is_empty());
+        assert!(t.remove(&id("never")).is_empty());
+        assert_eq!(t.get(&id("b")).as_slice(), &[(10, 5)], "b is untouched");
     }
 
     #[test]
