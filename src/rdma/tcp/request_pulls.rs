@@ -17,6 +17,13 @@ use crate::messages::{PullId, ReqId};
 /// A request's (pull, index) pairs.
 pub type Pairs = SmallVec<[(PullId, usize); 2]>;
 
+/// A request's pairs when they do not form one run (indexes as stored: u32).
+type List = SmallVec<[(PullId, u32); 2]>;
+
+fn list_pairs(l: &List) -> Pairs {
+    l.iter().map(|&(p, i)| (p, i as usize)).collect()
+}
+
 /// Consecutive pulls `first..first + count`, the request at `index` in each.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 struct Run {
@@ -36,7 +43,7 @@ impl Run {
 pub struct RequestPulls {
     runs: FastMap<ReqId, Run>,
     /// Requests whose pulls do not form one run.
-    lists: FastMap<ReqId, SmallVec<[(PullId, u32); 2]>>,
+    lists: FastMap<ReqId, List>,
 }
 
 impl RequestPulls {
@@ -67,8 +74,7 @@ impl RequestPulls {
             }
             Some(_) => {
                 let run = self.runs.remove(req).expect("matched above");
-                let mut list: SmallVec<[(PullId, u32); 2]> =
-                    run.iter().map(|(p, _)| (p, run.index)).collect();
+                let mut list: List = run.iter().map(|(p, _)| (p, run.index)).collect();
                 list.push((pull, index));
                 self.lists.insert(req.clone(), list);
             }
@@ -77,19 +83,14 @@ impl RequestPulls {
 
     /// The (pull, index) pairs of `req`.
     pub fn get(&self, req: &ReqId) -> Pairs {
-        if let Some(run) = self.runs.get(req) {
-            return run.iter().collect();
+        match self.runs.get(req) {
+            Some(run) => run.iter().collect(),
+            None if self.lists.is_empty() => Pairs::new(),
+            None => self.lists.get(req).map(list_pairs).unwrap_or_default(),
         }
-        if self.lists.is_empty() {
-            return Pairs::new();
-        }
-        self.lists
-            .get(req)
-            .map(|l| l.iter().map(|&(p, i)| (p, i as usize)).collect())
-            .unwrap_or_default()
     }
 
-    fn lists_mut(&mut self, req: &ReqId) -> Option<&mut SmallVec<[(PullId, u32); 2]>> {
+    fn lists_mut(&mut self, req: &ReqId) -> Option<&mut List> {
         if self.lists.is_empty() {
             return None;
         }
@@ -99,16 +100,16 @@ impl RequestPulls {
     /// Forget `req`, returning its (pull, index) pairs.
     pub fn remove(&mut self, req: &ReqId) -> Pairs {
         // A request is in `runs` or in `lists`, never both (`add` moves it).
-        if let Some(run) = self.runs.remove(req) {
-            return run.iter().collect();
+        match self.runs.remove(req) {
+            Some(run) => run.iter().collect(),
+            None if self.lists.is_empty() => Pairs::new(),
+            None => self
+                .lists
+                .remove(req)
+                .as_ref()
+                .map(list_pairs)
+                .unwrap_or_default(),
         }
-        if self.lists.is_empty() {
-            return Pairs::new();
-        }
-        self.lists
-            .remove(req)
-            .map(|l| l.iter().map(|&(p, i)| (p, i as usize)).collect())
-            .unwrap_or_default()
     }
 
     /// Every request with its pairs, sorted (model checking).
