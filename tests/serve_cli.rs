@@ -37,6 +37,12 @@ struct Serve {
 }
 
 impl Serve {
+    /// `serve` on a small one-layer layout (1 layer, 4 KiB blocks, 16 of them) plus `extra`.
+    fn one_layer(extra: &[&str]) -> Serve {
+        let layout = ["--layers", "1", "--block-len", "4096", "--num-blocks", "16"];
+        Serve::start(&[&layout[..], extra].concat())
+    }
+
     fn start(args: &[&str]) -> Serve {
         let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
             .arg("serve")
@@ -177,18 +183,7 @@ async fn bad_bytes_and_overlong_lines_are_answered_and_awaited_requests_survive(
     })
     .await
     .unwrap();
-    let mut s = Serve::start(&[
-        "--layers",
-        "1",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "16",
-        "--max-line-bytes",
-        "4096",
-        "--log-level",
-        "warn",
-    ]);
+    let mut s = Serve::one_layer(&["--max-line-bytes", "4096", "--log-level", "warn"]);
     s.wait("ready", |v| ev(v, "ready")).await;
     let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
         "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
@@ -564,18 +559,7 @@ async fn events_flag_limits_the_event_lines() {
         ),
         ("none", &["ready", "load_kv", "drain", "shutdown"][..]),
     ] {
-        let mut s = Serve::start(&[
-            "--layers",
-            "1",
-            "--block-len",
-            "4096",
-            "--num-blocks",
-            "16",
-            "--events",
-            level,
-            "--log-level",
-            "warn",
-        ]);
+        let mut s = Serve::one_layer(&["--events", level, "--log-level", "warn"]);
         s.wait("ready", |v| ev(v, "ready")).await;
         let id = format!("d-{level}");
         let load = json!({"op": "load_kv", "requests": [{"req_id": id, "transfer_id": format!("t-{level}"),
@@ -615,13 +599,7 @@ async fn events_flag_limits_the_event_lines() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn answers_failures_leaves_out_only_fully_accepted_load_kv_answers() {
     let sim = PrefillSim::start(SimConfig::default()).await.unwrap();
-    let mut s = Serve::start(&[
-        "--layers",
-        "1",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "16",
+    let mut s = Serve::one_layer(&[
         "--events",
         "completions",
         "--answers",
@@ -826,16 +804,7 @@ async fn shutdown_reports_the_undrained_and_the_unreleased() {
     })
     .await
     .unwrap();
-    let mut s = Serve::start(&[
-        "--layers",
-        "1",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "16",
-        "--log-level",
-        "error",
-    ]);
+    let mut s = Serve::one_layer(&["--log-level", "error"]);
     s.wait("ready", |v| ev(v, "ready")).await;
     let req = |id: &str, t: &str, b: u32| {
         json!({"req_id": id, "transfer_id": t, "remote_engine_id": sim.engine_id(),
@@ -936,18 +905,7 @@ async fn running_out_of_file_descriptors_is_reported_as_such() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_metrics_endpoint_reports_its_port_and_bounds_its_clients() {
     use tokio::io::AsyncReadExt;
-    let mut s = Serve::start(&[
-        "--layers",
-        "1",
-        "--block-len",
-        "4096",
-        "--num-blocks",
-        "16",
-        "--metrics",
-        "127.0.0.1:0",
-        "--log-level",
-        "warn",
-    ]);
+    let mut s = Serve::one_layer(&["--metrics", "127.0.0.1:0", "--log-level", "warn"]);
     let ready = s.wait("ready", |v| ev(v, "ready")).await;
     let addr: std::net::SocketAddr = ready["metrics"].as_str().unwrap().parse().unwrap();
     assert_ne!(addr.port(), 0, "{ready}");
