@@ -106,6 +106,9 @@ pub struct Permit {
     /// landing): what proves an unproven ok. Ranges, not a byte count, so a write landed twice
     /// counts once; contiguous writes merge into one range as they land.
     coverage: Mutex<Vec<Vec<Span>>>,
+    /// Set before anything is first added to `coverage`: until then a revocation has no
+    /// coverage to drop and does not take its lock.
+    covered: AtomicBool,
     /// Most spans kept per request: two per block and region (pieces of a block landing out
     /// of order, apart until the gap between them lands) and some slack. Spans past it are not
     /// recorded, so
@@ -154,6 +157,7 @@ impl Permit {
                     .unwrap_or_else(|e| e.into_inner())
                     .clone(),
             ),
+            covered: AtomicBool::new(self.covered.load(Ordering::SeqCst)),
             span_cap: self.span_cap.clone(),
             unproven: AtomicBool::new(self.unproven.load(Ordering::SeqCst)),
             open_writes: AtomicU64::new(0),
@@ -308,6 +312,7 @@ impl Admitted {
         if let Some(p) = &self.permit {
             p.bytes_landed.fetch_add(bytes, Ordering::Relaxed);
             p.writes_landed.fetch_add(1, Ordering::Relaxed);
+            p.covered.store(true, Ordering::Release);
             let mut cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
             for piece in &self.pieces {
                 let i = piece.req as usize;
@@ -718,6 +723,7 @@ impl PermitTable {
             draining: AtomicBool::new(false),
             quiet: Notify::new(),
             coverage: Mutex::new(Vec::new()),
+            covered: AtomicBool::new(false),
             span_cap,
             unproven: AtomicBool::new(false),
             open_writes: AtomicU64::new(0),
@@ -836,49 +842,65 @@ impl PermitTable {
         }
         let mut inner = self.lock();
         let pairs = inner.by_req.remove(&r.req.req_id);
-        let entries = inner.permits_of(pairs);
         if !inner.windowless.is_empty() {
             inner.windowless.remove(&r.req.req_id);
         }
+        // The permits are looked at in place under the lock (no `Arc` clone each); only one
+        // with a socket read still copying is kept, to wait for.
+        let Inner {
+            by_pull,
+            poisoned: poisoned_windows,
+            poisoned_by_deployment,
+            next_expiry,
+            ..
+        } = &mut *inner;
         let mut poisoned = 0;
-        for (p, i) in &entries {
-            if p.open[*i].swap(false, Ordering::SeqCst)
+        let mut busy: Vec<Arc<Permit>> = Vec::new();
+        for (pull, i) in pairs {
+            let Some(p) = by_pull.get(&pull) else {
+                // Cannot happen (see `by_req`); were it to, that pull's permit is gone with its
+                // window, and nothing of it can admit a write.
+                tracing::error!(pull_id = pull, "request indexed in a pull with no permit");
+                continue;
+            };
+            if p.open[i].swap(false, Ordering::SeqCst)
                 && p.open_count.fetch_sub(1, Ordering::AcqRel) == 1
             {
                 let live = self.live.fetch_sub(1, Ordering::Relaxed) - 1;
                 self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
             }
             // Coverage only backs an ok before the revocation: a closed permit may wait long for
-            // its window's reuse, and keeps none of it.
-            {
+            // its window's reuse, and keeps none of it. (Nothing to drop, and no lock to take,
+            // while nothing has landed through the permit.)
+            if p.covered.load(Ordering::Acquire) {
                 let mut cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
                 if p.is_closed() {
                     *cov = Vec::new();
-                } else if let Some(spans) = cov.get_mut(*i) {
+                } else if let Some(spans) = cov.get_mut(i) {
                     *spans = Vec::new();
                 }
             }
             if self.poison && r.suspects.contains(&p.peer) {
-                match inner.poisoned.get_mut(&p.window) {
+                match poisoned_windows.get_mut(&p.window) {
                     Some((until, _)) => *until = (*until).max(r.poison_until),
                     None => {
-                        inner
-                            .poisoned
-                            .insert(p.window, (r.poison_until, p.deployment.clone()));
-                        *inner
-                            .poisoned_by_deployment
+                        poisoned_windows.insert(p.window, (r.poison_until, p.deployment.clone()));
+                        *poisoned_by_deployment
                             .entry(p.deployment.clone())
                             .or_default() += 1;
                     }
                 }
-                inner.next_expiry = Some(
-                    inner
-                        .next_expiry
-                        .map_or(r.poison_until, |t| t.min(r.poison_until)),
-                );
+                *next_expiry = Some(next_expiry.map_or(r.poison_until, |t| t.min(r.poison_until)));
                 poisoned += 1;
                 tracing::info!(window = p.window, pull_id = p.pull_id, peer = %p.peer,
                     req_id = %r.req.req_id, "landing window poisoned: its writer may still write");
+            }
+            // Reads admitted before the swap finish their current socket read (bounded: one
+            // non-blocking read syscall, or one device copy); every later one sees the closed
+            // permit.
+            p.draining.store(true, Ordering::SeqCst);
+            if p.inflight.load(Ordering::SeqCst) != 0 {
+                busy.push(p.clone());
             }
         }
         if poisoned > 0 {
@@ -893,16 +915,6 @@ impl PermitTable {
                 .set(inner.poisoned.len() as f64);
         }
         drop(inner);
-        // Reads admitted before the swap finish their current socket read (bounded: one
-        // non-blocking read syscall, or one device copy); every later one sees the closed permit.
-        let busy: Vec<Arc<Permit>> = entries
-            .into_iter()
-            .map(|(p, _)| p)
-            .filter(|p| {
-                p.draining.store(true, Ordering::SeqCst);
-                p.inflight.load(Ordering::SeqCst) != 0
-            })
-            .collect();
         Revoked {
             revocation: Revocation::Exact,
             poisoned,
