@@ -90,14 +90,16 @@ fn worker(engine: &str) -> (KvRecv, EventStream) {
     (kv, events)
 }
 
-async fn released(events: &mut EventStream, id: &str) {
-    loop {
+/// Wait until every request of `ids` was released (in whatever order).
+async fn released(events: &mut EventStream, ids: &[&str]) {
+    let mut left: Vec<&str> = ids.to_vec();
+    while !left.is_empty() {
         let ev = tokio::time::timeout(PATIENCE, events.recv())
             .await
             .expect("an event in time")
             .expect("events open");
-        if matches!(&ev, KvEvent::Released { req_id, .. } if &**req_id == id) {
-            return;
+        if let KvEvent::Released { req_id, .. } = &ev {
+            left.retain(|id| *id != &**req_id);
         }
     }
 }
@@ -124,10 +126,18 @@ async fn two_workers_in_one_process_keep_their_series_apart() {
         block_ids: vec![blocks],
     };
     // Different sizes, so a merged series could not pass for either worker's.
+    // b's three requests go in one batch: P settles them in one reply, whose settles and
+    // completions are counted together (one handle lookup per outcome), and must add up.
     a.load_kv(vec![req("ra", vec![1])]).await.unwrap();
-    b.load_kv(vec![req("rb", vec![2, 3, 4])]).await.unwrap();
-    released(&mut a_events, "ra").await;
-    released(&mut b_events, "rb").await;
+    b.load_kv(vec![
+        req("rb1", vec![2]),
+        req("rb2", vec![3]),
+        req("rb3", vec![4]),
+    ])
+    .await
+    .unwrap();
+    released(&mut a_events, &["ra"]).await;
+    released(&mut b_events, &["rb1", "rb2", "rb3"]).await;
 
     // A drain the host stops waiting for (dropped after its first poll) hands nothing over:
     // the next drain has it, and the put-back is counted.
@@ -149,10 +159,15 @@ async fn two_workers_in_one_process_keep_their_series_apart() {
     // 2 regions x 4096 bytes a block.
     assert_eq!(store.counter(m::BYTES_LANDED, "d-a"), 2 * 4096);
     assert_eq!(store.counter(m::BYTES_LANDED, "d-b"), 3 * 2 * 4096);
-    for name in [m::PULLS, m::COMPLETIONS, m::BOOTSTRAP_QUERIES] {
+    for name in [m::PULLS, m::BOOTSTRAP_QUERIES] {
         assert_eq!(store.counter(name, "d-a"), 1, "{name} of d-a");
         assert_eq!(store.counter(name, "d-b"), 1, "{name} of d-b");
     }
+    assert_eq!(store.counter(m::COMPLETIONS, "d-a"), 1);
+    assert_eq!(store.counter(m::COMPLETIONS, "d-b"), 3);
+    // One settle per request and peer (one peer, one pull each here).
+    assert_eq!(store.counter(m::SETTLES, "d-a"), 1);
+    assert_eq!(store.counter(m::SETTLES, "d-b"), 3);
     // Every series recorded (actors, bootstrap client, data plane, permits) is labelled.
     let keys = store.keys();
     assert!(keys.len() > 10, "{keys:?}");

@@ -107,14 +107,10 @@ impl RequestAggregator {
             self.block_manager.do_send(ff);
         }
         if let Some(c) = fx.completion {
-            let label = if c.outcome.is_ok() { "ok" } else { "failed" };
-            tracing::debug!(req_id = %c.req.req_id, outcome = label, uncertain = c.uncertain_peers.len(), "completion");
-            self.labels
-                .counter_by(m::COMPLETIONS, "outcome", label)
-                .increment(1);
-            self.labels
-                .histogram(m::COMPLETION_LATENCY)
-                .record(since.elapsed().as_secs_f64());
+            let ok = c.outcome.is_ok();
+            tracing::debug!(req_id = %c.req.req_id, outcome = if ok { "ok" } else { "failed" }, uncertain = c.uncertain_peers.len(), "completion");
+            out.started.push(since);
+            out.failed += usize::from(!ok);
             if self.events.is_on() {
                 out.events.push(KvEvent::Completion {
                     req_id: c.req.req_id.clone(),
@@ -128,9 +124,24 @@ impl RequestAggregator {
     }
 
     /// Hand the completions to the BlockManager (one message), then tell observers: an
-    /// observer's next message to the BlockManager (a drain) is handled after them.
+    /// observer's next message to the BlockManager (a drain) is handled after them. The
+    /// completions' metrics are recorded here, each handle looked up once per message.
     fn flush(&self, out: Outbox) {
         if !out.completions.is_empty() {
+            let failed = out.failed as u64;
+            let ok = out.completions.len() as u64 - failed;
+            for (label, n) in [("ok", ok), ("failed", failed)] {
+                if n > 0 {
+                    self.labels
+                        .counter_by(m::COMPLETIONS, "outcome", label)
+                        .increment(n);
+                }
+            }
+            let latency = self.labels.histogram(m::COMPLETION_LATENCY);
+            let now = Instant::now();
+            for since in out.started {
+                latency.record(now.saturating_duration_since(since).as_secs_f64());
+            }
             self.block_manager.do_send(Completions(out.completions));
         }
         for ev in out.events {
@@ -143,6 +154,10 @@ impl RequestAggregator {
 #[derive(Default)]
 struct Outbox {
     completions: Vec<Completion>,
+    /// When each completion's aggregation started (its latency is taken at the flush).
+    started: smallvec::SmallVec<[Instant; 2]>,
+    /// Of `completions`, how many failed.
+    failed: usize,
     /// Inline for a reply that settles one request (no allocation).
     events: smallvec::SmallVec<[KvEvent; 2]>,
 }

@@ -326,10 +326,16 @@ impl Peer {
             }
         }
         let mut to_aggregate = Vec::with_capacity(fx.settles.len());
+        // Counted per outcome, and recorded once per reply (a handle lookup each, not one per
+        // request).
+        let mut by_outcome: smallvec::SmallVec<[(&'static str, u64); 2]> =
+            smallvec::SmallVec::new();
         for (awaited, s) in fx.settles {
-            self.labels
-                .counter_by(m::SETTLES, "outcome", s.outcome.label())
-                .increment(1);
+            let label = s.outcome.label();
+            match by_outcome.iter_mut().find(|(l, _)| *l == label) {
+                Some((_, n)) => *n += 1,
+                None => by_outcome.push((label, 1)),
+            }
             tracing::debug!(req_id = %s.req_id, outcome = s.outcome.label(), reason = s.outcome.reason(), "settle");
             if self.events.wants_detail() {
                 self.events.emit(KvEvent::Settled {
@@ -342,6 +348,11 @@ impl Peer {
             if awaited {
                 to_aggregate.push(s);
             }
+        }
+        for (label, n) in by_outcome {
+            self.labels
+                .counter_by(m::SETTLES, "outcome", label)
+                .increment(n);
         }
         if !to_aggregate.is_empty() {
             self.aggregator.do_send(Settles(to_aggregate));

@@ -29,7 +29,54 @@ pub struct KvRequest {
     /// means nothing to receive: the pull is still sent so P frees its blocks, but it is not awaited.
     /// Required when deserialized (an empty list is explicit), so that a misspelt key is refused
     /// rather than taken for nothing to receive.
+    #[serde(deserialize_with = "exact_block_ids")]
     pub block_ids: Vec<Vec<u32>>,
+}
+
+/// `block_ids` read into vectors of exactly their length: a request keeps its lists for as long
+/// as it is in flight, and a list grown element by element (the default) has slack that
+/// [`KvRequest::into_meta`] would reallocate away, two reallocations per request.
+fn exact_block_ids<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Vec<Vec<u32>>, D::Error> {
+    use serde::de::{SeqAccess, Visitor};
+    use smallvec::SmallVec;
+
+    struct Group;
+    impl<'de> serde::de::DeserializeSeed<'de> for Group {
+        type Value = Vec<u32>;
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Vec<u32>, D::Error> {
+            d.deserialize_seq(Group)
+        }
+    }
+    impl<'de> Visitor<'de> for Group {
+        type Value = Vec<u32>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of block ids")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<u32>, A::Error> {
+            let mut v: SmallVec<[u32; 32]> = SmallVec::new();
+            while let Some(b) = seq.next_element()? {
+                v.push(b);
+            }
+            Ok(v.to_vec())
+        }
+    }
+    struct Groups;
+    impl<'de> Visitor<'de> for Groups {
+        type Value = Vec<Vec<u32>>;
+        fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+            f.write_str("a list of block id lists, one per KV-cache group")
+        }
+        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Vec<Vec<u32>>, A::Error> {
+            let mut v: SmallVec<[Vec<u32>; 4]> = SmallVec::new();
+            while let Some(g) = seq.next_element_seed(Group)? {
+                v.push(g);
+            }
+            let mut out = Vec::with_capacity(v.len());
+            out.extend(v);
+            Ok(out)
+        }
+    }
+    d.deserialize_seq(Groups)
 }
 
 /// The longest request id, transfer id, engine id or bootstrap address accepted, bytes: far
@@ -491,6 +538,34 @@ pub type SharedRequest = Arc<RequestMeta>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Block lists are read at exactly their length (no slack for `into_meta` to reallocate
+    /// away), and anything but lists of u32 lists is refused.
+    #[test]
+    fn block_ids_are_read_exactly_and_strictly() {
+        let many: Vec<u32> = (0..40).collect();
+        let line = format!(r#"{{"req_id":"d","block_ids":[[1,2,3],[],{many:?}]}}"#);
+        let r: KvRequest = serde_json::from_str(&line).unwrap();
+        assert_eq!(r.block_ids, vec![vec![1, 2, 3], vec![], many]);
+        assert_eq!(r.block_ids.capacity(), 3);
+        for g in &r.block_ids {
+            assert_eq!(g.capacity(), g.len());
+        }
+        for bad in [
+            r#"[1,2]"#,
+            r#"[[1,"2"]]"#,
+            r#"[[-1]]"#,
+            r#"[[4294967296]]"#,
+            r#""x""#,
+            r#"[[1],{}]"#,
+        ] {
+            let line = format!(r#"{{"req_id":"d","block_ids":{bad}}}"#);
+            assert!(
+                serde_json::from_str::<KvRequest>(&line).is_err(),
+                "{bad} was accepted"
+            );
+        }
+    }
 
     fn req() -> KvRequest {
         KvRequest {
