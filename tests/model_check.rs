@@ -270,7 +270,7 @@ impl Kv {
             Policy::Settle => peers_to_fence(&c, revoked.revocation),
             Policy::Naive => vec![],
         };
-        if let Disposition::Released { .. } = s.ledger.on_completion(&c, fence, now) {
+        if let Disposition::Released = s.ledger.on_completion(&c, fence, now) {
             self.check_release(s, attempt);
         }
     }

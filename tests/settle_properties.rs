@@ -257,7 +257,7 @@ impl World {
                 };
                 self.uncertain_at_completion.insert(id, fence.clone());
                 match self.ledger.on_completion(&c, fence.clone(), self.now) {
-                    Disposition::Released { .. } => assert!(fence.is_empty()),
+                    Disposition::Released => assert!(fence.is_empty()),
                     Disposition::Quarantined { peers, .. } => assert_eq!(peers, fence),
                 }
             }

@@ -16,8 +16,9 @@ use super::block_pool::BlockPool;
 /// What to do with a completion's blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Disposition {
-    /// Released now.
-    Released { blocks: Vec<u32> },
+    /// Released now. (The blocks are the request's own: a caller that reports them lists
+    /// them, so a release nobody reports allocates nothing.)
+    Released,
     /// Held until `peers` are fenced or the deadline passes.
     Quarantined {
         blocks: Vec<u32>,
@@ -212,11 +213,11 @@ impl BlockLedger {
             // A failure signal is never later than its completion.
             self.signal_failure(&c.req);
         }
-        let blocks: Vec<u32> = c.req.all_blocks().collect();
         if fence_needed_for.is_empty() {
             self.release_now(&c.req);
-            return Disposition::Released { blocks };
+            return Disposition::Released;
         }
+        let blocks: Vec<u32> = c.req.all_blocks().collect();
         let deadline = now + self.quarantine_deadline;
         self.held.insert(
             c.req.req_id.clone(),

@@ -133,20 +133,23 @@ impl BlockManager {
     /// thread) until it has, and the completions after it wait with it, so nothing is
     /// released or drained early.
     fn complete_in_order(&mut self, mut list: VecDeque<Completion>, ctx: &mut Context<Self>) {
+        // One clock read for the message's completions, not two for each (they are handled
+        // in one turn; a quarantine's deadline is a bound, microseconds do not matter to it).
+        let now = Instant::now();
         while let Some(c) = list.pop_front() {
             let suspects = c.suspects();
             let revoked = self.landing.revoke(&RevokeRequest {
                 req: &c.req,
                 suspects: &suspects,
-                poison_until: Instant::now() + self.ledger.quarantine_deadline(),
+                poison_until: now + self.ledger.quarantine_deadline(),
             });
             let revocation = revoked.revocation;
             let had_suspects = !suspects.is_empty();
             match revoked.quiesced {
-                None => self.dispose(c, revocation, had_suspects, ctx),
+                None => self.dispose(c, revocation, had_suspects, now, ctx),
                 Some(quiet) => {
                     ctx.wait(quiet.into_actor(self).map(move |(), act, ctx| {
-                        act.dispose(c, revocation, had_suspects, ctx);
+                        act.dispose(c, revocation, had_suspects, Instant::now(), ctx);
                         act.complete_in_order(list, ctx);
                     }));
                     return;
@@ -163,6 +166,7 @@ impl BlockManager {
         c: Completion,
         revocation: Revocation,
         had_suspects: bool,
+        now: Instant,
         ctx: &mut Context<Self>,
     ) {
         let fence = match self.policy {
@@ -170,17 +174,17 @@ impl BlockManager {
             Policy::Naive => vec![],
         };
         let req_id = c.req.req_id.clone();
-        match self.ledger.on_completion(&c, fence, Instant::now()) {
-            Disposition::Released { blocks } if self.events.wants_detail() => {
+        match self.ledger.on_completion(&c, fence, now) {
+            Disposition::Released if self.events.wants_detail() => {
                 self.events.emit(KvEvent::Released {
                     req_id,
-                    blocks,
+                    blocks: c.req.all_blocks().collect(),
                     // The exact revocation is what fenced the peers that may still write.
                     fenced: had_suspects && revocation == Revocation::Exact,
                     forced: false,
                 });
             }
-            Disposition::Released { .. } => {}
+            Disposition::Released => {}
             Disposition::Quarantined {
                 blocks,
                 peers,

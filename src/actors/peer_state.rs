@@ -4,8 +4,7 @@
 use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::{
-    Cause, MooncakeXferResponse, PeerId, Pull, PullId, ReqId, Settle, SettleOutcome, UnsentPull,
-    XferStatus,
+    Cause, PeerId, Pull, PullId, ReqId, Settle, SettleOutcome, UnsentPull, XferReplyRef, XferStatus,
 };
 
 use super::pending_set::PendingSet;
@@ -262,8 +261,9 @@ impl PeerState {
             return fx; // the pull is over; its channel is being closed
         };
         let decoded = match frames.as_slice() {
-            [one] => MooncakeXferResponse::decode_bounded(one, max_reply_ids(carried))
-                .map_err(|e| e.to_string()),
+            [one] => {
+                XferReplyRef::decode_bounded(one, max_reply_ids(carried)).map_err(|e| e.to_string())
+            }
             _ => Err(format!("{}-frame reply", frames.len())),
         };
         let resp = match decoded {
@@ -299,10 +299,7 @@ impl PeerState {
         }
         // err_reqs first: an id in both lists is a failure (its ok entry is then stale).
         if !resp.err().is_empty() {
-            let err_reason = resp
-                .err_msg
-                .clone()
-                .unwrap_or_else(|| "peer reported failure".into());
+            let err_reason = resp.err_msg.unwrap_or("peer reported failure").to_owned();
             // Classified once, here: P's transfer-engine failures are told apart by their text.
             let err_cause = if err_reason.contains(TE_FAILURE) {
                 Cause::TransportEngine
@@ -333,7 +330,7 @@ impl PeerState {
                 );
             }
             XferStatus::Error => {
-                let msg = resp.err_msg.as_deref().unwrap_or("no message");
+                let msg = resp.err_msg.unwrap_or("no message");
                 self.settle_rest(
                     &mut fx,
                     pull_id,
@@ -414,7 +411,7 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::messages::RequestMeta;
+    use crate::messages::{MooncakeXferResponse, RequestMeta};
 
     fn pull(id: PullId, reqs: &[&str]) -> Pull {
         Pull {

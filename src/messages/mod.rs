@@ -36,5 +36,5 @@ pub use retire::{CountPeers, PeerCount, Retire};
 pub use settle::{Cause, Settle, SettleOutcome, Settles};
 pub use wire::{
     MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError,
-    XferStatus,
+    XferReplyRef, XferStatus,
 };
