@@ -28,14 +28,23 @@ pub struct Validated {
 /// layout (group count, block range), refusing an id listed twice in the batch, and an awaited
 /// request whose P transfer (engine, `transfer_id`) another awaited request of the batch has.
 pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout, interner: &mut Interner) -> Validated {
+    validate_metas(
+        requests.into_iter().map(|kv| kv.into_meta(interner)),
+        layout,
+    )
+}
+
+/// [`validate`] for requests already read into their metadata (or refused) by the host
+/// ([`crate::messages::LoadMetas`]).
+pub fn validate_metas(
+    requests: impl ExactSizeIterator<Item = Result<RequestMeta, BatchError>>,
+    layout: &KvLayout,
+) -> Validated {
     let mut out = Validated::default();
     let mut seen = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
     let mut transfers = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
-    for (i, kv) in requests.into_iter().enumerate() {
-        match kv
-            .into_meta(interner)
-            .and_then(|m| check_blocks(&m, layout).map(|_| m))
-        {
+    for (i, meta) in requests.enumerate() {
+        match meta.and_then(|m| check_blocks(&m, layout).map(|_| m)) {
             Ok(m) if seen.contains(&m.req_id) => out.rejected.push((
                 i,
                 BatchError::Duplicate {

@@ -16,8 +16,8 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, Admit, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
-    MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId, Retire, SharedRequest,
-    UnsentPull, WireError, ABORTED_BY_HOST,
+    LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId, Retire,
+    SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -406,8 +406,27 @@ impl Handler<LoadKv> for Receiver {
     /// Validate here, then ask the BlockManager to admit what is valid (it owns the live set:
     /// request ids not yet drained, blocks not yet released), then start the pulls.
     fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
-        let batch_plan::Validated { valid, rejected } =
-            batch_plan::validate(batch.requests, &self.cfg.layout, &mut self.interner);
+        let validated = batch_plan::validate(batch.requests, &self.cfg.layout, &mut self.interner);
+        self.admit_and_start(validated)
+    }
+}
+
+impl Handler<LoadMetas> for Receiver {
+    type Result = ResponseActFuture<Self, LoadKvReply>;
+
+    /// As [`LoadKv`], the requests already read by the host.
+    fn handle(&mut self, batch: LoadMetas, _ctx: &mut Context<Self>) -> Self::Result {
+        let validated = batch_plan::validate_metas(batch.requests.into_iter(), &self.cfg.layout);
+        self.admit_and_start(validated)
+    }
+}
+
+impl Receiver {
+    /// Ask the BlockManager to admit what is valid, then start the pulls of what it admitted.
+    fn admit_and_start(
+        &mut self,
+        batch_plan::Validated { valid, rejected }: batch_plan::Validated,
+    ) -> ResponseActFuture<Self, LoadKvReply> {
         let admit = Admit {
             requests: valid.iter().map(|(_, m)| m.clone()).collect(),
         };

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{DrainTo, Handed, LoadKv, LoadKvReply, StepOutput, Undrained};
+use crate::messages::{DrainTo, Handed, LoadKv, LoadKvReply, LoadMetas, StepOutput, Undrained};
 use crate::rdma::Landing;
 
 use super::block_ledger::BlockLedger;
@@ -37,7 +37,7 @@ pub struct CoordinatorParts {
 /// Running actors of one D worker.
 #[derive(Clone)]
 pub struct Coordinator {
-    /// Takes `LoadKv` and `Abort`.
+    /// Takes `LoadKv`, `LoadMetas` and `Abort`.
     pub receiver: Addr<Receiver>,
     /// Takes `Drain`; owns the destination-block ledger.
     pub block_manager: Addr<BlockManager>,
@@ -86,6 +86,11 @@ impl Coordinator {
 
     /// `load_kv`: hand a batch over. Rejected requests come back in the reply.
     pub async fn load_kv(&self, batch: LoadKv) -> Result<LoadKvReply, actix::MailboxError> {
+        self.receiver.send(batch).await
+    }
+
+    /// [`Self::load_kv`] for requests the host read itself ([`LoadMetas`]).
+    pub async fn load_metas(&self, batch: LoadMetas) -> Result<LoadKvReply, actix::MailboxError> {
         self.receiver.send(batch).await
     }
 

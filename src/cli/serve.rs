@@ -37,7 +37,7 @@ use std::process::ExitCode;
 use std::rc::Rc;
 use std::time::Duration;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::io::{AsyncRead, BufReader};
 use tokio::net::unix::pipe;
@@ -53,7 +53,7 @@ use kvrecv::control::{
     BootstrapConfig, ControlCpu, HttpTopology, ZmqTransport, ZmqTransportConfig,
 };
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvEvent, KvRequest, LoadKv};
+use kvrecv::messages::{Interner, KvEvent, KvRequestRef, LoadMetas, ReqId, StepOutput};
 use kvrecv::rdma::memory::MemoryKind;
 use kvrecv::rdma::tcp::server::DEFAULT_IDLE_TIMEOUT;
 use kvrecv::rdma::TargetConfig;
@@ -345,9 +345,9 @@ impl ServeArgs {
     }
 }
 
-/// One input line.
-enum Op {
-    LoadKv { requests: Vec<KvRequest> },
+/// One input line (a `load_kv`'s requests borrow it).
+enum Op<'a> {
+    LoadKv { requests: Vec<KvRequestRef<'a>> },
     Abort { req_id: String },
     Drain,
     Stats,
@@ -355,13 +355,14 @@ enum Op {
 }
 
 /// An input line as parsed: a plain struct, not an internally tagged enum, so that a `load_kv`
-/// line's requests are parsed once, straight into [`KvRequest`]s (a tagged enum buffers the whole
-/// object first).
+/// line's requests are parsed once, straight into [`KvRequestRef`]s that borrow the line (a
+/// tagged enum buffers the whole object first).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct OpLine {
+struct OpLine<'a> {
     op: OpName,
-    requests: Option<Vec<KvRequest>>,
+    #[serde(borrow)]
+    requests: Option<Vec<KvRequestRef<'a>>>,
     req_id: Option<String>,
 }
 
@@ -394,8 +395,8 @@ impl TryFrom<String> for OpName {
     }
 }
 
-impl Op {
-    fn parse(line: &str) -> Result<Op, String> {
+impl<'a> Op<'a> {
+    fn parse(line: &'a str) -> Result<Op<'a>, String> {
         if !line.trim_start().starts_with('{') {
             return Err("a line is one JSON object, e.g. {\"op\":\"drain\"}".into());
         }
@@ -538,9 +539,17 @@ fn ready_line(
     v
 }
 
-/// The answer line to one input op (line `n`); `shutdown` is the caller's.
-async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> serde_json::Value {
-    match op {
+/// The answer line to one input op (line `n`), and whether it is a drain that handed nothing
+/// over; `shutdown` is the caller's. What it tells the host is counted in `unreleased`.
+async fn answer(
+    op: Op<'_>,
+    n: u64,
+    coord: &Coordinator,
+    target: &DataTarget,
+    interner: &mut Interner,
+    unreleased: &mut Unreleased,
+) -> (String, bool) {
+    let v = match op {
         Op::Shutdown => json!({"event": "shutdown"}),
         Op::Stats => {
             let mut v = json!({"event": "stats", "line": n});
@@ -551,8 +560,10 @@ async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> ser
             v
         }
         Op::Drain => match coord.drain().await {
-            Ok(s) => json!({"event": "drain", "line": n, "finished_recving": s.finished_recving,
-                            "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids}),
+            Ok(s) => {
+                unreleased.0 = unreleased.0.saturating_sub(s.finished_recving.len() as u64);
+                return (drain_line(&s, n), s.is_empty());
+            }
             Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
         },
         Op::Abort { req_id } => {
@@ -565,7 +576,51 @@ async fn answer(op: Op, n: u64, coord: &Coordinator, target: &DataTarget) -> ser
                 Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
             }
         }
-        Op::LoadKv { requests } => load_kv_answer(coord.load_kv(LoadKv { requests }).await, n),
+        Op::LoadKv { requests } => {
+            let r = coord.load_metas(metas(requests, interner)).await;
+            if let Ok(r) = &r {
+                unreleased.0 += r.awaiting as u64;
+            }
+            load_kv_answer(r, n)
+        }
+    };
+    (v.to_string(), false)
+}
+
+/// A `drain` answer: its keys in the order of every other answer's (serde_json's map sorts
+/// them), its lists written straight from the step's (a drain hands over up to thousands of
+/// ids; a `serde_json::Value` of them copied each one).
+#[derive(Serialize)]
+struct DrainLine<'a> {
+    event: &'static str,
+    failed_recving: &'a [ReqId],
+    finished_recving: &'a [ReqId],
+    invalid_block_ids: &'a [u32],
+    line: u64,
+}
+
+/// The answer line to a `drain` (line `n`) that handed `s` over.
+fn drain_line(s: &StepOutput, n: u64) -> String {
+    let line = DrainLine {
+        event: "drain",
+        failed_recving: &s.failed_recving,
+        finished_recving: &s.finished_recving,
+        invalid_block_ids: &s.invalid_block_ids,
+        line: n,
+    };
+    serde_json::to_string(&line).unwrap_or_else(|e| {
+        json!({"event": "error", "line": n, "error": format!("drain answer: {e}")}).to_string()
+    })
+}
+
+/// A `load_kv` line's requests, each read into its metadata (or refused) here, where the line
+/// is: the Receiver gets what it keeps, and no copy of an id is made only to be dropped.
+fn metas(requests: Vec<KvRequestRef<'_>>, interner: &mut Interner) -> LoadMetas {
+    LoadMetas {
+        requests: requests
+            .into_iter()
+            .map(|r| r.into_meta(interner))
+            .collect(),
     }
 }
 
@@ -611,26 +666,6 @@ impl StopSignals {
 /// answers): each awaited request is in exactly one drain's `finished_recving`, at release.
 #[derive(Default)]
 struct Unreleased(u64);
-
-impl Unreleased {
-    fn count(&mut self, answer: &serde_json::Value) {
-        match answer["event"].as_str() {
-            Some("load_kv") => self.0 += answer["awaiting"].as_u64().unwrap_or(0),
-            Some("drain") => {
-                let done = answer["finished_recving"].as_array().map_or(0, Vec::len);
-                self.0 = self.0.saturating_sub(done as u64);
-            }
-            _ => {}
-        }
-    }
-}
-
-/// A `drain` answer with nothing in it.
-fn drained_nothing(answer: &serde_json::Value) -> bool {
-    ["finished_recving", "failed_recving", "invalid_block_ids"]
-        .iter()
-        .all(|k| answer[k].as_array().is_none_or(Vec::is_empty))
-}
 
 async fn serve(
     args: ServeArgs,
@@ -696,6 +731,8 @@ async fn serve(
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
+    // Engine ids and bootstrap addresses shared by every request that names them.
+    let mut interner = Interner::default();
     let mut paused = false;
     let pause_count = labels.counter(kvrecv::telemetry::STDIN_PAUSES);
     let mut unreleased = Unreleased::default();
@@ -794,22 +831,23 @@ async fn serve(
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e})),
                     Ok(Op::Shutdown) => break,
                     Ok(Op::LoadKv { requests }) => {
-                        match coord.load_kv(LoadKv { requests }).await {
+                        match coord.load_metas(metas(requests, &mut interner)).await {
                             // Not printed, so not built either.
                             Ok(r) if answers == AnswerLevel::Failures && r.rejected.is_empty() => {
                                 unreleased.0 += r.awaiting as u64
                             }
                             r => {
-                                let v = load_kv_answer(r, n);
-                                unreleased.count(&v);
-                                emit(&out, v);
+                                if let Ok(r) = &r {
+                                    unreleased.0 += r.awaiting as u64;
+                                }
+                                emit(&out, load_kv_answer(r, n));
                             }
                         }
                     }
                     Ok(op) => {
-                        let v = answer(op, n, &coord, &target).await;
-                        unreleased.count(&v);
-                        emit(&out, v);
+                        let (line, _) =
+                            answer(op, n, &coord, &target, &mut interner, &mut unreleased).await;
+                        out.send(line);
                     }
                 }
             }
@@ -826,10 +864,17 @@ async fn serve(
     }
     // What completed since the host's last drain is handed over; what is still in flight (or
     // quarantined) is abandoned, and said so.
-    let last = answer(Op::Drain, n, &coord, &target).await;
-    unreleased.count(&last);
-    if last["event"] != "drain" || !drained_nothing(&last) {
-        emit(&out, last);
+    let (last, nothing) = answer(
+        Op::Drain,
+        n,
+        &coord,
+        &target,
+        &mut interner,
+        &mut unreleased,
+    )
+    .await;
+    if !nothing {
+        out.send(last);
     }
     if unreleased.0 > 0 {
         tracing::warn!(
@@ -848,5 +893,29 @@ async fn serve(
         ExitCode::FAILURE
     } else {
         ExitCode::SUCCESS
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A drain's answer written from the step's lists is the line the `serde_json::Value` of
+    /// them gave: the same keys in the same order, the same escapes.
+    #[test]
+    fn a_drain_line_is_what_the_json_value_gave() {
+        let steps = [
+            StepOutput::default(),
+            StepOutput {
+                finished_recving: vec![ReqId::from("d-1"), ReqId::from("q\"\\\nü")],
+                failed_recving: vec![ReqId::from("d-2")],
+                invalid_block_ids: vec![7, 0, u32::MAX],
+            },
+        ];
+        for s in &steps {
+            let want = json!({"event": "drain", "line": 42, "finished_recving": s.finished_recving,
+                              "failed_recving": s.failed_recving, "invalid_block_ids": s.invalid_block_ids});
+            assert_eq!(drain_line(s, 42), want.to_string());
+        }
     }
 }

@@ -2,6 +2,7 @@
 //! are allocated and must now be filled by the prefill peers.
 
 use crate::fast_hash::FastSet;
+use std::borrow::Cow;
 use std::sync::Arc;
 
 use actix::Message;
@@ -31,6 +32,58 @@ pub struct KvRequest {
     /// rather than taken for nothing to receive.
     #[serde(deserialize_with = "exact_block_ids")]
     pub block_ids: Vec<Vec<u32>>,
+}
+
+/// A [`KvRequest`] read in place from a host's JSON (`serve`'s `load_kv` lines): the ids
+/// borrow the line (an id with an escape in it is the one copied), so a request costs the
+/// allocations its [`RequestMeta`] keeps and no others. The same keys, defaults and checks as
+/// [`KvRequest`]: [`KvRequestRef::into_meta`] gives what [`KvRequest::into_meta`] gives.
+#[derive(Debug, Deserialize)]
+pub struct KvRequestRef<'a> {
+    /// D's own request id.
+    #[serde(borrow)]
+    pub req_id: Cow<'a, str>,
+    /// `transfer_id` shared with the P request.
+    #[serde(default, borrow, deserialize_with = "borrowed_opt")]
+    pub transfer_id: Option<Cow<'a, str>>,
+    /// `engine_id` of the P DP rank the router chose.
+    #[serde(default, borrow, deserialize_with = "borrowed_opt")]
+    pub remote_engine_id: Option<Cow<'a, str>>,
+    /// `http://host:port` of P's bootstrap server.
+    #[serde(default, borrow, deserialize_with = "borrowed_opt")]
+    pub remote_bootstrap_addr: Option<Cow<'a, str>>,
+    /// As [`KvRequest::block_ids`] (required, read at exact length).
+    #[serde(deserialize_with = "exact_block_ids")]
+    pub block_ids: Vec<Vec<u32>>,
+}
+
+impl KvRequestRef<'_> {
+    /// The request's metadata, as [`KvRequest::into_meta`]; the block lists move.
+    pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+        Fields {
+            req_id: &self.req_id,
+            transfer_id: self.transfer_id.as_deref(),
+            engine_id: self.remote_engine_id.as_deref(),
+            bootstrap: self.remote_bootstrap_addr.as_deref(),
+        }
+        .into_meta(self.block_ids, interner)
+    }
+}
+
+/// An optional string that borrows the input when it can: serde's own `Option<Cow<str>>`
+/// always copies (only a `Cow` field marked `borrow` borrows).
+fn borrowed_opt<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Cow<'de, str>>, D::Error> {
+    #[derive(Deserialize)]
+    struct Borrowed<'a>(#[serde(borrow)] Cow<'a, str>);
+    Ok(Option::<Borrowed<'de>>::deserialize(d)?.map(|b| b.0))
+}
+
+/// A request's ids, borrowed from whichever form it was read in.
+struct Fields<'a> {
+    req_id: &'a str,
+    transfer_id: Option<&'a str>,
+    engine_id: Option<&'a str>,
+    bootstrap: Option<&'a str>,
 }
 
 /// `block_ids` read into vectors of exactly their length: a request keeps its lists for as long
@@ -404,45 +457,57 @@ impl KvRequest {
     /// [`Self::validate_with`], taking the request: its block lists move into the result,
     /// trimmed to their length (a parser grows them in steps, and the metadata lives as long
     /// as the request: ~80 B per request at 100k in flight).
-    pub fn into_meta(mut self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
-        self.block_ids.shrink_to_fit();
-        self.block_ids.iter_mut().for_each(Vec::shrink_to_fit);
-        let (transfer_id, engine_id, bootstrap) = self.checked(interner)?;
-        let (transfer_id, engine_id, bootstrap_addr) = (
-            Arc::from(transfer_id),
-            interner.intern(engine_id),
-            interner.intern(bootstrap),
-        );
+    pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+        Fields {
+            req_id: &self.req_id,
+            transfer_id: self.transfer_id.as_deref(),
+            engine_id: self.remote_engine_id.as_deref(),
+            bootstrap: self.remote_bootstrap_addr.as_deref(),
+        }
+        .into_meta(self.block_ids, interner)
+    }
+}
+
+impl<'a> Fields<'a> {
+    /// The metadata of a valid request, its block lists (trimmed to their length: a parser
+    /// grows them in steps, and they live as long as the request) moved in.
+    fn into_meta(
+        self,
+        mut block_ids: Vec<Vec<u32>>,
+        interner: &mut Interner,
+    ) -> Result<RequestMeta, BatchError> {
+        block_ids.shrink_to_fit();
+        block_ids.iter_mut().for_each(Vec::shrink_to_fit);
+        let (transfer_id, engine_id, bootstrap) = self.checked(&block_ids, interner)?;
         Ok(RequestMeta {
-            req_id: ReqId::from(self.req_id.as_str()),
-            transfer_id,
-            engine_id,
-            bootstrap_addr,
-            block_ids: self.block_ids,
+            req_id: ReqId::from(self.req_id),
+            transfer_id: Arc::from(transfer_id),
+            engine_id: interner.intern(engine_id),
+            bootstrap_addr: interner.intern(bootstrap),
+            block_ids,
         })
     }
 
-    /// Every check of [`Self::validate`]: the transfer id, engine id and bootstrap address
-    /// (its trailing `/` trimmed) of a valid request.
-    fn checked(&self, interner: &mut Interner) -> Result<(&str, &str, &str), BatchError> {
-        fn field<'a>(
-            req: &'a KvRequest,
-            v: &'a Option<String>,
-            name: &'static str,
-        ) -> Result<&'a str, BatchError> {
-            match v.as_deref() {
-                None => Err(BatchError::MissingField {
-                    req_id: req.req_id.clone(),
-                    field: name,
-                }),
-                Some("") => Err(BatchError::EmptyField {
-                    req_id: req.req_id.clone(),
-                    field: name,
-                }),
-                Some(s) => Ok(s),
-            }
-        }
-        if self.req_id.is_empty() {
+    /// Every check of [`KvRequest::validate`]: the transfer id, engine id and bootstrap
+    /// address (its trailing `/` trimmed) of a valid request.
+    fn checked(
+        &self,
+        block_ids: &[Vec<u32>],
+        interner: &mut Interner,
+    ) -> Result<(&'a str, &'a str, &'a str), BatchError> {
+        let req_id = self.req_id;
+        let field = |v: Option<&'a str>, name: &'static str| match v {
+            None => Err(BatchError::MissingField {
+                req_id: req_id.to_owned(),
+                field: name,
+            }),
+            Some("") => Err(BatchError::EmptyField {
+                req_id: req_id.to_owned(),
+                field: name,
+            }),
+            Some(s) => Ok(s),
+        };
+        if req_id.is_empty() {
             return Err(BatchError::EmptyField {
                 req_id: String::new(),
                 field: "req_id",
@@ -450,18 +515,18 @@ impl KvRequest {
         }
         let too_long = |field: &'static str, v: &str| {
             (v.len() > MAX_ID_BYTES).then(|| BatchError::TooLong {
-                req_id: self.req_id.chars().take(64).collect(),
+                req_id: req_id.chars().take(64).collect(),
                 field,
                 len: v.len(),
                 max: MAX_ID_BYTES,
             })
         };
-        if let Some(e) = too_long("req_id", &self.req_id) {
+        if let Some(e) = too_long("req_id", req_id) {
             return Err(e);
         }
-        let transfer_id = field(self, &self.transfer_id, "transfer_id")?;
-        let engine_id = field(self, &self.remote_engine_id, "remote_engine_id")?;
-        let bootstrap = field(self, &self.remote_bootstrap_addr, "remote_bootstrap_addr")?;
+        let transfer_id = field(self.transfer_id, "transfer_id")?;
+        let engine_id = field(self.engine_id, "remote_engine_id")?;
+        let bootstrap = field(self.bootstrap, "remote_bootstrap_addr")?;
         for (name, v) in [
             ("transfer_id", transfer_id),
             ("remote_engine_id", engine_id),
@@ -474,42 +539,42 @@ impl KvRequest {
         let bootstrap = bootstrap.trim_end_matches('/');
         if !interner.checked_bootstrap(bootstrap) {
             check_bootstrap_addr(bootstrap).map_err(|reason| BatchError::BadBootstrapAddr {
-                req_id: self.req_id.clone(),
+                req_id: req_id.to_owned(),
                 addr: bootstrap.to_owned(),
                 reason,
             })?;
             interner.bootstrap_ok(bootstrap);
         }
-        self.check_unique_blocks()?;
+        check_unique_blocks(req_id, block_ids)?;
         Ok((transfer_id, engine_id, bootstrap))
     }
+}
 
-    /// A block listed twice in one group would be written twice by every peer and released
-    /// twice; block ids are unique only within a group (PROTOCOL.md §4).
-    fn check_unique_blocks(&self) -> Result<(), BatchError> {
-        for (group, blocks) in self.block_ids.iter().enumerate() {
-            // A request's blocks are few (a long prompt's a few hundred): a pairwise scan of a
-            // short list costs less than building a set.
-            let dup = if blocks.len() <= 32 {
-                blocks
-                    .iter()
-                    .enumerate()
-                    .find(|(i, b)| blocks[..*i].contains(b))
-                    .map(|(_, &b)| b)
-            } else {
-                let mut seen = FastSet::with_capacity_and_hasher(blocks.len(), Default::default());
-                blocks.iter().find(|b| !seen.insert(**b)).copied()
-            };
-            if let Some(block) = dup {
-                return Err(BatchError::DuplicateBlock {
-                    req_id: self.req_id.clone(),
-                    group,
-                    block,
-                });
-            }
+/// A block listed twice in one group would be written twice by every peer and released
+/// twice; block ids are unique only within a group (PROTOCOL.md §4).
+fn check_unique_blocks(req_id: &str, block_ids: &[Vec<u32>]) -> Result<(), BatchError> {
+    for (group, blocks) in block_ids.iter().enumerate() {
+        // A request's blocks are few (a long prompt's a few hundred): a pairwise scan of a
+        // short list costs less than building a set.
+        let dup = if blocks.len() <= 32 {
+            blocks
+                .iter()
+                .enumerate()
+                .find(|(i, b)| blocks[..*i].contains(b))
+                .map(|(_, &b)| b)
+        } else {
+            let mut seen = FastSet::with_capacity_and_hasher(blocks.len(), Default::default());
+            blocks.iter().find(|b| !seen.insert(**b)).copied()
+        };
+        if let Some(block) = dup {
+            return Err(BatchError::DuplicateBlock {
+                req_id: req_id.to_owned(),
+                group,
+                block,
+            });
         }
-        Ok(())
     }
+    Ok(())
 }
 
 /// Host -> Receiver: start receiving a batch. Answered once every request was validated; the
@@ -519,6 +584,17 @@ impl KvRequest {
 pub struct LoadKv {
     /// The batch, in vLLM's order.
     pub requests: Vec<KvRequest>,
+}
+
+/// Host -> Receiver: [`LoadKv`] for a host that reads its requests itself (`serve` reads its
+/// JSON lines in place, as [`KvRequestRef`]s): each request already turned into its metadata
+/// (with the host's own [`Interner`]) or refused with why, in the batch's order. The Receiver
+/// checks the rest (layout, duplicates) and answers as for [`LoadKv`].
+#[derive(Debug, Message)]
+#[rtype(result = "LoadKvReply")]
+pub struct LoadMetas {
+    /// The batch, in vLLM's order.
+    pub requests: Vec<Result<RequestMeta, BatchError>>,
 }
 
 /// Reply to [`LoadKv`]: the valid requests proceed, each invalid one is refused with its reason.
@@ -538,6 +614,50 @@ pub type SharedRequest = Arc<RequestMeta>;
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A request read in place is the request read whole: the same keys accepted and refused,
+    /// the same metadata or the same error, escapes included; plain ids borrow the line.
+    #[test]
+    fn a_request_read_in_place_validates_as_the_owned_one() {
+        let ok =
+            r#""transfer_id":"t","remote_engine_id":"e","remote_bootstrap_addr":"http://h:1/""#;
+        let long = "x".repeat(MAX_ID_BYTES + 1);
+        let lines = [
+            format!(r#"{{"req_id":"d-1",{ok},"block_ids":[[1,2]]}}"#),
+            format!(r#"{{"req_id":"d\"q\u00e9",{ok},"block_ids":[[3]],"extra":{{"a":1}}}}"#),
+            format!(r#"{{"req_id":"d-2",{ok},"block_ids":[]}}"#),
+            format!(r#"{{"req_id":"d-3",{ok},"block_ids":[[4,4]]}}"#),
+            r#"{"req_id":"","transfer_id":"t","block_ids":[[1]]}"#.to_string(),
+            r#"{"req_id":"d-4","transfer_id":null,"remote_engine_id":"e","remote_bootstrap_addr":"http://h:1","block_ids":[[1]]}"#.to_string(),
+            r#"{"req_id":"d-5","transfer_id":"t","remote_engine_id":"","remote_bootstrap_addr":"http://h:1","block_ids":[[1]]}"#.to_string(),
+            r#"{"req_id":"d-6","transfer_id":"t","remote_engine_id":"e","remote_bootstrap_addr":"ftp://h","block_ids":[[1]]}"#.to_string(),
+            format!(r#"{{"req_id":"{long}",{ok},"block_ids":[[1]]}}"#),
+            format!(r#"{{"req_id":"d-7",{ok}}}"#),
+            format!(r#"{{"req_id":7,{ok},"block_ids":[[1]]}}"#),
+            format!(r#"{{"req_id":"d-8",{ok},"block_ids":[["1"]]}}"#),
+            r#"{"req_id":"d-9","transfer_id":"t\n\u00e9","remote_engine_id":"e","remote_bootstrap_addr":"http://h:1","block_ids":[[5]]}"#.to_string(),
+        ];
+        let (mut a, mut b) = (Interner::default(), Interner::default());
+        for line in &lines {
+            let owned = serde_json::from_str::<KvRequest>(line);
+            let view = serde_json::from_str::<KvRequestRef<'_>>(line);
+            assert_eq!(owned.is_ok(), view.is_ok(), "{line}");
+            if let (Ok(owned), Ok(view)) = (owned, view) {
+                assert_eq!(owned.into_meta(&mut a), view.into_meta(&mut b), "{line}");
+            }
+        }
+        let plain: KvRequestRef<'_> = serde_json::from_str(&lines[0]).unwrap();
+        assert!(matches!(plain.req_id, Cow::Borrowed(_)));
+        for id in [
+            plain.transfer_id,
+            plain.remote_engine_id,
+            plain.remote_bootstrap_addr,
+        ] {
+            assert!(matches!(id, Some(Cow::Borrowed(_))));
+        }
+        let escaped: KvRequestRef<'_> = serde_json::from_str(&lines[1]).unwrap();
+        assert!(matches!(escaped.req_id, Cow::Owned(_)) && escaped.req_id == "d\"qé");
+    }
 
     /// Block lists are read at exactly their length (no slack for `into_meta` to reallocate
     /// away), and anything but lists of u32 lists is refused.

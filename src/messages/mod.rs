@@ -25,7 +25,10 @@ pub mod wire;
 
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
-pub use batch::{BatchError, Interner, KvRequest, LoadKv, LoadKvReply, RequestMeta, SharedRequest};
+pub use batch::{
+    BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadMetas, RequestMeta,
+    SharedRequest,
+};
 pub use completion::{Completion, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, DrainTo, Handed, StepOutput, Undrained};
 pub use event::KvEvent;
