@@ -162,6 +162,17 @@ struct Outbox {
     events: smallvec::SmallVec<[KvEvent; 2]>,
 }
 
+impl Outbox {
+    fn with_capacity(n: usize, events: bool) -> Self {
+        Outbox {
+            completions: Vec::with_capacity(n),
+            started: smallvec::SmallVec::with_capacity(n),
+            failed: 0,
+            events: smallvec::SmallVec::with_capacity(if events { n } else { 0 }),
+        }
+    }
+}
+
 impl Actor for RequestAggregator {
     type Context = Context<Self>;
 }
@@ -207,7 +218,8 @@ impl Handler<Settles> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, msg: Settles, _ctx: &mut Context<Self>) {
-        let mut out = Outbox::default();
+        // A reply usually completes every request it settles: sized for that at once.
+        let mut out = Outbox::with_capacity(msg.0.len(), self.events.is_on());
         for s in msg.0 {
             self.settle(s, &mut out);
         }
