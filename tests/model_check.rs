@@ -37,7 +37,7 @@ use kvrecv::actors::peer_state::PeerState;
 use kvrecv::config::Policy;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{
-    Cause, Completion, MooncakeXferResponse, PeerId, Pull, PullId, PullRequest, ReqId, RequestMeta,
+    Cause, Completion, MooncakeXferResponse, PeerId, PullId, PullRequest, ReqId, RequestMeta,
     Settle, SettleOutcome, XferStatus,
 };
 use kvrecv::rdma::tcp::permits::{Access, PermitTable};
@@ -514,14 +514,13 @@ impl Model for Kv {
                         },
                         now,
                     );
-                    s.peers[p].start(&Pull {
-                        pull_id: pull,
-                        payload: vec![],
-                        requests: vec![PullRequest {
+                    s.peers[p].start(
+                        pull,
+                        vec![PullRequest {
                             meta: meta.clone(),
                             awaited: true,
                         }],
-                    });
+                    );
                     s.pulls.insert(pull, (attempt, p));
                     s.writes.push(Write {
                         peer: p,

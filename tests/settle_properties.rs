@@ -171,9 +171,9 @@ impl World {
                     })
                     .collect(),
             };
-            st.start(&pull);
-            peers.push(st);
             pull_of.push(pull.pull_id);
+            st.start(pull.pull_id, pull.requests);
+            peers.push(st);
         }
         let aggs = reqs
             .iter()

@@ -40,38 +40,61 @@ pub fn validate_metas(
     requests: impl ExactSizeIterator<Item = Result<RequestMeta, BatchError>>,
     layout: &KvLayout,
 ) -> Validated {
+    // Each request checked alone, then the batch for duplicates, the sets keyed by the checked
+    // requests' own strings (borrowed: no reference count touched per key).
+    #[derive(Clone, Copy)]
+    enum Dup {
+        No,
+        Id,
+        Transfer,
+    }
+    let checked: Vec<Result<SharedRequest, BatchError>> = requests
+        .map(|m| m.and_then(|m| check_blocks(&m, layout).map(|_| Arc::new(m))))
+        .collect();
+    let mut dups: smallvec::SmallVec<[Dup; 64]> = smallvec::SmallVec::new();
+    {
+        let n = checked.len();
+        let mut seen = FastSet::with_capacity_and_hasher(n, Default::default());
+        let mut transfers = FastSet::with_capacity_and_hasher(n, Default::default());
+        for m in checked.iter().filter_map(|r| r.as_ref().ok()) {
+            dups.push(if seen.contains(&*m.req_id) {
+                Dup::Id
+            } else if m.is_awaiting()
+                && !transfers.insert((&*m.bootstrap_addr, &*m.engine_id, &*m.transfer_id))
+            {
+                Dup::Transfer
+            } else {
+                seen.insert(&*m.req_id);
+                Dup::No
+            });
+        }
+    }
     let mut out = Validated::default();
-    let mut seen = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
-    let mut transfers = FastSet::with_capacity_and_hasher(requests.len(), Default::default());
-    for (i, meta) in requests.enumerate() {
-        match meta.and_then(|m| check_blocks(&m, layout).map(|_| m)) {
-            Ok(m) if seen.contains(&m.req_id) => out.rejected.push((
+    let mut dups = dups.into_iter();
+    for (i, r) in checked.into_iter().enumerate() {
+        let m = match r {
+            Ok(m) => m,
+            Err(e) => {
+                out.rejected.push((i, e));
+                continue;
+            }
+        };
+        // One verdict per request that passed alone, in order.
+        match dups.next() {
+            Some(Dup::Id) => out.rejected.push((
                 i,
                 BatchError::Duplicate {
                     req_id: m.req_id.to_string(),
                 },
             )),
-            Ok(m)
-                if m.is_awaiting()
-                    && !transfers.insert((
-                        m.bootstrap_addr.clone(),
-                        m.engine_id.clone(),
-                        m.transfer_id.clone(),
-                    )) =>
-            {
-                out.rejected.push((
-                    i,
-                    BatchError::DuplicateTransferId {
-                        req_id: m.req_id.to_string(),
-                        transfer_id: m.transfer_id.to_string(),
-                    },
-                ))
-            }
-            Ok(m) => {
-                seen.insert(m.req_id.clone());
-                out.valid.push((i, Arc::new(m)));
-            }
-            Err(e) => out.rejected.push((i, e)),
+            Some(Dup::Transfer) => out.rejected.push((
+                i,
+                BatchError::DuplicateTransferId {
+                    req_id: m.req_id.to_string(),
+                    transfer_id: m.transfer_id.to_string(),
+                },
+            )),
+            _ => out.valid.push((i, m)),
         }
     }
     out

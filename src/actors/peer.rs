@@ -176,15 +176,21 @@ impl Peer {
     }
 
     fn start_pull(&mut self, pull: Pull, ctx: &mut Context<Self>) {
-        let pull_id = pull.pull_id;
-        // The pull's requests by id, so a log line inside the pull finds its requests.
-        let req_ids: Vec<&str> = pull.requests.iter().map(|r| &*r.meta.req_id).collect();
-        let span = tracing::info_span!("pull", peer = %self.id(), pull_id, req_id = ?req_ids);
+        let Pull {
+            pull_id,
+            payload,
+            requests,
+        } = pull;
+        // The pull's requests by id, so a log line inside the pull finds its requests (listed
+        // only when the span is enabled).
+        let span = tracing::info_span!("pull", peer = %self.id(), pull_id,
+            req_id = ?requests.iter().map(|r| &*r.meta.req_id).collect::<Vec<_>>());
         span.in_scope(|| tracing::debug!("sending pull"));
         self.labels.counter(m::PULLS).increment(1);
-        self.state.start(&pull);
+        let carried = requests.len();
+        self.state.start(pull_id, requests);
         let finish = CleanFinish::default();
-        let replies = self.transport.pull(self.id(), pull.payload, finish.clone());
+        let replies = self.transport.pull(self.id(), payload, finish.clone());
         let stream = replies
             .map(move |r| PullEvent {
                 pull_id,
@@ -211,7 +217,7 @@ impl Peer {
             Live {
                 stream,
                 deadline,
-                idle_restarts: pull.requests.len(),
+                idle_restarts: carried,
                 stale_events: 0,
                 started: Instant::now(),
                 span,
@@ -396,7 +402,7 @@ impl Peer {
         let left = until.saturating_duration_since(Instant::now());
         tracing::warn!(peer = %self.id(), pull_id = pull.pull_id, backoff_left_ms = left.as_millis() as u64,
             "pull refused: peer is in its restart backoff");
-        self.state.start(&pull);
+        self.state.start(pull.pull_id, pull.requests);
         let fx = self.state.fail_unsent(
             pull.pull_id,
             format!(

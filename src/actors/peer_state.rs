@@ -4,7 +4,8 @@
 use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::{
-    Cause, PeerId, Pull, PullId, ReqId, Settle, SettleOutcome, UnsentPull, XferReplyRef, XferStatus,
+    Cause, PeerId, PullId, PullRequest, ReqId, Settle, SettleOutcome, UnsentPull, XferReplyRef,
+    XferStatus,
 };
 
 use super::pending_set::PendingSet;
@@ -176,11 +177,11 @@ impl PeerState {
     }
 
     /// Track a new pull. A request listed twice in one pull is tracked once.
-    pub fn start(&mut self, pull: &Pull) {
-        let pending = PendingSet::new(&pull.requests);
+    pub fn start(&mut self, pull_id: PullId, requests: Vec<PullRequest>) {
+        let pending = PendingSet::new(requests);
         let carried = pending.len();
         self.pulls.insert(
-            pull.pull_id,
+            pull_id,
             InFlight {
                 pending,
                 carried,
@@ -411,7 +412,13 @@ mod tests {
     use std::time::Instant;
 
     use super::*;
-    use crate::messages::{MooncakeXferResponse, RequestMeta};
+    use crate::messages::{MooncakeXferResponse, Pull, RequestMeta};
+
+    impl PeerState {
+        fn start_pull(&mut self, p: Pull) {
+            self.start(p.pull_id, p.requests);
+        }
+    }
 
     fn pull(id: PullId, reqs: &[&str]) -> Pull {
         Pull {
@@ -464,8 +471,8 @@ mod tests {
     #[test]
     fn an_abort_waits_for_p_and_its_answer_settles_the_request_as_aborted() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
-        st.start(&pull(1, &["a", "b"]));
-        st.start(&pull(2, &["a"]));
+        st.start_pull(pull(1, &["a", "b"]));
+        st.start_pull(pull(2, &["a"]));
         assert_eq!(
             st.abort("a", "aborted by the host"),
             vec![1, 2],
@@ -519,7 +526,7 @@ mod tests {
     #[test]
     fn a_reply_naming_none_of_the_pulls_requests_does_not_end_it() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
-        st.start(&pull(2, &["r1"]));
+        st.start_pull(pull(2, &["r1"]));
         let fx = st.on_reply(2, reply(XferStatus::Finish, vec![], vec!["r0".into()]));
         assert!(fx.stray && !fx.pull_done && !fx.finished_cleanly);
         assert!(fx.settles.is_empty());
@@ -529,7 +536,7 @@ mod tests {
         assert!(fx.finished_cleanly && fx.pull_done && !fx.stray);
         // A reply naming one of the pull's requests is the pull's, whatever else it names;
         // one naming nothing at all is a FINISH that omitted everything.
-        st.start(&pull(3, &["r2", "r3"]));
+        st.start_pull(pull(3, &["r2", "r3"]));
         let fx = st.on_reply(
             3,
             reply(XferStatus::Continue, vec!["r2".into(), "zz".into()], vec![]),
@@ -550,7 +557,7 @@ mod tests {
     #[test]
     fn an_aborted_request_p_answered_is_not_settled_again() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
-        st.start(&pull(1, &["a", "b", "c"]));
+        st.start_pull(pull(1, &["a", "b", "c"]));
         st.abort("a", "aborted by the host");
         let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["a".into()], vec![]));
         assert_eq!(outcomes(&fx), vec![("a".into(), aborted_answered())]);
@@ -568,7 +575,7 @@ mod tests {
     #[test]
     fn a_pull_left_with_only_aborted_requests_waits_for_p_or_its_deadline() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));
-        st.start(&pull(1, &["a", "b", "c"]));
+        st.start_pull(pull(1, &["a", "b", "c"]));
         assert!(st.abort("a", "aborted by the host").len() == 1);
         let fx = st.on_reply(1, reply(XferStatus::Continue, vec!["b".into()], vec![]));
         assert_eq!(outcomes(&fx), vec![("b".into(), SettleOutcome::Ok)]);
@@ -593,7 +600,7 @@ mod tests {
     fn an_aborted_request_still_held_settles_as_aborted_when_the_pull_ends() {
         for end in ["deadline", "finish", "error"] {
             let mut st = PeerState::new(PeerId::new("tcp://p:1"));
-            st.start(&pull(1, &["a", "b"]));
+            st.start_pull(pull(1, &["a", "b"]));
             st.abort("a", "aborted by the host");
             let fx = match end {
                 "deadline" => st.abandon(1, Cause::Timeout, "deadline".into()),
@@ -621,7 +628,7 @@ mod tests {
     #[test]
     fn an_id_in_both_lists_of_one_reply_settles_failed() {
         let mut st = PeerState::new(PeerId::new("p"));
-        st.start(&pull(1, &["r1", "r2"]));
+        st.start_pull(pull(1, &["r1", "r2"]));
         let fx = st.on_reply(
             1,
             reply(
@@ -646,7 +653,7 @@ mod tests {
     #[test]
     fn stale_ids_are_counted_with_a_short_sample() {
         let mut st = PeerState::new(PeerId::new("p"));
-        st.start(&pull(1, &["r1"]));
+        st.start_pull(pull(1, &["r1"]));
         // 2 x 1 + slack: the most a reply to this pull may name
         let mut ids: Vec<String> = (0..max_reply_ids(1) - 1).map(|i| format!("x{i}")).collect();
         ids.push("r1".into());
@@ -661,7 +668,7 @@ mod tests {
     #[test]
     fn a_reply_naming_a_million_ids_is_refused_as_malformed_without_decoding_them() {
         let mut st = PeerState::new(PeerId::new("p"));
-        st.start(&pull(1, &["r1", "r2"]));
+        st.start_pull(pull(1, &["r1", "r2"]));
         let ids: Vec<String> = (0..1_000_000).map(|i| format!("id-{i:07}")).collect();
         let frames = reply(XferStatus::Continue, ids, vec![]);
         assert!(frames[0].len() < 16 << 20, "under the frame cap");

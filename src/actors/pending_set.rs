@@ -21,8 +21,7 @@ pub struct PendingSet {
 
 impl PendingSet {
     /// The pull's requests; an id listed twice is kept once.
-    pub fn new(requests: &[PullRequest]) -> Self {
-        let mut v: Vec<PullRequest> = requests.to_vec();
+    pub fn new(mut v: Vec<PullRequest>) -> Self {
         v.sort_by(|a, b| a.meta.req_id.cmp(&b.meta.req_id));
         v.dedup_by(|a, b| a.meta.req_id == b.meta.req_id);
         v.shrink_to_fit();
@@ -121,7 +120,7 @@ mod tests {
     fn each_request_is_owed_once_and_settles_once() {
         let ids = ["r3", "r1", "r2", "r1"];
         let reqs: Vec<_> = ids.iter().map(|i| req(i)).collect();
-        let mut s = PendingSet::new(&reqs);
+        let mut s = PendingSet::new(reqs.clone());
         assert_eq!(s.len(), 3, "a duplicate is tracked once");
         assert!(s.contains("r2") && !s.contains("r9"));
         assert_eq!(&*s.remove("r2").unwrap().meta.req_id, "r2");
@@ -157,7 +156,7 @@ mod tests {
                 .collect(),
         );
         for order in orders {
-            let mut s = PendingSet::new(&reqs);
+            let mut s = PendingSet::new(reqs.clone());
             let mut owed: std::collections::BTreeSet<&str> =
                 ids.iter().map(|i| i.as_str()).collect();
             for id in &order {
@@ -175,7 +174,7 @@ mod tests {
     #[test]
     fn bits_past_the_first_word_are_tracked() {
         let reqs: Vec<_> = (0..130).map(|i| req(&format!("r{i:03}"))).collect();
-        let mut s = PendingSet::new(&reqs);
+        let mut s = PendingSet::new(reqs.clone());
         assert!(s.remove("r129").is_some());
         assert!(s.remove("r064").is_some());
         assert!(!s.contains("r129") && s.contains("r063") && s.contains("r128"));
