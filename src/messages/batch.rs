@@ -458,13 +458,18 @@ impl KvRequest {
     /// trimmed to their length (a parser grows them in steps, and the metadata lives as long
     /// as the request: ~80 B per request at 100k in flight).
     pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
-        Fields {
-            req_id: &self.req_id,
-            transfer_id: self.transfer_id.as_deref(),
-            engine_id: self.remote_engine_id.as_deref(),
-            bootstrap: self.remote_bootstrap_addr.as_deref(),
+        // One path for both forms: the owned request is read as the borrowed one.
+        fn borrowed(s: &Option<String>) -> Option<Cow<'_, str>> {
+            s.as_deref().map(Cow::Borrowed)
         }
-        .into_meta(self.block_ids, interner)
+        KvRequestRef {
+            req_id: Cow::Borrowed(&self.req_id),
+            transfer_id: borrowed(&self.transfer_id),
+            remote_engine_id: borrowed(&self.remote_engine_id),
+            remote_bootstrap_addr: borrowed(&self.remote_bootstrap_addr),
+            block_ids: self.block_ids,
+        }
+        .into_meta(interner)
     }
 }
 
