@@ -256,9 +256,6 @@ impl Receiver {
         topo: Result<EngineTopology, TopologyError>,
     ) {
         let mut group = group;
-        for r in &group {
-            self.forget_undispatched(r);
-        }
         if !self.aborted.is_empty() {
             // Aborted during the lookup: failed then, never sent.
             group.retain(
@@ -308,22 +305,34 @@ impl Receiver {
                 states,
             });
         }
-        let requests: Vec<PullRequest> = group
+        let mut requests: Vec<PullRequest> = group
             .iter()
             .map(|req| PullRequest {
                 meta: req.clone(),
                 awaited: req.is_awaiting(),
             })
             .collect();
-        let awaiting: Vec<SharedRequest> =
-            group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+        // The windows admit writes for the awaited requests: usually all of them.
+        let some_not_awaited: Vec<SharedRequest>;
+        let awaiting: &[SharedRequest] = if group.iter().all(|r| r.is_awaiting()) {
+            &group
+        } else {
+            some_not_awaited = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+            &some_not_awaited
+        };
         let (host, port) = self.landing.endpoint();
         let req_blocks = batch_plan::req_blocks(&group);
-        for (peer, pull_id) in peers.iter().zip(pulls.clone()) {
+        for (k, (peer, pull_id)) in peers.iter().zip(pulls.clone()).enumerate() {
+            // Each pull owns its requests; the last one takes the list itself.
+            let requests = if k + 1 == peers.len() {
+                std::mem::take(&mut requests)
+            } else {
+                requests.clone()
+            };
             let bases = self.landing.open_pull(&PullWindow {
                 pull_id,
                 peer,
-                requests: &awaiting,
+                requests: awaiting,
             });
             let md = batch_plan::pull_metadata_ref(
                 &self.layout_arrays,
@@ -337,7 +346,7 @@ impl Receiver {
                 Ok(payload) => self.peer(peer).do_send(Pull {
                     pull_id,
                     payload,
-                    requests: requests.clone(),
+                    requests,
                 }),
                 Err(e) => {
                     // Nothing was sent, so nothing can be written: the peer settles the pull
@@ -346,7 +355,7 @@ impl Receiver {
                     tracing::error!(error = %e, %peer, pull_id, "cannot encode metadata; failing the pull");
                     self.peer(peer).do_send(UnsentPull {
                         pull_id,
-                        requests: requests.clone(),
+                        requests,
                         reason: format!("pull not sent: cannot encode its metadata: {e}"),
                     });
                 }
@@ -531,9 +540,6 @@ impl Receiver {
             }
             reply.accepted += 1;
             reply.awaiting += usize::from(meta.is_awaiting());
-            if meta.is_awaiting() {
-                self.undispatched.insert(meta.req_id.clone(), meta.clone());
-            }
             admitted.push(meta);
         }
         let groups = batch_plan::group_by_engine(admitted);
@@ -549,9 +555,6 @@ impl Receiver {
             let plan = self.rediscovery.borrow_mut().plan(&key, Instant::now());
             match plan {
                 Plan::Fail(why) => {
-                    for r in &group {
-                        self.forget_undispatched(r);
-                    }
                     self.fail_unreachable(group, why);
                     continue;
                 }
@@ -570,13 +573,19 @@ impl Receiver {
                 futures::task::noop_waker_ref(),
             ));
             match ready {
+                // Dispatched within this handler: no abort can come in between.
                 std::task::Poll::Ready(topo) => self.dispatch(key, group, topo),
+                // Until the lookup answers, an abort finds the request here.
                 std::task::Poll::Pending => {
-                    ctx.spawn(
-                        lookup
-                            .into_actor(self)
-                            .map(move |topo, act, _ctx| act.dispatch(key, group, topo)),
-                    );
+                    for r in group.iter().filter(|r| r.is_awaiting()) {
+                        self.undispatched.insert(r.req_id.clone(), r.clone());
+                    }
+                    ctx.spawn(lookup.into_actor(self).map(move |topo, act, _ctx| {
+                        for r in &group {
+                            act.forget_undispatched(r);
+                        }
+                        act.dispatch(key, group, topo)
+                    }));
                 }
             }
         }
