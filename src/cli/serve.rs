@@ -539,16 +539,15 @@ fn ready_line(
     v
 }
 
-/// The answer line to one input op (line `n`), and whether it is a drain that handed nothing
-/// over; `shutdown` is the caller's. What it tells the host is counted in `unreleased`.
+/// The answer line to one input op (line `n`), `None` when `--answers` leaves it out, and
+/// whether it is a drain that handed nothing over; `shutdown` is the caller's.
 async fn answer(
     op: Op<'_>,
     n: u64,
     coord: &Coordinator,
     target: &DataTarget,
-    interner: &mut Interner,
-    unreleased: &mut Unreleased,
-) -> (String, bool) {
+    session: &mut Session,
+) -> (Option<String>, bool) {
     let v = match op {
         Op::Shutdown => json!({"event": "shutdown"}),
         Op::Stats => {
@@ -561,8 +560,10 @@ async fn answer(
         }
         Op::Drain => match coord.drain().await {
             Ok(s) => {
-                unreleased.0 = unreleased.0.saturating_sub(s.finished_recving.len() as u64);
-                return (drain_line(&s, n), s.is_empty());
+                session.unreleased = session
+                    .unreleased
+                    .saturating_sub(s.finished_recving.len() as u64);
+                return (Some(drain_line(&s, n)), s.is_empty());
             }
             Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
         },
@@ -577,14 +578,20 @@ async fn answer(
             }
         }
         Op::LoadKv { requests } => {
-            let r = coord.load_metas(metas(requests, interner)).await;
+            let r = coord
+                .load_metas(metas(requests, &mut session.interner))
+                .await;
             if let Ok(r) = &r {
-                unreleased.0 += r.awaiting as u64;
+                session.unreleased += r.awaiting as u64;
+                // Not printed, so not built either.
+                if session.answers == AnswerLevel::Failures && r.rejected.is_empty() {
+                    return (None, false);
+                }
             }
             load_kv_answer(r, n)
         }
     };
-    (v.to_string(), false)
+    (Some(v.to_string()), false)
 }
 
 /// A `drain` answer: its keys in the order of every other answer's (serde_json's map sorts
@@ -662,10 +669,16 @@ impl StopSignals {
     }
 }
 
-/// Requests awaited (per `load_kv` answers) and not yet handed back released (per `drain`
-/// answers): each awaited request is in exactly one drain's `finished_recving`, at release.
-#[derive(Default)]
-struct Unreleased(u64);
+/// What serve keeps from one input line to the next.
+struct Session {
+    /// Engine ids and bootstrap addresses shared by every request that names them.
+    interner: Interner,
+    /// Requests awaited (per `load_kv` answers) and not yet handed back released (per `drain`
+    /// answers): each awaited request is in exactly one drain's `finished_recving`, at release.
+    unreleased: u64,
+    /// Which answers are printed.
+    answers: AnswerLevel,
+}
 
 async fn serve(
     args: ServeArgs,
@@ -731,11 +744,13 @@ async fn serve(
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
     let mut n = 0u64;
-    // Engine ids and bootstrap addresses shared by every request that names them.
-    let mut interner = Interner::default();
+    let mut session = Session {
+        interner: Interner::default(),
+        unreleased: 0,
+        answers,
+    };
     let mut paused = false;
     let pause_count = labels.counter(kvrecv::telemetry::STDIN_PAUSES);
-    let mut unreleased = Unreleased::default();
     let mut stdout_lost = false;
     let mut stop = match StopSignals::new() {
         Ok(s) => s,
@@ -830,24 +845,10 @@ async fn serve(
                 match Op::parse(&line) {
                     Err(e) => emit(&out, json!({"event": "error", "line": n, "error": e})),
                     Ok(Op::Shutdown) => break,
-                    Ok(Op::LoadKv { requests }) => {
-                        match coord.load_metas(metas(requests, &mut interner)).await {
-                            // Not printed, so not built either.
-                            Ok(r) if answers == AnswerLevel::Failures && r.rejected.is_empty() => {
-                                unreleased.0 += r.awaiting as u64
-                            }
-                            r => {
-                                if let Ok(r) = &r {
-                                    unreleased.0 += r.awaiting as u64;
-                                }
-                                emit(&out, load_kv_answer(r, n));
-                            }
-                        }
-                    }
                     Ok(op) => {
-                        let (line, _) =
-                            answer(op, n, &coord, &target, &mut interner, &mut unreleased).await;
-                        out.send(line);
+                        if let (Some(line), _) = answer(op, n, &coord, &target, &mut session).await {
+                            out.send(line);
+                        }
                     }
                 }
             }
@@ -864,27 +865,18 @@ async fn serve(
     }
     // What completed since the host's last drain is handed over; what is still in flight (or
     // quarantined) is abandoned, and said so.
-    let (last, nothing) = answer(
-        Op::Drain,
-        n,
-        &coord,
-        &target,
-        &mut interner,
-        &mut unreleased,
-    )
-    .await;
-    if !nothing {
+    if let (Some(last), false) = answer(Op::Drain, n, &coord, &target, &mut session).await {
         out.send(last);
     }
-    if unreleased.0 > 0 {
+    if session.unreleased > 0 {
         tracing::warn!(
-            unreleased = unreleased.0,
+            unreleased = session.unreleased,
             "shutting down with requests whose blocks were never released"
         );
     }
     emit(
         &out,
-        json!({"event": "shutdown", "unreleased": unreleased.0}),
+        json!({"event": "shutdown", "unreleased": session.unreleased}),
     );
     drop(out);
     writer.join().await;
