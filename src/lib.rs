@@ -36,6 +36,7 @@ pub use embed::{
     DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, StartError, Stats,
 };
 pub use layout::{KvLayout, Region};
+pub use messages::batch::MAX_ID_BYTES;
 pub use messages::{AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, ReqId, StepOutput};
 pub use rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError};
 
