@@ -3,6 +3,7 @@
 
 use crate::fast_hash::{FastMap, FastSet};
 
+use crate::messages::peer_text::peer_text;
 use crate::messages::{
     Cause, PeerId, PullId, PullRequest, ReqId, Settle, SettleOutcome, UnsentPull, XferReplyRef,
     XferStatus,
@@ -46,7 +47,8 @@ impl StaleIds {
     fn note(&mut self, id: &str) {
         self.count += 1;
         if self.sample.len() < STALE_SAMPLE {
-            self.sample.push(ReqId::from(id));
+            // P's text: an id D never sent may be megabytes long.
+            self.sample.push(ReqId::from(&*peer_text(id)));
         }
     }
 
@@ -270,7 +272,8 @@ impl PeerState {
         let resp = match decoded {
             Ok(r) => r,
             Err(e) => {
-                let reason = format!("malformed reply: {e}");
+                // A decoder's complaint may quote the reply (a string where a number belongs).
+                let reason = format!("malformed reply: {}", peer_text(&e));
                 fx.malformed = Some(reason.clone());
                 self.settle_rest(
                     &mut fx,
@@ -300,9 +303,11 @@ impl PeerState {
         }
         // err_reqs first: an id in both lists is a failure (its ok entry is then stale).
         if !resp.err().is_empty() {
-            let err_reason = resp.err_msg.unwrap_or("peer reported failure").to_owned();
+            let err_msg = resp.err_msg.unwrap_or("peer reported failure");
+            // Repeated for every request it fails: bounded and escaped first.
+            let err_reason = peer_text(err_msg).into_owned();
             // Classified once, here: P's transfer-engine failures are told apart by their text.
-            let err_cause = if err_reason.contains(TE_FAILURE) {
+            let err_cause = if err_msg.contains(TE_FAILURE) {
                 Cause::TransportEngine
             } else {
                 Cause::PeerError
@@ -335,7 +340,10 @@ impl PeerState {
                 self.settle_rest(
                     &mut fx,
                     pull_id,
-                    SettleOutcome::uncertain(Cause::PeerWideError, format!("peer ERROR: {msg}")),
+                    SettleOutcome::uncertain(
+                        Cause::PeerWideError,
+                        format!("peer ERROR: {}", peer_text(msg)),
+                    ),
                 );
             }
         }
@@ -464,6 +472,55 @@ mod tests {
     /// P answered an aborted request ok: its writes are done, so it is Failed, not Uncertain.
     fn aborted_answered() -> SettleOutcome {
         SettleOutcome::failed(Cause::Aborted, "aborted by the host")
+    }
+
+    /// P's words are bounded and escaped before they are repeated per request: a FINISH failing
+    /// every request with a 4 MB message holding a newline and an escape sequence, an ERROR
+    /// with one, and a megabyte-long id D never sent.
+    #[test]
+    fn a_peers_text_is_bounded_and_escaped_before_it_reaches_every_request() {
+        use crate::messages::peer_text::MAX_PEER_TEXT;
+        let printable = |r: &str| r.len() < MAX_PEER_TEXT + 64 && !r.chars().any(char::is_control);
+        let ids: Vec<String> = (0..64).map(|i| format!("r{i}")).collect();
+        let names: Vec<&str> = ids.iter().map(String::as_str).collect();
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start_pull(pull(1, &names));
+        let huge = MooncakeXferResponse {
+            status: XferStatus::Finish,
+            ok_reqs: Some(vec!["x".repeat(1 << 20)]),
+            err_reqs: Some(ids.clone()),
+            err_msg: Some(format!("line1\nforged\x1b[31m{}", "E".repeat(4 << 20))),
+        };
+        let fx = st.on_reply(1, vec![huge.encode().unwrap()]);
+        assert_eq!(fx.settles.len(), 64);
+        for (_, s) in &fx.settles {
+            let SettleOutcome::Failed { cause, reason } = &s.outcome else {
+                panic!("{:?}", s.outcome);
+            };
+            assert_eq!(*cause, Cause::PeerError);
+            assert!(printable(reason), "{} bytes: {reason:?}", reason.len());
+            assert!(
+                reason.starts_with("line1\\nforged\\u{1b}[31mEEE"),
+                "{reason:?}"
+            );
+        }
+        assert_eq!(fx.stale.count, 1);
+        assert!(
+            printable(&fx.stale.sample[0]),
+            "the stale id is sampled bounded"
+        );
+
+        st.start_pull(pull(2, &["a"]));
+        let error = MooncakeXferResponse {
+            status: XferStatus::Error,
+            ok_reqs: Some(vec![]),
+            err_reqs: Some(vec![]),
+            err_msg: Some(format!("\r{}", "boom".repeat(1 << 18))),
+        };
+        let fx = st.on_reply(2, vec![error.encode().unwrap()]);
+        let reason = fx.settles[0].1.outcome.reason().unwrap();
+        assert!(printable(reason), "{reason:?}");
+        assert!(reason.starts_with("peer ERROR: \\rboom"), "{reason:?}");
     }
 
     /// An abort settles nothing by itself: P's answer does, as aborted, keeping what the

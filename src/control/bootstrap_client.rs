@@ -8,6 +8,7 @@
 //!   address, registered synchronously in `lookup`, so lookups issued together always join).
 //! - Every request has a timeout and a body cap.
 
+use crate::messages::peer_text::peer_text;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -135,7 +136,9 @@ async fn fetch(bootstrap: String, cfg: BootstrapConfig, labels: Labels) -> Query
         if status != StatusCode::OK {
             return Err(fail(format!("GET /query answered {status}")));
         }
-        let q = parse_query(&body).map_err(|e| fail(format!("bad /query JSON: {e}")))?;
+        // serde's complaint may quote the body (a string where a number belongs): P's text.
+        let q = parse_query(&body)
+            .map_err(|e| fail(format!("bad /query JSON: {}", peer_text(&e.to_string()))))?;
         Ok(Rc::new(q))
     }
     .await;

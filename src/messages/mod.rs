@@ -15,6 +15,7 @@ pub mod handshake_desc;
 pub mod ids;
 #[doc(hidden)]
 pub mod msgpack_strict;
+pub mod peer_text;
 #[doc(hidden)]
 pub mod pool;
 pub mod pull;
