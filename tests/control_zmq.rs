@@ -410,8 +410,12 @@ async fn peer_dying_mid_pull_is_uncertain_then_restart_and_next_pull_works() {
     assert_eq!(h.completion("d-3").await.0, Outcome::Ok);
 }
 
+/// A refused connection never took the pull's request (`ZMQ_IMMEDIATE`: a DEALER takes a
+/// message only into a connection): P cannot write for it, so it fails as never sent, with no
+/// uncertain peer (whose landing window would be poisoned for the quarantine deadline), and the
+/// peer restarts (its address may be stale).
 #[actix::test]
-async fn connection_refused_is_uncertain_and_restarts_the_peer() {
+async fn connection_refused_fails_as_never_sent_and_restarts_the_peer() {
     let s = PrefillSim::start(SimConfig {
         register: false,
         ..SimConfig::default()
@@ -435,8 +439,14 @@ async fn connection_refused_is_uncertain_and_restarts_the_peer() {
     .await;
     let st = h.settle("d-1", &dead).await;
     assert!(
-        is_uncertain(&st) && reason(&st).contains("refused"),
+        matches!(&st, SettleOutcome::Failed { cause: Cause::NotSent, reason }
+            if reason.contains("refused")),
         "{st:?}"
+    );
+    let (outcome, uncertain) = h.completion("d-1").await;
+    assert!(
+        !outcome.is_ok() && uncertain.is_empty(),
+        "{outcome:?} {uncertain:?}"
     );
     h.restarted(&dead).await;
 }

@@ -561,7 +561,15 @@ impl StreamHandler<PullEvent> for Peer {
             }
             ChannelEvent::Failed(e) => {
                 self.last_failure = Some(e.to_string());
-                let fx = self.state.abandon(pull_id, Cause::Channel, e.to_string());
+                let fx = match e {
+                    // The connection failed before the request was taken: P never got it, so
+                    // it cannot write for it (no window to poison). The peer still restarts:
+                    // its address may be stale.
+                    TransportError::Connect { .. } => {
+                        self.state.fail_unsent(pull_id, e.to_string())
+                    }
+                    _ => self.state.abandon(pull_id, Cause::Channel, e.to_string()),
+                };
                 self.apply(pull_id, fx);
                 if self.retiring {
                     // Retired, nothing restarts us (the Receiver holds no address of ours):

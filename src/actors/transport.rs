@@ -36,7 +36,9 @@ pub enum TransportError {
         reason: String,
     },
     #[error("cannot open a channel to {peer}: {reason}")]
-    /// The peer could not be reached.
+    /// The peer could not be reached, and the pull's request was never taken by a connection:
+    /// P cannot have it (the Peer settles Failed, not Uncertain, and restarts). A transport
+    /// returns this only when that holds; a failure after the request left is another kind.
     Connect {
         /// The peer.
         peer: PeerId,

@@ -13,11 +13,20 @@
 //! ZMQ hides the TCP connection: a refused connect is retried forever and a peer that dies just
 //! goes quiet. So every DEALER carries one socket monitor (an inproc PAIR) for its whole life,
 //! pooled time included, and the stream turns connection events into [`TransportError`]s, which
-//! make the Peer settle Uncertain and restart with backoff:
+//! make the Peer restart with backoff:
 //! - `CONNECT_RETRIED` before the ZMTP handshake succeeded: connection refused/unreachable;
 //! - `HANDSHAKE_FAILED_*`: whatever listens there is not a ZMQ peer;
 //! - `DISCONNECTED`: the peer's process exited or closed its ROUTER, a heartbeat timed out (a
 //!   vanished host), or the peer sent a message over the size cap (libzmq drops the connection).
+//!
+//! Every DEALER has `ZMQ_IMMEDIATE`: libzmq takes a message only into a connection whose
+//! handshake succeeded, never into a queue that a later connection would deliver. So a pull
+//! whose send is still waiting when one of these events comes was never handed to P:
+//! [`TransportError::Connect`], which the Peer settles Failed, with no landing window to poison
+//! (P cannot write what it never got). Once the send is taken, a failure is Uncertain. (Without
+//! it, a pull to an address nobody listens on was queued, failed Uncertain and poisoned its
+//! window for the quarantine deadline: a few hostile bootstrap servers listing closed ports
+//! used up every window.)
 //!
 //! A pooled DEALER is checked when it is taken: any such event while it was idle, or any message
 //! that arrived for no pull, and it is closed instead of used.
@@ -390,6 +399,8 @@ impl ZmqTransport {
         // queued for a reader nobody polls until the DEALER is taken again; backing off to
         // 30 s bounds that queue to a few events a minute.
         dealer.set_reconnect_ivl_max(30_000)?;
+        // A message is taken only into a connection (see the module's doc).
+        dealer.set_immediate(true)?;
         // The monitor must exist before connect, or the first events are lost.
         let endpoint = format!(
             "inproc://kvrecv-monitor-{}",
@@ -466,44 +477,116 @@ impl Channel {
 
     /// A monitor event, turned into a channel failure when it is one.
     fn on_event(&mut self, frames: &[Vec<u8>]) -> Option<TransportError> {
-        let id = frames
-            .first()
-            .filter(|f| f.len() >= 2)
-            .map(|f| u16::from_ne_bytes([f[0], f[1]]))?;
-        let peer = self.peer.clone();
-        match id {
-            zmq_sys_events::HANDSHAKE_SUCCEEDED => {
-                self.handshaken = true;
-                None
-            }
-            zmq_sys_events::CONNECT_RETRIED if !self.handshaken => Some(TransportError::Connect {
-                peer,
-                // libzmq retries a connect whose socket() failed as it does a refused one.
-                reason: match fd_exhaustion() {
-                    Some(use_) => format!("cannot open a connection: {use_}"),
-                    None => "connection refused or unreachable (or the host name did not \
-                             resolve)"
-                        .into(),
-                },
-            }),
-            zmq_sys_events::DISCONNECTED => Some(TransportError::Recv {
-                peer,
-                reason: format!(
-                    "connection lost (peer exited or closed its socket, heartbeat timeout, or a \
-                     reply over the {}-byte cap)",
-                    self.max_msg_size
-                ),
-            }),
-            zmq_sys_events::HANDSHAKE_FAILED_NO_DETAIL
-            | zmq_sys_events::HANDSHAKE_FAILED_PROTOCOL
-            | zmq_sys_events::HANDSHAKE_FAILED_AUTH => Some(TransportError::Connect {
-                peer,
-                reason: "ZMTP handshake failed (not a ZMQ peer?)".into(),
-            }),
-            _ => None,
-        }
+        on_event(&self.peer, &mut self.handshaken, self.max_msg_size, frames)
     }
 
+    /// Hand the pull's request to the DEALER, which takes it once it has a connection. A
+    /// connection event while it waits means P never got it: [`TransportError::Connect`].
+    async fn send(&mut self, request: &[u8]) -> Result<(), TransportError> {
+        let Channel {
+            peer,
+            dealer,
+            monitor,
+            handshaken,
+            max_msg_size,
+            ..
+        } = self;
+        let frames = [request];
+        let send = dealer.send_multipart(&frames);
+        futures::pin_mut!(send);
+        poll_fn(|cx| {
+            // The send first: taken is taken, whatever the monitor says next.
+            if let Poll::Ready(r) = std::future::Future::poll(send.as_mut(), cx) {
+                return Poll::Ready(r.map_err(|e| TransportError::Send {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                }));
+            }
+            loop {
+                match monitor.poll_recv_multipart(cx) {
+                    Poll::Ready(Ok(ev)) => {
+                        if let Some(e) = on_event(peer, handshaken, *max_msg_size, &ev) {
+                            return Poll::Ready(Err(unsent(e)));
+                        }
+                    }
+                    Poll::Ready(Err(e)) => {
+                        return Poll::Ready(Err(TransportError::Send {
+                            peer: peer.clone(),
+                            reason: e.to_string(),
+                        }))
+                    }
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+        })
+        .await
+    }
+}
+
+/// A connection failure seen while the pull's request still waited to be taken: whatever the
+/// event, nothing reached P.
+fn unsent(e: TransportError) -> TransportError {
+    match e {
+        TransportError::Connect { .. } => e,
+        TransportError::Local { peer, reason }
+        | TransportError::BadAddress { peer, reason }
+        | TransportError::Send { peer, reason }
+        | TransportError::Recv { peer, reason } => TransportError::Connect {
+            peer,
+            reason: format!("{reason}; the request was never sent"),
+        },
+        TransportError::Closed { peer } => TransportError::Connect {
+            peer,
+            reason: "the connection closed; the request was never sent".into(),
+        },
+    }
+}
+
+/// A monitor event of the DEALER to `peer`, turned into a channel failure when it is one.
+fn on_event(
+    peer: &PeerId,
+    handshaken: &mut bool,
+    max_msg_size: i64,
+    frames: &[Vec<u8>],
+) -> Option<TransportError> {
+    let id = frames
+        .first()
+        .filter(|f| f.len() >= 2)
+        .map(|f| u16::from_ne_bytes([f[0], f[1]]))?;
+    let peer = peer.clone();
+    match id {
+        zmq_sys_events::HANDSHAKE_SUCCEEDED => {
+            *handshaken = true;
+            None
+        }
+        zmq_sys_events::CONNECT_RETRIED if !*handshaken => Some(TransportError::Connect {
+            peer,
+            // libzmq retries a connect whose socket() failed as it does a refused one.
+            reason: match fd_exhaustion() {
+                Some(use_) => format!("cannot open a connection: {use_}"),
+                None => "connection refused or unreachable (or the host name did not \
+                             resolve)"
+                    .into(),
+            },
+        }),
+        zmq_sys_events::DISCONNECTED => Some(TransportError::Recv {
+            peer,
+            reason: format!(
+                "connection lost (peer exited or closed its socket, heartbeat timeout, or a \
+                     reply over the {max_msg_size}-byte cap)"
+            ),
+        }),
+        zmq_sys_events::HANDSHAKE_FAILED_NO_DETAIL
+        | zmq_sys_events::HANDSHAKE_FAILED_PROTOCOL
+        | zmq_sys_events::HANDSHAKE_FAILED_AUTH => Some(TransportError::Connect {
+            peer,
+            reason: "ZMTP handshake failed (not a ZMQ peer?)".into(),
+        }),
+        _ => None,
+    }
+}
+
+impl Channel {
     /// Whether a pooled channel may carry another pull: no connection failure reported while it
     /// was idle, and nothing queued (a message for no pull means the peer and D disagree about
     /// where the last pull ended). The monitor is read only if it signalled: a failure the
@@ -620,11 +703,7 @@ impl PeerTransport for ZmqTransport {
             }
             let ch = lease.ch();
             if let Some(req) = request {
-                if let Err(e) = ch.dealer.send_multipart(&[&req]).await {
-                    let err = TransportError::Send {
-                        peer: ch.peer.clone(),
-                        reason: e.to_string(),
-                    };
+                if let Err(err) = ch.send(&req).await {
                     count(&ch.labels, &err);
                     return Some((Err(err), None));
                 }
