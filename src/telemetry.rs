@@ -195,7 +195,8 @@ pub const COMPLETION_LATENCY: &str = "kvrecv_completion_latency_seconds";
 pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
 /// Writes landed in destination memory.
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
-/// Writes refused by the data plane, by reason; label reason.
+/// Requests refused by the data plane (writes, and reads while they are off), by reason; label
+/// reason.
 pub const WRITES_REJECTED: &str = "kvrecv_writes_rejected_total";
 /// Open landing permits.
 pub const LIVE_PERMITS: &str = "kvrecv_live_permits";

@@ -92,6 +92,38 @@ async fn v1_and_v2_writes_on_one_connection_land_and_v2_acks_after_the_bytes() {
     );
 }
 
+/// By default the data port answers no READ, not even of an open pull's blocks (vLLM's P only
+/// writes into D; a READ would let anyone who reaches the port read KV in flight): a reject
+/// frame, a close, counted; writes are unaffected.
+#[tokio::test]
+async fn reads_are_refused_unless_turned_on() {
+    let mut cfg = TargetConfig::loopback(common::layout());
+    cfg.windows = Some(8);
+    let t = TcpTarget::start(cfg).await.unwrap();
+    let bases = open(&t, 1, &[req("a", &[3])]);
+    let at = bases[0] + 3 * BLOCK;
+    let mut s = raw(&t).await;
+    s.write_all(&Header::new(true, at, 8, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    s.write_all(&[5; 8]).await.unwrap();
+    assert_eq!(status(&mut s).await, STATUS_OK, "the write lands");
+    for v in [ProtoVersion::V2, ProtoVersion::V1] {
+        let mut s = raw(&t).await;
+        s.write_all(&Header::new(false, at, 8, v).encode())
+            .await
+            .unwrap();
+        if v == ProtoVersion::V2 {
+            assert_eq!(status(&mut s).await, STATUS_REJECT);
+        }
+        closed(&mut s).await;
+    }
+    let st = t.stats();
+    assert_eq!(st.reads_served.load(Ordering::Relaxed), 0);
+    assert_eq!(st.rejected_reads_off.load(Ordering::Relaxed), 2);
+    assert_eq!(st.writes_landed.load(Ordering::Relaxed), 1);
+}
+
 #[tokio::test]
 async fn invalid_requests_get_a_reject_frame_and_a_close_and_land_nothing() {
     let t = target(true).await;
@@ -287,6 +319,7 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     let mut cfg = TargetConfig::loopback(common::layout());
     cfg.windows = Some(8);
     cfg.max_data_connections = 2;
+    cfg.serve_reads = true;
     let t = TcpTarget::start(cfg).await.unwrap();
     let bases = open(&t, 1, &[req("a", &[3])]);
     let at = bases[0] + 3 * BLOCK;
@@ -366,6 +399,7 @@ async fn an_ok_after_a_write_cut_short_is_not_believed() {
 async fn a_read_stops_at_revocation_and_never_sees_the_next_owners_bytes() {
     const BIG: u64 = 4 << 20; // 16 blocks: a 64 MiB region, far more than socket buffers hold
     let mut cfg = TargetConfig::loopback(kvrecv::layout::KvLayout::uniform(1, BIG, 16));
+    cfg.serve_reads = true;
     cfg.windows = Some(8);
     let t = TcpTarget::start(cfg).await.unwrap();
     let a = req("a", &(0..16).collect::<Vec<u32>>());

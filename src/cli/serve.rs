@@ -121,6 +121,10 @@ pub struct ServeArgs {
     /// Turn landing permits off (upstream behaviour: a late write lands; for detector tests).
     #[arg(long)]
     pub no_permits: bool,
+    /// Answer the TE protocol's READ requests on the data port (interop checks that read back
+    /// what landed). Off by default: vLLM's P only writes, and nothing authenticates the port.
+    #[arg(long)]
+    pub serve_reads: bool,
     /// Landing windows (epochs): pulls in flight at once, plus windows poisoned by abandoned
     /// writers, plus one reserved. Default: 16384, or as many as fit below 2^53 if fewer
     /// (ignored with --no-permits: one window). At least 2.
@@ -340,6 +344,7 @@ impl ServeArgs {
                 .idle_timeout_ms
                 .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.max(1))),
             memory: MemoryKind::Host,
+            serve_reads: self.serve_reads,
             ..TargetConfig::loopback(layout.clone())
         })
     }

@@ -74,6 +74,7 @@ impl DataTarget {
                              "writes_landed": n(&d.writes_landed), "reads_served": n(&d.reads_served),
                              "rejected_out_of_range": n(&d.rejected_out_of_range),
                              "rejected_bad_opcode": n(&d.rejected_bad_opcode),
+                             "rejected_reads_off": n(&d.rejected_reads_off),
                              "rejected_no_permit": n(&d.rejected_no_permit),
                              "rejected_revoked": n(&d.rejected_revoked), "idle_timeouts": n(&d.idle_timeouts),
                              "v1_requests": n(&d.v1_requests), "broken": n(&d.broken),

@@ -16,10 +16,13 @@ pub fn layout() -> KvLayout {
     KvLayout::uniform(LAYERS, BLOCK, BLOCKS)
 }
 
+/// A loopback target with 8 windows that also answers READs (the tests read back what landed;
+/// reads are off by default, `reads_are_refused_unless_turned_on`).
 pub async fn target(permits: bool) -> TcpTarget {
     let mut cfg = TargetConfig::loopback(layout());
     cfg.permits = permits;
     cfg.windows = Some(8);
+    cfg.serve_reads = true;
     TcpTarget::start(cfg).await.expect("target starts")
 }
 

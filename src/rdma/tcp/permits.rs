@@ -42,6 +42,8 @@ pub enum RejectReason {
     OutOfRange,
     /// Opcode other than READ/WRITE.
     BadOpcode,
+    /// A READ while reads are off (the default: vLLM never reads from D).
+    ReadsOff,
     /// The window has no pull, or the block is not one of the pull's.
     NoPermit,
     /// The block's request was revoked (a late write).
@@ -54,6 +56,7 @@ impl RejectReason {
         match self {
             RejectReason::OutOfRange => "out_of_range",
             RejectReason::BadOpcode => "bad_opcode",
+            RejectReason::ReadsOff => "reads_off",
             RejectReason::NoPermit => "no_permit",
             RejectReason::Revoked => "revoked",
         }

@@ -38,6 +38,8 @@ pub struct DataStats {
     pub reads_served: AtomicU64,
     pub rejected_out_of_range: AtomicU64,
     pub rejected_bad_opcode: AtomicU64,
+    /// READs refused because reads are off.
+    pub rejected_reads_off: AtomicU64,
     pub rejected_no_permit: AtomicU64,
     /// Late writes: refused at the header, or cut off mid-payload, because the request was revoked.
     pub rejected_revoked: AtomicU64,
@@ -56,6 +58,7 @@ impl DataStats {
         match reason {
             RejectReason::OutOfRange => &self.rejected_out_of_range,
             RejectReason::BadOpcode => &self.rejected_bad_opcode,
+            RejectReason::ReadsOff => &self.rejected_reads_off,
             RejectReason::NoPermit => &self.rejected_no_permit,
             RejectReason::Revoked => &self.rejected_revoked,
         }
@@ -66,6 +69,7 @@ impl DataStats {
         [
             RejectReason::OutOfRange,
             RejectReason::BadOpcode,
+            RejectReason::ReadsOff,
             RejectReason::NoPermit,
             RejectReason::Revoked,
         ]
@@ -84,6 +88,9 @@ pub struct DataPlane {
     pub idle_timeout: Duration,
     /// Open connections at most; more are closed at accept, never queued.
     pub max_connections: usize,
+    /// Answer READ requests (off unless asked: vLLM never reads from D, and anyone who reaches
+    /// the data port could read an open pull's blocks).
+    pub reads: bool,
     audit: OnceLock<Auditor>,
 }
 
@@ -109,8 +116,15 @@ impl DataPlane {
             stats: Arc::default(),
             idle_timeout,
             max_connections: DEFAULT_MAX_DATA_CONNECTIONS,
+            reads: false,
             audit: OnceLock::new(),
         }
+    }
+
+    /// Answer READ requests too (interop tests read back what landed).
+    pub fn with_reads(mut self, on: bool) -> Self {
+        self.reads = on;
+        self
     }
 
     /// Cap the open connections (at least one).
@@ -260,6 +274,9 @@ async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), Con
         let op = h.op();
         if op != OP_READ && op != OP_WRITE {
             return Err(reject(stream, plane, &h, RejectReason::BadOpcode).await);
+        }
+        if op == OP_READ && !plane.reads {
+            return Err(reject(stream, plane, &h, RejectReason::ReadsOff).await);
         }
         let Some(r) = plane.map.resolve(h.addr, h.size) else {
             return Err(reject(stream, plane, &h, RejectReason::OutOfRange).await);

@@ -67,6 +67,10 @@ pub struct TargetConfig {
     /// Labels of the target's metrics: the coordinator's (engine, ranks), so two targets in one
     /// process keep distinct series.
     pub labels: Labels,
+    /// Answer the TE protocol's READ requests. Off by default: vLLM's P only writes into D, and
+    /// nothing authenticates the data port, so a READ would let anyone who reaches it read the
+    /// blocks of a pull in flight. Interop tests turn it on to read back what landed.
+    pub serve_reads: bool,
 }
 
 impl TargetConfig {
@@ -89,6 +93,7 @@ impl TargetConfig {
             max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
             labels: Labels::default(),
+            serve_reads: false,
         }
     }
 }
@@ -215,7 +220,8 @@ impl TcpTarget {
         );
         let plane = Arc::new(
             DataPlane::new(permits.clone(), memory, cfg.idle_timeout)
-                .with_max_connections(cfg.max_data_connections),
+                .with_max_connections(cfg.max_data_connections)
+                .with_reads(cfg.serve_reads),
         );
         let landing = Arc::new(TcpLanding::new(
             permits,
