@@ -6,6 +6,7 @@
 //! open connections, reads at most 8 KiB of request head within 5 s, answers, and closes.
 
 use std::net::SocketAddr;
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +14,9 @@ use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::Semaphore;
+
+use crate::rdma::accept_cap::refuse_over_cap;
+use crate::telemetry::Labels;
 
 /// Connections served at once; more are closed at accept.
 const MAX_CONNECTIONS: usize = 64;
@@ -49,6 +53,8 @@ pub fn serve_prometheus(addr: SocketAddr) -> Result<SocketAddr, String> {
 
 async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let refused = AtomicU64::new(0);
+    let labels = Labels::default();
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -58,8 +64,10 @@ async fn accept_loop(listener: TcpListener, handle: PrometheusHandle) {
                 continue;
             }
         };
-        // Over the cap the connection is dropped (closed) at once.
+        // Over the cap the connection is dropped (closed) at once, and counted as the data
+        // plane's listeners count theirs.
         let Ok(slot) = slots.clone().try_acquire_owned() else {
+            refuse_over_cap(&labels, "metrics", MAX_CONNECTIONS, &refused);
             continue;
         };
         let handle = handle.clone();

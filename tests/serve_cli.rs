@@ -946,7 +946,15 @@ async fn the_metrics_endpoint_reports_its_port_and_bounds_its_clients() {
             .unwrap_or(0);
         assert_eq!(n, 0);
     }
-    assert!(get("/metrics").await.starts_with("HTTP/1.1 200"));
+    let m = get("/metrics").await;
+    assert!(m.starts_with("HTTP/1.1 200"), "{m}");
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("kvrecv_connections_refused_total")
+                && l.contains(r#"listener="metrics""#)
+                && l.ends_with(" 1")),
+        "the refusal is counted: {m}"
+    );
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
 }
