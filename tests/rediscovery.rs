@@ -15,7 +15,7 @@ use std::time::Duration;
 
 use common::*;
 use kvrecv::config::KvRecvConfig;
-use kvrecv::messages::{KvEvent, LoadKv, Outcome, SettleOutcome};
+use kvrecv::messages::{Cause, KvEvent, LoadKv, Outcome, SettleOutcome};
 use kvrecv::sim::{PrefillSim, SimConfig};
 
 const LONG: Duration = Duration::from_secs(60);
@@ -74,13 +74,34 @@ async fn p_engine_restarted_on_new_ports_is_rediscovered() {
     assert_eq!(s.bootstrap().query_count(), 1);
 
     // The whole engine dies. The cached topology still names the old workers: the first
-    // request after the crash finds them gone (connection refused) and fails.
+    // request after the crash finds them gone and fails. Each peer's settle depends on when
+    // libzmq notices: a pooled connection that took the request before it dropped is
+    // Uncertain; a request that was never taken (the connection already gone, or refused) is
+    // Failed, never sent. Never Ok.
     s.crash_engine().await;
     h.load(vec![req("down-1", "t-2", &engine, &url, &[2])])
         .await;
     let (outcome, uncertain) = h.completion("down-1").await;
     assert!(!outcome.is_ok());
-    assert_eq!(uncertain.len(), 2, "{uncertain:?}");
+    let settles = settles_of(&h, "down-1");
+    assert_eq!(settles.len(), 2, "{settles:?}");
+    for (peer, st) in &settles {
+        assert!(old.contains(peer), "{peer}");
+        let lost = matches!(st, SettleOutcome::Uncertain { .. });
+        let unsent = matches!(
+            st,
+            SettleOutcome::Failed {
+                cause: Cause::NotSent,
+                ..
+            }
+        );
+        assert!(lost || unsent, "{peer}: {st:?}");
+        assert_eq!(
+            lost,
+            uncertain.iter().any(|u| u.addr() == peer),
+            "{peer}: only a peer that may have the request is a suspect"
+        );
+    }
     for a in &old {
         h.restarted(a).await;
     }
