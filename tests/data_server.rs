@@ -6,7 +6,7 @@ mod common;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{mem_off, open, pattern, req, target, BLOCK};
+use common::{mem_off, open, pattern, req, target, target_reading, BLOCK};
 use kvrecv::rdma::tcp::wire::{Header, ProtoVersion, STATUS_OK, STATUS_REJECT};
 use kvrecv::rdma::{TargetConfig, TcpTarget};
 use kvrecv::sim::initiator::{InitiatorConfig, TeInitiator, WriteError};
@@ -42,7 +42,7 @@ async fn closed(s: &mut TcpStream) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn v1_and_v2_writes_on_one_connection_land_and_v2_acks_after_the_bytes() {
-    let t = target(true).await;
+    let t = target_reading(true).await;
     let bases = open(&t, 1, &[req("a", &[3, 4])]);
     let mut s = raw(&t).await;
     let p1 = pattern(1, BLOCK as usize);
@@ -260,7 +260,7 @@ async fn many_concurrent_lanes_and_initiators_land_every_byte() {
 
 #[tokio::test]
 async fn initiator_sees_rejections_and_recovers_on_a_new_lane() {
-    let t = target(true).await;
+    let t = target_reading(true).await;
     let bases = open(&t, 1, &[req("a", &[2])]);
     let ini = TeInitiator::connect(
         t.handshake_addr(),

@@ -10,7 +10,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use common::{mem_off, open, pattern, req, target, BLOCK};
+use common::{mem_off, open, pattern, req, target, target_reading, BLOCK};
 use kvrecv::rdma::TcpTarget;
 use serde_json::{json, Value};
 
@@ -65,7 +65,7 @@ fn all_zero(t: &TcpTarget) -> bool {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_te_batch_write_lands_every_byte_and_reads_back() {
     let Some(py) = python() else { return };
-    let t = target(true).await;
+    let t = target_reading(true).await;
     let bases = open(&t, 1, &[req("a", &[1, 2, 3, 5])]);
     // Whole blocks, a coalesced two-block write, and head slices (P TP2 -> D TP1).
     let writes = [

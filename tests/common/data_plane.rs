@@ -16,13 +16,22 @@ pub fn layout() -> KvLayout {
     KvLayout::uniform(LAYERS, BLOCK, BLOCKS)
 }
 
-/// A loopback target with 8 windows that also answers READs (the tests read back what landed;
-/// reads are off by default, `reads_are_refused_unless_turned_on`).
+/// A loopback target with 8 windows, READs off as in production.
 pub async fn target(permits: bool) -> TcpTarget {
+    start(permits, false).await
+}
+
+/// [`target`] answering READs too, for the tests that read back what landed (reads are off by
+/// default: `reads_are_refused_unless_turned_on`).
+pub async fn target_reading(permits: bool) -> TcpTarget {
+    start(permits, true).await
+}
+
+async fn start(permits: bool, reads: bool) -> TcpTarget {
     let mut cfg = TargetConfig::loopback(layout());
     cfg.permits = permits;
     cfg.windows = Some(8);
-    cfg.serve_reads = true;
+    cfg.serve_reads = reads;
     TcpTarget::start(cfg).await.expect("target starts")
 }
 
