@@ -8,7 +8,6 @@
 //!   address, registered synchronously in `lookup`, so lookups issued together always join).
 //! - Every request has a timeout and a body cap.
 
-use crate::messages::peer_text::peer_text;
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
@@ -20,6 +19,7 @@ use hyper::{Method, StatusCode};
 
 use crate::actors::topology::{EngineTopology, TopologyError, TopologySource};
 use crate::messages::bootstrap::{parse_query, QueryResponse};
+use crate::messages::peer_text::peer_text;
 use crate::telemetry::{self as m, Labels};
 
 use super::http::{request, BaseUrl};
