@@ -506,7 +506,7 @@ impl Channel {
                 match monitor.poll_recv_multipart(cx) {
                     Poll::Ready(Ok(ev)) => {
                         if let Some(e) = on_event(peer, handshaken, *max_msg_size, &ev) {
-                            return Poll::Ready(Err(unsent(e)));
+                            return Poll::Ready(Err(unsent(e, peer)));
                         }
                     }
                     Poll::Ready(Err(e)) => {
@@ -525,19 +525,12 @@ impl Channel {
 
 /// A connection failure seen while the pull's request still waited to be taken: whatever the
 /// event, nothing reached P.
-fn unsent(e: TransportError) -> TransportError {
+fn unsent(e: TransportError, peer: &PeerId) -> TransportError {
     match e {
         TransportError::Connect { .. } => e,
-        TransportError::Local { peer, reason }
-        | TransportError::BadAddress { peer, reason }
-        | TransportError::Send { peer, reason }
-        | TransportError::Recv { peer, reason } => TransportError::Connect {
-            peer,
-            reason: format!("{reason}; the request was never sent"),
-        },
-        TransportError::Closed { peer } => TransportError::Connect {
-            peer,
-            reason: "the connection closed; the request was never sent".into(),
+        other => TransportError::Connect {
+            peer: peer.clone(),
+            reason: format!("{other}; the request was never sent"),
         },
     }
 }
