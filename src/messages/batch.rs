@@ -397,6 +397,11 @@ pub struct Interner {
     seen: FastSet<Arc<str>>,
     /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
     bootstraps: FastSet<Arc<str>>,
+    /// The last two values interned, most recent first: a batch's requests usually name one
+    /// engine and one bootstrap address, so a comparison finds them without a hash.
+    recent: [Option<Arc<str>>; 2],
+    /// The last bootstrap address that passed the check, likewise.
+    last_bootstrap: Option<Arc<str>>,
 }
 
 impl Interner {
@@ -404,7 +409,7 @@ impl Interner {
 
     /// Whether `addr` already passed [`check_bootstrap_addr`].
     fn checked_bootstrap(&self, addr: &str) -> bool {
-        self.bootstraps.contains(addr)
+        self.last_bootstrap.as_deref() == Some(addr) || self.bootstraps.contains(addr)
     }
 
     /// Remember that `addr` passed [`check_bootstrap_addr`].
@@ -413,19 +418,28 @@ impl Interner {
             self.bootstraps.clear();
         }
         let a = self.intern(addr);
+        self.last_bootstrap = Some(a.clone());
         self.bootstraps.insert(a);
     }
 
     /// The shared copy of `s`.
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.seen.get(s) {
+        if let Some(a) = self.recent.iter().flatten().find(|a| ***a == *s) {
             return a.clone();
         }
-        if self.seen.len() >= Self::CAP {
-            self.seen.clear();
-        }
-        let a: Arc<str> = Arc::from(s);
-        self.seen.insert(a.clone());
+        let a = match self.seen.get(s) {
+            Some(a) => a.clone(),
+            None => {
+                if self.seen.len() >= Self::CAP {
+                    self.seen.clear();
+                }
+                let a: Arc<str> = Arc::from(s);
+                self.seen.insert(a.clone());
+                a
+            }
+        };
+        self.recent.swap(0, 1);
+        self.recent[0] = Some(a.clone());
         a
     }
 }
@@ -937,5 +951,33 @@ mod tests {
             bad.into_meta(&mut interner),
             Err(BatchError::BadBootstrapAddr { .. })
         ));
+    }
+
+    /// One copy per distinct value, whichever way values come and go from the recent ones.
+    #[test]
+    fn the_interner_hands_out_one_copy_per_value() {
+        let mut interner = Interner::default();
+        let names = [
+            "e0",
+            "http://a:1",
+            "e1",
+            "http://b:2",
+            "e0",
+            "e0",
+            "http://a:1",
+            "e2",
+        ];
+        let mut first: Vec<(&str, Arc<str>)> = Vec::new();
+        for round in 0..3 {
+            for name in names.iter().skip(round) {
+                let got = interner.intern(name);
+                assert_eq!(&*got, *name);
+                match first.iter().find(|(n, _)| n == name) {
+                    Some((_, a)) => assert!(Arc::ptr_eq(a, &got), "{name} copied again"),
+                    None => first.push((name, got)),
+                }
+            }
+        }
+        assert_eq!(first.len(), 5);
     }
 }

@@ -81,6 +81,37 @@ impl Serialize for ReqBlocksRef<'_> {
     }
 }
 
+impl ReqBlocksRef<'_> {
+    /// The bytes [`Serialize`] gives, written straight into `buf`: every pull encodes its own
+    /// `req_blocks`, and through serde each of its ids and blocks cost a serializer step
+    /// (half the pull's encoding, `callgrind` of serve at TP2, batch 16).
+    fn write_to(&self, buf: &mut Vec<u8>) -> Result<(), WireError> {
+        use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
+        fn len(n: usize) -> Result<u32, WireError> {
+            u32::try_from(n).map_err(|_| {
+                WireError::Encode(rmp_serde::encode::Error::Syntax(
+                    "a msgpack list holds at most 2^32 - 1 items".into(),
+                ))
+            })
+        }
+        let e = rmp_serde::encode::Error::from;
+        write_map_len(buf, len(self.0.len())?).map_err(e)?;
+        for (id, transfer, blocks) in &self.0 {
+            write_str(buf, id).map_err(e)?;
+            write_array_len(buf, 2).map_err(e)?;
+            write_str(buf, transfer).map_err(e)?;
+            write_array_len(buf, len(blocks.len())?).map_err(e)?;
+            for group in blocks.iter() {
+                write_array_len(buf, len(group.len())?).map_err(e)?;
+                for &b in group {
+                    write_uint(buf, u64::from(b)).map_err(e)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
 impl MetadataRef<'_> {
     /// The msgpack bytes P receives.
     pub fn encode(&self) -> Result<Vec<u8>, WireError> {
@@ -99,7 +130,8 @@ impl MetadataRef<'_> {
         entry(&mut buf, "remote_port", &self.remote_port)?;
         entry(&mut buf, "remote_tp_size", &self.remote_tp_size)?;
         entry(&mut buf, "remote_tp_rank", &self.remote_tp_rank)?;
-        entry(&mut buf, "req_blocks", &self.req_blocks)?;
+        rmp::encode::write_str(&mut buf, "req_blocks").map_err(rmp_serde::encode::Error::from)?;
+        self.req_blocks.write_to(&mut buf)?;
         entry(&mut buf, "kv_caches_base_addr", self.kv_caches_base_addr)?;
         buf.extend_from_slice(&tail.bytes);
         Ok(buf)

@@ -689,7 +689,18 @@ impl PermitTable {
             .map(|r| r.block_ids.len())
             .max()
             .unwrap_or(0);
-        let mut blocks: Vec<BlockOwners> = vec![BlockOwners::default(); groups];
+        // Each group's list allocated once at its length (grown push by push, then shrunk, it
+        // was four allocations per group and pull).
+        let mut blocks: Vec<BlockOwners> = (0..groups)
+            .map(|g| {
+                let n = pull
+                    .requests
+                    .iter()
+                    .filter_map(|r| r.block_ids.get(g))
+                    .map(Vec::len);
+                BlockOwners(Vec::with_capacity(n.sum()))
+            })
+            .collect();
         for (i, r) in pull.requests.iter().enumerate() {
             for (g, ids) in r.block_ids.iter().enumerate() {
                 blocks[g].0.extend(ids.iter().map(|&b| (b, i as u32)));
@@ -699,8 +710,11 @@ impl PermitTable {
             // The ledger admits a block to one live request at a time; were it listed twice,
             // the first owner keeps it.
             g.0.sort_by_key(|&(b, _)| b);
+            let n = g.0.len();
             g.0.dedup_by_key(|&mut (b, _)| b);
-            g.0.shrink_to_fit();
+            if g.0.len() < n {
+                g.0.shrink_to_fit();
+            }
         }
         let n = pull.requests.len();
         let span_cap = pull
