@@ -2,47 +2,9 @@
 
 mod cli;
 
-// The binary's allocator. glibc's malloc took 11% of `kvrecv bench`'s CPU (perf record, TP2,
-// batch 16, 64 in flight): per-pull messages and per-request state are freed on another thread
-// than the one that allocated them, which glibc pays for in arena locks and consolidation.
-// Measured in docs/PERFORMANCE.md; a library user keeps its own allocator.
+// The binary's allocator (why mimalloc, and why not through the `mimalloc` crate: see there).
 #[global_allocator]
-static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
-/// mimalloc's defaults keep freed pages resident for a while and commit whole arenas up front:
-/// RSS per in-flight request at 100k in flight went from 1,131 B (glibc) to 1,160–1,218 B
-/// (`baseline.py --memory-only`). Purging at once and committing on demand brought it to
-/// 1,104 B with the same CPU. An operator's `MIMALLOC_*` variable still wins.
-fn tune_allocator() {
-    // `mi_option_t` values, the same in mimalloc v2 and v3 (include/mimalloc.h).
-    const ARENA_EAGER_COMMIT: libmimalloc_sys::mi_option_t = 4;
-    const PURGE_DELAY: libmimalloc_sys::mi_option_t = 15;
-    // mimalloc reads its variables case-insensitively and also under their older names.
-    let set_by_operator = |names: &[&str]| {
-        std::env::vars_os().any(|(k, _)| {
-            k.to_str()
-                .is_some_and(|k| names.iter().any(|n| k.eq_ignore_ascii_case(n)))
-        })
-    };
-    for (option, names) in [
-        (
-            ARENA_EAGER_COMMIT,
-            &[
-                "MIMALLOC_ARENA_EAGER_COMMIT",
-                "MIMALLOC_EAGER_REGION_COMMIT",
-            ][..],
-        ),
-        (
-            PURGE_DELAY,
-            &["MIMALLOC_PURGE_DELAY", "MIMALLOC_RESET_DELAY"][..],
-        ),
-    ] {
-        if !set_by_operator(names) {
-            // SAFETY: plain option setters; they take effect on the allocator's next decision.
-            unsafe { libmimalloc_sys::mi_option_set(option, 0) };
-        }
-    }
-}
+static ALLOCATOR: cli::allocator::MiMalloc = cli::allocator::MiMalloc;
 
 use clap::{Parser, Subcommand};
 
@@ -81,7 +43,7 @@ enum Cmd {
 }
 
 fn main() -> std::process::ExitCode {
-    tune_allocator();
+    cli::allocator::tune();
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Config { json } => {

@@ -1,5 +1,6 @@
 //! Subcommands of the `kvrecv` binary, one module each; `main.rs` only dispatches.
 
+pub mod allocator;
 pub mod bench;
 pub mod event_line;
 pub mod line_reader;
