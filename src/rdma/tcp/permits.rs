@@ -44,9 +44,11 @@ pub enum RejectReason {
     BadOpcode,
     /// A READ while reads are off (the default: vLLM never reads from D).
     ReadsOff,
-    /// The window has no pull, or the block is not one of the pull's.
+    /// The window has no pull (never opened, or the reserved window), or the block is not one
+    /// of its open pull's.
     NoPermit,
-    /// The block's request was revoked (a late write).
+    /// A late write: the block's request was revoked, or the window's last pull closed (every
+    /// request of it revoked), whichever block of the window it targets.
     Revoked,
 }
 
@@ -353,7 +355,10 @@ struct Inner {
     /// Every pull an open request is in, with its index there. Each of those pulls is in
     /// `by_pull`: a window is reused only once every request of its permit was revoked.
     by_req: RequestPulls,
-    /// Pulls whose window has not been reused yet (accounting stays readable until then).
+    /// Pulls whose permit is open. A closed one leaves when its last request is revoked (its
+    /// window's slot keeps it until the window is reused, to refuse the writes that come late):
+    /// kept here until then, every window's last permit stayed in this table, 16,384 entries
+    /// whose cold buckets each pull's open paid for.
     by_pull: FastMap<PullId, Arc<Permit>>,
     /// Poisoned windows, when each may return to rotation (DESIGN.md §5), and the deployment
     /// whose pull's writer made it a suspect.
@@ -427,14 +432,37 @@ pub struct EpochStats {
     pub exhausted: AtomicU64,
 }
 
+/// A window's state.
+#[derive(Clone, Default)]
+enum Slot {
+    /// Never opened (or the reserved window): a write here targets no pull.
+    #[default]
+    Unused,
+    /// The permit of the pull that owns the window.
+    Open(Arc<Permit>),
+    /// Its last pull's permit closed: every request revoked, so a write here is late (refused
+    /// as revoked) until the window's next pull. The permit itself is gone: freed while its
+    /// memory was still in cache, not 16,383 pulls later when its window comes round again.
+    Closed,
+}
+
+impl Slot {
+    fn permit(&self) -> Option<&Arc<Permit>> {
+        match self {
+            Slot::Open(p) => Some(p),
+            Slot::Unused | Slot::Closed => None,
+        }
+    }
+}
+
 /// Every permit of one target.
 pub struct PermitTable {
     enabled: bool,
     /// The epoch rule: poison the windows of suspect pulls. Off only to prove it matters.
     poison: bool,
     map: Arc<WindowMap>,
-    /// Current permit of each window (the last window is the reserved, never-admitting one).
-    slots: Vec<RwLock<Option<Arc<Permit>>>>,
+    /// What each window admits now (the last window is the reserved, never-admitting one).
+    slots: Vec<RwLock<Slot>>,
     inner: Mutex<Inner>,
     live: AtomicU64,
     epochs: EpochStats,
@@ -458,7 +486,7 @@ impl PermitTable {
         PermitTable {
             enabled,
             map,
-            slots: (0..n).map(|_| RwLock::new(None)).collect(),
+            slots: (0..n).map(|_| RwLock::new(Slot::Unused)).collect(),
             inner: Mutex::new(Inner::default()),
             live: AtomicU64::new(0),
             poison: true,
@@ -501,12 +529,10 @@ impl PermitTable {
             .slots
             .iter()
             .map(|s| {
-                RwLock::new(
-                    s.read()
-                        .unwrap_or_else(|e| e.into_inner())
-                        .as_ref()
-                        .map(&mut copy),
-                )
+                RwLock::new(match &*s.read().unwrap_or_else(|e| e.into_inner()) {
+                    Slot::Open(p) => Slot::Open(copy(p)),
+                    other => other.clone(),
+                })
             })
             .collect();
         let by_req = inner.by_req.clone();
@@ -539,9 +565,10 @@ impl PermitTable {
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         for s in &self.slots {
-            match s.read().unwrap_or_else(|e| e.into_inner()).as_ref() {
-                None => 0u8.hash(h),
-                Some(p) => {
+            match &*s.read().unwrap_or_else(|e| e.into_inner()) {
+                Slot::Unused => 0u8.hash(h),
+                Slot::Closed => 2u8.hash(h),
+                Slot::Open(p) => {
                     1u8.hash(h);
                     p.pull_id.hash(h);
                     p.peer.hash(h);
@@ -668,7 +695,7 @@ impl PermitTable {
             let closed = self.slots[w as usize]
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
-                .as_ref()
+                .permit()
                 .is_none_or(|p| p.is_closed());
             closed && self.clean(&mut inner, w, now)
         });
@@ -747,21 +774,10 @@ impl PermitTable {
             bytes_landed: AtomicU64::new(0),
             writes_landed: AtomicU64::new(0),
         });
-        let old = self.slots[window as usize]
+        // The window's previous permit closed and went then (`revoke`).
+        *self.slots[window as usize]
             .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .replace(permit.clone());
-        if let Some(old) = old {
-            // Only if that id still names this permit (a closed permit's id may have been
-            // taken again since).
-            if inner
-                .by_pull
-                .get(&old.pull_id)
-                .is_some_and(|p| Arc::ptr_eq(p, &old))
-            {
-                inner.by_pull.remove(&old.pull_id);
-            }
-        }
+            .unwrap_or_else(|e| e.into_inner()) = Slot::Open(permit.clone());
         for (i, r) in (0u32..).zip(pull.requests) {
             inner.by_req.add(&r.req_id, pull.pull_id, i);
         }
@@ -873,6 +889,7 @@ impl PermitTable {
         } = &mut *inner;
         let mut poisoned = 0;
         let mut busy: Vec<Arc<Permit>> = Vec::new();
+        let mut closed: SmallVec<[PullId; 2]> = SmallVec::new();
         for (pull, i) in pairs {
             let Some(p) = by_pull.get(&pull) else {
                 // Cannot happen (see `by_req`); were it to, that pull's permit is gone with its
@@ -885,6 +902,7 @@ impl PermitTable {
             {
                 let live = self.live.fetch_sub(1, Ordering::Relaxed) - 1;
                 self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
+                closed.push(pull);
             }
             // Coverage only backs an ok before the revocation: a closed permit may wait long for
             // its window's reuse, and keeps none of it. (Nothing to drop, and no lock to take,
@@ -920,6 +938,18 @@ impl PermitTable {
                 busy.push(p.clone());
             }
         }
+        // No request indexes a closed pull any more: it leaves the table, and its window
+        // refuses what comes late without it (a write still copying holds its own reference).
+        for pull in closed {
+            if let Some(p) = by_pull.remove(&pull) {
+                let mut slot = self.slots[p.window as usize]
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner());
+                if matches!(&*slot, Slot::Open(q) if Arc::ptr_eq(q, &p)) {
+                    *slot = Slot::Closed;
+                }
+            }
+        }
         if poisoned > 0 {
             self.epochs
                 .poisoned
@@ -952,11 +982,16 @@ impl PermitTable {
                 open_write: AtomicBool::new(false),
             });
         }
-        let permit = self
+        let permit = match self
             .slots
             .get(r.window as usize)
-            .and_then(|s| s.read().unwrap_or_else(|e| e.into_inner()).clone())
-            .ok_or(RejectReason::NoPermit)?;
+            .map(|s| s.read().unwrap_or_else(|e| e.into_inner()).clone())
+        {
+            Some(Slot::Open(p)) => p,
+            // A late write: its pull's every request was revoked.
+            Some(Slot::Closed) => return Err(RejectReason::Revoked),
+            Some(Slot::Unused) | None => return Err(RejectReason::NoPermit),
+        };
         if access
             == (Access::Write {
                 acknowledged: false,
@@ -1058,7 +1093,7 @@ impl PermitTable {
         Ok(())
     }
 
-    /// Byte accounting of `pull` while its window has not been reused.
+    /// Byte accounting of `pull` while its permit is open.
     pub fn pull_bytes(&self, pull: PullId) -> Option<PullBytes> {
         let inner = self.lock();
         let p = inner.by_pull.get(&pull)?;
