@@ -1315,6 +1315,65 @@ mod tests {
         );
     }
 
+    /// A write into block `block` through window `w`: admitted, or why not.
+    fn write_into(t: &PermitTable, w: u32, block: u64) -> Result<(), RejectReason> {
+        let r = Resolved {
+            window: w,
+            region: 0,
+            offset: block * 4096,
+            mem_offset: block * 4096,
+        };
+        t.admit(&r, 4096, Access::Write { acknowledged: true })
+            .map(|_| ())
+    }
+
+    /// Once a pull's last request is revoked its window admits nothing and calls every write
+    /// into it late, its pull's blocks or not, until the window's next pull; its permit leaves
+    /// the index (its accounting with it). A window never opened, and a block an open pull does
+    /// not own, have no permit.
+    #[test]
+    fn a_closed_window_refuses_every_write_as_late_until_its_next_pull() {
+        let t = table(3); // windows 0 and 1, 2 reserved
+        let p = PeerId::new("p");
+        let (a, b) = (req("a"), req("b")); // block 0 each
+        assert_eq!(open(&t, 1, &p, &a), 0);
+        assert_eq!(write_into(&t, 0, 0), Ok(()));
+        assert_eq!(
+            write_into(&t, 0, 1),
+            Err(RejectReason::NoPermit),
+            "not a's block"
+        );
+        assert_eq!(
+            write_into(&t, 1, 0),
+            Err(RejectReason::NoPermit),
+            "never opened"
+        );
+        assert!(t.pull_bytes(1).is_some_and(|b| b.open));
+        revoke(&t, &a, &[], Instant::now());
+        for block in 0..4 {
+            assert_eq!(
+                write_into(&t, 0, block),
+                Err(RejectReason::Revoked),
+                "block {block}"
+            );
+        }
+        assert!(
+            t.pull_bytes(1).is_none(),
+            "a closed permit leaves the index"
+        );
+        assert_eq!(open(&t, 2, &p, &b), 1, "round robin: window 1 next");
+        assert_eq!(
+            write_into(&t, 0, 0),
+            Err(RejectReason::Revoked),
+            "0 still closed"
+        );
+        revoke(&t, &b, &[], Instant::now());
+        let c = req("c");
+        assert_eq!(open(&t, 3, &p, &c), 0, "window 0 comes round again");
+        assert_eq!(write_into(&t, 0, 0), Ok(()), "c's pull admits its block");
+        assert_eq!(write_into(&t, 0, 1), Err(RejectReason::NoPermit));
+    }
+
     #[test]
     fn without_the_epoch_rule_a_suspect_window_is_reused_at_once() {
         let t = table(3).without_epoch_rule();
