@@ -355,10 +355,10 @@ struct Inner {
     /// Every pull an open request is in, with its index there. Each of those pulls is in
     /// `by_pull`: a window is reused only once every request of its permit was revoked.
     by_req: RequestPulls,
-    /// Pulls whose permit is open. A closed one leaves when its last request is revoked (its
-    /// window's slot keeps it until the window is reused, to refuse the writes that come late):
-    /// kept here until then, every window's last permit stayed in this table, 16,384 entries
-    /// whose cold buckets each pull's open paid for.
+    /// Pulls whose permit is open. A permit leaves when its last request is revoked, and its
+    /// window is marked [`Slot::Closed`] (late writes are still refused): kept until the
+    /// window's reuse, every window's last permit stayed here, 16,384 cache-cold permits one of
+    /// which each pull's open dropped.
     by_pull: FastMap<PullId, Arc<Permit>>,
     /// Poisoned windows, when each may return to rotation (DESIGN.md §5), and the deployment
     /// whose pull's writer made it a suspect.
@@ -904,9 +904,9 @@ impl PermitTable {
                 self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
                 closed.push(pull);
             }
-            // Coverage only backs an ok before the revocation: a closed permit may wait long for
-            // its window's reuse, and keeps none of it. (Nothing to drop, and no lock to take,
-            // while nothing has landed through the permit.)
+            // Coverage only backs an ok before the revocation: a closed permit keeps none of it
+            // (a write still copying may hold the permit a while). Nothing to drop, and no lock
+            // to take, while nothing has landed through the permit.
             if p.covered.load(Ordering::Acquire) {
                 let mut cov = p.coverage.lock().unwrap_or_else(|e| e.into_inner());
                 if p.is_closed() {
