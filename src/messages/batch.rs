@@ -397,11 +397,6 @@ pub struct Interner {
     seen: FastSet<Arc<str>>,
     /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
     bootstraps: FastSet<Arc<str>>,
-    /// The last two values interned, most recent first: a batch's requests usually name one
-    /// engine and one bootstrap address, so a comparison finds them without a hash.
-    recent: [Option<Arc<str>>; 2],
-    /// The last bootstrap address that passed the check, likewise.
-    last_bootstrap: Option<Arc<str>>,
 }
 
 impl Interner {
@@ -409,7 +404,7 @@ impl Interner {
 
     /// Whether `addr` already passed [`check_bootstrap_addr`].
     fn checked_bootstrap(&self, addr: &str) -> bool {
-        self.last_bootstrap.as_deref() == Some(addr) || self.bootstraps.contains(addr)
+        self.bootstraps.contains(addr)
     }
 
     /// Remember that `addr` passed [`check_bootstrap_addr`].
@@ -418,28 +413,19 @@ impl Interner {
             self.bootstraps.clear();
         }
         let a = self.intern(addr);
-        self.last_bootstrap = Some(a.clone());
         self.bootstraps.insert(a);
     }
 
     /// The shared copy of `s`.
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.recent.iter().flatten().find(|a| ***a == *s) {
+        if let Some(a) = self.seen.get(s) {
             return a.clone();
         }
-        let a = match self.seen.get(s) {
-            Some(a) => a.clone(),
-            None => {
-                if self.seen.len() >= Self::CAP {
-                    self.seen.clear();
-                }
-                let a: Arc<str> = Arc::from(s);
-                self.seen.insert(a.clone());
-                a
-            }
-        };
-        self.recent.swap(0, 1);
-        self.recent[0] = Some(a.clone());
+        if self.seen.len() >= Self::CAP {
+            self.seen.clear();
+        }
+        let a: Arc<str> = Arc::from(s);
+        self.seen.insert(a.clone());
         a
     }
 }
@@ -953,7 +939,7 @@ mod tests {
         ));
     }
 
-    /// One copy per distinct value, whichever way values come and go from the recent ones.
+    /// One copy per distinct value, in whatever order values repeat.
     #[test]
     fn the_interner_hands_out_one_copy_per_value() {
         let mut interner = Interner::default();
