@@ -31,8 +31,8 @@ use crate::actors::{Coordinator, CoordinatorParts, EventSink};
 use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol};
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::messages::{
-    Abort, AbortReply, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv, LoadKvReply, ReqId,
-    StepOutput,
+    Abort, AbortReply, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv, LoadKvReply,
+    LoadKvTo, ReqId, StepOutput,
 };
 use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
@@ -683,6 +683,35 @@ pub struct DataPlaneStats {
     pub poisoned_windows: usize,
 }
 
+/// The reply to a [`KvRecv::submit`]: await it, or check it without waiting
+/// ([`LoadTicket::try_reply`]). Dropping it leaves the batch loaded (its refusals unread).
+#[must_use = "a refused request never completes: read the ticket's reply"]
+#[derive(Debug)]
+pub struct LoadTicket {
+    reply: oneshot::Receiver<LoadKvReply>,
+}
+
+impl LoadTicket {
+    /// The reply if it is there; else the ticket back, to check again or await.
+    pub fn try_reply(mut self) -> Result<Result<LoadKvReply, KvRecvError>, LoadTicket> {
+        match self.reply.try_recv() {
+            Ok(reply) => Ok(Ok(reply)),
+            Err(oneshot::error::TryRecvError::Closed) => Ok(Err(KvRecvError::Stopped)),
+            Err(oneshot::error::TryRecvError::Empty) => Err(self),
+        }
+    }
+}
+
+impl std::future::Future for LoadTicket {
+    type Output = Result<LoadKvReply, KvRecvError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        Pin::new(&mut self.reply)
+            .poll(cx)
+            .map(|r| r.map_err(|_| KvRecvError::Stopped))
+    }
+}
+
 /// An asynchronous stream of [`KvEvent`]s (settles, first failures, completions, releases).
 pub struct EventStream {
     bursts: UnboundedReceiver<Vec<KvEvent>>,
@@ -747,6 +776,42 @@ impl KvRecv {
             .load_kv(LoadKv { requests })
             .await
             .map_err(stopped)
+    }
+
+    /// Hand a batch over now and read its reply later: the batch is queued before this
+    /// returns (batches keep the order of `submit` and [`KvRecv::load_kv`] calls); the ticket
+    /// holds the reply once the batch was validated. A step-driven host (vLLM's
+    /// `start_load_kv`, then `get_finished` at the next step) checks the ticket when it comes
+    /// round ([`LoadTicket::try_reply`]) and is not woken for the reply, which awaiting
+    /// [`KvRecv::load_kv`] costs it once per batch (`kvrecv bench --via handle`,
+    /// docs/PERFORMANCE.md). A refused request never completes: read every ticket. Unlike
+    /// `load_kv`, `submit` does not wait for room in kvrecv's mailbox; pace it with the
+    /// completions, as a scheduler's step does.
+    ///
+    /// ```no_run
+    /// # async fn host(kv: kvrecv::KvRecv, batch: Vec<kvrecv::messages::KvRequest>)
+    /// # -> Result<(), kvrecv::embed::KvRecvError> {
+    /// let mut ticket = kv.submit(batch);
+    /// // ... the rest of the step; at the next one:
+    /// ticket = match ticket.try_reply() {
+    ///     Ok(reply) => {
+    ///         for refused in reply?.rejected { /* give its blocks back */ let _ = refused; }
+    ///         return Ok(());
+    ///     }
+    ///     Err(not_yet) => not_yet, // or `not_yet.await`
+    /// };
+    /// # let _ = ticket; Ok(()) }
+    /// ```
+    pub fn submit(&self, requests: Vec<KvRequest>) -> LoadTicket {
+        let (reply, rx) = oneshot::channel();
+        // `do_send`: queued now, whatever the mailbox's fill (`send` would hold the batch in
+        // its future until polled when the mailbox is full). A stopped Receiver drops the
+        // message and `reply` with it: the ticket then reads `Stopped`.
+        self.inner.coord.receiver.do_send(LoadKvTo {
+            batch: LoadKv { requests },
+            reply,
+        });
+        LoadTicket { reply: rx }
     }
 
     /// Once per scheduler step: vLLM's `get_finished` (`finished_recving`: the blocks may be

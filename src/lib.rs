@@ -33,7 +33,7 @@ pub mod telemetry;
 
 pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
 pub use embed::{
-    DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, StartError, Stats,
+    DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, LoadTicket, StartError, Stats,
 };
 pub use layout::{KvLayout, Region};
 pub use messages::batch::MAX_ID_BYTES;

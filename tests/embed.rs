@@ -185,3 +185,69 @@ fn the_readme_kv_transfer_config_is_accepted() {
     assert_eq!(cfg.layout.regions.len(), 2);
     assert_eq!(cfg.layout.num_blocks, 16);
 }
+
+/// `submit` queues a batch at once and in order, and its reply waits in the ticket: read
+/// without ever awaiting it, once the batch's pull is out (the Receiver answers before any
+/// Peer has the pull). After shutdown a ticket says the worker stopped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submitted_batches_keep_their_order_and_their_replies_wait_in_the_ticket() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let kv = KvRecv::from_parts(move || {
+        let (transport, opened) = ScriptedTransport::new();
+        tx.send(opened).unwrap();
+        CoordinatorParts {
+            config: KvRecvConfig {
+                layout: KvLayout::uniform(1, 64, 8),
+                ..Default::default()
+            },
+            topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", 1, 1)])),
+            transport: Rc::new(transport),
+            landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
+            events: EventSink::none(),
+            builtin_pool: false,
+        }
+    })
+    .unwrap();
+    let mut opened = rx.recv().unwrap();
+    let req = |id: &str, block: u32| KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
+        remote_engine_id: Some("e0".into()),
+        remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+        block_ids: vec![vec![block]],
+    };
+    // Neither ticket is polled before both batches are queued: the second is refused only if
+    // the first was taken before it.
+    let first = kv.submit(vec![req("r1", 1)]);
+    let second = kv.submit(vec![req("r1", 2), req("r2", 3)]);
+    let pull = tokio::time::timeout(Duration::from_secs(10), opened.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    let first = first
+        .try_reply()
+        .expect("answered before the pull went out")
+        .unwrap();
+    assert_eq!((first.awaiting, first.rejected.len()), (1, 0));
+    let second = second.await.unwrap();
+    assert_eq!(second.awaiting, 1);
+    assert!(
+        matches!(&second.rejected[..], [BatchError::AlreadyLive { req_id }] if req_id == "r1"),
+        "{second:?}"
+    );
+    // A `load_kv` after a `submit` is taken after it too.
+    let third = kv.submit(vec![req("r3", 4)]);
+    let again = kv.load_kv(vec![req("r3", 5)]).await.unwrap();
+    assert!(
+        matches!(&again.rejected[..], [BatchError::AlreadyLive { .. }]),
+        "{again:?}"
+    );
+    assert_eq!(third.await.unwrap().awaiting, 1);
+    drop(pull);
+    kv.shutdown().await;
+    let late = kv.submit(vec![req("r4", 6)]);
+    assert!(matches!(
+        late.await,
+        Err(kvrecv::embed::KvRecvError::Stopped)
+    ));
+}

@@ -16,8 +16,8 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, Admit, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
-    LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId, Retire,
-    SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
+    LoadKvTo, LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId,
+    Retire, SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -417,6 +417,21 @@ impl Handler<LoadKv> for Receiver {
     fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
         let validated = batch_plan::validate(batch.requests, &self.cfg.layout, &mut self.interner);
         self.admit_and_start(validated)
+    }
+}
+
+impl Handler<LoadKvTo> for Receiver {
+    type Result = ResponseActFuture<Self, ()>;
+
+    /// As [`LoadKv`]; the reply goes to the host's channel.
+    fn handle(&mut self, msg: LoadKvTo, ctx: &mut Context<Self>) -> Self::Result {
+        let LoadKvTo { batch, reply } = msg;
+        Box::pin(
+            <Self as Handler<LoadKv>>::handle(self, batch, ctx).map(move |r, _, _| {
+                // The host may have dropped its ticket: the batch proceeds all the same.
+                let _ = reply.send(r);
+            }),
+        )
     }
 }
 

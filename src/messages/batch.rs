@@ -591,6 +591,18 @@ pub struct LoadKv {
     pub requests: Vec<KvRequest>,
 }
 
+/// Host -> Receiver: [`LoadKv`] whose reply goes to a channel the host reads when it chooses
+/// ([`crate::KvRecv::submit`]). A host that checks the reply at its next step, rather than
+/// awaiting it, is not woken for it: the reply waits in the channel.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct LoadKvTo {
+    /// The batch.
+    pub batch: LoadKv,
+    /// Where the reply goes (dropped unanswered if the Receiver stopped).
+    pub reply: tokio::sync::oneshot::Sender<LoadKvReply>,
+}
+
 /// Host -> Receiver: [`LoadKv`] for a host that reads its requests itself (`serve` reads its
 /// JSON lines in place, as [`KvRequestRef`]s): each request already turned into its metadata
 /// (with the host's own [`Interner`]) or refused with why, in the batch's order. The Receiver

@@ -27,8 +27,8 @@ pub mod wire;
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
 pub use batch::{
-    BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadMetas, RequestMeta,
-    SharedRequest,
+    BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
+    RequestMeta, SharedRequest,
 };
 pub use completion::{Completion, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, DrainTo, Handed, StepOutput, Undrained};

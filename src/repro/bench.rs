@@ -339,6 +339,9 @@ pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     report
 }
 
+/// How long the loop waits for an event before it awaits a batch's reply it has not read.
+const TICKET_CHECK: Duration = Duration::from_millis(100);
+
 /// Requests of the second phase, which observes every settle for the after-settle latency.
 const SETTLE_PHASE_REQUESTS: usize = 4000;
 
@@ -481,12 +484,55 @@ type Stamped = (Option<Instant>, Instant, KvEvent);
 /// What the measured loop needs from the D under test.
 trait BenchD {
     async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, ReproError>;
+    /// Hand a batch over; its reply may be read later (as a step-driven host does).
+    async fn submit(&self, requests: Vec<KvRequest>) -> Result<Ticket, ReproError>;
     async fn drain(&self) -> Result<(), ReproError>;
+}
+
+/// A batch's reply: there already, or to be read when the loop next looks.
+enum Ticket {
+    Ready(LoadKvReply),
+    Pending(crate::LoadTicket),
+}
+
+impl Ticket {
+    /// The reply if it is there, else the ticket back.
+    fn try_reply(self) -> Result<Result<LoadKvReply, ReproError>, Ticket> {
+        match self {
+            Ticket::Ready(r) => Ok(Ok(r)),
+            Ticket::Pending(t) => t
+                .try_reply()
+                .map(|r| r.map_err(|e| ReproError::Scenario(e.to_string())))
+                .map_err(Ticket::Pending),
+        }
+    }
+
+    async fn wait(self) -> Result<LoadKvReply, ReproError> {
+        match self {
+            Ticket::Ready(r) => Ok(r),
+            Ticket::Pending(t) => t.await.map_err(|e| ReproError::Scenario(e.to_string())),
+        }
+    }
+}
+
+/// A refused request would never complete: stop instead of waiting for it.
+fn refused(reply: &LoadKvReply) -> Result<(), ReproError> {
+    match reply.rejected.first() {
+        Some(e) => Err(ReproError::Scenario(format!(
+            "load_kv refused a request: {e}"
+        ))),
+        None => Ok(()),
+    }
 }
 
 impl BenchD for Coordinator {
     async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, ReproError> {
         Ok(Coordinator::load_kv(self, LoadKv { requests }).await?)
+    }
+
+    /// On the actors' thread the reply costs no wake-up: await it.
+    async fn submit(&self, requests: Vec<KvRequest>) -> Result<Ticket, ReproError> {
+        Ok(Ticket::Ready(BenchD::load_kv(self, requests).await?))
     }
 
     async fn drain(&self) -> Result<(), ReproError> {
@@ -500,6 +546,11 @@ impl BenchD for crate::KvRecv {
         crate::KvRecv::load_kv(self, requests)
             .await
             .map_err(|e| ReproError::Scenario(e.to_string()))
+    }
+
+    /// `submit`: the reply is read after the next event, not awaited (no wake-up for it).
+    async fn submit(&self, requests: Vec<KvRequest>) -> Result<Ticket, ReproError> {
+        Ok(Ticket::Pending(crate::KvRecv::submit(self, requests)))
     }
 
     async fn drain(&self) -> Result<(), ReproError> {
@@ -565,6 +616,7 @@ impl Run<'_> {
         let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
         let mut failure_causes = std::collections::BTreeMap::new();
         let end = requests + 1;
+        let mut tickets = std::collections::VecDeque::new();
         while completed < requests {
             while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
                 let n = cfg.batch.min(end - next);
@@ -582,17 +634,34 @@ impl Run<'_> {
                     let last_settle: Option<(Option<Instant>, Instant)> = None;
                     loaded_at.insert(r.req_id.clone(), (now, last_settle, r.block_ids[0][0]));
                 }
-                let reply = d.load_kv(reqs).await?;
-                // A refused request would never complete: stop instead of waiting for it.
-                if let Some(e) = reply.rejected.first() {
-                    return Err(ReproError::Scenario(format!(
-                        "load_kv refused a request: {e}"
-                    )));
-                }
+                tickets.push_back(d.submit(reqs).await?);
                 next += n;
                 outstanding += n;
             }
-            let Some((emitted, at, ev)) = stamped.next().await else {
+            // Replies read when they are there; one still missing after a quiet spell is
+            // awaited (a refused request would never complete: the loop stops on it).
+            let ev = match tickets.is_empty() {
+                true => stamped.next().await,
+                false => match tokio::time::timeout(TICKET_CHECK, stamped.next()).await {
+                    Ok(ev) => ev,
+                    Err(_) => {
+                        while let Some(t) = tickets.pop_front() {
+                            refused(&t.wait().await?)?;
+                        }
+                        continue;
+                    }
+                },
+            };
+            while let Some(t) = tickets.pop_front() {
+                match t.try_reply() {
+                    Ok(reply) => refused(&reply?)?,
+                    Err(t) => {
+                        tickets.push_front(t);
+                        break;
+                    }
+                }
+            }
+            let Some((emitted, at, ev)) = ev else {
                 return Err(ReproError::Scenario("event stream closed".into()));
             };
             match ev {
