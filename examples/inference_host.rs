@@ -13,7 +13,7 @@ use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
 use kvrecv::config::KvRecvConfig;
-use kvrecv::embed::{KvRecv, KvRecvBuilder};
+use kvrecv::embed::{KvRecv, KvRecvBuilder, LoadTicket};
 use kvrecv::messages::{BatchError, KvRequest};
 use kvrecv::rdma::memory::{HostMemory, HostRegion};
 
@@ -87,6 +87,8 @@ pub struct InferenceHost {
     live: HashMap<String, Attempt>,
     /// Requests loaded last step, decoding now; freed at the next step.
     decoding: Vec<Vec<u32>>,
+    /// Last step's batch: its reply is read at this step (no wake-up of ours for it).
+    submitted: Option<LoadTicket>,
     max_attempts: u32,
     /// Attempts handed to kvrecv, and completions for an attempt we were not waiting for
     /// (kvrecv promises none).
@@ -125,6 +127,7 @@ impl InferenceHost {
             queue: VecDeque::new(),
             live: HashMap::new(),
             decoding: Vec::new(),
+            submitted: None,
             max_attempts,
             attempts: 0,
             unexpected_completions: 0,
@@ -154,9 +157,12 @@ impl InferenceHost {
         Ok(())
     }
 
-    /// Nothing queued, loading or decoding.
+    /// Nothing queued, loading or decoding, and no reply unread.
     pub fn idle(&self) -> bool {
-        self.queue.is_empty() && self.live.is_empty() && self.decoding.is_empty()
+        self.queue.is_empty()
+            && self.live.is_empty()
+            && self.decoding.is_empty()
+            && self.submitted.is_none()
     }
 
     /// One scheduler step: finish last step's decodes, load what fits, drain kvrecv.
@@ -165,6 +171,15 @@ impl InferenceHost {
             self.alloc.give_back(&blocks);
         }
         let mut out = Vec::new();
+        // Last step's reply: there by now (kvrecv answers a batch before its pulls go out);
+        // awaited in the rare case it is not.
+        if let Some(ticket) = self.submitted.take() {
+            let reply = match ticket.try_reply() {
+                Ok(reply) => reply?,
+                Err(not_yet) => not_yet.await?,
+            };
+            self.refused_at_load(reply.rejected, &mut out);
+        }
         let mut batch = Vec::new();
         while let Some((req, n)) = self.queue.front().cloned() {
             let Some(blocks) = self.alloc.take(req.blocks) else {
@@ -196,23 +211,8 @@ impl InferenceHost {
         }
         if !batch.is_empty() {
             self.attempts += batch.len();
-            let reply = self.kv.load_kv(batch).await?;
-            // A refused request never completes: its blocks are ours again at once.
-            for e in reply.rejected {
-                let Some(a) = self.live.remove(e.req_id()) else {
-                    continue;
-                };
-                self.alloc.give_back(&a.blocks);
-                self.attempts -= 1;
-                if matches!(e, BatchError::Backpressure { .. }) {
-                    self.queue.push_front((a.req, a.n)); // too much in flight: next step
-                } else {
-                    // Anything else is a bug of ours (a block twice, a block still in use).
-                    self.refused += 1;
-                    eprintln!("load_kv refused: {e}");
-                    out.push(Report::GaveUp { id: a.req.id });
-                }
-            }
+            // As vLLM's start_load_kv: handed over now, its reply read at the next step.
+            self.submitted = Some(self.kv.submit(batch));
         }
         let step = self.kv.drain().await?;
         // Failures come no later than their completion: mark first, then complete.
@@ -256,6 +256,25 @@ impl InferenceHost {
             }
         }
         Ok(out)
+    }
+
+    /// A refused request never completes: its blocks are ours again at once.
+    fn refused_at_load(&mut self, rejected: Vec<BatchError>, out: &mut Vec<Report>) {
+        for e in rejected {
+            let Some(a) = self.live.remove(e.req_id()) else {
+                continue;
+            };
+            self.alloc.give_back(&a.blocks);
+            self.attempts -= 1;
+            if matches!(e, BatchError::Backpressure { .. }) {
+                self.queue.push_front((a.req, a.n)); // too much in flight: next step
+            } else {
+                // Anything else is a bug of ours (a block twice, a block still in use).
+                self.refused += 1;
+                eprintln!("load_kv refused: {e}");
+                out.push(Report::GaveUp { id: a.req.id });
+            }
+        }
     }
 
     /// What the model runner sees in `block` of layer `region` (only meaningful for a block
