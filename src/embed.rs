@@ -817,8 +817,9 @@ impl KvRecv {
     /// Once per scheduler step: vLLM's `get_finished` (`finished_recving`: the blocks may be
     /// reused) and `get_block_ids_with_load_errors` (`invalid_block_ids`, or `failed_recving`
     /// for multi-group caches) in one call. A failure is never drained after its completion.
-    /// Cancel-safe: a drain dropped before it returned (in `select!`, under `timeout`) hands
-    /// nothing over, and the next drain returns what it took. Drains run one at a time.
+    /// It waits for nothing (kvrecv leaves the step's output where the handle takes it), so it
+    /// never wakes the host's thread and is cancel-safe: in `select!` or under `timeout` it
+    /// either did not start or returned.
     pub async fn drain(&self) -> Result<StepOutput, KvRecvError> {
         self.inner.coord.drain().await.map_err(stopped)
     }

@@ -229,9 +229,6 @@ pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total";
 pub const STDIN_PAUSES: &str = "kvrecv_serve_stdin_pauses_total";
 /// Requests aborted by the host, by stage (in_flight, before_dispatch, unknown); label stage.
 pub const ABORTS: &str = "kvrecv_aborts_total";
-/// Drains with something in them whose output went back to the ledger because the host
-/// stopped waiting for them.
-pub const DRAINS_PUT_BACK: &str = "kvrecv_drains_put_back_total";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
@@ -243,10 +240,6 @@ pub fn describe() {
     describe_counter!(
         ABORTS,
         "Requests aborted by the host, by stage (in_flight, before_dispatch, unknown)"
-    );
-    describe_counter!(
-        DRAINS_PUT_BACK,
-        "Drains the host stopped waiting for (select!, timeout): their output was put back"
     );
     describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
     describe_counter!(

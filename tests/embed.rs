@@ -10,15 +10,17 @@ use kvrecv::actors::{CoordinatorParts, EventSink, ScriptedTransport};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::KvRecv;
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{BatchError, KvRequest, ReqId, XferStatus};
+use kvrecv::messages::{BatchError, KvEvent, KvRequest, ReqId, XferStatus};
 use kvrecv::rdma::StaticLanding;
+use tokio::sync::mpsc::UnboundedReceiver;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_runtime_loads_and_drains_through_the_handle() {
     let (tx, rx) = std::sync::mpsc::channel();
     let kv = KvRecv::from_parts(move || {
         let (transport, opened) = ScriptedTransport::new();
-        tx.send(opened).unwrap();
+        let (events, released) = EventSink::channel();
+        tx.send((opened, released)).unwrap();
         CoordinatorParts {
             config: KvRecvConfig {
                 layout: KvLayout::uniform(1, 64, 8),
@@ -27,12 +29,12 @@ async fn host_runtime_loads_and_drains_through_the_handle() {
             topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", 1, 1)])),
             transport: Rc::new(transport),
             landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
-            events: EventSink::none(),
+            events,
             builtin_pool: false,
         }
     })
     .unwrap();
-    let mut opened = rx.recv().unwrap();
+    let (mut opened, mut events) = rx.recv().unwrap();
     let r1 = || KvRequest {
         req_id: "r1".into(),
         transfer_id: Some("t1".into()),
@@ -52,17 +54,27 @@ async fn host_runtime_loads_and_drains_through_the_handle() {
         .unwrap()
         .unwrap();
     pull.respond(XferStatus::Finish, &["r1"], &[], None);
-    // The host polls once per step, as a scheduler does.
-    let mut finished = vec![];
-    for _ in 0..10_000 {
-        finished.extend(kv.drain().await.unwrap().finished_recving);
-        if !finished.is_empty() {
-            break;
-        }
-        tokio::task::yield_now().await;
-    }
-    assert_eq!(finished, vec![ReqId::from("r1")]);
+    // The host drains at its next step; here the step comes once kvrecv released the blocks.
+    released(&mut events, "r1").await;
+    assert_eq!(
+        kv.drain().await.unwrap().finished_recving,
+        vec![ReqId::from("r1")]
+    );
     kv.shutdown().await;
+}
+
+/// Wait (bounded) for kvrecv's event that `id`'s blocks were released.
+async fn released(events: &mut UnboundedReceiver<KvEvent>, id: &str) {
+    let found = tokio::time::timeout(Duration::from_secs(10), async {
+        while let Some(ev) = events.recv().await {
+            if matches!(&ev, KvEvent::Released { req_id, .. } if &**req_id == id) {
+                return true;
+            }
+        }
+        false
+    })
+    .await;
+    assert_eq!(found.ok(), Some(true), "{id} released");
 }
 
 /// A topology whose first lookup waits for the test's go-ahead.
@@ -105,7 +117,8 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
     let (go, gate) = tokio::sync::oneshot::channel();
     let kv = KvRecv::from_parts(move || {
         let (transport, opened) = ScriptedTransport::new();
-        tx.send(opened).unwrap();
+        let (events, released) = EventSink::channel();
+        tx.send((opened, released)).unwrap();
         CoordinatorParts {
             config: KvRecvConfig {
                 layout: KvLayout::uniform(1, 64, 8),
@@ -117,12 +130,12 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
             }),
             transport: Rc::new(transport),
             landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
-            events: EventSink::none(),
+            events,
             builtin_pool: false,
         }
     })
     .unwrap();
-    let mut opened = rx.recv().unwrap();
+    let (mut opened, mut events) = rx.recv().unwrap();
     let r = KvRequest {
         req_id: "r1".into(),
         transfer_id: Some("t1".into()),
@@ -133,24 +146,16 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
     assert_eq!(kv.load_kv(vec![r.clone()]).await.unwrap().awaiting, 1);
     let ab = kv.abort("r1").await.unwrap();
     assert!(ab.before_dispatch, "{ab:?}");
-    // As a host does, every step's output is kept: the failure's invalid blocks are reported
-    // at its first failure, which a step may see before the completion.
-    let mut step = kv.drain().await.unwrap();
-    let mut invalid = std::mem::take(&mut step.invalid_block_ids);
-    for _ in 0..10_000 {
-        if !step.finished_recving.is_empty() {
-            break;
-        }
-        tokio::task::yield_now().await;
-        step = kv.drain().await.unwrap();
-        invalid.append(&mut step.invalid_block_ids);
-    }
+    // The host's next step, once kvrecv released the blocks: the failure's invalid blocks
+    // and the completion in one drain, the failure first.
+    released(&mut events, "r1").await;
+    let step = kv.drain().await.unwrap();
     assert_eq!(
         step.finished_recving,
         vec![ReqId::from("r1")],
         "before the lookup ends"
     );
-    assert_eq!(invalid, vec![3]);
+    assert_eq!(step.invalid_block_ids, vec![3]);
     // The same id again, blocks 4, while the first lookup is still held.
     let again = KvRequest {
         block_ids: vec![vec![4]],

@@ -12,6 +12,7 @@ use crate::messages::{
 use crate::rdma::Revocation;
 
 use super::block_pool::BlockPool;
+use super::outbox::Outbox;
 
 /// What to do with a completion's blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -45,7 +46,8 @@ pub struct Release {
 
 #[derive(Clone)]
 pub struct BlockLedger {
-    out: StepOutput,
+    /// Ready for the host's next drain (shared with `Coordinator::drain`).
+    out: Outbox,
     /// Requests whose failure signal is queued or drained but whose completion is not yet out.
     failure_signalled: FastSet<ReqId>,
     held: FastMap<ReqId, Held>,
@@ -68,7 +70,7 @@ pub const DEFAULT_MAX_LIVE: usize = 1 << 17;
 impl BlockLedger {
     pub fn new(quarantine_deadline: Duration, pool: Option<BlockPool>) -> Self {
         BlockLedger {
-            out: StepOutput::default(),
+            out: Outbox::default(),
             failure_signalled: FastSet::default(),
             held: FastMap::default(),
             quarantine_deadline,
@@ -131,9 +133,12 @@ impl BlockLedger {
             v.sort();
             v
         }
-        self.out.finished_recving.hash(h);
-        self.out.failed_recving.hash(h);
-        self.out.invalid_block_ids.hash(h);
+        {
+            let out = self.out.lock();
+            out.finished_recving.hash(h);
+            out.failed_recving.hash(h);
+            out.invalid_block_ids.hash(h);
+        }
         sorted(self.failure_signalled.iter()).hash(h);
         sorted(self.held.iter().map(|(r, x)| (r, &x.peers))).hash(h);
         sorted(self.live.iter()).hash(h);
@@ -194,10 +199,11 @@ impl BlockLedger {
         if !self.failure_signalled.insert(req.req_id.clone()) {
             return;
         }
+        let mut out = self.out.lock();
         if req.block_ids.len() > 1 {
-            self.out.failed_recving.push(req.req_id.clone());
+            out.failed_recving.push(req.req_id.clone());
         } else {
-            self.out.invalid_block_ids.extend(req.all_blocks());
+            out.invalid_block_ids.extend(req.all_blocks());
         }
     }
 
@@ -246,7 +252,7 @@ impl BlockLedger {
             }
         }
         self.failure_signalled.remove(&req.req_id);
-        self.out.finished_recving.push(req.req_id.clone());
+        self.out.lock().finished_recving.push(req.req_id.clone());
         if let Some(pool) = &mut self.pool {
             pool.release(&req.req_id);
         }
@@ -280,21 +286,11 @@ impl BlockLedger {
         self.held.get(req_id).map(|h| h.peers.as_slice())
     }
 
-    /// Put back a drain's output the host never received (see [`BlockLedger::take`]), in front
-    /// of what came since (it is older). A failure signal stays ahead of its completion because
-    /// the caller restores before any later drain.
-    pub fn undrain(&mut self, back: StepOutput) {
-        let newer = std::mem::replace(&mut self.out, back);
-        self.out.finished_recving.extend(newer.finished_recving);
-        self.out.failed_recving.extend(newer.failed_recving);
-        self.out.invalid_block_ids.extend(newer.invalid_block_ids);
-    }
-
-    /// Everything ready for the host since the last drain, its requests still live: they
-    /// become loadable again at [`BlockLedger::handed`], once the host has the output (a
-    /// drain whose reply the host may not read; see `Coordinator::drain`).
-    pub fn take(&mut self) -> StepOutput {
-        std::mem::take(&mut self.out)
+    /// The output the host drains ([`Outbox::share`]): everything ready since the last drain,
+    /// its requests still live until [`BlockLedger::handed`] (`Coordinator::drain` sends it
+    /// once it took them).
+    pub fn outbox(&self) -> Outbox {
+        self.out.share()
     }
 
     /// The host has these finished requests: their ids may be loaded again.
@@ -306,7 +302,7 @@ impl BlockLedger {
 
     /// Everything ready for the host since the last drain, handed over at once.
     pub fn drain(&mut self) -> StepOutput {
-        let out = self.take();
+        let out = self.out.take();
         self.handed(&out.finished_recving);
         out
     }

@@ -10,8 +10,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 
 use crate::config::Policy;
 use crate::messages::{
-    Admit, Allocate, BatchError, Completion, Completions, Drain, DrainTo, FirstFailure, Free,
-    GetLedgerStats, Handed, KvEvent, LedgerStats, ReqId, StepOutput, Undrained,
+    Admit, Allocate, BatchError, Completion, Completions, Drain, FirstFailure, Free,
+    GetLedgerStats, Handed, KvEvent, LedgerStats, ReqId,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -221,43 +221,11 @@ impl Handler<Drain> for BlockManager {
     }
 }
 
-impl Handler<DrainTo> for BlockManager {
-    type Result = ();
-
-    fn handle(&mut self, DrainTo(reply): DrainTo, _ctx: &mut Context<Self>) {
-        if let Err(out) = reply.send(self.ledger.take()) {
-            // The host stopped waiting before the reply: nothing was handed over.
-            self.put_back(out);
-        }
-    }
-}
-
-impl BlockManager {
-    fn put_back(&mut self, out: StepOutput) {
-        if !out.is_empty() {
-            tracing::info!(
-                finished = out.finished_recving.len(),
-                "a drain the host stopped waiting for: its output is kept for the next"
-            );
-            self.labels.counter(m::DRAINS_PUT_BACK).increment(1);
-        }
-        self.ledger.undrain(out);
-    }
-}
-
 impl Handler<Handed> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, Handed(finished): Handed, _ctx: &mut Context<Self>) {
         self.ledger.handed(&finished);
-    }
-}
-
-impl Handler<Undrained> for BlockManager {
-    type Result = ();
-
-    fn handle(&mut self, Undrained(out): Undrained, _ctx: &mut Context<Self>) {
-        self.put_back(out);
     }
 }
 

@@ -12,6 +12,8 @@ pub mod block_manager;
 #[doc(hidden)]
 pub mod block_pool;
 pub mod event_sink;
+#[doc(hidden)]
+pub mod outbox;
 pub mod peer;
 #[doc(hidden)]
 pub mod peer_state;

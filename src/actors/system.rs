@@ -7,13 +7,14 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{DrainTo, Handed, LoadKv, LoadKvReply, LoadMetas, StepOutput, Undrained};
+use crate::messages::{Handed, LoadKv, LoadKvReply, LoadMetas, StepOutput};
 use crate::rdma::Landing;
 
 use super::block_ledger::BlockLedger;
 use super::block_manager::BlockManager;
 use super::block_pool::{BlockOwnership, BlockPool};
 use super::event_sink::EventSink;
+use super::outbox::Outbox;
 use super::receiver::Receiver;
 use super::topology::TopologySource;
 use super::transport::PeerTransport;
@@ -43,8 +44,9 @@ pub struct Coordinator {
     pub block_manager: Addr<BlockManager>,
     /// The built-in pool's ownership table, for the data plane's audit.
     pub ownership: Option<Arc<BlockOwnership>>,
-    /// One drain at a time (see [`Coordinator::drain`]).
-    drains: Arc<tokio::sync::Mutex<()>>,
+    /// What the BlockManager has ready for the next drain (one for every clone: an `Outbox`'s
+    /// own `clone` copies).
+    outbox: Arc<Outbox>,
 }
 
 impl Coordinator {
@@ -58,6 +60,7 @@ impl Coordinator {
         let ownership = pool.as_ref().map(|p| p.ownership());
         let ledger =
             BlockLedger::new(cfg.quarantine_deadline, pool).with_max_live(cfg.max_live_requests);
+        let outbox = Arc::new(ledger.outbox());
         let block_manager = BlockManager::new(
             ledger,
             parts.landing.clone(),
@@ -80,7 +83,7 @@ impl Coordinator {
             receiver,
             block_manager,
             ownership,
-            drains: Arc::default(),
+            outbox,
         }
     }
 
@@ -94,77 +97,23 @@ impl Coordinator {
         self.receiver.send(batch).await
     }
 
-    /// The per-step drain. Cancel-safe: a drain dropped before it returned (a `select!` branch
-    /// that lost, a `timeout`) hands nothing over; what it took goes back to the ledger, ahead
-    /// of anything newer, for the next drain. Drains run one at a time, so that a put-back is
-    /// in the ledger before any later drain takes from it (a failure signal then never reaches
-    /// the host after its request's completion): a second drain waits until the first
-    /// returned or was dropped, so do not hold one pending while awaiting another.
+    /// The per-step drain: everything ready since the last one (failures never after their
+    /// completion), taken where the BlockManager left it, without a round trip through its
+    /// mailbox: a drain wakes neither kvrecv's thread nor, on the handle, the host's
+    /// (docs/PERFORMANCE.md, eighth round). Cancel-safe: it has no await point, so it either
+    /// did not start or returned. The finished requests it hands over stay live (a `load_kv`
+    /// of their id refused) until the BlockManager reads `Handed`, sent here before the
+    /// drain returns, so ahead of anything the host sends after it.
     pub async fn drain(&self) -> Result<StepOutput, actix::MailboxError> {
-        // Stopped: say so at once, without waiting for a turn a drain caught by the stop may
-        // hold.
+        // Stopped: say so, as every other call does.
         if !self.block_manager.connected() {
             return Err(actix::MailboxError::Closed);
         }
-        let turn = self.drains.clone().lock_owned().await;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        // Not `send`: its reply would be lost with a dropped future. A closed mailbox drops the
-        // message and with it `tx`: the receive below then fails.
-        self.block_manager.do_send(DrainTo(tx));
-        PendingDrain {
-            reply: rx,
-            block_manager: self.block_manager.clone(),
-            done: false,
-            _turn: turn,
+        let out = self.outbox.take();
+        if !out.finished_recving.is_empty() {
+            self.block_manager
+                .do_send(Handed(out.finished_recving.clone()));
         }
-        .await
-    }
-}
-
-/// A drain's reply on its way; dropped unread, it gives the output back (see
-/// [`Coordinator::drain`]).
-struct PendingDrain {
-    reply: tokio::sync::oneshot::Receiver<StepOutput>,
-    block_manager: Addr<BlockManager>,
-    done: bool,
-    /// Released after `drop` sent any put-back (fields drop after `Drop::drop`).
-    _turn: tokio::sync::OwnedMutexGuard<()>,
-}
-
-impl std::future::Future for PendingDrain {
-    type Output = Result<StepOutput, actix::MailboxError>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        let r = std::task::ready!(std::pin::Pin::new(&mut self.reply).poll(cx));
-        self.done = true;
-        if let Ok(out) = &r {
-            // The host has it: its finished ids may be loaded again (before this message
-            // they stayed live, so a load of one was refused while the host might not have
-            // read the drain). Sent before the turn is released.
-            if !out.finished_recving.is_empty() {
-                self.block_manager
-                    .do_send(Handed(out.finished_recving.clone()));
-            }
-        }
-        std::task::Poll::Ready(r.map_err(|_| actix::MailboxError::Closed))
-    }
-}
-
-impl Drop for PendingDrain {
-    fn drop(&mut self) {
-        if self.done {
-            return;
-        }
-        // After `close` the BlockManager's send fails and it puts the output back itself; a
-        // reply sent before it is still here, and goes back by message.
-        self.reply.close();
-        if let Ok(out) = self.reply.try_recv() {
-            if !out.is_empty() {
-                self.block_manager.do_send(Undrained(out));
-            }
-        }
+        Ok(out)
     }
 }

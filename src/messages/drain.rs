@@ -30,20 +30,6 @@ impl StepOutput {
 #[rtype(result = "StepOutput")]
 pub struct Drain;
 
-/// Host -> BlockManager: take everything ready and hand it over through `0`. If the host no
-/// longer waits (its drain future was dropped), the output goes back to the ledger, in front of
-/// anything newer: a dropped drain loses nothing. Its finished requests stay live until
-/// [`Handed`].
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct DrainTo(pub tokio::sync::oneshot::Sender<StepOutput>);
-
-/// Host -> BlockManager: a drain's output the host never read (its future was dropped after the
-/// reply was sent): put it back in front of anything newer.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Undrained(pub StepOutput);
-
 /// Host -> BlockManager: the host read a drain naming these finished requests; until now they
 /// stayed live (a later `load_kv` of the id refused), as the host might not have read it.
 #[derive(Debug, Message)]

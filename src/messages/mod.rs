@@ -31,7 +31,7 @@ pub use batch::{
     RequestMeta, SharedRequest,
 };
 pub use completion::{Completion, Completions, FirstFailure, Outcome};
-pub use drain::{Drain, DrainTo, Handed, StepOutput, Undrained};
+pub use drain::{Drain, Handed, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
