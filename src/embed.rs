@@ -818,8 +818,9 @@ impl KvRecv {
     /// reused) and `get_block_ids_with_load_errors` (`invalid_block_ids`, or `failed_recving`
     /// for multi-group caches) in one call. A failure is never drained after its completion.
     /// It waits for nothing (kvrecv leaves the step's output where the handle takes it), so it
-    /// never wakes the host's thread and is cancel-safe: in `select!` or under `timeout` it
-    /// either did not start or returned.
+    /// never wakes the host's thread (one that finds nothing yields to the host's runtime once),
+    /// and it is cancel-safe: in `select!` or under `timeout`, a drain dropped before it
+    /// returned took nothing.
     pub async fn drain(&self) -> Result<StepOutput, KvRecvError> {
         self.inner.coord.drain().await.map_err(stopped)
     }

@@ -939,6 +939,26 @@ async fn a_drain_is_done_at_its_first_poll_and_frees_its_ids_for_the_next_load()
     assert!(again.rejected.is_empty(), "{again:?}");
 }
 
+/// A host on the actors' own thread that drains in a loop until its requests finished: an
+/// empty drain yields, so the actors run and the loop ends (without the yield it would spin on
+/// an outbox nothing can fill).
+#[actix::test]
+async fn a_host_draining_in_a_loop_on_the_actors_thread_lets_them_finish() {
+    let mut h = Harness::start(Setup::default());
+    h.load(vec![req("r1", &[1]), req("r2", &[2])]).await;
+    for p in h.pulls(2).await {
+        p.respond(Finish, &["r1", "r2"], &[], None);
+    }
+    let mut finished = vec![];
+    for _ in 0..1_000 {
+        finished.extend(h.coord.drain().await.unwrap().finished_recving);
+        if finished.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(sorted(&finished), ["r1", "r2"]);
+}
+
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
 }

@@ -99,18 +99,23 @@ impl Coordinator {
 
     /// The per-step drain: everything ready since the last one (failures never after their
     /// completion), taken where the BlockManager left it, without a round trip through its
-    /// mailbox: a drain wakes neither kvrecv's thread nor, on the handle, the host's
-    /// (docs/PERFORMANCE.md, eighth round). Cancel-safe: it has no await point, so it either
-    /// did not start or returned. The finished requests it hands over stay live (a `load_kv`
-    /// of their id refused) until the BlockManager reads `Handed`, sent here before the
-    /// drain returns, so ahead of anything the host sends after it.
+    /// mailbox: the host waits for no other thread, and a drain wakes kvrecv's thread only to
+    /// hand requests over (`Handed`) and the host's never (docs/PERFORMANCE.md, eighth round).
+    /// A drain that finds nothing yields to the runtime once before it returns, so that a host
+    /// draining in a loop on the actors' own thread lets them run. Cancel-safe: what it takes
+    /// it returns without awaiting (dropped at that yield, it had taken nothing). The finished
+    /// requests it hands over stay live (a `load_kv` of their id refused) until the
+    /// BlockManager reads `Handed`, sent here before the drain returns, so ahead of anything
+    /// the host sends after it.
     pub async fn drain(&self) -> Result<StepOutput, actix::MailboxError> {
         // Stopped: say so, as every other call does.
         if !self.block_manager.connected() {
             return Err(actix::MailboxError::Closed);
         }
         let out = self.outbox.take();
-        if !out.finished_recving.is_empty() {
+        if out.is_empty() {
+            tokio::task::yield_now().await;
+        } else if !out.finished_recving.is_empty() {
             self.block_manager
                 .do_send(Handed(out.finished_recving.clone()));
         }
