@@ -1,6 +1,6 @@
 //! The coordinator core alone: requests through Receiver -> Peer (a transport that answers
 //! FINISH ok at once) -> RequestAggregator -> BlockManager, for 1, 2 and 4 peers, batches of 1
-//! and 64, events on (an observer drains them, as `serve` does).
+//! and 64, events on (the host reads them: the batch's releases, then one drain).
 //!
 //! The transport does none of P's work inside the timing: each batch's FINISH is encoded before
 //! the clock starts, and every peer's pull is answered with a copy of it (the owned frame a
@@ -23,7 +23,7 @@ use kvrecv::actors::{
 };
 use kvrecv::config::KvRecvConfig;
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvRequest, LoadKv, MooncakeXferResponse, PeerId, XferStatus};
+use kvrecv::messages::{KvEvent, KvRequest, LoadKv, MooncakeXferResponse, PeerId, XferStatus};
 use kvrecv::rdma::StaticLanding;
 
 /// A peer that has everything ready: the current batch's FINISH, naming every request.
@@ -63,10 +63,9 @@ fn bench(c: &mut Criterion) {
         let transport = Rc::new(InstantPeer {
             reply: reply.clone(),
         });
-        let coord = sys.block_on(async {
-            let (events, mut rx) = EventSink::channel();
-            actix::spawn(async move { while rx.recv().await.is_some() {} });
-            Coordinator::start(CoordinatorParts {
+        let (coord, mut events) = sys.block_on(async {
+            let (events, rx) = EventSink::channel();
+            let coord = Coordinator::start(CoordinatorParts {
                 config: KvRecvConfig {
                     layout: KvLayout::uniform(layers, 64, 1024),
                     ..Default::default()
@@ -80,7 +79,8 @@ fn bench(c: &mut Criterion) {
                 )),
                 events,
                 builtin_pool: false,
-            })
+            });
+            (coord, rx)
         });
         let mut next = 0u64;
         let id = BenchmarkId::new(format!("batch{batch}"), format!("peers{peers}"));
@@ -110,11 +110,16 @@ fn bench(c: &mut Criterion) {
                     for (requests, answer) in batches {
                         *reply.borrow_mut() = answer;
                         coord.receiver.send(LoadKv { requests }).await.unwrap();
-                        // The host's step loop: drain until the whole batch completed.
-                        let mut finished = 0;
-                        while finished < batch {
-                            finished += coord.drain().await.unwrap().finished_recving.len();
+                        // The host's step comes once kvrecv said the batch's blocks are free
+                        // (a release is announced after it is ready to drain): one drain.
+                        let mut released = 0;
+                        while released < batch {
+                            if let Some(KvEvent::Released { .. }) = events.recv().await {
+                                released += 1;
+                            }
                         }
+                        let step = coord.drain().await.unwrap();
+                        assert_eq!(step.finished_recving.len(), batch);
                     }
                     t0.elapsed()
                 })
