@@ -1,0 +1,124 @@
+// The body of `benches/core.rs` and `benches/core_mimalloc.rs` (see `core.rs`).
+
+use std::cell::RefCell;
+use std::rc::Rc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use futures::stream;
+
+use kvrecv::actors::topology::StaticTopology;
+use kvrecv::actors::{
+    CleanFinish, Coordinator, CoordinatorParts, EventSink, PeerTransport, ReplyStream,
+};
+use kvrecv::config::KvRecvConfig;
+use kvrecv::layout::KvLayout;
+use kvrecv::messages::{KvEvent, KvRequest, LoadKv, MooncakeXferResponse, PeerId, XferStatus};
+use kvrecv::rdma::StaticLanding;
+
+/// A peer that has everything ready: the current batch's FINISH, naming every request.
+struct InstantPeer {
+    reply: Rc<RefCell<Vec<u8>>>,
+}
+
+impl PeerTransport for InstantPeer {
+    fn pull(&self, _peer: &PeerId, _request: Vec<u8>, _finish: CleanFinish) -> ReplyStream {
+        Box::pin(stream::iter([Ok(vec![self.reply.borrow().clone()])]))
+    }
+}
+
+/// The FINISH naming `ids`, as P would encode it.
+fn finish(ids: Vec<String>) -> Vec<u8> {
+    let mut r = MooncakeXferResponse::new(XferStatus::Finish);
+    r.ok_reqs = Some(ids);
+    r.encode().unwrap()
+}
+
+const BATCHES: [usize; 2] = [1, 64];
+
+fn bench(c: &mut Criterion) {
+    let layers: u32 = std::env::var("LAYERS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let mut g = c.benchmark_group("core_requests");
+    g.measurement_time(Duration::from_secs(4));
+    for (batch, peers) in BATCHES
+        .into_iter()
+        .flat_map(|b| [1u32, 2, 4].map(|p| (b, p)))
+    {
+        g.throughput(Throughput::Elements(batch as u64));
+        let sys = actix::System::new();
+        let reply = Rc::new(RefCell::new(Vec::new()));
+        let transport = Rc::new(InstantPeer {
+            reply: reply.clone(),
+        });
+        let (coord, mut events) = sys.block_on(async {
+            let (events, rx) = EventSink::channel();
+            let coord = Coordinator::start(CoordinatorParts {
+                config: KvRecvConfig {
+                    layout: KvLayout::uniform(layers, 64, 1024),
+                    ..Default::default()
+                },
+                topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
+                transport,
+                landing: Arc::new(StaticLanding::new(
+                    "127.0.0.1",
+                    1,
+                    (0..layers as u64).map(|i| 0x1000 + (i << 24)).collect(),
+                )),
+                events,
+                builtin_pool: false,
+            });
+            (coord, rx)
+        });
+        let mut next = 0u64;
+        let id = BenchmarkId::new(format!("batch{batch}"), format!("peers{peers}"));
+        g.bench_with_input(id, &peers, |b, _| {
+            b.iter_custom(|iters| {
+                // Every batch's requests and P's answer, made before the clock starts.
+                let batches: Vec<(Vec<KvRequest>, Vec<u8>)> = (0..iters)
+                    .map(|_| {
+                        let requests: Vec<KvRequest> = (0..batch)
+                            .map(|i| {
+                                next += 1;
+                                KvRequest {
+                                    req_id: format!("r{next}"),
+                                    transfer_id: Some(format!("t{next}")),
+                                    remote_engine_id: Some("e0".into()),
+                                    remote_bootstrap_addr: Some("http://b:1".into()),
+                                    block_ids: vec![vec![i as u32]],
+                                }
+                            })
+                            .collect();
+                        let ids = requests.iter().map(|r| r.req_id.clone()).collect();
+                        (requests, finish(ids))
+                    })
+                    .collect();
+                sys.block_on(async {
+                    let t0 = Instant::now();
+                    for (requests, answer) in batches {
+                        *reply.borrow_mut() = answer;
+                        coord.receiver.send(LoadKv { requests }).await.unwrap();
+                        // The host's step comes once kvrecv said the batch's blocks are free
+                        // (a release is announced after it is ready to drain): one drain.
+                        let mut released = 0;
+                        while released < batch {
+                            if let Some(KvEvent::Released { .. }) = events.recv().await {
+                                released += 1;
+                            }
+                        }
+                        let step = coord.drain().await.unwrap();
+                        assert_eq!(step.finished_recving.len(), batch);
+                    }
+                    t0.elapsed()
+                })
+            })
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);
