@@ -31,8 +31,8 @@ use crate::actors::{Coordinator, CoordinatorParts, EventSink};
 use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol};
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use crate::messages::{
-    Abort, AbortReply, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv, LoadKvReply,
-    LoadKvTo, ReqId, StepOutput,
+    Abort, AbortReply, BatchError, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv,
+    LoadKvReply, LoadKvTo, Queued, ReqId, StepOutput,
 };
 use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
@@ -571,6 +571,7 @@ where
             data,
             system,
             events: Mutex::new(bursts),
+            queued: Arc::default(),
             done: futures::FutureExt::shared(done_rx),
             thread: Some(thread),
         }),
@@ -598,6 +599,8 @@ struct Inner {
     data: Option<DataPlaneHandle>,
     system: actix::System,
     events: Mutex<Option<UnboundedReceiver<Vec<KvEvent>>>>,
+    /// Requests submitted and not yet taken by the Receiver ([`KvRecv::submit`]).
+    queued: Arc<std::sync::atomic::AtomicUsize>,
     /// Resolves once kvrecv's thread stopped its actors, listeners and runtime.
     done: futures::future::Shared<oneshot::Receiver<()>>,
     /// kvrecv's thread, joined when the last handle goes.
@@ -785,8 +788,11 @@ impl KvRecv {
     /// round ([`LoadTicket::try_reply`]) and is not woken for the reply, which awaiting
     /// [`KvRecv::load_kv`] costs it once per batch (`kvrecv bench --via handle`,
     /// docs/PERFORMANCE.md). A refused request never completes: read every ticket. Unlike
-    /// `load_kv`, `submit` does not wait for room in kvrecv's mailbox; pace it with the
-    /// completions, as a scheduler's step does.
+    /// `load_kv`, `submit` does not wait for room in kvrecv's mailbox: requests submitted and
+    /// not yet taken by kvrecv count against `max_live_requests`, and a batch that would go
+    /// over it is refused at once, every request as [`BatchError::Backpressure`] (its ticket
+    /// holds the reply; nothing of it is loaded). Pace it with the completions, as a
+    /// scheduler's step does.
     ///
     /// ```no_run
     /// # async fn host(kv: kvrecv::KvRecv, batch: Vec<kvrecv::messages::KvRequest>)
@@ -804,12 +810,34 @@ impl KvRecv {
     /// ```
     pub fn submit(&self, requests: Vec<KvRequest>) -> LoadTicket {
         let (reply, rx) = oneshot::channel();
+        let limit = self.inner.coord.max_live;
+        let queued = match Queued::try_add(&self.inner.queued, requests.len(), limit) {
+            Ok(q) => q,
+            Err(live) => {
+                // A host that submits faster than kvrecv takes batches is told, as `load_kv`
+                // tells one over the live limit, instead of growing the mailbox without end.
+                let rejected = requests
+                    .into_iter()
+                    .map(|r| BatchError::Backpressure {
+                        req_id: r.req_id,
+                        live,
+                        limit,
+                    })
+                    .collect();
+                let _ = reply.send(LoadKvReply {
+                    rejected,
+                    ..LoadKvReply::default()
+                });
+                return LoadTicket { reply: rx };
+            }
+        };
         // `do_send`: queued now, whatever the mailbox's fill (`send` would hold the batch in
         // its future until polled when the mailbox is full). A stopped Receiver drops the
         // message and `reply` with it: the ticket then reads `Stopped`.
         self.inner.coord.receiver.do_send(LoadKvTo {
             batch: LoadKv { requests },
             reply,
+            queued,
         });
         LoadTicket { reply: rx }
     }

@@ -256,3 +256,58 @@ async fn submitted_batches_keep_their_order_and_their_replies_wait_in_the_ticket
         Err(kvrecv::embed::KvRecvError::Stopped)
     ));
 }
+
+/// Requests submitted and not yet taken count against `max_live_requests`: a batch that would
+/// go over it is refused at once, whole, as backpressure (the ticket holds the reply before
+/// kvrecv saw anything); once kvrecv took a batch its requests count as live instead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submits_over_the_live_limit_are_refused_at_once_as_backpressure() {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let kv = KvRecv::from_parts(move || {
+        let (transport, opened) = ScriptedTransport::new();
+        tx.send(opened).unwrap();
+        CoordinatorParts {
+            config: KvRecvConfig {
+                layout: KvLayout::uniform(1, 64, 8),
+                max_live_requests: 3,
+                ..Default::default()
+            },
+            topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", 1, 1)])),
+            transport: Rc::new(transport),
+            landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
+            events: EventSink::none(),
+            builtin_pool: false,
+        }
+    })
+    .unwrap();
+    let _pulls_stay_unanswered = rx.recv().unwrap();
+    let req = |id: &str, block: u32| KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
+        remote_engine_id: Some("e0".into()),
+        remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+        block_ids: vec![vec![block]],
+    };
+    let over = kv
+        .submit((0..4).map(|i| req(&format!("o{i}"), i)).collect())
+        .try_reply()
+        .expect("refused before kvrecv saw it")
+        .unwrap();
+    assert_eq!((over.accepted, over.rejected.len()), (0, 4));
+    assert!(over
+        .rejected
+        .iter()
+        .all(|e| matches!(e, BatchError::Backpressure { limit: 3, .. })));
+    // Nothing of it was loaded: its ids and blocks are free.
+    let first = kv.submit(vec![req("o0", 0), req("o1", 1)]).await.unwrap();
+    assert_eq!((first.awaiting, first.rejected.len()), (2, 0));
+    // Taken, those two no longer count as queued: this batch reaches kvrecv, whose live limit
+    // takes one of the two (queued ones still counted, both would be refused here).
+    let second = kv.submit(vec![req("o2", 2), req("o3", 3)]).await.unwrap();
+    assert_eq!(second.awaiting, 1, "{second:?}");
+    assert!(
+        matches!(&second.rejected[..], [BatchError::Backpressure { .. }]),
+        "{second:?}"
+    );
+    kv.shutdown().await;
+}

@@ -425,7 +425,13 @@ impl Handler<LoadKvTo> for Receiver {
 
     /// As [`LoadKv`]; the reply goes to the host's channel.
     fn handle(&mut self, msg: LoadKvTo, ctx: &mut Context<Self>) -> Self::Result {
-        let LoadKvTo { batch, reply } = msg;
+        let LoadKvTo {
+            batch,
+            reply,
+            queued,
+        } = msg;
+        // Taken: its requests are no longer queued (admitted, they count as live instead).
+        drop(queued);
         Box::pin(
             <Self as Handler<LoadKv>>::handle(self, batch, ctx).map(move |r, _, _| {
                 // The host may have dropped its ticket: the batch proceeds all the same.

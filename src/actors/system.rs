@@ -47,12 +47,16 @@ pub struct Coordinator {
     /// What the BlockManager has ready for the next drain (one for every clone: an `Outbox`'s
     /// own `clone` copies).
     outbox: Arc<Outbox>,
+    /// The most requests live at once (`KvRecvConfig::max_live_requests`): also the most a
+    /// host may have queued with `KvRecv::submit` and not yet taken by the Receiver.
+    pub(crate) max_live: usize,
 }
 
 impl Coordinator {
     /// Start on the current arbiter (inside an actix `System`).
     pub fn start(parts: CoordinatorParts) -> Coordinator {
         let cfg = parts.config;
+        let max_live = cfg.max_live_requests;
         let labels = crate::telemetry::Labels::for_config(&cfg);
         let pool = parts
             .builtin_pool
@@ -84,6 +88,7 @@ impl Coordinator {
             block_manager,
             ownership,
             outbox,
+            max_live,
         }
     }
 

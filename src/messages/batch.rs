@@ -601,6 +601,44 @@ pub struct LoadKvTo {
     pub batch: LoadKv,
     /// Where the reply goes (dropped unanswered if the Receiver stopped).
     pub reply: tokio::sync::oneshot::Sender<LoadKvReply>,
+    /// Counts the batch's requests as queued until the Receiver takes the batch.
+    pub queued: Queued,
+}
+
+/// A batch's requests counted in a host's queue of submitted batches, until this is dropped
+/// (the Receiver took the batch, or a stopped one dropped it unread).
+#[derive(Debug)]
+pub struct Queued {
+    count: Arc<std::sync::atomic::AtomicUsize>,
+    n: usize,
+}
+
+impl Queued {
+    /// Count `n` more requests in `count`, unless that would make more than `limit`: then
+    /// `Err` with how many are queued already.
+    pub fn try_add(
+        count: &Arc<std::sync::atomic::AtomicUsize>,
+        n: usize,
+        limit: usize,
+    ) -> Result<Queued, usize> {
+        use std::sync::atomic::Ordering;
+        let before = count.fetch_add(n, Ordering::AcqRel);
+        if before.saturating_add(n) > limit {
+            count.fetch_sub(n, Ordering::AcqRel);
+            return Err(before);
+        }
+        Ok(Queued {
+            count: Arc::clone(count),
+            n,
+        })
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        self.count
+            .fetch_sub(self.n, std::sync::atomic::Ordering::AcqRel);
+    }
 }
 
 /// Host -> Receiver: [`LoadKv`] for a host that reads its requests itself (`serve` reads its

@@ -28,7 +28,7 @@ pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
 pub use admit::Admit;
 pub use batch::{
     BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
-    RequestMeta, SharedRequest,
+    Queued, RequestMeta, SharedRequest,
 };
 pub use completion::{Completion, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, Handed, StepOutput};
