@@ -5,8 +5,9 @@ use std::rc::Rc;
 use std::sync::Arc;
 use std::time::Duration;
 
+use kvrecv::actors::block_ledger::DEFAULT_MAX_LIVE;
 use kvrecv::actors::topology::StaticTopology;
-use kvrecv::actors::{CoordinatorParts, EventSink, ScriptedTransport};
+use kvrecv::actors::{CoordinatorParts, EventSink, OpenedPull, ScriptedTransport};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::KvRecv;
 use kvrecv::layout::KvLayout;
@@ -14,16 +15,24 @@ use kvrecv::messages::{BatchError, KvEvent, KvRequest, ReqId, XferStatus};
 use kvrecv::rdma::StaticLanding;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn host_runtime_loads_and_drains_through_the_handle() {
+/// A handle on custom parts: one scripted peer of engine "e0", one layer of 8 blocks, at most
+/// `max_live` requests live; the pulls it opens and every event come back with it.
+fn scripted(
+    max_live: usize,
+) -> (
+    KvRecv,
+    UnboundedReceiver<OpenedPull>,
+    UnboundedReceiver<KvEvent>,
+) {
     let (tx, rx) = std::sync::mpsc::channel();
     let kv = KvRecv::from_parts(move || {
         let (transport, opened) = ScriptedTransport::new();
-        let (events, released) = EventSink::channel();
-        tx.send((opened, released)).unwrap();
+        let (events, rx) = EventSink::channel();
+        tx.send((opened, rx)).unwrap();
         CoordinatorParts {
             config: KvRecvConfig {
                 layout: KvLayout::uniform(1, 64, 8),
+                max_live_requests: max_live,
                 ..Default::default()
             },
             topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", 1, 1)])),
@@ -34,14 +43,25 @@ async fn host_runtime_loads_and_drains_through_the_handle() {
         }
     })
     .unwrap();
-    let (mut opened, mut events) = rx.recv().unwrap();
-    let r1 = || KvRequest {
-        req_id: "r1".into(),
-        transfer_id: Some("t1".into()),
+    let (opened, events) = rx.recv().unwrap();
+    (kv, opened, events)
+}
+
+/// A request of engine "e0" for `block`.
+fn req(id: &str, block: u32) -> KvRequest {
+    KvRequest {
+        req_id: id.into(),
+        transfer_id: Some(format!("t-{id}")),
         remote_engine_id: Some("e0".into()),
         remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
-        block_ids: vec![vec![3]],
-    };
+        block_ids: vec![vec![block]],
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_runtime_loads_and_drains_through_the_handle() {
+    let (kv, mut opened, mut events) = scripted(DEFAULT_MAX_LIVE);
+    let r1 = || req("r1", 3);
     let reply = kv.load_kv(vec![r1()]).await.unwrap();
     assert_eq!(reply.awaiting, 1);
     let twice = kv.load_kv(vec![r1()]).await.unwrap();
@@ -196,31 +216,7 @@ fn the_readme_kv_transfer_config_is_accepted() {
 /// Peer has the pull). After shutdown a ticket says the worker stopped.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submitted_batches_keep_their_order_and_their_replies_wait_in_the_ticket() {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let kv = KvRecv::from_parts(move || {
-        let (transport, opened) = ScriptedTransport::new();
-        tx.send(opened).unwrap();
-        CoordinatorParts {
-            config: KvRecvConfig {
-                layout: KvLayout::uniform(1, 64, 8),
-                ..Default::default()
-            },
-            topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", 1, 1)])),
-            transport: Rc::new(transport),
-            landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
-            events: EventSink::none(),
-            builtin_pool: false,
-        }
-    })
-    .unwrap();
-    let mut opened = rx.recv().unwrap();
-    let req = |id: &str, block: u32| KvRequest {
-        req_id: id.into(),
-        transfer_id: Some(format!("t-{id}")),
-        remote_engine_id: Some("e0".into()),
-        remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
-        block_ids: vec![vec![block]],
-    };
+    let (kv, mut opened, _events) = scripted(DEFAULT_MAX_LIVE);
     // Neither ticket is polled before both batches are queued: the second is refused only if
     // the first was taken before it.
     let first = kv.submit(vec![req("r1", 1)]);
@@ -262,32 +258,8 @@ async fn submitted_batches_keep_their_order_and_their_replies_wait_in_the_ticket
 /// kvrecv saw anything); once kvrecv took a batch its requests count as live instead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submits_over_the_live_limit_are_refused_at_once_as_backpressure() {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let kv = KvRecv::from_parts(move || {
-        let (transport, opened) = ScriptedTransport::new();
-        tx.send(opened).unwrap();
-        CoordinatorParts {
-            config: KvRecvConfig {
-                layout: KvLayout::uniform(1, 64, 8),
-                max_live_requests: 3,
-                ..Default::default()
-            },
-            topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", 1, 1)])),
-            transport: Rc::new(transport),
-            landing: Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000])),
-            events: EventSink::none(),
-            builtin_pool: false,
-        }
-    })
-    .unwrap();
-    let _pulls_stay_unanswered = rx.recv().unwrap();
-    let req = |id: &str, block: u32| KvRequest {
-        req_id: id.into(),
-        transfer_id: Some(format!("t-{id}")),
-        remote_engine_id: Some("e0".into()),
-        remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
-        block_ids: vec![vec![block]],
-    };
+    // Pulls stay open, unanswered.
+    let (kv, _opened, _events) = scripted(3);
     let over = kv
         .submit((0..4).map(|i| req(&format!("o{i}"), i)).collect())
         .try_reply()
