@@ -600,12 +600,7 @@ impl Run<'_> {
         let mut after_settle_observed = hist.clone();
         // Warm-up: bootstrap lookup cached, libzmq threads up.
         let warm = d.load_kv(vec![self.request(0, 0)]).await?;
-        // A refused request would never complete: stop instead of waiting for it.
-        if let Some(e) = warm.rejected.first() {
-            return Err(ReproError::Scenario(format!(
-                "load_kv refused the warm-up request: {e}"
-            )));
-        }
+        refused(&warm)?;
         while !matches!(
             stamped.next().await,
             Some((_, _, KvEvent::Completion { .. })) | None
@@ -638,8 +633,18 @@ impl Run<'_> {
                 next += n;
                 outstanding += n;
             }
-            // Replies read when they are there; one still missing after a quiet spell is
-            // awaited (a refused request would never complete: the loop stops on it).
+            // Replies read when they are there (an awaited one, on the actors' thread, at
+            // once); one still missing after a quiet spell is awaited (a refused request would
+            // never complete: the loop stops on it).
+            while let Some(t) = tickets.pop_front() {
+                match t.try_reply() {
+                    Ok(reply) => refused(&reply?)?,
+                    Err(t) => {
+                        tickets.push_front(t);
+                        break;
+                    }
+                }
+            }
             let ev = match tickets.is_empty() {
                 true => stamped.next().await,
                 false => match tokio::time::timeout(TICKET_CHECK, stamped.next()).await {
@@ -652,15 +657,6 @@ impl Run<'_> {
                     }
                 },
             };
-            while let Some(t) = tickets.pop_front() {
-                match t.try_reply() {
-                    Ok(reply) => refused(&reply?)?,
-                    Err(t) => {
-                        tickets.push_front(t);
-                        break;
-                    }
-                }
-            }
             let Some((emitted, at, ev)) = ev else {
                 return Err(ReproError::Scenario("event stream closed".into()));
             };
