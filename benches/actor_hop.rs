@@ -5,7 +5,16 @@
 //! `cargo bench --bench actor_hop`: `round_trip` is `send(..).await` of a message whose handler
 //! does nothing, from a task to an idle actor and back; `one_way_burst` is `do_send` of a burst
 //! of 1,000 such messages, per message (the actor handles them in few polls: a lower bound).
+//!
+//! `pipeline/*` sends one request's messages through actors whose handlers do nothing else: the
+//! floor of a request at batch 1 with one peer, for the design's four stages
+//! (`pipeline/four_stages`: the host's `load_kv` round trip, the Receiver's admission round trip
+//! to the BlockManager, aggregate, pull, settles, completions, three events, the drain and its
+//! `Handed`) and for one where the Receiver, the aggregator and the BlockManager are one actor
+//! and the Peer another (`pipeline/two_stages`: the same less the admission round trip,
+//! `Aggregate` and `Completions`). A Peer's channel to P is left out of both.
 
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
@@ -42,6 +51,151 @@ impl Handler<Note> for Echo {
 
 const BURST: u64 = 1_000;
 
+/// The pipeline's messages: plain ids, as small as a request's own would be.
+#[derive(Message)]
+#[rtype(result = "()")]
+struct Step(u64);
+
+#[derive(Message)]
+#[rtype(result = "bool")]
+struct Ask(u64);
+
+type Events = tokio::sync::mpsc::UnboundedSender<u64>;
+type Outbox = Arc<Mutex<Vec<u64>>>;
+
+/// The BlockManager's share: admits, takes completions (outbox + the release event), `Handed`.
+struct Manager {
+    outbox: Outbox,
+    events: Events,
+}
+impl Actor for Manager {
+    type Context = Context<Self>;
+}
+impl Handler<Ask> for Manager {
+    type Result = bool;
+    fn handle(&mut self, _: Ask, _: &mut Context<Self>) -> bool {
+        true
+    }
+}
+impl Handler<Step> for Manager {
+    type Result = ();
+    fn handle(&mut self, m: Step, _: &mut Context<Self>) {
+        // A completion (odd ids are `Handed`, which does nothing here).
+        if m.0 % 2 == 0 {
+            self.outbox.lock().unwrap().push(m.0);
+            let _ = self.events.send(m.0);
+        }
+    }
+}
+
+/// The aggregator's share: a settle becomes a completion event and a completion message.
+struct Aggregator {
+    manager: Addr<Manager>,
+    events: Events,
+}
+impl Actor for Aggregator {
+    type Context = Context<Self>;
+}
+impl Handler<Step> for Aggregator {
+    type Result = ();
+    fn handle(&mut self, m: Step, _: &mut Context<Self>) {
+        // `Aggregate` (odd) registers; a settle (even) completes.
+        if m.0 % 2 == 0 {
+            let _ = self.events.send(m.0);
+            self.manager.do_send(Step(m.0));
+        }
+    }
+}
+
+/// A Peer: a pull's settle event, and its settles to whoever aggregates.
+struct PeerStage {
+    settles: Recipient<Step>,
+    events: Events,
+}
+impl Actor for PeerStage {
+    type Context = Context<Self>;
+}
+impl Handler<Step> for PeerStage {
+    type Result = ();
+    fn handle(&mut self, m: Step, _: &mut Context<Self>) {
+        let _ = self.events.send(m.0);
+        self.settles.do_send(Step(m.0));
+    }
+}
+
+/// The Receiver of the four-stage design: admission round trip, then aggregate and pull.
+struct Entry {
+    manager: Addr<Manager>,
+    aggregator: Addr<Aggregator>,
+    peer: Addr<PeerStage>,
+}
+impl Actor for Entry {
+    type Context = Context<Self>;
+}
+impl Handler<Ask> for Entry {
+    type Result = ResponseActFuture<Self, bool>;
+    fn handle(&mut self, m: Ask, _: &mut Context<Self>) -> Self::Result {
+        Box::pin(
+            self.manager
+                .send(Ask(m.0))
+                .into_actor(self)
+                .map(move |ok, act, _| {
+                    act.aggregator.do_send(Step(m.0 + 1));
+                    act.peer.do_send(Step(m.0));
+                    ok.unwrap_or(false)
+                }),
+        )
+    }
+}
+
+/// Receiver, aggregator and BlockManager in one actor: admission in place, a settle completes
+/// in place.
+struct Core {
+    peer: Option<Addr<PeerStage>>,
+    outbox: Outbox,
+    events: Events,
+}
+impl Actor for Core {
+    type Context = Context<Self>;
+}
+impl Handler<Ask> for Core {
+    type Result = bool;
+    fn handle(&mut self, m: Ask, _: &mut Context<Self>) -> bool {
+        if let Some(p) = &self.peer {
+            p.do_send(Step(m.0));
+        }
+        true
+    }
+}
+impl Handler<Step> for Core {
+    type Result = ();
+    fn handle(&mut self, m: Step, _: &mut Context<Self>) {
+        if m.0 % 2 == 0 {
+            let _ = self.events.send(m.0);
+            self.outbox.lock().unwrap().push(m.0);
+            let _ = self.events.send(m.0);
+        }
+    }
+}
+
+/// The host's side of one request: `load_kv`, wait for the release event (the third), drain,
+/// hand over.
+async fn one_request(
+    id: u64,
+    entry: &Recipient<Ask>,
+    handed: &Recipient<Step>,
+    events: &mut tokio::sync::mpsc::UnboundedReceiver<u64>,
+    outbox: &Outbox,
+) {
+    assert!(entry.send(Ask(id)).await.unwrap());
+    for _ in 0..3 {
+        events.recv().await.unwrap();
+    }
+    let out = std::mem::take(&mut *outbox.lock().unwrap());
+    assert_eq!(out, [id]);
+    handed.do_send(Step(id + 1));
+}
+
 fn bench(c: &mut Criterion) {
     let sys = actix::System::new();
     let echo = sys.block_on(async { Echo(0).start() });
@@ -75,6 +229,76 @@ fn bench(c: &mut Criterion) {
             })
         })
     });
+    g.finish();
+
+    let mut g = c.benchmark_group("pipeline");
+    g.measurement_time(Duration::from_secs(3));
+    for two in [false, true] {
+        let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        let outbox = Outbox::default();
+        let (entry, handed): (Recipient<Ask>, Recipient<Step>) = sys.block_on(async {
+            if two {
+                let core = Core::create(|ctx| Core {
+                    peer: Some(
+                        PeerStage {
+                            settles: ctx.address().recipient(),
+                            events: tx.clone(),
+                        }
+                        .start(),
+                    ),
+                    outbox: outbox.clone(),
+                    events: tx.clone(),
+                });
+                (core.clone().recipient(), core.recipient())
+            } else {
+                let manager = Manager {
+                    outbox: outbox.clone(),
+                    events: tx.clone(),
+                }
+                .start();
+                let aggregator = Aggregator {
+                    manager: manager.clone(),
+                    events: tx.clone(),
+                }
+                .start();
+                let peer = PeerStage {
+                    settles: aggregator.clone().recipient(),
+                    events: tx.clone(),
+                }
+                .start();
+                let entry = Entry {
+                    manager: manager.clone(),
+                    aggregator,
+                    peer,
+                }
+                .start();
+                (entry.recipient(), manager.recipient())
+            }
+        });
+        let name = if two { "two_stages" } else { "four_stages" };
+        let mut next = 0u64;
+        let mut events = Some(events);
+        g.bench_function(name, |b| {
+            b.iter_custom(|iters| {
+                // The host is a task on the actors' thread, as in `benches/core.rs`.
+                let (entry, handed, outbox) = (entry.clone(), handed.clone(), outbox.clone());
+                let mut rx = events.take().expect("returned by the last run");
+                let first = next;
+                next += 2 * iters;
+                let (elapsed, rx) = sys
+                    .block_on(actix::spawn(async move {
+                        let t0 = Instant::now();
+                        for i in 1..=iters {
+                            one_request(first + 2 * i, &entry, &handed, &mut rx, &outbox).await;
+                        }
+                        (t0.elapsed(), rx)
+                    }))
+                    .unwrap();
+                events = Some(rx);
+                elapsed
+            })
+        });
+    }
     g.finish();
 }
 

@@ -35,6 +35,8 @@ pub struct Aggregate {
     pub pulls: Range<PullId>,
     /// One state per awaited request, its peers already known.
     pub states: Vec<AggregatorState>,
+    /// When the Receiver took the batch (a completion's latency counts from there).
+    pub since: Instant,
 }
 
 /// Receiver -> RequestAggregator: these requests have no possible writer (topology failure,
@@ -181,7 +183,7 @@ impl Handler<Aggregate> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, msg: Aggregate, _ctx: &mut Context<Self>) {
-        let since = Instant::now();
+        let since = msg.since;
         self.live.reserve(msg.states.len());
         for state in msg.states {
             let id = state.req().req_id.clone();
@@ -316,6 +318,7 @@ mod tests {
         agg.send(Aggregate {
             pulls: 7..8,
             states: vec![state],
+            since: Instant::now(),
         })
         .await
         .unwrap();

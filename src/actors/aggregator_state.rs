@@ -510,8 +510,8 @@ mod tests {
     struct Unbacked;
 
     impl Landing for Unbacked {
-        fn endpoint(&self) -> (String, u32) {
-            (String::new(), 0)
+        fn endpoint(&self) -> (&str, u32) {
+            ("", 0)
         }
         fn open_pull(&self, _w: &crate::rdma::PullWindow<'_>) -> Vec<u64> {
             vec![]

@@ -40,35 +40,16 @@ pub fn validate_metas(
     requests: impl ExactSizeIterator<Item = Result<RequestMeta, BatchError>>,
     layout: &KvLayout,
 ) -> Validated {
-    // Each request checked alone, then the batch for duplicates, the sets keyed by the checked
-    // requests' own strings (borrowed: no reference count touched per key).
-    #[derive(Clone, Copy)]
-    enum Dup {
-        No,
-        Id,
-        Transfer,
-    }
+    // Each request checked alone, then the batch for duplicates.
     let checked: Vec<Result<SharedRequest, BatchError>> = requests
         .map(|m| m.and_then(|m| check_blocks(&m, layout).map(|_| Arc::new(m))))
         .collect();
-    let mut dups: smallvec::SmallVec<[Dup; 64]> = smallvec::SmallVec::new();
-    {
-        let n = checked.len();
-        let mut seen = FastSet::with_capacity_and_hasher(n, Default::default());
-        let mut transfers = FastSet::with_capacity_and_hasher(n, Default::default());
-        for m in checked.iter().filter_map(|r| r.as_ref().ok()) {
-            dups.push(if seen.contains(&*m.req_id) {
-                Dup::Id
-            } else if m.is_awaiting()
-                && !transfers.insert((&*m.bootstrap_addr, &*m.engine_id, &*m.transfer_id))
-            {
-                Dup::Transfer
-            } else {
-                seen.insert(&*m.req_id);
-                Dup::No
-            });
-        }
-    }
+    let passed = || checked.iter().filter_map(|r| r.as_ref().ok()).map(|m| &**m);
+    let dups = if checked.len() <= SMALL_BATCH {
+        duplicates_by_scan(passed())
+    } else {
+        duplicates_by_set(passed(), checked.len())
+    };
     let mut out = Validated::default();
     let mut dups = dups.into_iter();
     for (i, r) in checked.into_iter().enumerate() {
@@ -98,6 +79,68 @@ pub fn validate_metas(
         }
     }
     out
+}
+
+/// A request's standing in its batch: first of its id and transfer, or a repeat of either.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dup {
+    No,
+    Id,
+    Transfer,
+}
+
+/// Up to this many requests a batch is checked for repeats by comparing each with those kept
+/// before it: cheaper than building two hash sets (most batches at low load are this small).
+const SMALL_BATCH: usize = 8;
+
+/// One verdict per request, in order. An id repeats one kept earlier; a transfer repeats an
+/// awaited one kept earlier (same bootstrap, engine and transfer id).
+fn duplicates_by_scan<'a>(
+    metas: impl Iterator<Item = &'a RequestMeta>,
+) -> smallvec::SmallVec<[Dup; 64]> {
+    let mut kept: smallvec::SmallVec<[&RequestMeta; SMALL_BATCH]> = smallvec::SmallVec::new();
+    metas
+        .map(|m| {
+            let same_transfer = |k: &&RequestMeta| {
+                k.is_awaiting()
+                    && k.transfer_id == m.transfer_id
+                    && k.engine_id == m.engine_id
+                    && k.bootstrap_addr == m.bootstrap_addr
+            };
+            if kept.iter().any(|k| k.req_id == m.req_id) {
+                Dup::Id
+            } else if m.is_awaiting() && kept.iter().any(same_transfer) {
+                Dup::Transfer
+            } else {
+                kept.push(m);
+                Dup::No
+            }
+        })
+        .collect()
+}
+
+/// [`duplicates_by_scan`]'s verdicts through hash sets keyed by the requests' own strings
+/// (borrowed: no reference count touched per key).
+fn duplicates_by_set<'a>(
+    metas: impl Iterator<Item = &'a RequestMeta>,
+    n: usize,
+) -> smallvec::SmallVec<[Dup; 64]> {
+    let mut seen = FastSet::with_capacity_and_hasher(n, Default::default());
+    let mut transfers = FastSet::with_capacity_and_hasher(n, Default::default());
+    metas
+        .map(|m| {
+            if seen.contains(&*m.req_id) {
+                Dup::Id
+            } else if m.is_awaiting()
+                && !transfers.insert((&*m.bootstrap_addr, &*m.engine_id, &*m.transfer_id))
+            {
+                Dup::Transfer
+            } else {
+                seen.insert(&*m.req_id);
+                Dup::No
+            }
+        })
+        .collect()
 }
 
 /// Layout-level checks on top of [`KvRequest::validate`].
@@ -237,6 +280,30 @@ pub fn pull_metadata_ref<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    proptest::proptest! {
+        /// Small batches are checked by scanning, large ones through hash sets: both give
+        /// every request the same verdict.
+        #[test]
+        fn both_duplicate_checks_agree(
+            batch in proptest::collection::vec(
+                (0u8..6, 0u8..4, 0u8..2, proptest::bool::ANY), 0..24),
+        ) {
+            let metas: Vec<RequestMeta> = batch
+                .iter()
+                .map(|&(id, transfer, engine, awaiting)| RequestMeta {
+                    req_id: format!("r{id}").as_str().into(),
+                    transfer_id: format!("t{transfer}").as_str().into(),
+                    engine_id: format!("e{engine}").as_str().into(),
+                    bootstrap_addr: "http://p:1".into(),
+                    block_ids: if awaiting { vec![vec![1]] } else { vec![] },
+                })
+                .collect();
+            let scan = duplicates_by_scan(metas.iter());
+            let set = duplicates_by_set(metas.iter(), metas.len());
+            proptest::prop_assert_eq!(scan, set);
+        }
+    }
 
     fn kv(id: &str, engine: &str, blocks: Vec<Vec<u32>>) -> KvRequest {
         KvRequest {

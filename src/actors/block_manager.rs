@@ -288,8 +288,8 @@ mod tests {
     }
 
     impl Landing for Copying {
-        fn endpoint(&self) -> (String, u32) {
-            (String::new(), 0)
+        fn endpoint(&self) -> (&str, u32) {
+            ("", 0)
         }
         fn open_pull(&self, _w: &PullWindow<'_>) -> Vec<u64> {
             vec![]

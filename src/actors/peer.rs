@@ -95,7 +95,7 @@ struct Live {
     /// `stale` events emitted for this pull; past [`STALE_EVENTS_PER_PULL`] stale ids are only
     /// counted.
     stale_events: u32,
-    started: Instant,
+    started: tokio::time::Instant,
     span: tracing::Span,
     /// Set on a clean FINISH, so the transport may reuse the channel.
     finish: CleanFinish,
@@ -211,7 +211,9 @@ impl Peer {
             mux
         });
         let stream = mux.add(stream.boxed_local());
-        let deadline = self.deadline_from_now(ctx);
+        let started = tokio::time::Instant::now();
+        let deadline = started + self.cfg.pull_timeout;
+        self.arm_timer(deadline, ctx);
         self.live.insert(
             pull_id,
             Live {
@@ -219,7 +221,7 @@ impl Peer {
                 deadline,
                 idle_restarts: carried,
                 stale_events: 0,
-                started: Instant::now(),
+                started,
                 span,
                 finish,
                 stray: false,

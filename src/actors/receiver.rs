@@ -59,6 +59,11 @@ pub struct Receiver {
     aborted: Vec<SharedRequest>,
     /// Engine ids and bootstrap addresses, shared by every request that names them.
     interner: Interner,
+    /// Per engine, the source's last cached topology and this worker's peers in it.
+    derived: FastMap<EngineKey, (Arc<EngineTopology>, Arc<[PeerId]>)>,
+    /// How every request's settles are aggregated: the same for each (one allocation, not one
+    /// per batch).
+    rules: Arc<AggregationRules>,
     /// Metadata encoder (a seam so a test can make it fail).
     encode: fn(&MetadataRef<'_>, Option<&MetadataTail>) -> Result<Vec<u8>, WireError>,
     /// The layout's arrays every pull's metadata carries.
@@ -93,6 +98,12 @@ impl Receiver {
         ))
         .inspect_err(|e| tracing::warn!(error = %e, "cannot pre-encode the layout's metadata"))
         .ok();
+        let rules = Arc::new(AggregationRules {
+            policy: cfg.policy,
+            transport_failures_uncertain: cfg.mooncake_protocol
+                == crate::config::MooncakeProtocol::Rdma,
+            verifier: Some(landing.clone()),
+        });
         Receiver {
             cfg,
             topology,
@@ -107,6 +118,8 @@ impl Receiver {
             undispatched: FastMap::default(),
             aborted: Vec::new(),
             interner: Interner::default(),
+            derived: FastMap::default(),
+            rules,
             encode: |md, tail| match tail {
                 Some(t) => md.encode_with(t),
                 None => md.encode(),
@@ -124,23 +137,32 @@ impl Receiver {
     }
 
     /// The RequestAggregator, started on first use (on this arbiter, like the Receiver).
-    fn aggregator(&mut self) -> Addr<RequestAggregator> {
-        self.aggregator
-            .get_or_insert_with(|| {
-                RequestAggregator::new(self.block_manager.clone(), self.events.clone())
-                    .with_labels(self.labels.clone())
-                    .start()
-            })
-            .clone()
+    /// (Borrowed: cloning an `Addr` allocates.)
+    fn aggregator(&mut self) -> &Addr<RequestAggregator> {
+        self.aggregator.get_or_insert_with(|| {
+            RequestAggregator::new(self.block_manager.clone(), self.events.clone())
+                .with_labels(self.labels.clone())
+                .start()
+        })
     }
 
-    fn peer(&mut self, id: &PeerId) -> Addr<Peer> {
+    /// Hand `msg` to the Peer of `id` (started if there is none), marking it used at `now`.
+    fn hand_peer<M>(&mut self, id: &PeerId, now: tokio::time::Instant, msg: M)
+    where
+        M: actix::Message + Send + 'static,
+        M::Result: Send,
+        Peer: Handler<M>,
+    {
         if let Some(slot) = self.peers.get_mut(id) {
-            slot.used = tokio::time::Instant::now();
-            return slot.addr.clone();
+            slot.used = now;
+            return slot.addr.do_send(msg);
         }
+        self.start_peer(id, now).do_send(msg);
+    }
+
+    fn start_peer(&mut self, id: &PeerId, now: tokio::time::Instant) -> Addr<Peer> {
         let (pid, transport, events) = (id.clone(), self.transport.clone(), self.events.clone());
-        let aggregator = self.aggregator().recipient();
+        let aggregator = self.aggregator().clone().recipient();
         let cfg = PeerConfig {
             pull_timeout: self.cfg.pull_timeout,
             backoff_base: self.cfg.peer_backoff_base,
@@ -156,7 +178,7 @@ impl Receiver {
             id.clone(),
             PeerSlot {
                 addr: addr.clone(),
-                used: tokio::time::Instant::now(),
+                used: now,
             },
         );
         self.labels.gauge(m::PEERS).set(self.peers.len() as f64);
@@ -183,6 +205,7 @@ impl Receiver {
             .forget_idle(Instant::now(), after);
         for (bootstrap, engine) in &forgotten {
             self.topology.invalidate(bootstrap, engine);
+            self.derived.remove(&(bootstrap.clone(), engine.clone()));
         }
         if idle.is_empty() {
             return;
@@ -249,11 +272,39 @@ impl Receiver {
         }
     }
 
+    /// This worker's peers in a looked-up topology.
+    fn derive_peers(
+        &self,
+        topo: Result<EngineTopology, TopologyError>,
+    ) -> Result<Arc<[PeerId]>, TopologyError> {
+        topo.and_then(|t| t.peers_for(self.cfg.d_rank))
+            .map(Arc::from)
+    }
+
+    /// This worker's peers in the source's cached topology of `key`: derived again only when
+    /// the source holds another topology than last time (compared by identity).
+    fn peers_of(
+        &mut self,
+        key: &EngineKey,
+        topo: Arc<EngineTopology>,
+    ) -> Result<Arc<[PeerId]>, TopologyError> {
+        if let Some((known, peers)) = self.derived.get(key) {
+            if Arc::ptr_eq(known, &topo) {
+                return Ok(peers.clone());
+            }
+        }
+        let peers: Arc<[PeerId]> = topo.peers_for(self.cfg.d_rank)?.into();
+        self.derived.insert(key.clone(), (topo, peers.clone()));
+        Ok(peers)
+    }
+
+    /// `now`: when the batch was taken (one clock read for all its engines and peers).
     fn dispatch(
         &mut self,
         key: EngineKey,
         group: Vec<SharedRequest>,
-        topo: Result<EngineTopology, TopologyError>,
+        peers: Result<Arc<[PeerId]>, TopologyError>,
+        now: Instant,
     ) {
         let mut group = group;
         if !self.aborted.is_empty() {
@@ -271,38 +322,28 @@ impl Receiver {
                 return;
             }
         }
-        let peers = match topo.and_then(|t| t.peers_for(self.cfg.d_rank)) {
+        let peers = match peers {
             Ok(p) => p,
             Err(e) => return self.fail_batch(&key, group, e),
         };
-        let down = self
-            .rediscovery
-            .borrow_mut()
-            .lookup_ok(&key, &peers, Instant::now());
+        let down = self.rediscovery.borrow_mut().lookup_ok(&key, &peers, now);
         if let Some(why) = down {
             return self.fail_unreachable(group, why);
         }
         // The aggregator learns the requests first, so no settle can arrive before its state
         // exists (one mailbox). The batch's pulls are the next ids, one per peer.
         let pulls = crate::messages::ids::next_pull_ids(peers.len() as u64);
-        let rdma = self.cfg.mooncake_protocol == crate::config::MooncakeProtocol::Rdma;
-        let shared_peers: Arc<[PeerId]> = peers.as_slice().into();
-        let rules = Arc::new(AggregationRules {
-            policy: self.cfg.policy,
-            transport_failures_uncertain: rdma,
-            verifier: Some(self.landing.clone()),
-        });
+        let rules = &self.rules;
         let states: Vec<AggregatorState> = group
             .iter()
             .filter(|r| r.is_awaiting())
-            .map(|req| {
-                AggregatorState::with_rules(req.clone(), shared_peers.clone(), rules.clone())
-            })
+            .map(|req| AggregatorState::with_rules(req.clone(), peers.clone(), rules.clone()))
             .collect();
         if !states.is_empty() {
             self.aggregator().do_send(Aggregate {
                 pulls: pulls.clone(),
                 states,
+                since: now,
             });
         }
         let mut requests: Vec<PullRequest> = group
@@ -320,7 +361,9 @@ impl Receiver {
             some_not_awaited = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
             &some_not_awaited
         };
-        let (host, port) = self.landing.endpoint();
+        let landing = self.landing.clone();
+        let (host, port) = landing.endpoint();
+        let used = tokio::time::Instant::now();
         let req_blocks = batch_plan::req_blocks(&group);
         for (k, (peer, pull_id)) in peers.iter().zip(pulls.clone()).enumerate() {
             // Each pull owns its requests; the last one takes the list itself.
@@ -329,7 +372,7 @@ impl Receiver {
             } else {
                 requests.clone()
             };
-            let bases = self.landing.open_pull(&PullWindow {
+            let bases = landing.open_pull(&PullWindow {
                 pull_id,
                 peer,
                 requests: awaiting,
@@ -337,27 +380,36 @@ impl Receiver {
             let md = batch_plan::pull_metadata_ref(
                 &self.layout_arrays,
                 self.cfg.d_rank,
-                (&host, port),
+                (host, port),
                 req_blocks.clone(),
                 &bases,
             );
             let encoded = (self.encode)(&md, self.layout_tail.as_ref());
             match encoded {
-                Ok(payload) => self.peer(peer).do_send(Pull {
-                    pull_id,
-                    payload,
-                    requests,
-                }),
+                Ok(payload) => self.hand_peer(
+                    peer,
+                    used,
+                    Pull {
+                        pull_id,
+                        payload,
+                        requests,
+                    },
+                ),
                 Err(e) => {
                     // Nothing was sent, so nothing can be written: the peer settles the pull
                     // Failed and every aggregator still reaches zero.
                     self.labels.counter(m::UNSENT_PULLS).increment(1);
                     tracing::error!(error = %e, %peer, pull_id, "cannot encode metadata; failing the pull");
-                    self.peer(peer).do_send(UnsentPull {
-                        pull_id,
-                        requests,
-                        reason: format!("pull not sent: cannot encode its metadata: {e}"),
-                    });
+                    let reason = format!("pull not sent: cannot encode its metadata: {e}");
+                    self.hand_peer(
+                        peer,
+                        used,
+                        UnsentPull {
+                            pull_id,
+                            requests,
+                            reason,
+                        },
+                    );
                 }
             }
         }
@@ -572,8 +624,9 @@ impl Receiver {
             tracing::warn!(error = %e, "request refused at load_kv");
         }
         reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
+        let now = Instant::now();
         for (key, group) in groups {
-            let plan = self.rediscovery.borrow_mut().plan(&key, Instant::now());
+            let plan = self.rediscovery.borrow_mut().plan(&key, now);
             match plan {
                 Plan::Fail(why) => {
                     self.fail_unreachable(group, why);
@@ -587,15 +640,25 @@ impl Receiver {
                 }
                 Plan::Lookup => {}
             }
-            // A cached topology is ready at once: dispatched now, not through a future the
-            // context polls on its next turn.
+            // A cached topology is ready at once: dispatched now (no abort can come in
+            // between), its peers derived once per topology.
+            if let Some(topo) = self.topology.cached(&key.0, &key.1) {
+                let peers = self.peers_of(&key, topo);
+                self.dispatch(key, group, peers, now);
+                continue;
+            }
+            // Otherwise dispatched now if the lookup is ready at once, not through a future
+            // the context polls on its next turn.
             let mut lookup = self.topology.lookup(&key.0, &key.1);
             let ready = lookup.as_mut().poll(&mut std::task::Context::from_waker(
                 futures::task::noop_waker_ref(),
             ));
             match ready {
                 // Dispatched within this handler: no abort can come in between.
-                std::task::Poll::Ready(topo) => self.dispatch(key, group, topo),
+                std::task::Poll::Ready(topo) => {
+                    let peers = self.derive_peers(topo);
+                    self.dispatch(key, group, peers, now)
+                }
                 // Until the lookup answers, an abort finds the request here.
                 std::task::Poll::Pending => {
                     for r in group.iter().filter(|r| r.is_awaiting()) {
@@ -605,7 +668,8 @@ impl Receiver {
                         for r in &group {
                             act.forget_undispatched(r);
                         }
-                        act.dispatch(key, group, topo)
+                        let peers = act.derive_peers(topo);
+                        act.dispatch(key, group, peers, Instant::now())
                     }));
                 }
             }

@@ -2,6 +2,7 @@
 //! from (the HTTP bootstrap client in `control`, or a fixed table).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use futures::future::LocalBoxFuture;
 use thiserror::Error;
@@ -293,6 +294,13 @@ pub trait TopologySource: 'static {
         engine_id: &str,
     ) -> LocalBoxFuture<'static, Result<EngineTopology, TopologyError>>;
 
+    /// The topology `lookup` would answer at once, shared rather than copied, if there is one
+    /// (the Receiver asks this first: it keeps the peers it derived from the same `Arc`).
+    /// `None` (the default) sends every batch through `lookup`.
+    fn cached(&self, _bootstrap: &str, _engine_id: &str) -> Option<Arc<EngineTopology>> {
+        None
+    }
+
     /// Forget a cached topology (called after a topology failure, DESIGN.md §4 rule 7).
     fn invalidate(&self, bootstrap: &str, engine_id: &str);
 }
@@ -300,7 +308,7 @@ pub trait TopologySource: 'static {
 /// A fixed table of engines (tests, and hosts that know their peers).
 #[derive(Debug, Default, Clone)]
 pub struct StaticTopology {
-    engines: BTreeMap<String, EngineTopology>,
+    engines: BTreeMap<String, Arc<EngineTopology>>,
 }
 
 impl StaticTopology {
@@ -309,7 +317,7 @@ impl StaticTopology {
         StaticTopology {
             engines: engines
                 .into_iter()
-                .map(|e| (e.engine_id.clone(), e))
+                .map(|e| (e.engine_id.clone(), Arc::new(e)))
                 .collect(),
         }
     }
@@ -340,12 +348,16 @@ impl TopologySource for StaticTopology {
         let r = self
             .engines
             .get(engine_id)
-            .cloned()
+            .map(|t| EngineTopology::clone(t))
             .ok_or_else(|| TopologyError::UnknownEngine {
                 engine_id: engine_id.into(),
                 bootstrap: bootstrap.into(),
             });
         Box::pin(async move { r })
+    }
+
+    fn cached(&self, _bootstrap: &str, engine_id: &str) -> Option<Arc<EngineTopology>> {
+        self.engines.get(engine_id).cloned()
     }
 
     fn invalidate(&self, _bootstrap: &str, _engine_id: &str) {}

@@ -517,7 +517,8 @@ fn ready_line(
     target: &DataTarget,
     control_cpu: Option<usize>,
 ) -> serde_json::Value {
-    let (host, port) = target.landing().endpoint();
+    let landing = target.landing();
+    let (host, port) = landing.endpoint();
     let (data_plane, bases) = target.ready();
     let regions: Vec<_> = cfg
         .layout

@@ -11,6 +11,7 @@
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use futures::future::{LocalBoxFuture, Shared};
@@ -59,7 +60,8 @@ type SharedQuery = Shared<LocalBoxFuture<'static, QueryResult>>;
 
 #[derive(Default)]
 struct Inner {
-    cache: HashMap<(String, String), EngineTopology>,
+    /// bootstrap -> engine id -> topology (nested, so a lookup by `&str` allocates nothing).
+    cache: HashMap<String, HashMap<String, Arc<EngineTopology>>>,
     /// bootstrap -> (generation, the request in flight).
     inflight: HashMap<String, (u64, SharedQuery)>,
     next_gen: u64,
@@ -91,10 +93,16 @@ impl HttpTopology {
 
     /// Whether a topology is cached (for tests and operators).
     pub fn is_cached(&self, bootstrap: &str, engine_id: &str) -> bool {
+        self.cached_topology(bootstrap, engine_id).is_some()
+    }
+
+    fn cached_topology(&self, bootstrap: &str, engine_id: &str) -> Option<Arc<EngineTopology>> {
         self.inner
             .borrow()
             .cache
-            .contains_key(&(bootstrap.to_owned(), engine_id.to_owned()))
+            .get(bootstrap)
+            .and_then(|engines| engines.get(engine_id))
+            .cloned()
     }
 
     fn query(&self, bootstrap: &str) -> (u64, SharedQuery, bool) {
@@ -190,13 +198,11 @@ impl TopologySource for HttpTopology {
         bootstrap: &str,
         engine_id: &str,
     ) -> LocalBoxFuture<'static, Result<EngineTopology, TopologyError>> {
-        let key = (bootstrap.to_owned(), engine_id.to_owned());
-        if let Some(t) = self.inner.borrow().cache.get(&key).cloned() {
-            self.labels
-                .counter_by(m::BOOTSTRAP_LOOKUPS, "result", "cached")
-                .increment(1);
+        if let Some(t) = self.cached(bootstrap, engine_id) {
+            let t = EngineTopology::clone(&t);
             return Box::pin(async move { Ok(t) });
         }
+        let key = (bootstrap.to_owned(), engine_id.to_owned());
         let (gen, fut, joined) = self.query(bootstrap);
         let inner = self.inner.clone();
         let cfg = self.cfg;
@@ -221,7 +227,10 @@ impl TopologySource for HttpTopology {
                             if joined { "joined" } else { "queried" },
                         )
                         .increment(1);
-                    st.cache.insert(key, t.clone());
+                    st.cache
+                        .entry(key.0)
+                        .or_default()
+                        .insert(key.1, Arc::new(t.clone()));
                 }
                 Err(e) => {
                     labels
@@ -234,9 +243,21 @@ impl TopologySource for HttpTopology {
         })
     }
 
+    fn cached(&self, bootstrap: &str, engine_id: &str) -> Option<Arc<EngineTopology>> {
+        let t = self.cached_topology(bootstrap, engine_id)?;
+        self.labels
+            .counter_by(m::BOOTSTRAP_LOOKUPS, "result", "cached")
+            .increment(1);
+        Some(t)
+    }
+
     fn invalidate(&self, bootstrap: &str, engine_id: &str) {
         let mut st = self.inner.borrow_mut();
-        st.cache
-            .remove(&(bootstrap.to_owned(), engine_id.to_owned()));
+        if let Some(engines) = st.cache.get_mut(bootstrap) {
+            engines.remove(engine_id);
+            if engines.is_empty() {
+                st.cache.remove(bootstrap);
+            }
+        }
     }
 }

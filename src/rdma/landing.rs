@@ -94,7 +94,7 @@ pub enum FenceError {
 /// The data plane, as the Receiver (windows) and the BlockManager (revoke, fence) see it.
 pub trait Landing: Send + Sync + 'static {
     /// `remote_hostname` and `remote_port` to advertise: where P's TE finds D's handshake daemon.
-    fn endpoint(&self) -> (String, u32);
+    fn endpoint(&self) -> (&str, u32);
 
     /// Open the pull's landing permit; returns the advertised base address of every region.
     fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64>;
@@ -128,7 +128,7 @@ pub trait Landing: Send + Sync + 'static {
 /// ```
 /// use kvrecv::rdma::{Landing, StaticLanding};
 /// let l = StaticLanding::new("10.0.0.7", 15000, vec![0x7e00_0000_0000]);
-/// assert_eq!(l.endpoint(), ("10.0.0.7".to_string(), 15000));
+/// assert_eq!(l.endpoint(), ("10.0.0.7", 15000));
 /// ```
 #[derive(Debug, Clone)]
 pub struct StaticLanding {
@@ -150,8 +150,8 @@ impl StaticLanding {
 }
 
 impl Landing for StaticLanding {
-    fn endpoint(&self) -> (String, u32) {
-        (self.host.clone(), self.port)
+    fn endpoint(&self) -> (&str, u32) {
+        (&self.host, self.port)
     }
 
     fn open_pull(&self, _window: &PullWindow<'_>) -> Vec<u64> {

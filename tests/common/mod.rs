@@ -63,8 +63,8 @@ impl ManualLanding {
 }
 
 impl Landing for ManualLanding {
-    fn endpoint(&self) -> (String, u32) {
-        ("127.0.0.1".into(), 15000)
+    fn endpoint(&self) -> (&str, u32) {
+        ("127.0.0.1", 15000)
     }
 
     fn open_pull(&self, w: &PullWindow<'_>) -> Vec<u64> {

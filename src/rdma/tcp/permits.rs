@@ -1131,8 +1131,8 @@ impl TcpLanding {
 }
 
 impl Landing for TcpLanding {
-    fn endpoint(&self) -> (String, u32) {
-        (self.host.clone(), self.port)
+    fn endpoint(&self) -> (&str, u32) {
+        (&self.host, self.port)
     }
 
     fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64> {

@@ -145,8 +145,8 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
 }
 
 impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
-    fn endpoint(&self) -> (String, u32) {
-        (self.host.clone(), self.port)
+    fn endpoint(&self) -> (&str, u32) {
+        (&self.host, self.port)
     }
 
     fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64> {
@@ -236,7 +236,7 @@ mod tests {
     fn endpoint_and_real_registered_bases_for_every_pull() {
         let t = shared();
         let l = landing(&t);
-        assert_eq!(l.endpoint(), ("10.0.0.7".to_string(), 15000));
+        assert_eq!(l.endpoint(), ("10.0.0.7", 15000));
         let peer = PeerId::new("tcp://p");
         let reqs = [Arc::new(request("r1"))];
         for pull_id in [1, 2, 77] {
