@@ -234,7 +234,7 @@ fn bench(c: &mut Criterion) {
     let mut g = c.benchmark_group("pipeline");
     g.measurement_time(Duration::from_secs(3));
     for two in [false, true] {
-        let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        let (tx, events) = tokio::sync::mpsc::unbounded_channel();
         let outbox = Outbox::default();
         let (entry, handed): (Recipient<Ask>, Recipient<Step>) = sys.block_on(async {
             if two {
