@@ -103,7 +103,7 @@ fn bench(c: &mut Criterion) {
                 // harness, not of the coordinator.
                 let (coord, reply) = (coord.clone(), reply.clone());
                 let mut rx = events.take().expect("returned by the last run");
-                let (elapsed, rx) = sys.block_on(actix::spawn(async move {
+                let host = async move {
                     let t0 = Instant::now();
                     for (requests, answer) in batches {
                         *reply.borrow_mut() = answer;
@@ -120,8 +120,8 @@ fn bench(c: &mut Criterion) {
                         assert_eq!(step.finished_recving.len(), batch);
                     }
                     (t0.elapsed(), rx)
-                }))
-                .unwrap();
+                };
+                let (elapsed, rx) = sys.block_on(async { actix::spawn(host).await.unwrap() });
                 events = Some(rx);
                 elapsed
             })
