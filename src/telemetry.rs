@@ -338,9 +338,83 @@ pub fn describe() {
     );
 }
 
+/// Handles an actor uses for every request, kept by that actor after their first use: the same
+/// series [`Labels`] hands out (bound, like those, to the recorder of their first use), without
+/// the shared table's lock, hash and reference count per use.
+#[derive(Default)]
+pub struct KeptHandles {
+    counters: std::cell::RefCell<smallvec::SmallVec<[(HandleKey, Counter); 6]>>,
+    histograms: std::cell::RefCell<smallvec::SmallVec<[(&'static str, Histogram); 2]>>,
+}
+
+impl KeptHandles {
+    /// Add `n` to counter `name` (with `label` = `value`, no extra label if `label` is empty).
+    pub fn increment(
+        &self,
+        labels: &Labels,
+        name: &'static str,
+        label: &'static str,
+        value: &'static str,
+        n: u64,
+    ) {
+        let k = key(name, label, value);
+        let mut kept = self.counters.borrow_mut();
+        if let Some((_, c)) = kept.iter().find(|(kk, _)| *kk == k) {
+            return c.increment(n);
+        }
+        let c = labels.counter_by(name, label, value);
+        c.increment(n);
+        kept.push((k, c));
+    }
+
+    /// Histogram `name`, to record into.
+    pub fn histogram(&self, labels: &Labels, name: &'static str) -> std::cell::Ref<'_, Histogram> {
+        let found = self
+            .histograms
+            .borrow()
+            .iter()
+            .position(|(n, _)| std::ptr::eq(*n, name));
+        let i = match found {
+            Some(i) => i,
+            None => {
+                let mut kept = self.histograms.borrow_mut();
+                kept.push((name, labels.histogram(name)));
+                kept.len() - 1
+            }
+        };
+        std::cell::Ref::map(self.histograms.borrow(), |h| &h[i].1)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A kept handle is the shared one: what it records is in the recorder's series.
+    #[cfg(feature = "cli")]
+    #[test]
+    fn kept_handles_record_into_the_labels_series() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            let labels = Labels::new("d", 0, 0);
+            let kept = KeptHandles::default();
+            kept.increment(&labels, SETTLES, "outcome", "ok", 2);
+            kept.increment(&labels, SETTLES, "outcome", "ok", 3);
+            kept.increment(&labels, SETTLES, "outcome", "failed", 1);
+            labels.counter_by(SETTLES, "outcome", "ok").increment(1);
+            kept.histogram(&labels, PULL_LATENCY).record(0.5);
+        });
+        let text = handle.render();
+        let line = |needle: &str| {
+            text.lines()
+                .find(|l| l.starts_with(SETTLES) && l.contains(needle))
+                .map(|l| l.rsplit(' ').next().unwrap().to_string())
+        };
+        assert_eq!(line("outcome=\"ok\"").as_deref(), Some("6"));
+        assert_eq!(line("outcome=\"failed\"").as_deref(), Some("1"));
+        assert!(text.contains(&format!("{PULL_LATENCY}_count{{")), "{text}");
+    }
 
     #[test]
     fn a_coordinators_labels_name_its_engine_and_ranks() {

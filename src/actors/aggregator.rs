@@ -20,7 +20,7 @@ use actix::{Actor, Addr, Context, Handler, Message};
 use crate::messages::{
     Completion, Completions, KvEvent, PullId, ReqId, Settle, Settles, SharedRequest,
 };
-use crate::telemetry::{self as m, Labels};
+use crate::telemetry::{self as m, KeptHandles, Labels};
 
 use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;
@@ -73,6 +73,8 @@ pub struct RequestAggregator {
     block_manager: Addr<BlockManager>,
     events: EventSink,
     labels: Labels,
+    /// The completions' metrics, kept after their first use.
+    kept: KeptHandles,
 }
 
 impl RequestAggregator {
@@ -83,6 +85,7 @@ impl RequestAggregator {
             block_manager,
             events,
             labels: Labels::default(),
+            kept: KeptHandles::default(),
         }
     }
 
@@ -134,12 +137,11 @@ impl RequestAggregator {
             let ok = out.completions.len() as u64 - failed;
             for (label, n) in [("ok", ok), ("failed", failed)] {
                 if n > 0 {
-                    self.labels
-                        .counter_by(m::COMPLETIONS, "outcome", label)
-                        .increment(n);
+                    self.kept
+                        .increment(&self.labels, m::COMPLETIONS, "outcome", label, n);
                 }
             }
-            let latency = self.labels.histogram(m::COMPLETION_LATENCY);
+            let latency = self.kept.histogram(&self.labels, m::COMPLETION_LATENCY);
             let now = Instant::now();
             for since in out.started {
                 latency.record(now.saturating_duration_since(since).as_secs_f64());

@@ -18,7 +18,7 @@ use futures::StreamExt;
 use crate::messages::{
     AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Retire, Settles, UnsentPull, ABORTED_BY_HOST,
 };
-use crate::telemetry::{self as m, Labels};
+use crate::telemetry::{self as m, KeptHandles, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
@@ -133,6 +133,8 @@ pub struct Peer {
     /// The Receiver retired this Peer: it stops once no pull is in flight.
     retiring: bool,
     labels: Labels,
+    /// The per-pull and per-settle metrics, kept after their first use.
+    kept: KeptHandles,
 }
 
 impl Peer {
@@ -162,6 +164,7 @@ impl Peer {
             last_failure: None,
             retiring: false,
             labels: Labels::default(),
+            kept: KeptHandles::default(),
         }
     }
 
@@ -186,7 +189,7 @@ impl Peer {
         let span = tracing::info_span!("pull", peer = %self.id(), pull_id,
             req_id = ?requests.iter().map(|r| &*r.meta.req_id).collect::<Vec<_>>());
         span.in_scope(|| tracing::debug!("sending pull"));
-        self.labels.counter(m::PULLS).increment(1);
+        self.kept.increment(&self.labels, m::PULLS, "", "", 1);
         let carried = requests.len();
         self.state.start(pull_id, requests);
         let finish = CleanFinish::default();
@@ -358,9 +361,8 @@ impl Peer {
             }
         }
         for (label, n) in by_outcome {
-            self.labels
-                .counter_by(m::SETTLES, "outcome", label)
-                .increment(n);
+            self.kept
+                .increment(&self.labels, m::SETTLES, "outcome", label, n);
         }
         if !to_aggregate.is_empty() {
             self.aggregator.do_send(Settles(to_aggregate));
@@ -388,8 +390,8 @@ impl Peer {
     fn close(&mut self, pull_id: PullId) {
         if let Some(l) = self.live.remove(&pull_id) {
             l.stream.end(); // drops the channel: back to the pool, or closed with linger 0
-            self.labels
-                .histogram(m::PULL_LATENCY)
+            self.kept
+                .histogram(&self.labels, m::PULL_LATENCY)
                 .record(l.started.elapsed().as_secs_f64());
         }
     }

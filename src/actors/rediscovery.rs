@@ -20,8 +20,8 @@
 //! - after a failed lookup (bootstrap down, engine not registered yet) batches fail at once
 //!   without asking until the same backoff has passed: a dead bootstrap server is not hammered.
 
+use crate::fast_hash::FastMap;
 use std::cell::RefCell;
-use std::collections::HashMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};
 
@@ -105,16 +105,16 @@ struct Engine {
 /// Peer health and per-engine lookup backoff. See the module docs.
 pub struct Rediscovery {
     cfg: RediscoveryConfig,
-    down: HashMap<PeerId, Down>,
-    engines: HashMap<EngineKey, Engine>,
+    down: FastMap<PeerId, Down>,
+    engines: FastMap<EngineKey, Engine>,
 }
 
 impl Rediscovery {
     pub fn new(cfg: RediscoveryConfig) -> Self {
         Rediscovery {
             cfg,
-            down: HashMap::new(),
-            engines: HashMap::new(),
+            down: FastMap::default(),
+            engines: FastMap::default(),
         }
     }
 
@@ -142,11 +142,11 @@ impl Rediscovery {
 
     /// Whether the topology last seen for `key` names a peer that is down or was down since
     /// (a peer whose backoff ran out without a successful pull may still be gone).
-    fn names_failed_peer(&self, e: &Engine) -> bool {
-        e.peers.iter().any(|p| self.down.contains_key(p))
+    fn names_failed_peer(down: &FastMap<PeerId, Down>, e: &Engine) -> bool {
+        !down.is_empty() && e.peers.iter().any(|p| down.contains_key(p))
     }
 
-    fn backoff_left(&self, e: &Engine, now: Instant) -> Option<Duration> {
+    fn backoff_left(e: &Engine, now: Instant) -> Option<Duration> {
         e.next_lookup
             .filter(|t| *t > now)
             .map(|t| t.saturating_duration_since(now))
@@ -154,14 +154,12 @@ impl Rediscovery {
 
     /// Before looking `key` up for a batch.
     pub fn plan(&mut self, key: &EngineKey, now: Instant) -> Plan {
+        // One lookup of the engine per batch (this runs for every batch).
         let Some(e) = self.engines.get_mut(key) else {
             return Plan::Lookup;
         };
         e.last_seen = Some(now);
-        let Some(e) = self.engines.get(key) else {
-            return Plan::Lookup;
-        };
-        let wait = self.backoff_left(e, now);
+        let wait = Self::backoff_left(e, now);
         if let Some(err) = &e.last_error {
             return match wait {
                 Some(retry_in) => Plan::Fail(Unreachable::LookupBackoff {
@@ -171,12 +169,9 @@ impl Rediscovery {
                 None => Plan::Lookup,
             };
         }
-        if wait.is_none() && self.names_failed_peer(e) {
-            let cfg = self.cfg;
-            if let Some(e) = self.engines.get_mut(key) {
-                e.attempts += 1;
-                e.next_lookup = Some(now + cfg.backoff(e.attempts));
-            }
+        if wait.is_none() && Self::names_failed_peer(&self.down, e) {
+            e.attempts += 1;
+            e.next_lookup = Some(now + self.cfg.backoff(e.attempts));
             return Plan::Refresh;
         }
         Plan::Lookup
@@ -199,9 +194,18 @@ impl Rediscovery {
         peers: &[PeerId],
         now: Instant,
     ) -> Option<Unreachable> {
-        let down = self.down_peer(peers, now);
-        let healthy = !peers.iter().any(|p| self.down.contains_key(p));
-        let e = self.engines.entry(key.clone()).or_default();
+        let (down, healthy) = if self.down.is_empty() {
+            (None, true)
+        } else {
+            let down = self.down_peer(peers, now);
+            (down, !peers.iter().any(|p| self.down.contains_key(p)))
+        };
+        if !self.engines.contains_key(key) {
+            self.engines.insert(key.clone(), Engine::default());
+        }
+        let Some(e) = self.engines.get_mut(key) else {
+            return down;
+        };
         e.last_seen = Some(now);
         e.last_error = None;
         if healthy {

@@ -124,15 +124,31 @@ impl MetadataRef<'_> {
     /// ([`MetadataTail::of`]); the lists in `self` are not read.
     pub fn encode_with(&self, tail: &MetadataTail) -> Result<Vec<u8>, WireError> {
         let mut buf = Vec::with_capacity(tail.bytes.len() + self.head_len_bound());
-        rmp::encode::write_map_len(&mut buf, HEAD_ENTRIES + tail.entries)
-            .map_err(rmp_serde::encode::Error::from)?;
-        entry(&mut buf, "remote_hostname", self.remote_hostname)?;
-        entry(&mut buf, "remote_port", &self.remote_port)?;
-        entry(&mut buf, "remote_tp_size", &self.remote_tp_size)?;
-        entry(&mut buf, "remote_tp_rank", &self.remote_tp_rank)?;
-        rmp::encode::write_str(&mut buf, "req_blocks").map_err(rmp_serde::encode::Error::from)?;
+        // Written with rmp's own calls, the bytes serde's serializer would write for each
+        // (the most compact int, a str, an array of ints), without a serializer per entry.
+        use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
+        let e = rmp_serde::encode::Error::from;
+        write_map_len(&mut buf, HEAD_ENTRIES + tail.entries).map_err(e)?;
+        write_str(&mut buf, "remote_hostname").map_err(e)?;
+        write_str(&mut buf, self.remote_hostname).map_err(e)?;
+        for (key, v) in [
+            ("remote_port", self.remote_port),
+            ("remote_tp_size", self.remote_tp_size),
+            ("remote_tp_rank", self.remote_tp_rank),
+        ] {
+            write_str(&mut buf, key).map_err(e)?;
+            write_uint(&mut buf, u64::from(v)).map_err(e)?;
+        }
+        write_str(&mut buf, "req_blocks").map_err(e)?;
         self.req_blocks.write_to(&mut buf)?;
-        entry(&mut buf, "kv_caches_base_addr", self.kv_caches_base_addr)?;
+        write_str(&mut buf, "kv_caches_base_addr").map_err(e)?;
+        let n = u32::try_from(self.kv_caches_base_addr.len()).map_err(|_| {
+            rmp_serde::encode::Error::Syntax("a msgpack list holds at most 2^32 - 1 items".into())
+        })?;
+        write_array_len(&mut buf, n).map_err(e)?;
+        for &b in self.kv_caches_base_addr {
+            write_uint(&mut buf, b).map_err(e)?;
+        }
         buf.extend_from_slice(&tail.bytes);
         Ok(buf)
     }
