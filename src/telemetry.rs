@@ -367,22 +367,15 @@ impl KeptHandles {
         kept.push((k, c));
     }
 
-    /// Histogram `name`, to record into.
-    pub fn histogram(&self, labels: &Labels, name: &'static str) -> std::cell::Ref<'_, Histogram> {
-        let found = self
-            .histograms
-            .borrow()
-            .iter()
-            .position(|(n, _)| std::ptr::eq(*n, name));
-        let i = match found {
-            Some(i) => i,
-            None => {
-                let mut kept = self.histograms.borrow_mut();
-                kept.push((name, labels.histogram(name)));
-                kept.len() - 1
-            }
-        };
-        std::cell::Ref::map(self.histograms.borrow(), |h| &h[i].1)
+    /// Record `value` into histogram `name`.
+    pub fn record(&self, labels: &Labels, name: &'static str, value: f64) {
+        let mut kept = self.histograms.borrow_mut();
+        if let Some((_, h)) = kept.iter().find(|(n, _)| std::ptr::eq(*n, name)) {
+            return h.record(value);
+        }
+        let h = labels.histogram(name);
+        h.record(value);
+        kept.push((name, h));
     }
 }
 
@@ -403,7 +396,8 @@ mod tests {
             kept.increment(&labels, SETTLES, "outcome", "ok", 3);
             kept.increment(&labels, SETTLES, "outcome", "failed", 1);
             labels.counter_by(SETTLES, "outcome", "ok").increment(1);
-            kept.histogram(&labels, PULL_LATENCY).record(0.5);
+            kept.record(&labels, PULL_LATENCY, 0.5);
+            kept.record(&labels, PULL_LATENCY, 1.5);
         });
         let text = handle.render();
         let line = |needle: &str| {
@@ -413,7 +407,11 @@ mod tests {
         };
         assert_eq!(line("outcome=\"ok\"").as_deref(), Some("6"));
         assert_eq!(line("outcome=\"failed\"").as_deref(), Some("1"));
-        assert!(text.contains(&format!("{PULL_LATENCY}_count{{")), "{text}");
+        let count = text
+            .lines()
+            .find(|l| l.starts_with(&format!("{PULL_LATENCY}_count{{")))
+            .and_then(|l| l.rsplit(' ').next());
+        assert_eq!(count, Some("2"), "{text}");
     }
 
     #[test]

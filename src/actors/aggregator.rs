@@ -141,10 +141,10 @@ impl RequestAggregator {
                         .increment(&self.labels, m::COMPLETIONS, "outcome", label, n);
                 }
             }
-            let latency = self.kept.histogram(&self.labels, m::COMPLETION_LATENCY);
             let now = Instant::now();
             for since in out.started {
-                latency.record(now.saturating_duration_since(since).as_secs_f64());
+                let took = now.saturating_duration_since(since).as_secs_f64();
+                self.kept.record(&self.labels, m::COMPLETION_LATENCY, took);
             }
             self.block_manager.do_send(Completions(out.completions));
         }

@@ -287,15 +287,15 @@ mod tests {
         #[test]
         fn both_duplicate_checks_agree(
             batch in proptest::collection::vec(
-                (0u8..6, 0u8..4, 0u8..2, proptest::bool::ANY), 0..24),
+                (0u8..6, 0u8..4, 0u8..2, 0u8..2, proptest::bool::ANY), 0..24),
         ) {
             let metas: Vec<RequestMeta> = batch
                 .iter()
-                .map(|&(id, transfer, engine, awaiting)| RequestMeta {
+                .map(|&(id, transfer, engine, bootstrap, awaiting)| RequestMeta {
                     req_id: format!("r{id}").as_str().into(),
                     transfer_id: format!("t{transfer}").as_str().into(),
                     engine_id: format!("e{engine}").as_str().into(),
-                    bootstrap_addr: "http://p:1".into(),
+                    bootstrap_addr: format!("http://p:{bootstrap}").as_str().into(),
                     block_ids: if awaiting { vec![vec![1]] } else { vec![] },
                 })
                 .collect();

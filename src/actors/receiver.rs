@@ -298,13 +298,16 @@ impl Receiver {
         Ok(peers)
     }
 
-    /// `now`: when the batch was taken (one clock read for all its engines and peers).
+    /// `now`: the time (one clock read for all the batch's engines and peers); `since`: when
+    /// the batch was taken (its completions' latency counts from there, `load_kv` to
+    /// completion).
     fn dispatch(
         &mut self,
         key: EngineKey,
         group: Vec<SharedRequest>,
         peers: Result<Arc<[PeerId]>, TopologyError>,
         now: Instant,
+        since: Instant,
     ) {
         let mut group = group;
         if !self.aborted.is_empty() {
@@ -343,7 +346,7 @@ impl Receiver {
             self.aggregator().do_send(Aggregate {
                 pulls: pulls.clone(),
                 states,
-                since: now,
+                since,
             });
         }
         let mut requests: Vec<PullRequest> = group
@@ -644,7 +647,7 @@ impl Receiver {
             // between), its peers derived once per topology.
             if let Some(topo) = self.topology.cached(&key.0, &key.1) {
                 let peers = self.peers_of(&key, topo);
-                self.dispatch(key, group, peers, now);
+                self.dispatch(key, group, peers, now, now);
                 continue;
             }
             // Otherwise dispatched now if the lookup is ready at once, not through a future
@@ -657,7 +660,7 @@ impl Receiver {
                 // Dispatched within this handler: no abort can come in between.
                 std::task::Poll::Ready(topo) => {
                     let peers = self.derive_peers(topo);
-                    self.dispatch(key, group, peers, now)
+                    self.dispatch(key, group, peers, now, now)
                 }
                 // Until the lookup answers, an abort finds the request here.
                 std::task::Poll::Pending => {
@@ -669,7 +672,7 @@ impl Receiver {
                             act.forget_undispatched(r);
                         }
                         let peers = act.derive_peers(topo);
-                        act.dispatch(key, group, peers, Instant::now())
+                        act.dispatch(key, group, peers, Instant::now(), now)
                     }));
                 }
             }
@@ -751,5 +754,74 @@ mod tests {
         assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
         assert_eq!(step.invalid_block_ids, vec![3]);
         assert!(opened.try_recv().is_err(), "nothing was sent");
+    }
+
+    /// A source that hands out whichever topology it holds now.
+    struct Replaceable(RefCell<Arc<EngineTopology>>);
+
+    impl TopologySource for Replaceable {
+        fn lookup(
+            &self,
+            _bootstrap: &str,
+            _engine_id: &str,
+        ) -> futures::future::LocalBoxFuture<'static, Result<EngineTopology, TopologyError>>
+        {
+            let t = EngineTopology::clone(&self.0.borrow());
+            Box::pin(async move { Ok(t) })
+        }
+        fn cached(&self, _bootstrap: &str, _engine_id: &str) -> Option<Arc<EngineTopology>> {
+            Some(self.0.borrow().clone())
+        }
+        fn invalidate(&self, _bootstrap: &str, _engine_id: &str) {}
+    }
+
+    /// The Receiver keeps the peers it derived from a cached topology; when the source holds
+    /// another one (P moved), the next batch goes to the new topology's peers.
+    #[actix::test]
+    async fn a_batch_goes_to_the_peers_of_the_topology_the_source_holds_now() {
+        let (events, _rx) = EventSink::channel();
+        let cfg = KvRecvConfig {
+            layout: KvLayout::uniform(1, 64, 8),
+            ..KvRecvConfig::default()
+        };
+        let landing: Arc<dyn Landing> = Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]));
+        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
+        let bm = BlockManager::new(ledger, landing.clone(), cfg.policy, events.clone()).start();
+        let (transport, mut opened) = ScriptedTransport::new();
+        let topology = Rc::new(Replaceable(RefCell::new(Arc::new(StaticTopology::grid(
+            "e0", 1, 1,
+        )))));
+        let receiver = Receiver::new(
+            cfg,
+            topology.clone(),
+            Rc::new(transport),
+            landing,
+            bm,
+            events,
+        )
+        .start();
+        let load = |id: &str, block: u32| LoadKv {
+            requests: vec![KvRequest {
+                req_id: id.into(),
+                transfer_id: Some(format!("t-{id}")),
+                remote_engine_id: Some("e0".into()),
+                remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
+                block_ids: vec![vec![block]],
+            }],
+        };
+        let mut next_peer = async || opened.recv().await.expect("a pull").peer.to_string();
+        for (id, block) in [("r1", 1), ("r2", 2)] {
+            assert_eq!(receiver.send(load(id, block)).await.unwrap().awaiting, 1);
+            assert_eq!(next_peer().await, "tcp://e0-0-0");
+        }
+        let moved = EngineTopology {
+            workers: vec![vec![PeerId::new("tcp://moved-0-0")]],
+            ..StaticTopology::grid("e0", 1, 1)
+        };
+        *topology.0.borrow_mut() = Arc::new(moved);
+        for (id, block) in [("r3", 3), ("r4", 4)] {
+            assert_eq!(receiver.send(load(id, block)).await.unwrap().awaiting, 1);
+            assert_eq!(next_peer().await, "tcp://moved-0-0");
+        }
     }
 }

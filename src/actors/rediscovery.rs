@@ -125,7 +125,10 @@ impl Rediscovery {
 
     /// The peer answered a whole pull.
     pub fn peer_up(&mut self, peer: &PeerId) {
-        self.down.remove(peer);
+        // Every clean pull says so: no hashing of its address while no peer is down.
+        if !self.down.is_empty() {
+            self.down.remove(peer);
+        }
     }
 
     /// The first of `peers` that is down at `now`, with how long it stays down.

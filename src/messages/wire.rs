@@ -540,12 +540,14 @@ mod tests {
                 ("[a-z0-9-]{1,12}", proptest::collection::vec(
                     proptest::collection::vec(0u32..100_000, 0..4), 0..3)),
                 0..5),
-            host in "[a-z0-9.]{0,20}",
+            host in "[a-z0-9.]{0,40}",
             port in proptest::num::u32::ANY,
+            tp in (proptest::num::u32::ANY, proptest::num::u32::ANY),
+            base in proptest::num::u64::ANY,
         ) {
             let lens: Vec<u64> = (0..layers as u64).map(|i| 4096 << i).collect();
             let kv_lens: Vec<u64> = lens.iter().map(|l| l / 2).collect();
-            let bases: Vec<u64> = (0..layers as u64).map(|i| 0x7e00_0000_0000 + (i << 30)).collect();
+            let bases: Vec<u64> = (0..layers as u64).map(|i| base.wrapping_add(i << 30) >> (i % 64)).collect();
             let layer_names: Vec<String> = if names {
                 (0..layers).map(|i| format!("model.layers.{i}.self_attn.attn")).collect()
             } else {
@@ -562,8 +564,8 @@ mod tests {
             let md = MetadataRef {
                 remote_hostname: &host,
                 remote_port: port,
-                remote_tp_size: 2,
-                remote_tp_rank: 1,
+                remote_tp_size: tp.0,
+                remote_tp_rank: tp.1,
                 req_blocks: ReqBlocksRef(req_blocks),
                 kv_caches_base_addr: &bases,
                 block_lens: &lens,
