@@ -43,9 +43,21 @@ async fn topology_is_fetched_once_and_cached_until_invalidated() {
         1,
         "second lookup served from the cache"
     );
+    // What the Receiver asks first: the same topology, shared, each time, and no query.
+    let a = t
+        .cached(&url, s.engine_id())
+        .expect("cached after a lookup");
+    let b = t.cached(&url, s.engine_id()).unwrap();
+    assert!(std::sync::Arc::ptr_eq(&a, &b));
+    assert_eq!(*a, topo);
+    assert_eq!(s.bootstrap().query_count(), 1);
     t.invalidate(&url, s.engine_id());
+    assert!(t.cached(&url, s.engine_id()).is_none(), "invalidated");
     t.lookup(&url, s.engine_id()).await.unwrap();
     assert_eq!(s.bootstrap().query_count(), 2);
+    // A new topology after the new query: the Receiver derives its peers again.
+    let c = t.cached(&url, s.engine_id()).unwrap();
+    assert!(!std::sync::Arc::ptr_eq(&a, &c));
 }
 
 #[tokio::test]
