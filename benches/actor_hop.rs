@@ -63,11 +63,22 @@ struct Ask(u64);
 type Events = tokio::sync::mpsc::UnboundedSender<u64>;
 type Outbox = Arc<Mutex<Vec<u64>>>;
 
-/// The BlockManager's share: admits, takes completions (outbox + the release event), `Handed`.
-struct Manager {
+/// Where a completed request goes: the drain's outbox, and the release event.
+#[derive(Clone)]
+struct Release {
     outbox: Outbox,
     events: Events,
 }
+
+impl Release {
+    fn release(&self, id: u64) {
+        self.outbox.lock().unwrap().push(id);
+        let _ = self.events.send(id);
+    }
+}
+
+/// The BlockManager's share: admits, takes completions (outbox + the release event), `Handed`.
+struct Manager(Release);
 impl Actor for Manager {
     type Context = Context<Self>;
 }
@@ -82,52 +93,37 @@ impl Handler<Step> for Manager {
     fn handle(&mut self, m: Step, _: &mut Context<Self>) {
         // A completion (odd ids are `Handed`, which does nothing here).
         if m.0 % 2 == 0 {
-            self.outbox.lock().unwrap().push(m.0);
-            let _ = self.events.send(m.0);
+            self.0.release(m.0);
         }
     }
 }
 
-/// The aggregator's share: a settle becomes a completion event and a completion message.
-struct Aggregator {
-    manager: Addr<Manager>,
+/// A stage that tells the events and passes the request on: a Peer (a pull's settle event,
+/// its settles to whoever aggregates) or the aggregator (`completions_only`: `Aggregate`, odd,
+/// only registers; a settle, even, becomes a completion event and a completion message).
+struct Forward {
+    next: Recipient<Step>,
     events: Events,
+    completions_only: bool,
 }
-impl Actor for Aggregator {
+impl Actor for Forward {
     type Context = Context<Self>;
 }
-impl Handler<Step> for Aggregator {
+impl Handler<Step> for Forward {
     type Result = ();
     fn handle(&mut self, m: Step, _: &mut Context<Self>) {
-        // `Aggregate` (odd) registers; a settle (even) completes.
-        if m.0 % 2 == 0 {
+        if !self.completions_only || m.0 % 2 == 0 {
             let _ = self.events.send(m.0);
-            self.manager.do_send(Step(m.0));
+            self.next.do_send(Step(m.0));
         }
-    }
-}
-
-/// A Peer: a pull's settle event, and its settles to whoever aggregates.
-struct PeerStage {
-    settles: Recipient<Step>,
-    events: Events,
-}
-impl Actor for PeerStage {
-    type Context = Context<Self>;
-}
-impl Handler<Step> for PeerStage {
-    type Result = ();
-    fn handle(&mut self, m: Step, _: &mut Context<Self>) {
-        let _ = self.events.send(m.0);
-        self.settles.do_send(Step(m.0));
     }
 }
 
 /// The Receiver of the four-stage design: admission round trip, then aggregate and pull.
 struct Entry {
     manager: Addr<Manager>,
-    aggregator: Addr<Aggregator>,
-    peer: Addr<PeerStage>,
+    aggregator: Addr<Forward>,
+    peer: Addr<Forward>,
 }
 impl Actor for Entry {
     type Context = Context<Self>;
@@ -151,9 +147,8 @@ impl Handler<Ask> for Entry {
 /// Receiver, aggregator and BlockManager in one actor: admission in place, a settle completes
 /// in place.
 struct Core {
-    peer: Option<Addr<PeerStage>>,
-    outbox: Outbox,
-    events: Events,
+    peer: Option<Addr<Forward>>,
+    release: Release,
 }
 impl Actor for Core {
     type Context = Context<Self>;
@@ -171,9 +166,9 @@ impl Handler<Step> for Core {
     type Result = ();
     fn handle(&mut self, m: Step, _: &mut Context<Self>) {
         if m.0 % 2 == 0 {
-            let _ = self.events.send(m.0);
-            self.outbox.lock().unwrap().push(m.0);
-            let _ = self.events.send(m.0);
+            // The completion event, then the release.
+            let _ = self.release.events.send(m.0);
+            self.release.release(m.0);
         }
     }
 }
@@ -241,34 +236,36 @@ fn bench(c: &mut Criterion) {
     for two in [false, true] {
         let (tx, events) = tokio::sync::mpsc::unbounded_channel();
         let outbox = Outbox::default();
+        let release = Release {
+            outbox: outbox.clone(),
+            events: tx.clone(),
+        };
         let (entry, handed): (Recipient<Ask>, Recipient<Step>) = sys.block_on(async {
             if two {
                 let core = Core::create(|ctx| Core {
                     peer: Some(
-                        PeerStage {
-                            settles: ctx.address().recipient(),
+                        Forward {
+                            next: ctx.address().recipient(),
                             events: tx.clone(),
+                            completions_only: false,
                         }
                         .start(),
                     ),
-                    outbox: outbox.clone(),
-                    events: tx.clone(),
+                    release: release.clone(),
                 });
                 (core.clone().recipient(), core.recipient())
             } else {
-                let manager = Manager {
-                    outbox: outbox.clone(),
+                let manager = Manager(release.clone()).start();
+                let aggregator = Forward {
+                    next: manager.clone().recipient(),
                     events: tx.clone(),
+                    completions_only: true,
                 }
                 .start();
-                let aggregator = Aggregator {
-                    manager: manager.clone(),
+                let peer = Forward {
+                    next: aggregator.clone().recipient(),
                     events: tx.clone(),
-                }
-                .start();
-                let peer = PeerStage {
-                    settles: aggregator.clone().recipient(),
-                    events: tx.clone(),
+                    completions_only: false,
                 }
                 .start();
                 let entry = Entry {

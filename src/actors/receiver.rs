@@ -692,28 +692,72 @@ mod tests {
     use crate::messages::{Drain, KvEvent, KvRequest, Outcome, ReqId, SettleOutcome};
     use crate::rdma::StaticLanding;
 
+    /// A BlockManager, a scripted transport and the events, for a Receiver under test.
+    struct Rig {
+        events: EventSink,
+        rx: tokio::sync::mpsc::UnboundedReceiver<KvEvent>,
+        bm: Addr<BlockManager>,
+        transport: ScriptedTransport,
+        opened: tokio::sync::mpsc::UnboundedReceiver<crate::actors::scripted_transport::OpenedPull>,
+    }
+
+    /// The layout of [`rig_receiver`]: one layer, 8 blocks.
+    fn rig_config() -> KvRecvConfig {
+        KvRecvConfig {
+            layout: KvLayout::uniform(1, 64, 8),
+            ..KvRecvConfig::default()
+        }
+    }
+
+    fn rig_landing() -> Arc<dyn Landing> {
+        Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]))
+    }
+
+    /// Started on the current arbiter (inside an actix test).
+    fn rig() -> Rig {
+        let (events, rx) = EventSink::channel();
+        let cfg = rig_config();
+        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
+        let bm = BlockManager::new(ledger, rig_landing(), cfg.policy, events.clone()).start();
+        let (transport, opened) = ScriptedTransport::new();
+        Rig {
+            events,
+            rx,
+            bm,
+            transport,
+            opened,
+        }
+    }
+
+    fn rig_receiver(
+        topology: Rc<dyn TopologySource>,
+        transport: ScriptedTransport,
+        bm: &Addr<BlockManager>,
+        events: EventSink,
+    ) -> Receiver {
+        Receiver::new(
+            rig_config(),
+            topology,
+            Rc::new(transport),
+            rig_landing(),
+            bm.clone(),
+            events,
+        )
+    }
+
     /// A pull whose metadata cannot be encoded is never sent, yet each of its awaited requests
     /// is settled Failed by that peer, so the request still completes exactly once.
     #[actix::test]
     async fn a_pull_that_cannot_be_encoded_settles_failed_and_completes() {
-        let (events, mut rx) = EventSink::channel();
-        let cfg = KvRecvConfig {
-            layout: KvLayout::uniform(1, 64, 8),
-            ..KvRecvConfig::default()
-        };
-        let landing: Arc<dyn Landing> = Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]));
-        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
-        let bm = BlockManager::new(ledger, landing.clone(), cfg.policy, events.clone()).start();
-        let (transport, mut opened) = ScriptedTransport::new();
-        let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
-        let mut receiver = Receiver::new(
-            cfg,
-            Rc::new(topology),
-            Rc::new(transport),
-            landing,
-            bm.clone(),
+        let Rig {
             events,
-        );
+            mut rx,
+            bm,
+            transport,
+            mut opened,
+        } = rig();
+        let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
+        let mut receiver = rig_receiver(Rc::new(topology), transport, &bm, events);
         receiver.encode = |_, _| {
             Err(WireError::Encode(rmp_serde::encode::Error::Syntax(
                 "simulated".into(),
@@ -779,27 +823,17 @@ mod tests {
     /// another one (P moved), the next batch goes to the new topology's peers.
     #[actix::test]
     async fn a_batch_goes_to_the_peers_of_the_topology_the_source_holds_now() {
-        let (events, _rx) = EventSink::channel();
-        let cfg = KvRecvConfig {
-            layout: KvLayout::uniform(1, 64, 8),
-            ..KvRecvConfig::default()
-        };
-        let landing: Arc<dyn Landing> = Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]));
-        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
-        let bm = BlockManager::new(ledger, landing.clone(), cfg.policy, events.clone()).start();
-        let (transport, mut opened) = ScriptedTransport::new();
+        let Rig {
+            events,
+            bm,
+            transport,
+            mut opened,
+            ..
+        } = rig();
         let topology = Rc::new(Replaceable(RefCell::new(Arc::new(StaticTopology::grid(
             "e0", 1, 1,
         )))));
-        let receiver = Receiver::new(
-            cfg,
-            topology.clone(),
-            Rc::new(transport),
-            landing,
-            bm,
-            events,
-        )
-        .start();
+        let receiver = rig_receiver(topology.clone(), transport, &bm, events).start();
         let load = |id: &str, block: u32| LoadKv {
             requests: vec![KvRequest {
                 req_id: id.into(),
