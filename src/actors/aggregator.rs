@@ -112,6 +112,13 @@ impl RequestAggregator {
             self.block_manager.do_send(ff);
         }
         if let Some(c) = fx.completion {
+            if out.completions.capacity() == 0 {
+                out.completions.reserve_exact(out.settles);
+                out.started.reserve_exact(out.settles);
+                if self.events.is_on() {
+                    out.events.reserve_exact(out.settles);
+                }
+            }
             let ok = c.outcome.is_ok();
             tracing::debug!(req_id = %c.req.req_id, outcome = if ok { "ok" } else { "failed" }, uncertain = c.uncertain_peers.len(), "completion");
             out.started.push(since);
@@ -157,7 +164,11 @@ impl RequestAggregator {
 /// What one message's settles produced, published together by [`RequestAggregator::flush`].
 #[derive(Default)]
 struct Outbox {
+    /// Allocated at the first completion (with `started` and `events`), for as many as the
+    /// message had settles: a peer's settles complete nothing until the last peer's (most
+    /// messages, with several peers).
     completions: Vec<Completion>,
+    settles: usize,
     /// When each completion's aggregation started (its latency is taken at the flush).
     started: smallvec::SmallVec<[Instant; 2]>,
     /// Of `completions`, how many failed.
@@ -167,12 +178,11 @@ struct Outbox {
 }
 
 impl Outbox {
-    fn with_capacity(n: usize, events: bool) -> Self {
+    /// For a message of `settles` settles (sized at its first completion).
+    fn for_settles(settles: usize) -> Self {
         Outbox {
-            completions: Vec::with_capacity(n),
-            started: smallvec::SmallVec::with_capacity(n),
-            failed: 0,
-            events: smallvec::SmallVec::with_capacity(if events { n } else { 0 }),
+            settles,
+            ..Outbox::default()
         }
     }
 }
@@ -223,7 +233,7 @@ impl Handler<Settles> for RequestAggregator {
 
     fn handle(&mut self, msg: Settles, _ctx: &mut Context<Self>) {
         // A reply usually completes every request it settles: sized for that at once.
-        let mut out = Outbox::with_capacity(msg.0.len(), self.events.is_on());
+        let mut out = Outbox::for_settles(msg.0.len());
         for s in msg.0 {
             self.settle(s, &mut out);
         }

@@ -258,7 +258,7 @@ pub fn pull_metadata_ref<'a>(
     arrays: &'a LayoutArrays,
     d: DRank,
     (host, port): (&'a str, u32),
-    req_blocks: ReqBlocksRef<'a>,
+    req_blocks: &'a ReqBlocksRef<'a>,
     bases: &'a [u64],
 ) -> MetadataRef<'a> {
     MetadataRef {
@@ -413,13 +413,8 @@ mod tests {
         let md = pull_metadata(&l, d, ("10.0.0.7", 15000), &group, vec![0x10, 0x20]);
         // The borrowed form P receives is byte for byte the owned one.
         let arrays = LayoutArrays::new(&l);
-        let borrowed = pull_metadata_ref(
-            &arrays,
-            d,
-            ("10.0.0.7", 15000),
-            req_blocks(&group),
-            &[0x10, 0x20],
-        );
+        let blocks = req_blocks(&group);
+        let borrowed = pull_metadata_ref(&arrays, d, ("10.0.0.7", 15000), &blocks, &[0x10, 0x20]);
         assert_eq!(borrowed.encode().unwrap(), md.encode().unwrap());
         assert_eq!(
             (md.remote_hostname.as_str(), md.remote_port),

@@ -232,8 +232,20 @@ impl PeerState {
     }
 
     /// Settle whatever is still pending for the pull and forget it.
-    fn settle_rest(&mut self, fx: &mut Effects, pull_id: PullId, outcome: SettleOutcome) {
-        if let Some(pull) = self.pulls.remove(&pull_id) {
+    fn settle_rest(
+        &mut self,
+        fx: &mut Effects,
+        pull_id: PullId,
+        outcome: impl FnOnce() -> SettleOutcome,
+    ) {
+        // The outcome is made only if something is still pending: a FINISH has usually
+        // settled everything, and an outcome's reason is an allocation.
+        if let Some(pull) = self
+            .pulls
+            .remove(&pull_id)
+            .filter(|p| !p.pending.is_empty())
+        {
+            let outcome = outcome();
             for req in pull.pending.iter() {
                 let id = &req.meta.req_id;
                 let outcome = pull.outcome_of(id, outcome.clone());
@@ -275,11 +287,9 @@ impl PeerState {
                 // A decoder's complaint may quote the reply (a string where a number belongs).
                 let reason = format!("malformed reply: {}", peer_text(&e));
                 fx.malformed = Some(reason.clone());
-                self.settle_rest(
-                    &mut fx,
-                    pull_id,
-                    SettleOutcome::uncertain(Cause::Malformed, reason),
-                );
+                self.settle_rest(&mut fx, pull_id, || {
+                    SettleOutcome::uncertain(Cause::Malformed, reason)
+                });
                 return fx;
             }
         };
@@ -329,22 +339,18 @@ impl PeerState {
             XferStatus::Continue => {}
             XferStatus::Finish => {
                 fx.finished_cleanly = true;
-                self.settle_rest(
-                    &mut fx,
-                    pull_id,
-                    SettleOutcome::failed(Cause::Omitted, OMITTED),
-                );
+                self.settle_rest(&mut fx, pull_id, || {
+                    SettleOutcome::failed(Cause::Omitted, OMITTED)
+                });
             }
             XferStatus::Error => {
                 let msg = resp.err_msg.unwrap_or("no message");
-                self.settle_rest(
-                    &mut fx,
-                    pull_id,
+                self.settle_rest(&mut fx, pull_id, || {
                     SettleOutcome::uncertain(
                         Cause::PeerWideError,
                         format!("peer ERROR: {}", peer_text(msg)),
-                    ),
-                );
+                    )
+                });
             }
         }
         fx
@@ -354,7 +360,7 @@ impl PeerState {
     pub fn abandon(&mut self, pull_id: PullId, cause: Cause, reason: String) -> Effects {
         let mut fx = Effects::default();
         if self.pulls.contains_key(&pull_id) {
-            self.settle_rest(&mut fx, pull_id, SettleOutcome::uncertain(cause, reason));
+            self.settle_rest(&mut fx, pull_id, || SettleOutcome::uncertain(cause, reason));
         }
         fx
     }
@@ -364,11 +370,9 @@ impl PeerState {
     pub fn fail_unsent(&mut self, pull_id: PullId, reason: String) -> Effects {
         let mut fx = Effects::default();
         if self.pulls.contains_key(&pull_id) {
-            self.settle_rest(
-                &mut fx,
-                pull_id,
-                SettleOutcome::failed(Cause::NotSent, reason),
-            );
+            self.settle_rest(&mut fx, pull_id, || {
+                SettleOutcome::failed(Cause::NotSent, reason)
+            });
         }
         fx
     }
@@ -404,11 +408,9 @@ impl PeerState {
         let mut ids: Vec<PullId> = self.pulls.keys().copied().collect();
         ids.sort_unstable();
         for id in &ids {
-            self.settle_rest(
-                &mut fx,
-                *id,
-                SettleOutcome::uncertain(Cause::Channel, reason),
-            );
+            self.settle_rest(&mut fx, *id, || {
+                SettleOutcome::uncertain(Cause::Channel, reason)
+            });
         }
         (fx, ids)
     }

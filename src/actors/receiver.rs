@@ -93,7 +93,7 @@ impl Receiver {
             &layout_arrays,
             cfg.d_rank,
             ("", 0),
-            Default::default(),
+            &Default::default(),
             &[],
         ))
         .inspect_err(|e| tracing::warn!(error = %e, "cannot pre-encode the layout's metadata"))
@@ -384,7 +384,7 @@ impl Receiver {
                 &self.layout_arrays,
                 self.cfg.d_rank,
                 (host, port),
-                req_blocks.clone(),
+                &req_blocks,
                 &bases,
             );
             let encoded = (self.encode)(&md, self.layout_tail.as_ref());

@@ -51,7 +51,8 @@ pub struct MetadataRef<'a> {
     pub remote_port: u32,
     pub remote_tp_size: u32,
     pub remote_tp_rank: u32,
-    pub req_blocks: ReqBlocksRef<'a>,
+    /// Borrowed: every peer's pull of a batch carries the same.
+    pub req_blocks: &'a ReqBlocksRef<'a>,
     pub kv_caches_base_addr: &'a [u64],
     pub block_lens: &'a [u64],
     pub kv_block_lens: &'a [u64],
@@ -566,7 +567,7 @@ mod tests {
                 remote_port: port,
                 remote_tp_size: tp.0,
                 remote_tp_rank: tp.1,
-                req_blocks: ReqBlocksRef(req_blocks),
+                req_blocks: &ReqBlocksRef(req_blocks),
                 kv_caches_base_addr: &bases,
                 block_lens: &lens,
                 kv_block_lens: &kv_lens,
@@ -579,7 +580,7 @@ mod tests {
             let template = MetadataRef {
                 remote_hostname: "",
                 remote_port: 0,
-                req_blocks: ReqBlocksRef::default(),
+                req_blocks: &ReqBlocksRef::default(),
                 kv_caches_base_addr: &[],
                 ..md.clone()
             };
