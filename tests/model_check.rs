@@ -546,18 +546,18 @@ impl Model for Kv {
                     s.writes.retain(|w| w.pull != pull); // P stopped before writing
                 }
                 let fx = s.peers[peer].on_reply(pull, frames);
-                let settles = fx.settles.into_iter().map(|(_, st)| st).collect();
+                let settles = fx.settles;
                 self.settle(&mut s, settles);
             }
             Action::Deadline(peer, pull) => {
                 let fx = s.peers[peer].abandon(pull, Cause::Timeout, "deadline".into());
-                let settles = fx.settles.into_iter().map(|(_, st)| st).collect();
+                let settles = fx.settles;
                 self.settle(&mut s, settles);
             }
             Action::Restart(peer) => {
                 s.restarts += 1;
                 let (fx, _) = s.peers[peer].abandon_all("restart");
-                let settles = fx.settles.into_iter().map(|(_, st)| st).collect();
+                let settles = fx.settles;
                 self.settle(&mut s, settles);
             }
             Action::Abort(attempt) => {

@@ -211,7 +211,7 @@ impl World {
     }
 
     fn route(&mut self, peer: usize, fx: Effects) {
-        for (_, s) in fx.settles {
+        for s in fx.settles {
             *self.settled.entry((peer, s.req_id.clone())).or_default() += 1;
             assert_eq!(
                 self.settled[&(peer, s.req_id.clone())],

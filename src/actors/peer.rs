@@ -300,7 +300,7 @@ impl Peer {
     }
 
     /// Send settles, count, and close the pull's channel when it is over.
-    fn apply(&mut self, pull_id: PullId, fx: Effects) {
+    fn apply(&mut self, pull_id: PullId, mut fx: Effects) {
         let span = self
             .live
             .get(&pull_id)
@@ -312,7 +312,7 @@ impl Peer {
             tracing::warn!(%reason, "malformed reply");
         }
         if !fx.stale.is_empty() {
-            let StaleIds { count, sample } = fx.stale;
+            let StaleIds { count, sample } = std::mem::take(&mut fx.stale);
             self.labels
                 .counter(m::STALE_SETTLES)
                 .increment(count as u64);
@@ -336,12 +336,11 @@ impl Peer {
                 );
             }
         }
-        let mut to_aggregate = Vec::with_capacity(fx.settles.len());
         // Counted per outcome, and recorded once per reply (a handle lookup each, not one per
         // request).
         let mut by_outcome: smallvec::SmallVec<[(&'static str, u64); 2]> =
             smallvec::SmallVec::new();
-        for (awaited, s) in fx.settles {
+        for s in &fx.settles {
             let label = s.outcome.label();
             match by_outcome.iter_mut().find(|(l, _)| *l == label) {
                 Some((_, n)) => *n += 1,
@@ -356,14 +355,12 @@ impl Peer {
                     outcome: s.outcome.clone(),
                 });
             }
-            if awaited {
-                to_aggregate.push(s);
-            }
         }
         for (label, n) in by_outcome {
             self.kept
                 .increment(&self.labels, m::SETTLES, "outcome", label, n);
         }
+        let to_aggregate = fx.awaited();
         if !to_aggregate.is_empty() {
             self.aggregator.do_send(Settles(to_aggregate));
         }

@@ -15,8 +15,11 @@ use super::transport::Frames;
 /// What the Peer must do after an event.
 #[derive(Default)]
 pub struct Effects {
-    /// Settles to send, each flagged whether an aggregator awaits it.
-    pub settles: Vec<(bool, Settle)>,
+    /// Settles, in order (each one an event; the awaited ones go to the aggregator, this
+    /// list itself when every one is: no second list per reply).
+    pub settles: Vec<Settle>,
+    /// Indices in `settles` of those no aggregator awaits (requests loaded without blocks).
+    pub unawaited: Vec<usize>,
     /// Ids a reply named that were not pending for that pull: counted, a few kept as a sample.
     pub stale: StaleIds,
     /// The pull is over: close its channel, drop its deadline.
@@ -110,22 +113,36 @@ impl InFlight {
 }
 
 /// A settle to send, flagged whether an aggregator awaits it.
-fn settle_of(
-    peer: &PeerId,
-    pull_id: PullId,
-    req_id: &ReqId,
-    awaited: bool,
-    outcome: SettleOutcome,
-) -> (bool, Settle) {
-    (
-        awaited,
-        Settle {
-            peer: peer.clone(),
-            pull_id,
-            req_id: req_id.clone(),
-            outcome,
-        },
-    )
+impl Effects {
+    /// Add `settle`, which an aggregator awaits or not.
+    fn push(&mut self, awaited: bool, settle: Settle) {
+        if !awaited {
+            self.unawaited.push(self.settles.len());
+        }
+        self.settles.push(settle);
+    }
+
+    /// The settles an aggregator awaits (the others leave the list).
+    pub fn awaited(&mut self) -> Vec<Settle> {
+        let mut settles = std::mem::take(&mut self.settles);
+        if !self.unawaited.is_empty() {
+            let mut i = 0;
+            settles.retain(|_| {
+                i += 1;
+                self.unawaited.binary_search(&(i - 1)).is_err()
+            });
+        }
+        settles
+    }
+}
+
+fn settle_of(peer: &PeerId, pull_id: PullId, req_id: &ReqId, outcome: SettleOutcome) -> Settle {
+    Settle {
+        peer: peer.clone(),
+        pull_id,
+        req_id: req_id.clone(),
+        outcome,
+    }
 }
 
 /// Pending requests of every in-flight pull of one peer.
@@ -198,7 +215,7 @@ impl PeerState {
         let mut fx = Effects::default();
         let mut seen = FastSet::default();
         for r in pull.requests.iter().filter(|r| seen.insert(&r.meta.req_id)) {
-            fx.settles.push((
+            fx.push(
                 r.awaited,
                 Settle {
                     peer: self.peer.clone(),
@@ -206,7 +223,7 @@ impl PeerState {
                     req_id: r.meta.req_id.clone(),
                     outcome: SettleOutcome::failed(Cause::NotSent, pull.reason.clone()),
                 },
-            ));
+            );
         }
         fx
     }
@@ -219,13 +236,8 @@ impl PeerState {
         match pull.pending.remove(req_id) {
             Some(req) => {
                 pull.aborted.retain(|(id, _)| &**id != req_id);
-                fx.settles.push(settle_of(
-                    &self.peer,
-                    pull_id,
-                    &req.meta.req_id,
-                    req.awaited,
-                    outcome,
-                ));
+                let s = settle_of(&self.peer, pull_id, &req.meta.req_id, outcome);
+                fx.push(req.awaited, s);
             }
             None => fx.stale.note(req_id),
         }
@@ -249,8 +261,7 @@ impl PeerState {
             for req in pull.pending.iter() {
                 let id = &req.meta.req_id;
                 let outcome = pull.outcome_of(id, outcome.clone());
-                fx.settles
-                    .push(settle_of(&self.peer, pull_id, id, req.awaited, outcome));
+                fx.push(req.awaited, settle_of(&self.peer, pull_id, id, outcome));
             }
         }
         fx.pull_done = true;
@@ -460,10 +471,34 @@ mod tests {
         vec![r.encode().unwrap()]
     }
 
+    /// Every settle is an event; only those an aggregator awaits go to it, in order, whether
+    /// the reply names them or the FINISH settles the rest.
+    #[test]
+    fn only_awaited_settles_go_to_the_aggregator() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        let mut p = pull(1, &["a", "cleanup", "b", "c"]);
+        p.requests[1].awaited = false;
+        st.start_pull(p);
+        let ok = vec!["cleanup".to_string(), "a".to_string(), "c".to_string()];
+        let mut fx = st.on_reply(1, reply(XferStatus::Finish, ok, vec![]));
+        let all: Vec<String> = fx.settles.iter().map(|s| s.req_id.to_string()).collect();
+        assert_eq!(all, ["cleanup", "a", "c", "b"], "every settle, in order");
+        let sent: Vec<(String, bool)> = fx
+            .awaited()
+            .iter()
+            .map(|s| (s.req_id.to_string(), s.outcome.is_ok()))
+            .collect();
+        assert_eq!(
+            sent,
+            [("a".into(), true), ("c".into(), true), ("b".into(), false)],
+            "the aggregator gets the awaited ones: b omitted by the FINISH"
+        );
+    }
+
     fn outcomes(fx: &Effects) -> Vec<(String, SettleOutcome)> {
         fx.settles
             .iter()
-            .map(|(_, s)| (s.req_id.to_string(), s.outcome.clone()))
+            .map(|s| (s.req_id.to_string(), s.outcome.clone()))
             .collect()
     }
 
@@ -495,7 +530,7 @@ mod tests {
         };
         let fx = st.on_reply(1, vec![huge.encode().unwrap()]);
         assert_eq!(fx.settles.len(), 64);
-        for (_, s) in &fx.settles {
+        for s in &fx.settles {
             let SettleOutcome::Failed { cause, reason } = &s.outcome else {
                 panic!("{:?}", s.outcome);
             };
@@ -520,7 +555,7 @@ mod tests {
             err_msg: Some(format!("\r{}", "boom".repeat(1 << 18))),
         };
         let fx = st.on_reply(2, vec![error.encode().unwrap()]);
-        let reason = fx.settles[0].1.outcome.reason().unwrap();
+        let reason = fx.settles[0].outcome.reason().unwrap();
         assert!(printable(reason), "{reason:?}");
         assert!(reason.starts_with("peer ERROR: \\rboom"), "{reason:?}");
     }
