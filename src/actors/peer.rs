@@ -215,8 +215,7 @@ impl Peer {
         });
         let stream = mux.add(stream.boxed_local());
         let started = tokio::time::Instant::now();
-        let deadline = started + self.cfg.pull_timeout;
-        self.arm_timer(deadline, ctx);
+        let deadline = self.deadline_from(started, ctx);
         self.live.insert(
             pull_id,
             Live {
@@ -233,9 +232,13 @@ impl Peer {
         );
     }
 
-    /// A deadline `pull_timeout` from now, with the timer armed to fire no later than it.
-    fn deadline_from_now(&mut self, ctx: &mut Context<Self>) -> tokio::time::Instant {
-        let at = tokio::time::Instant::now() + self.cfg.pull_timeout;
+    /// A deadline `pull_timeout` after `now`, with the timer armed to fire no later than it.
+    fn deadline_from(
+        &mut self,
+        now: tokio::time::Instant,
+        ctx: &mut Context<Self>,
+    ) -> tokio::time::Instant {
+        let at = now + self.cfg.pull_timeout;
         self.arm_timer(at, ctx);
         at
     }
@@ -544,7 +547,7 @@ impl StreamHandler<PullEvent> for Peer {
                         allowed
                     });
                 if restart {
-                    let new = self.deadline_from_now(ctx);
+                    let new = self.deadline_from(tokio::time::Instant::now(), ctx);
                     if let Some(l) = self.live.get_mut(&pull_id) {
                         l.deadline = new;
                     }

@@ -112,7 +112,6 @@ impl InFlight {
     }
 }
 
-/// A settle to send, flagged whether an aggregator awaits it.
 impl Effects {
     /// Add `settle`, which an aggregator awaits or not.
     fn push(&mut self, awaited: bool, settle: Settle) {
@@ -136,6 +135,7 @@ impl Effects {
     }
 }
 
+/// A settle to send.
 fn settle_of(peer: &PeerId, pull_id: PullId, req_id: &ReqId, outcome: SettleOutcome) -> Settle {
     Settle {
         peer: peer.clone(),

@@ -203,12 +203,7 @@ impl Rediscovery {
             let down = self.down_peer(peers, now);
             (down, !peers.iter().any(|p| self.down.contains_key(p)))
         };
-        if !self.engines.contains_key(key) {
-            self.engines.insert(key.clone(), Engine::default());
-        }
-        let Some(e) = self.engines.get_mut(key) else {
-            return down;
-        };
+        let e = self.engines.entry(key.clone()).or_default();
         e.last_seen = Some(now);
         e.last_error = None;
         if healthy {

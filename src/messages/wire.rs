@@ -82,28 +82,30 @@ impl Serialize for ReqBlocksRef<'_> {
     }
 }
 
+/// A msgpack list's length header, refused past what it can say.
+fn list_len(n: usize) -> Result<u32, WireError> {
+    u32::try_from(n).map_err(|_| {
+        WireError::Encode(rmp_serde::encode::Error::Syntax(
+            "a msgpack list holds at most 2^32 - 1 items".into(),
+        ))
+    })
+}
+
 impl ReqBlocksRef<'_> {
     /// The bytes [`Serialize`] gives, written straight into `buf`: every pull encodes its own
     /// `req_blocks`, and through serde each of its ids and blocks cost a serializer step
     /// (half the pull's encoding, `callgrind` of serve at TP2, batch 16).
     fn write_to(&self, buf: &mut Vec<u8>) -> Result<(), WireError> {
         use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
-        fn len(n: usize) -> Result<u32, WireError> {
-            u32::try_from(n).map_err(|_| {
-                WireError::Encode(rmp_serde::encode::Error::Syntax(
-                    "a msgpack list holds at most 2^32 - 1 items".into(),
-                ))
-            })
-        }
         let e = rmp_serde::encode::Error::from;
-        write_map_len(buf, len(self.0.len())?).map_err(e)?;
+        write_map_len(buf, list_len(self.0.len())?).map_err(e)?;
         for (id, transfer, blocks) in &self.0 {
             write_str(buf, id).map_err(e)?;
             write_array_len(buf, 2).map_err(e)?;
             write_str(buf, transfer).map_err(e)?;
-            write_array_len(buf, len(blocks.len())?).map_err(e)?;
+            write_array_len(buf, list_len(blocks.len())?).map_err(e)?;
             for group in blocks.iter() {
-                write_array_len(buf, len(group.len())?).map_err(e)?;
+                write_array_len(buf, list_len(group.len())?).map_err(e)?;
                 for &b in group {
                     write_uint(buf, u64::from(b)).map_err(e)?;
                 }
@@ -143,19 +145,14 @@ impl MetadataRef<'_> {
         write_str(&mut buf, "req_blocks").map_err(e)?;
         self.req_blocks.write_to(&mut buf)?;
         write_str(&mut buf, "kv_caches_base_addr").map_err(e)?;
-        let n = u32::try_from(self.kv_caches_base_addr.len()).map_err(|_| {
-            rmp_serde::encode::Error::Syntax("a msgpack list holds at most 2^32 - 1 items".into())
-        })?;
-        write_array_len(&mut buf, n).map_err(e)?;
+        write_array_len(&mut buf, list_len(self.kv_caches_base_addr.len())?).map_err(e)?;
         for &b in self.kv_caches_base_addr {
             write_uint(&mut buf, b).map_err(e)?;
         }
         buf.extend_from_slice(&tail.bytes);
         Ok(buf)
     }
-}
 
-impl MetadataRef<'_> {
     /// At least the encoded length of the head entries (up to `kv_caches_base_addr`), so a
     /// pull's buffer is allocated once: keys and headers (~100 B), the strings, at most 9 B
     /// per number.
