@@ -913,7 +913,7 @@ fn sorted(ids: &[ReqId]) -> Vec<String> {
 /// A host drains inside `select!` or `timeout`: a drain is done at its first poll (it waits for
 /// nothing), so it cannot be dropped halfway and lose a step's completions. Until drained, a
 /// finished id stays live; what a drain handed over it hands over once, and its ids may be
-/// loaded again at once (`Handed` reaches the BlockManager before the next load's admission).
+/// loaded again at once (the drain hands them over before it returns).
 #[actix::test]
 async fn a_drain_is_done_at_its_first_poll_and_frees_its_ids_for_the_next_load() {
     let mut h = Harness::start(Setup::default());

@@ -3,7 +3,6 @@
 //! deadline, and the per-step drain a host scheduler calls.
 
 use crate::fast_hash::{FastMap, FastSet};
-use std::collections::hash_map::Entry;
 use std::time::{Duration, Instant};
 
 use crate::messages::{
@@ -12,6 +11,7 @@ use crate::messages::{
 use crate::rdma::Revocation;
 
 use super::block_pool::BlockPool;
+use super::live_set::{LiveSet, SharedLiveSet};
 use super::outbox::Outbox;
 
 /// What to do with a completion's blocks.
@@ -53,14 +53,9 @@ pub struct BlockLedger {
     held: FastMap<ReqId, Held>,
     quarantine_deadline: Duration,
     pool: Option<BlockPool>,
-    /// Awaiting requests admitted and not yet handed to the host by a drain: loading one again
-    /// would give the host two completions for it (DESIGN.md §4 rule 8).
-    live: FastSet<ReqId>,
-    /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
-    /// (quarantine included): two writers into one block are never both admitted.
-    owners: FastMap<(u32, u32), ReqId>,
-    /// Most live requests at once (backpressure).
-    max_live: usize,
+    /// Live requests and their blocks (shared with the Receiver, which admits, and the host's
+    /// drain, which hands requests over): the ledger gives blocks back as it releases them.
+    live: SharedLiveSet,
 }
 
 /// Default cap on live requests: far above any real scheduler's in-flight count, low enough
@@ -75,53 +70,13 @@ impl BlockLedger {
             held: FastMap::default(),
             quarantine_deadline,
             pool,
-            live: FastSet::default(),
-            owners: FastMap::default(),
-            max_live: DEFAULT_MAX_LIVE,
+            live: SharedLiveSet::new(LiveSet::new(DEFAULT_MAX_LIVE)),
         }
     }
 
-    /// Let `req` start, or say why not: its id is still live (in flight, or completed but not
-    /// drained), or one of its blocks belongs to another live request whose blocks are not
-    /// released yet. A request with no blocks (cleanup pull) never becomes live.
+    /// Let `req` start, or say why not ([`LiveSet::admit`]).
     pub fn admit(&mut self, req: &RequestMeta) -> Result<(), BatchError> {
-        if self.live.contains(&req.req_id) {
-            return Err(BatchError::AlreadyLive {
-                req_id: req.req_id.to_string(),
-            });
-        }
-        if !req.is_awaiting() {
-            return Ok(());
-        }
-        // Backpressure (DESIGN.md §6): a host that loads without draining gets an error, not
-        // unbounded state.
-        if self.live.len() >= self.max_live {
-            return Err(BatchError::Backpressure {
-                req_id: req.req_id.to_string(),
-                live: self.live.len(),
-                limit: self.max_live,
-            });
-        }
-        for (group, blocks) in req.block_ids.iter().enumerate() {
-            for &block in blocks {
-                if let Some(owner) = self.owners.get(&(group as u32, block)) {
-                    return Err(BatchError::BlockInUse {
-                        req_id: req.req_id.to_string(),
-                        group,
-                        block,
-                        owner: owner.to_string(),
-                    });
-                }
-            }
-        }
-        self.live.insert(req.req_id.clone());
-        for (group, blocks) in req.block_ids.iter().enumerate() {
-            for &block in blocks {
-                self.owners
-                    .insert((group as u32, block), req.req_id.clone());
-            }
-        }
-        Ok(())
+        self.live.lock().admit(req)
     }
 
     /// Hash everything that decides the ledger's future (model checking); quarantine times are
@@ -141,27 +96,32 @@ impl BlockLedger {
         }
         sorted(self.failure_signalled.iter()).hash(h);
         sorted(self.held.iter().map(|(r, x)| (r, &x.peers))).hash(h);
-        sorted(self.live.iter()).hash(h);
-        sorted(self.owners.iter()).hash(h);
+        self.live.lock().fingerprint(h);
         if let Some(p) = &self.pool {
             p.fingerprint(h);
         }
     }
 
     /// Refuse new requests while `n` are live (admitted and not yet drained).
-    pub fn with_max_live(mut self, n: usize) -> Self {
-        self.max_live = n.max(1);
+    pub fn with_max_live(self, n: usize) -> Self {
+        *self.live.lock() = LiveSet::new(n);
         self
     }
 
     /// Whether `req_id` was admitted and not yet drained.
     pub fn is_live(&self, req_id: &ReqId) -> bool {
-        self.live.contains(req_id)
+        self.live.lock().is_live(req_id)
     }
 
     /// Requests admitted and not yet drained.
     pub fn live_requests(&self) -> usize {
-        self.live.len()
+        self.live.lock().len()
+    }
+
+    /// The live set, shared ([`super::shared::Shared::share`]): the Receiver admits into it,
+    /// the host's drain hands requests over.
+    pub fn live_set(&self) -> SharedLiveSet {
+        self.live.share()
     }
 
     pub fn pool(&self) -> Option<&BlockPool> {
@@ -242,15 +202,7 @@ impl BlockLedger {
     }
 
     fn release_now(&mut self, req: &SharedRequest) {
-        for (group, blocks) in req.block_ids.iter().enumerate() {
-            for &block in blocks {
-                if let Entry::Occupied(o) = self.owners.entry((group as u32, block)) {
-                    if *o.get() == req.req_id {
-                        o.remove();
-                    }
-                }
-            }
-        }
+        self.live.lock().release_blocks(req);
         self.failure_signalled.remove(&req.req_id);
         self.out.lock().finished_recving.push(req.req_id.clone());
         if let Some(pool) = &mut self.pool {
@@ -287,25 +239,26 @@ impl BlockLedger {
     }
 
     /// The output the host drains ([`Outbox::share`]): everything ready since the last drain,
-    /// its requests still live until [`BlockLedger::handed`] (`Coordinator::drain` sends it
-    /// once it took them).
+    /// its requests live until [`take_step`] hands them over.
     pub fn outbox(&self) -> Outbox {
         self.out.share()
     }
 
-    /// The host has these finished requests: their ids may be loaded again.
-    pub fn handed(&mut self, finished: &[ReqId]) {
-        for id in finished {
-            self.live.remove(id);
-        }
-    }
-
     /// Everything ready for the host since the last drain, handed over at once.
     pub fn drain(&mut self) -> StepOutput {
-        let out = self.out.take();
-        self.handed(&out.finished_recving);
-        out
+        take_step(&self.out, &self.live)
     }
+}
+
+/// A drain: everything ready for the host since the last one, its finished requests handed
+/// over (their ids may be loaded again) before it returns, so before anything the host does
+/// after it.
+pub fn take_step(out: &Outbox, live: &SharedLiveSet) -> StepOutput {
+    let step = out.take();
+    if !step.finished_recving.is_empty() {
+        live.lock().hand_over(&step.finished_recving);
+    }
+    step
 }
 
 /// Which peers must be fenced before a completion's blocks can go back (DESIGN.md §5).

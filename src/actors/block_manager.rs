@@ -10,8 +10,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 
 use crate::config::Policy;
 use crate::messages::{
-    Admit, Allocate, BatchError, Completion, Completions, Drain, FirstFailure, Free,
-    GetLedgerStats, Handed, KvEvent, LedgerStats, ReqId,
+    Allocate, Completion, Completions, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
+    LedgerStats, ReqId,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -19,6 +19,7 @@ use crate::telemetry::{self as m, Labels};
 use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
+use super::live_set::SharedLiveSet;
 
 /// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
 /// peers are fenced, and hands released requests to the host's drain.
@@ -51,6 +52,12 @@ impl BlockManager {
     pub fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
+    }
+
+    /// The live set its ledger releases blocks from (the Receiver admits into it, the host's
+    /// drain hands requests over).
+    pub fn live_set(&self) -> SharedLiveSet {
+        self.ledger.live_set()
     }
 
     /// The built-in pool's ownership table (for the data plane's audit), if there is a pool.
@@ -87,18 +94,6 @@ impl BlockManager {
 
 impl Actor for BlockManager {
     type Context = Context<Self>;
-}
-
-impl Handler<Admit> for BlockManager {
-    type Result = MessageResult<Admit>;
-
-    /// One message for the whole batch, so admission is atomic with respect to completions,
-    /// drains and other batches.
-    fn handle(&mut self, a: Admit, _ctx: &mut Context<Self>) -> MessageResult<Admit> {
-        let verdicts: Vec<Result<(), BatchError>> =
-            a.requests.iter().map(|r| self.ledger.admit(r)).collect();
-        MessageResult(verdicts)
-    }
 }
 
 impl Handler<FirstFailure> for BlockManager {
@@ -221,14 +216,6 @@ impl Handler<Drain> for BlockManager {
     }
 }
 
-impl Handler<Handed> for BlockManager {
-    type Result = ();
-
-    fn handle(&mut self, Handed(finished): Handed, _ctx: &mut Context<Self>) {
-        self.ledger.handed(&finished);
-    }
-}
-
 impl Handler<Allocate> for BlockManager {
     type Result = Result<Vec<u32>, PoolError>;
 
@@ -341,21 +328,13 @@ mod tests {
         let landing = Arc::new(Copying {
             a_quiet: Mutex::new(Some(rx)),
         });
-        let bm = BlockManager::new(
-            BlockLedger::new(Duration::from_secs(60), None),
-            landing,
-            Policy::Settle,
-            EventSink::none(),
-        )
-        .start();
+        let ledger = BlockLedger::new(Duration::from_secs(60), None);
+        let live = ledger.live_set();
+        let bm = BlockManager::new(ledger, landing, Policy::Settle, EventSink::none()).start();
         let (a, b) = (req("a", 1), req("b", 2));
-        let verdicts = bm
-            .send(Admit {
-                requests: vec![a.clone(), b.clone()],
-            })
-            .await
-            .unwrap();
-        assert!(verdicts.iter().all(Result::is_ok), "{verdicts:?}");
+        for r in [&a, &b] {
+            live.lock().admit(r).unwrap();
+        }
         bm.do_send(Completions(vec![ok(&a), ok(&b)]));
         // A drain queued behind the completions waits with them.
         let early = bm.send(Drain);

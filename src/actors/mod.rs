@@ -13,6 +13,8 @@ pub mod block_manager;
 pub mod block_pool;
 pub mod event_sink;
 #[doc(hidden)]
+pub mod live_set;
+#[doc(hidden)]
 pub mod outbox;
 pub mod peer;
 #[doc(hidden)]
@@ -27,6 +29,8 @@ pub mod rediscovery;
 #[doc(hidden)]
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted_transport;
+#[doc(hidden)]
+pub mod shared;
 pub mod system;
 pub mod topology;
 pub mod transport;

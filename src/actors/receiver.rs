@@ -9,13 +9,13 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use actix::{
-    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, ResponseActFuture, Supervisor,
-    WeakAddr, WrapFuture,
+    Actor, ActorFutureExt, Addr, AsyncContext, Context, Handler, MessageResult, ResponseActFuture,
+    Supervisor, WeakAddr, WrapFuture,
 };
 
 use crate::config::KvRecvConfig;
 use crate::messages::{
-    Abort, AbortAtPeer, AbortReply, Admit, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
+    Abort, AbortAtPeer, AbortReply, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
     LoadKvTo, LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId,
     Retire, SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
 };
@@ -27,6 +27,7 @@ use super::aggregator_state::{AggregationRules, AggregatorState};
 use super::batch_plan;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
+use super::live_set::SharedLiveSet;
 use super::peer::{Peer, PeerConfig};
 use super::rediscovery::{
     EngineKey, PeerHealth, Plan, Rediscovery, RediscoveryConfig, Unreachable,
@@ -42,6 +43,8 @@ pub struct Receiver {
     transport: Rc<dyn PeerTransport>,
     landing: Arc<dyn Landing>,
     block_manager: Addr<BlockManager>,
+    /// Live requests and their blocks: a batch is admitted here before any pull is sent.
+    live: SharedLiveSet,
     /// Every awaited request's settles are aggregated there (started with the Receiver).
     aggregator: Option<Addr<RequestAggregator>>,
     events: EventSink,
@@ -82,6 +85,7 @@ impl Receiver {
         transport: Rc<dyn PeerTransport>,
         landing: Arc<dyn Landing>,
         block_manager: Addr<BlockManager>,
+        live: SharedLiveSet,
         events: EventSink,
     ) -> Self {
         let rediscovery = Rediscovery::new(RediscoveryConfig {
@@ -110,6 +114,7 @@ impl Receiver {
             transport,
             landing,
             block_manager,
+            live,
             aggregator: None,
             events,
             peers: FastMap::default(),
@@ -465,21 +470,21 @@ impl Handler<CountPeers> for Receiver {
 }
 
 impl Handler<LoadKv> for Receiver {
-    type Result = ResponseActFuture<Self, LoadKvReply>;
+    type Result = MessageResult<LoadKv>;
 
-    /// Validate here, then ask the BlockManager to admit what is valid (it owns the live set:
-    /// request ids not yet drained, blocks not yet released), then start the pulls.
-    fn handle(&mut self, batch: LoadKv, _ctx: &mut Context<Self>) -> Self::Result {
+    /// Validate, admit what is valid into the live set, then start the pulls: all within this
+    /// handler, so the host's reply follows at once.
+    fn handle(&mut self, batch: LoadKv, ctx: &mut Context<Self>) -> Self::Result {
         let validated = batch_plan::validate(batch.requests, &self.cfg.layout, &mut self.interner);
-        self.admit_and_start(validated)
+        MessageResult(self.admit_and_start(validated, ctx))
     }
 }
 
 impl Handler<LoadKvTo> for Receiver {
-    type Result = ResponseActFuture<Self, ()>;
+    type Result = ();
 
     /// As [`LoadKv`]; the reply goes to the host's channel.
-    fn handle(&mut self, msg: LoadKvTo, ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, msg: LoadKvTo, ctx: &mut Context<Self>) {
         let LoadKvTo {
             batch,
             reply,
@@ -487,53 +492,19 @@ impl Handler<LoadKvTo> for Receiver {
         } = msg;
         // Taken: its requests are no longer queued (admitted, they count as live instead).
         drop(queued);
-        Box::pin(
-            <Self as Handler<LoadKv>>::handle(self, batch, ctx).map(move |r, _, _| {
-                // The host may have dropped its ticket: the batch proceeds all the same.
-                let _ = reply.send(r);
-            }),
-        )
+        let MessageResult(r) = <Self as Handler<LoadKv>>::handle(self, batch, ctx);
+        // The host may have dropped its ticket: the batch proceeds all the same.
+        let _ = reply.send(r);
     }
 }
 
 impl Handler<LoadMetas> for Receiver {
-    type Result = ResponseActFuture<Self, LoadKvReply>;
+    type Result = MessageResult<LoadMetas>;
 
     /// As [`LoadKv`], the requests already read by the host.
-    fn handle(&mut self, batch: LoadMetas, _ctx: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, batch: LoadMetas, ctx: &mut Context<Self>) -> Self::Result {
         let validated = batch_plan::validate_metas(batch.requests.into_iter(), &self.cfg.layout);
-        self.admit_and_start(validated)
-    }
-}
-
-impl Receiver {
-    /// Ask the BlockManager to admit what is valid, then start the pulls of what it admitted.
-    fn admit_and_start(
-        &mut self,
-        batch_plan::Validated { valid, rejected }: batch_plan::Validated,
-    ) -> ResponseActFuture<Self, LoadKvReply> {
-        let admit = Admit {
-            requests: valid.iter().map(|(_, m)| m.clone()).collect(),
-        };
-        Box::pin(self.block_manager.send(admit).into_actor(self).map(
-            move |verdicts, act, ctx| {
-                let verdicts = match verdicts {
-                    Ok(v) => v,
-                    Err(e) => {
-                        tracing::error!(error = %e, "block manager unreachable; refusing the batch");
-                        valid
-                            .iter()
-                            .map(|(_, m)| {
-                                Err(BatchError::Unavailable {
-                                    req_id: m.req_id.to_string(),
-                                })
-                            })
-                            .collect()
-                    }
-                };
-                act.start_admitted(valid, verdicts, rejected, ctx)
-            },
-        ))
+        MessageResult(self.admit_and_start(validated, ctx))
     }
 }
 
@@ -598,25 +569,40 @@ impl Handler<Abort> for Receiver {
 }
 
 impl Receiver {
-    /// Start the pulls of the admitted requests: one pull per engine and peer, requests in
-    /// arrival order. Rejections are reported in batch order.
-    fn start_admitted(
+    /// Admit the valid requests into the live set, then start the pulls of those admitted:
+    /// one pull per engine and peer, requests in arrival order. Rejections are reported in
+    /// batch order.
+    fn admit_and_start(
         &mut self,
-        valid: Vec<(usize, SharedRequest)>,
-        verdicts: Vec<Result<(), BatchError>>,
-        mut rejected: Vec<(usize, BatchError)>,
+        batch_plan::Validated {
+            valid,
+            mut rejected,
+        }: batch_plan::Validated,
         ctx: &mut Context<Self>,
     ) -> LoadKvReply {
         let mut reply = LoadKvReply::default();
-        let mut admitted = Vec::new();
-        for ((i, meta), verdict) in valid.into_iter().zip(verdicts) {
-            if let Err(e) = verdict {
-                rejected.push((i, e));
-                continue;
+        let mut admitted = Vec::with_capacity(valid.len());
+        if self.block_manager.connected() {
+            // Under one lock for the whole batch: its admission is atomic with respect to
+            // releases, drains and other batches, and ends before any of its pulls is sent.
+            let mut live = self.live.lock();
+            for (i, meta) in valid {
+                match live.admit(&meta) {
+                    Ok(()) => {
+                        reply.accepted += 1;
+                        reply.awaiting += usize::from(meta.is_awaiting());
+                        admitted.push(meta);
+                    }
+                    Err(e) => rejected.push((i, e)),
+                }
             }
-            reply.accepted += 1;
-            reply.awaiting += usize::from(meta.is_awaiting());
-            admitted.push(meta);
+        } else {
+            // Nothing could release these requests' blocks or complete them.
+            tracing::error!("block manager stopped; refusing the batch");
+            rejected.extend(valid.into_iter().map(|(i, m)| {
+                let req_id = m.req_id.to_string();
+                (i, BatchError::Unavailable { req_id })
+            }));
         }
         let groups = batch_plan::group_by_engine(admitted);
         rejected.sort_by_key(|(i, _)| *i);
@@ -697,6 +683,7 @@ mod tests {
         events: EventSink,
         rx: tokio::sync::mpsc::UnboundedReceiver<KvEvent>,
         bm: Addr<BlockManager>,
+        live: SharedLiveSet,
         transport: ScriptedTransport,
         opened: tokio::sync::mpsc::UnboundedReceiver<crate::actors::scripted_transport::OpenedPull>,
     }
@@ -718,12 +705,14 @@ mod tests {
         let (events, rx) = EventSink::channel();
         let cfg = rig_config();
         let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
+        let live = ledger.live_set();
         let bm = BlockManager::new(ledger, rig_landing(), cfg.policy, events.clone()).start();
         let (transport, opened) = ScriptedTransport::new();
         Rig {
             events,
             rx,
             bm,
+            live,
             transport,
             opened,
         }
@@ -733,6 +722,7 @@ mod tests {
         topology: Rc<dyn TopologySource>,
         transport: ScriptedTransport,
         bm: &Addr<BlockManager>,
+        live: &SharedLiveSet,
         events: EventSink,
     ) -> Receiver {
         Receiver::new(
@@ -741,6 +731,7 @@ mod tests {
             Rc::new(transport),
             rig_landing(),
             bm.clone(),
+            live.share(),
             events,
         )
     }
@@ -753,11 +744,12 @@ mod tests {
             events,
             mut rx,
             bm,
+            live,
             transport,
             mut opened,
         } = rig();
         let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
-        let mut receiver = rig_receiver(Rc::new(topology), transport, &bm, events);
+        let mut receiver = rig_receiver(Rc::new(topology), transport, &bm, &live, events);
         receiver.encode = |_, _| {
             Err(WireError::Encode(rmp_serde::encode::Error::Syntax(
                 "simulated".into(),
@@ -826,6 +818,7 @@ mod tests {
         let Rig {
             events,
             bm,
+            live,
             transport,
             mut opened,
             ..
@@ -833,7 +826,7 @@ mod tests {
         let topology = Rc::new(Replaceable(RefCell::new(Arc::new(StaticTopology::grid(
             "e0", 1, 1,
         )))));
-        let receiver = rig_receiver(topology.clone(), transport, &bm, events).start();
+        let receiver = rig_receiver(topology.clone(), transport, &bm, &live, events).start();
         let load = |id: &str, block: u32| LoadKv {
             requests: vec![KvRequest {
                 req_id: id.into(),

@@ -7,13 +7,14 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{Handed, LoadKv, LoadKvReply, LoadMetas, StepOutput};
+use crate::messages::{LoadKv, LoadKvReply, LoadMetas, StepOutput};
 use crate::rdma::Landing;
 
-use super::block_ledger::BlockLedger;
+use super::block_ledger::{take_step, BlockLedger};
 use super::block_manager::BlockManager;
 use super::block_pool::{BlockOwnership, BlockPool};
 use super::event_sink::EventSink;
+use super::live_set::SharedLiveSet;
 use super::outbox::Outbox;
 use super::receiver::Receiver;
 use super::topology::TopologySource;
@@ -47,6 +48,8 @@ pub struct Coordinator {
     /// What the BlockManager has ready for the next drain (one for every clone: an `Outbox`'s
     /// own `clone` copies).
     outbox: Arc<Outbox>,
+    /// The live set a drain hands finished requests over in (shared likewise).
+    live: Arc<SharedLiveSet>,
     /// The most requests live at once (`KvRecvConfig::max_live_requests`): also the most a
     /// host may have queued with `KvRecv::submit` and not yet taken by the Receiver.
     pub(crate) max_live: usize,
@@ -65,6 +68,7 @@ impl Coordinator {
         let ledger =
             BlockLedger::new(cfg.quarantine_deadline, pool).with_max_live(cfg.max_live_requests);
         let outbox = Arc::new(ledger.outbox());
+        let live = Arc::new(ledger.live_set());
         let block_manager = BlockManager::new(
             ledger,
             parts.landing.clone(),
@@ -79,6 +83,7 @@ impl Coordinator {
             parts.transport,
             parts.landing,
             block_manager.clone(),
+            live.share(),
             parts.events,
         )
         .with_labels(labels)
@@ -88,6 +93,7 @@ impl Coordinator {
             block_manager,
             ownership,
             outbox,
+            live,
             max_live,
         }
     }
@@ -103,26 +109,21 @@ impl Coordinator {
     }
 
     /// The per-step drain: everything ready since the last one (failures never after their
-    /// completion), taken where the BlockManager left it, without a round trip through its
-    /// mailbox: the host waits for no other thread, and a drain wakes kvrecv's thread only to
-    /// hand requests over (`Handed`) and the host's never (docs/PERFORMANCE.md, eighth round).
-    /// A drain that finds nothing yields to the runtime once before it returns, so that a host
-    /// draining in a loop on the actors' own thread lets them run. Cancel-safe: what it takes
-    /// it returns without awaiting (dropped at that yield, it had taken nothing). The finished
-    /// requests it hands over stay live (a `load_kv` of their id refused) until the
-    /// BlockManager reads `Handed`, sent here before the drain returns, so ahead of anything
-    /// the host sends after it.
+    /// completion), taken where the BlockManager left it, without a message: the host waits for
+    /// no other thread and wakes kvrecv's not at all (docs/PERFORMANCE.md, eighth and tenth
+    /// rounds). The finished requests it hands over stop being live (a `load_kv` of their id
+    /// is accepted again) before it returns. A drain that finds nothing yields to the runtime
+    /// once before it returns, so that a host draining in a loop on the actors' own thread
+    /// lets them run. Cancel-safe: what it takes it returns without awaiting (dropped at that
+    /// yield, it had taken nothing).
     pub async fn drain(&self) -> Result<StepOutput, actix::MailboxError> {
         // Stopped: say so, as every other call does.
         if !self.block_manager.connected() {
             return Err(actix::MailboxError::Closed);
         }
-        let out = self.outbox.take();
+        let out = take_step(&self.outbox, &self.live);
         if out.is_empty() {
             tokio::task::yield_now().await;
-        } else if !out.finished_recving.is_empty() {
-            self.block_manager
-                .do_send(Handed(out.finished_recving.clone()));
         }
         Ok(out)
     }

@@ -29,9 +29,3 @@ impl StepOutput {
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "StepOutput")]
 pub struct Drain;
-
-/// Host -> BlockManager: the host read a drain naming these finished requests; until now they
-/// stayed live (a later `load_kv` of the id refused), as the host might not have read it.
-#[derive(Debug, Message)]
-#[rtype(result = "()")]
-pub struct Handed(pub Vec<ReqId>);

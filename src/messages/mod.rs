@@ -2,7 +2,6 @@
 //! bootstrap JSON, and the actix messages between actors. Plain data, no I/O.
 
 pub mod abort;
-pub mod admit;
 pub mod batch;
 #[doc(hidden)]
 pub mod bootstrap;
@@ -25,13 +24,12 @@ pub mod settle;
 pub mod wire;
 
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
-pub use admit::Admit;
 pub use batch::{
     BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
     Queued, RequestMeta, SharedRequest,
 };
 pub use completion::{Completion, Completions, FirstFailure, Outcome};
-pub use drain::{Drain, Handed, StepOutput};
+pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};

@@ -1,0 +1,186 @@
+//! The requests that are live and the blocks they own, the one thing that decides whether a
+//! request may start (DESIGN.md §4 rule 8, §6). Shared ([`Shared`]) by the three parties that
+//! change it, each at its own step and none through another's mailbox: the Receiver admits a
+//! batch before it sends any pull, the BlockManager gives blocks back when it releases them,
+//! and the host's drain hands finished requests over.
+
+use std::collections::hash_map::Entry;
+
+use crate::fast_hash::{FastMap, FastSet};
+use crate::messages::{BatchError, ReqId, RequestMeta};
+
+use super::shared::Shared;
+
+/// Live requests and who owns each block.
+#[derive(Debug, Clone)]
+pub struct LiveSet {
+    /// Awaiting requests admitted and not yet handed to the host by a drain: loading one again
+    /// would give the host two completions for it.
+    live: FastSet<ReqId>,
+    /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
+    /// (quarantine included): two writers into one block are never both admitted.
+    owners: FastMap<(u32, u32), ReqId>,
+    /// Most live requests at once (backpressure).
+    max_live: usize,
+}
+
+/// A live set the Receiver, the BlockManager and the host's drain share.
+pub type SharedLiveSet = Shared<LiveSet>;
+
+impl LiveSet {
+    /// An empty set that refuses requests beyond `max_live` live ones (at least 1).
+    pub fn new(max_live: usize) -> Self {
+        LiveSet {
+            live: FastSet::default(),
+            owners: FastMap::default(),
+            max_live: max_live.max(1),
+        }
+    }
+
+    /// Let `req` start, or say why not: its id is still live (in flight, or completed but not
+    /// drained), or one of its blocks belongs to another live request whose blocks are not
+    /// released yet. A request with no blocks (cleanup pull) never becomes live.
+    pub fn admit(&mut self, req: &RequestMeta) -> Result<(), BatchError> {
+        if self.live.contains(&req.req_id) {
+            return Err(BatchError::AlreadyLive {
+                req_id: req.req_id.to_string(),
+            });
+        }
+        if !req.is_awaiting() {
+            return Ok(());
+        }
+        // Backpressure (DESIGN.md §6): a host that loads without draining gets an error, not
+        // unbounded state.
+        if self.live.len() >= self.max_live {
+            return Err(BatchError::Backpressure {
+                req_id: req.req_id.to_string(),
+                live: self.live.len(),
+                limit: self.max_live,
+            });
+        }
+        for (group, blocks) in req.block_ids.iter().enumerate() {
+            for &block in blocks {
+                if let Some(owner) = self.owners.get(&(group as u32, block)) {
+                    return Err(BatchError::BlockInUse {
+                        req_id: req.req_id.to_string(),
+                        group,
+                        block,
+                        owner: owner.to_string(),
+                    });
+                }
+            }
+        }
+        self.live.insert(req.req_id.clone());
+        for (group, blocks) in req.block_ids.iter().enumerate() {
+            for &block in blocks {
+                self.owners
+                    .insert((group as u32, block), req.req_id.clone());
+            }
+        }
+        Ok(())
+    }
+
+    /// `req`'s blocks are released: another request may own them. Its id stays live until
+    /// [`LiveSet::hand_over`].
+    pub fn release_blocks(&mut self, req: &RequestMeta) {
+        for (group, blocks) in req.block_ids.iter().enumerate() {
+            for &block in blocks {
+                if let Entry::Occupied(o) = self.owners.entry((group as u32, block)) {
+                    if *o.get() == req.req_id {
+                        o.remove();
+                    }
+                }
+            }
+        }
+    }
+
+    /// The host has these finished requests: their ids may be loaded again.
+    pub fn hand_over(&mut self, finished: &[ReqId]) {
+        for id in finished {
+            self.live.remove(id);
+        }
+    }
+
+    /// Whether `req_id` was admitted and not yet handed over.
+    pub fn is_live(&self, req_id: &ReqId) -> bool {
+        self.live.contains(req_id)
+    }
+
+    /// Requests admitted and not yet handed over.
+    pub fn len(&self) -> usize {
+        self.live.len()
+    }
+
+    /// Whether no request is live.
+    pub fn is_empty(&self) -> bool {
+        self.live.is_empty()
+    }
+
+    /// Hash the live ids and the owners, in a stable order (model checking).
+    pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
+        use std::hash::Hash;
+        let mut live: Vec<&ReqId> = self.live.iter().collect();
+        live.sort();
+        live.hash(h);
+        let mut owners: Vec<_> = self.owners.iter().collect();
+        owners.sort();
+        owners.hash(h);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::messages::SharedRequest;
+
+    fn req(id: &str, blocks: &[u32]) -> SharedRequest {
+        Arc::new(RequestMeta {
+            req_id: id.into(),
+            transfer_id: id.into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: vec![blocks.to_vec()],
+        })
+    }
+
+    /// What the BlockManager releases through its share, the Receiver's share sees at its next
+    /// admission; the id itself only once the host's drain handed it over.
+    #[test]
+    fn released_blocks_and_handed_ids_are_seen_by_every_share() {
+        let receiver = SharedLiveSet::new(LiveSet::new(8));
+        let (manager, drain) = (receiver.share(), receiver.share());
+        let a = req("a", &[1, 2]);
+        receiver.lock().admit(&a).unwrap();
+        assert!(matches!(
+            receiver.lock().admit(&req("b", &[2])),
+            Err(BatchError::BlockInUse { block: 2, .. })
+        ));
+        manager.lock().release_blocks(&a);
+        assert_eq!(receiver.lock().admit(&req("b", &[2])), Ok(()));
+        assert!(matches!(
+            receiver.lock().admit(&req("a", &[5])),
+            Err(BatchError::AlreadyLive { .. })
+        ));
+        drain.lock().hand_over(&["a".into()]);
+        assert_eq!(receiver.lock().admit(&req("a", &[5])), Ok(()));
+        assert_eq!(receiver.lock().len(), 2);
+    }
+
+    /// A release gives back only the blocks the request owns: a block another request took
+    /// after an earlier release stays that request's.
+    #[test]
+    fn a_release_leaves_other_owners_alone() {
+        let mut live = LiveSet::new(8);
+        let a = req("a", &[1]);
+        live.admit(&a).unwrap();
+        live.release_blocks(&a);
+        live.admit(&req("b", &[1])).unwrap();
+        live.release_blocks(&a);
+        assert!(matches!(
+            live.admit(&req("c", &[1])),
+            Err(BatchError::BlockInUse { owner, .. }) if owner == "b"
+        ));
+    }
+}
