@@ -1,43 +1,27 @@
 //! RequestAggregator: receives every peer's settle for every awaited request, publishes each
 //! request's first failure once and its completion once.
 //!
-//! One actor per coordinator, holding one [`AggregatorState`] per awaited request (the
-//! per-request state machine of DESIGN.md §4 rules 5, 8, 9, unchanged). It was one actor per
-//! request; at 100k requests in flight the actor (task, context, mailbox, one boxed recipient
-//! per pull that named it) cost more memory and CPU than the request itself (docs/PERFORMANCE.md
-//! has the figures), while a table keyed by request id gives the same guarantees: the Receiver
-//! registers a batch's states before it hands any Peer the pull (one mailbox, so no settle can
-//! arrive before its state exists). A settle counts only for the attempt whose pulls it came
+//! One actor per coordinator, settling the [`AggregatorState`] of each awaited request (the
+//! per-request state machine of DESIGN.md §4 rules 5, 8, 9, unchanged) in a table keyed by
+//! request id. It was one actor per request; at 100k requests in flight the actor (task,
+//! context, mailbox, one boxed recipient per pull that named it) cost more memory and CPU than
+//! the request itself (docs/PERFORMANCE.md has the figures), while the table gives the same
+//! guarantees: the Receiver registers a batch's states in it before it hands any Peer the pull
+//! ([`super::aggregation_table`]), so no settle can arrive before its state exists. A settle counts only for the attempt whose pulls it came
 //! from (each attempt knows its pull ids), so a late settle of an earlier attempt of the same id
 //! (possible under the naive policy, which completes before every peer settled) is stale.
 
-use crate::fast_hash::FastMap;
-use std::ops::Range;
 use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message};
 
-use crate::messages::{
-    Completion, Completions, KvEvent, PullId, ReqId, Settle, Settles, SharedRequest,
-};
+use crate::messages::{Completion, Completions, KvEvent, Settle, Settles, SharedRequest};
 use crate::telemetry::{self as m, KeptHandles, Labels};
 
+use super::aggregation_table::SharedAggregation;
 use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
-
-/// Receiver -> RequestAggregator: start aggregating these requests (before their pulls are
-/// handed to any Peer).
-#[derive(Message)]
-#[rtype(result = "()")]
-pub struct Aggregate {
-    /// The pulls of the batch, one per peer (their settles count).
-    pub pulls: Range<PullId>,
-    /// One state per awaited request, its peers already known.
-    pub states: Vec<AggregatorState>,
-    /// When the Receiver took the batch (a completion's latency counts from there).
-    pub since: Instant,
-}
 
 /// Receiver -> RequestAggregator: these requests have no possible writer (topology failure,
 /// DESIGN.md §4 rule 7, or aborted before anything was sent): fail and complete them now.
@@ -50,26 +34,11 @@ pub struct FailUnsent {
     pub reason: String,
 }
 
-struct Entry {
-    state: AggregatorState,
-    since: Instant,
-    /// The attempt's pulls are `first_pull..first_pull + peers` (one per peer, consecutive).
-    first_pull: PullId,
-}
-
-impl Entry {
-    fn counts(&self, pull: PullId) -> bool {
-        pull.checked_sub(self.first_pull)
-            .is_some_and(|k| k < self.state.peers().len() as u64)
-    }
-}
-
 /// Collects every peer's settle of every awaited request and publishes the first failure and
 /// the completion of each exactly once.
 pub struct RequestAggregator {
-    /// Boxed: the table's slots stay small, so growing it (and the old table glibc keeps
-    /// resident) costs little per request.
-    live: FastMap<ReqId, Box<Entry>>,
+    /// The awaited requests, registered there by the Receiver.
+    table: SharedAggregation,
     block_manager: Addr<BlockManager>,
     events: EventSink,
     labels: Labels,
@@ -78,10 +47,15 @@ pub struct RequestAggregator {
 }
 
 impl RequestAggregator {
-    /// An aggregator that hands failures and completions to `block_manager`.
-    pub fn new(block_manager: Addr<BlockManager>, events: EventSink) -> Self {
+    /// An aggregator of the requests registered in `table`, that hands failures and
+    /// completions to `block_manager`.
+    pub fn new(
+        table: SharedAggregation,
+        block_manager: Addr<BlockManager>,
+        events: EventSink,
+    ) -> Self {
         RequestAggregator {
-            live: FastMap::default(),
+            table,
             block_manager,
             events,
             labels: Labels::default(),
@@ -191,28 +165,6 @@ impl Actor for RequestAggregator {
     type Context = Context<Self>;
 }
 
-impl Handler<Aggregate> for RequestAggregator {
-    type Result = ();
-
-    fn handle(&mut self, msg: Aggregate, _ctx: &mut Context<Self>) {
-        let since = msg.since;
-        self.live.reserve(msg.states.len());
-        for state in msg.states {
-            let id = state.req().req_id.clone();
-            let entry = Box::new(Entry {
-                state,
-                since,
-                first_pull: msg.pulls.start,
-            });
-            if let Some(old) = self.live.insert(id, entry) {
-                // Admission refuses an id still live, so this is a bug elsewhere: say so
-                // rather than lose the older attempt silently.
-                tracing::error!(req_id = %old.state.req().req_id, "request registered twice for aggregation");
-            }
-        }
-    }
-}
-
 impl Handler<FailUnsent> for RequestAggregator {
     type Result = ();
 
@@ -255,7 +207,8 @@ impl RequestAggregator {
     fn settle(&mut self, s: Settle, out: &mut Outbox) {
         // Everything logged while handling a settle names the request and the peer it came from.
         let _span = tracing::debug_span!("settle", req_id = %s.req_id, peer = %s.peer).entered();
-        let Some(entry) = self.live.get_mut(&s.req_id).filter(|e| e.counts(s.pull_id)) else {
+        let mut table = self.table.borrow_mut();
+        let Some(entry) = table.counting(&s.req_id, s.pull_id) else {
             // Its attempt completed already (the naive policy completes early).
             self.labels.counter(m::STALE_SETTLES).increment(1);
             return;
@@ -267,8 +220,9 @@ impl RequestAggregator {
         }
         let since = entry.since;
         if fx.completion.is_some() {
-            self.live.remove(&s.req_id);
+            table.remove(&s.req_id);
         }
+        drop(table);
         self.publish(fx, since, out);
     }
 }
@@ -281,20 +235,8 @@ mod tests {
     use super::*;
     use crate::actors::block_ledger::BlockLedger;
     use crate::config::Policy;
-    use crate::messages::{PeerId, RequestMeta, SettleOutcome};
+    use crate::messages::{PeerId, PullId, RequestMeta, SettleOutcome};
     use crate::rdma::StaticLanding;
-
-    /// One entry per request in flight: the issue's memory budget (≤ 1 KiB per request at 100k
-    /// in flight, `benches/baseline.py --memory-only`) has no room for it to grow unnoticed.
-    /// 96 bytes is one of mimalloc's size classes; it was 144 (rounded up to 160).
-    #[test]
-    fn an_entry_fits_in_96_bytes() {
-        assert!(
-            std::mem::size_of::<Entry>() <= 96,
-            "Entry is {} bytes",
-            std::mem::size_of::<Entry>()
-        );
-    }
 
     fn settle(pull_id: PullId) -> Settle {
         Settle {
@@ -318,7 +260,8 @@ mod tests {
             events.clone(),
         )
         .start();
-        let agg = RequestAggregator::new(bm, events).start();
+        let table = SharedAggregation::default();
+        let agg = RequestAggregator::new(table.clone(), bm, events).start();
         let req = Arc::new(RequestMeta {
             req_id: "r".into(),
             transfer_id: "t".into(),
@@ -327,13 +270,9 @@ mod tests {
             block_ids: vec![vec![1]],
         });
         let state = AggregatorState::new(req, vec![PeerId::new("tcp://p:1")], Policy::Settle);
-        agg.send(Aggregate {
-            pulls: 7..8,
-            states: vec![state],
-            since: Instant::now(),
-        })
-        .await
-        .unwrap();
+        table
+            .borrow_mut()
+            .register(7..8, [state].into_iter(), Instant::now());
         agg.send(settle(3)).await.unwrap(); // an earlier attempt's pull
         assert!(rx.try_recv().is_err(), "the stale settle published nothing");
         agg.send(settle(7)).await.unwrap();

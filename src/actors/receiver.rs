@@ -22,7 +22,8 @@ use crate::messages::{
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
 
-use super::aggregator::{Aggregate, FailUnsent, RequestAggregator};
+use super::aggregation_table::SharedAggregation;
+use super::aggregator::{FailUnsent, RequestAggregator};
 use super::aggregator_state::{AggregationRules, AggregatorState};
 use super::batch_plan;
 use super::block_manager::BlockManager;
@@ -45,8 +46,11 @@ pub struct Receiver {
     block_manager: Addr<BlockManager>,
     /// Live requests and their blocks: a batch is admitted here before any pull is sent.
     live: SharedLiveSet,
-    /// Every awaited request's settles are aggregated there (started with the Receiver).
+    /// Every awaited request's settles are aggregated there (started with the first Peer).
     aggregator: Option<Addr<RequestAggregator>>,
+    /// The aggregator's table: a batch's awaited requests are registered there before any of
+    /// its pulls is handed to a Peer.
+    aggregation: SharedAggregation,
     events: EventSink,
     peers: FastMap<PeerId, PeerSlot>,
     /// Peers retired with pulls still in flight: they stop after the last, and an abort still
@@ -116,6 +120,7 @@ impl Receiver {
             block_manager,
             live,
             aggregator: None,
+            aggregation: SharedAggregation::default(),
             events,
             peers: FastMap::default(),
             retiring: Vec::new(),
@@ -145,9 +150,13 @@ impl Receiver {
     /// (Borrowed: cloning an `Addr` allocates.)
     fn aggregator(&mut self) -> &Addr<RequestAggregator> {
         self.aggregator.get_or_insert_with(|| {
-            RequestAggregator::new(self.block_manager.clone(), self.events.clone())
-                .with_labels(self.labels.clone())
-                .start()
+            RequestAggregator::new(
+                self.aggregation.clone(),
+                self.block_manager.clone(),
+                self.events.clone(),
+            )
+            .with_labels(self.labels.clone())
+            .start()
         })
     }
 
@@ -338,22 +347,17 @@ impl Receiver {
         if let Some(why) = down {
             return self.fail_unreachable(group, why);
         }
-        // The aggregator learns the requests first, so no settle can arrive before its state
-        // exists (one mailbox). The batch's pulls are the next ids, one per peer.
+        // The aggregator's table has the requests before any Peer has their pull, so no settle
+        // can arrive before its state exists. The batch's pulls are the next ids, one per peer.
         let pulls = crate::messages::ids::next_pull_ids(peers.len() as u64);
         let rules = &self.rules;
-        let states: Vec<AggregatorState> = group
+        let states = group
             .iter()
             .filter(|r| r.is_awaiting())
-            .map(|req| AggregatorState::with_rules(req.clone(), peers.clone(), rules.clone()))
-            .collect();
-        if !states.is_empty() {
-            self.aggregator().do_send(Aggregate {
-                pulls: pulls.clone(),
-                states,
-                since,
-            });
-        }
+            .map(|req| AggregatorState::with_rules(req.clone(), peers.clone(), rules.clone()));
+        self.aggregation
+            .borrow_mut()
+            .register(pulls.clone(), states, since);
         let mut requests: Vec<PullRequest> = group
             .iter()
             .map(|req| PullRequest {

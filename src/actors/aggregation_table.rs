@@ -1,0 +1,139 @@
+//! Every awaited request's aggregation, keyed by request id: the Receiver registers a batch's
+//! states here before it hands any Peer the batch's pull, and the RequestAggregator settles and
+//! completes them. Shared by the two (one D worker's actors run on one thread), so that
+//! registering is not a message: no settle can arrive before its state exists, because the
+//! state exists before the pull is sent (DESIGN.md §4 rule 5).
+
+use std::cell::RefCell;
+use std::ops::Range;
+use std::rc::Rc;
+use std::time::Instant;
+
+use crate::fast_hash::FastMap;
+use crate::messages::{PullId, ReqId};
+
+use super::aggregator_state::AggregatorState;
+
+/// One awaited request's state machine and what its settles are checked against.
+pub struct Entry {
+    /// The request's state machine (DESIGN.md §4 rules 5, 8, 9).
+    pub state: AggregatorState,
+    /// When the Receiver took its batch (its completion's latency counts from there).
+    pub since: Instant,
+    /// The attempt's pulls are `first_pull..first_pull + peers` (one per peer, consecutive).
+    first_pull: PullId,
+}
+
+impl Entry {
+    fn counts(&self, pull: PullId) -> bool {
+        pull.checked_sub(self.first_pull)
+            .is_some_and(|k| k < self.state.peers().len() as u64)
+    }
+}
+
+/// The awaited requests not yet completed.
+#[derive(Default)]
+pub struct AggregationTable {
+    /// Boxed: the table's slots stay small, so growing it (and the old table glibc keeps
+    /// resident) costs little per request.
+    entries: FastMap<ReqId, Box<Entry>>,
+}
+
+/// The table the Receiver and the RequestAggregator share.
+pub type SharedAggregation = Rc<RefCell<AggregationTable>>;
+
+impl AggregationTable {
+    /// Register a batch's awaited requests, whose pulls are `pulls` (one per peer), taken at
+    /// `since`. Called before any of those pulls is handed to a Peer.
+    pub fn register(
+        &mut self,
+        pulls: Range<PullId>,
+        states: impl Iterator<Item = AggregatorState>,
+        since: Instant,
+    ) {
+        // The most it can be (the batch's size): usually exact, every request awaited.
+        let (least, most) = states.size_hint();
+        self.entries.reserve(most.unwrap_or(least));
+        for state in states {
+            let id = state.req().req_id.clone();
+            let entry = Box::new(Entry {
+                state,
+                since,
+                first_pull: pulls.start,
+            });
+            if let Some(old) = self.entries.insert(id, entry) {
+                // Admission refuses an id still live, so this is a bug elsewhere: say so
+                // rather than lose the older attempt silently.
+                tracing::error!(req_id = %old.state.req().req_id, "request registered twice for aggregation");
+            }
+        }
+    }
+
+    /// The entry a settle of `req_id` from `pull` counts for: none if the request is not
+    /// awaited here or the pull is not one of its attempt's (a late settle of an earlier one).
+    pub fn counting(&mut self, req_id: &ReqId, pull: PullId) -> Option<&mut Entry> {
+        self.entries
+            .get_mut(req_id)
+            .map(|e| &mut **e)
+            .filter(|e| e.counts(pull))
+    }
+
+    /// `req_id` completed: forget it.
+    pub fn remove(&mut self, req_id: &ReqId) {
+        self.entries.remove(req_id);
+    }
+
+    /// Requests awaited and not yet completed.
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Whether no request is awaited.
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::config::Policy;
+    use crate::messages::{PeerId, RequestMeta};
+
+    /// One entry per request in flight: the issue's memory budget (≤ 1 KiB per request at 100k
+    /// in flight, `benches/baseline.py --memory-only`) has no room for it to grow unnoticed.
+    /// 96 bytes is one of mimalloc's size classes; it was 144 (rounded up to 160).
+    #[test]
+    fn an_entry_fits_in_96_bytes() {
+        assert!(
+            std::mem::size_of::<Entry>() <= 96,
+            "Entry is {} bytes",
+            std::mem::size_of::<Entry>()
+        );
+    }
+
+    /// A settle counts only for the pulls of the attempt registered last: one of two peers'
+    /// pulls (7 and 8) counts, an earlier attempt's (3) or a later batch's (9) does not.
+    #[test]
+    fn a_settle_counts_only_for_the_pulls_of_its_attempt() {
+        let mut t = AggregationTable::default();
+        let req = Arc::new(RequestMeta {
+            req_id: "r".into(),
+            transfer_id: "t".into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: vec![vec![1]],
+        });
+        let peers = vec![PeerId::new("tcp://p:1"), PeerId::new("tcp://p:2")];
+        let state = AggregatorState::new(req, peers, Policy::Settle);
+        t.register(7..9, [state].into_iter(), Instant::now());
+        let r = ReqId::from("r");
+        for (pull, counts) in [(3, false), (7, true), (8, true), (9, false)] {
+            assert_eq!(t.counting(&r, pull).is_some(), counts, "pull {pull}");
+        }
+        t.remove(&r);
+        assert!(t.counting(&r, 7).is_none() && t.is_empty());
+    }
+}
