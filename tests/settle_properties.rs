@@ -163,6 +163,7 @@ impl World {
             let pull = Pull {
                 pull_id: i as u64 + 1,
                 payload: vec![],
+                handed_at: tokio::time::Instant::now(),
                 requests: reqs
                     .iter()
                     .map(|m| PullRequest {

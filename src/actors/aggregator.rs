@@ -127,7 +127,10 @@ impl RequestAggregator {
                 let took = now.saturating_duration_since(since).as_secs_f64();
                 self.kept.record(&self.labels, m::COMPLETION_LATENCY, took);
             }
-            self.block_manager.do_send(Completions(out.completions));
+            self.block_manager.do_send(Completions {
+                completions: out.completions,
+                at: now,
+            });
         }
         for ev in out.events {
             self.events.emit(ev);

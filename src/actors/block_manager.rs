@@ -108,7 +108,7 @@ impl Handler<Completion> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, c: Completion, ctx: &mut Context<Self>) {
-        self.complete_in_order(VecDeque::from([c]), ctx);
+        self.complete_in_order(VecDeque::from([c]), Instant::now(), ctx);
     }
 }
 
@@ -116,7 +116,7 @@ impl Handler<Completions> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, cs: Completions, ctx: &mut Context<Self>) {
-        self.complete_in_order(cs.0.into(), ctx);
+        self.complete_in_order(cs.completions.into(), cs.at, ctx);
     }
 }
 
@@ -127,10 +127,14 @@ impl BlockManager {
     /// may last. A revocation a landing read is still finishing holds this mailbox (not the
     /// thread) until it has, and the completions after it wait with it, so nothing is
     /// released or drained early.
-    fn complete_in_order(&mut self, mut list: VecDeque<Completion>, ctx: &mut Context<Self>) {
-        // One clock read for the message's completions, not two for each (they are handled
-        // in one turn; a quarantine's deadline is a bound, microseconds do not matter to it).
-        let now = Instant::now();
+    /// `now`: the time of the message's completions, one for them all (they are handled in
+    /// one turn; a quarantine's deadline is a bound, microseconds do not matter to it).
+    fn complete_in_order(
+        &mut self,
+        mut list: VecDeque<Completion>,
+        now: Instant,
+        ctx: &mut Context<Self>,
+    ) {
         while let Some(c) = list.pop_front() {
             let suspects = c.suspects();
             let revoked = self.landing.revoke(&RevokeRequest {
@@ -144,8 +148,10 @@ impl BlockManager {
                 None => self.dispose(c, revocation, had_suspects, now, ctx),
                 Some(quiet) => {
                     ctx.wait(quiet.into_actor(self).map(move |(), act, ctx| {
-                        act.dispose(c, revocation, had_suspects, Instant::now(), ctx);
-                        act.complete_in_order(list, ctx);
+                        // The read held it: the rest count from now.
+                        let now = Instant::now();
+                        act.dispose(c, revocation, had_suspects, now, ctx);
+                        act.complete_in_order(list, now, ctx);
                     }));
                     return;
                 }
@@ -335,7 +341,10 @@ mod tests {
         for r in [&a, &b] {
             live.lock().admit(r).unwrap();
         }
-        bm.do_send(Completions(vec![ok(&a), ok(&b)]));
+        bm.do_send(Completions {
+            completions: vec![ok(&a), ok(&b)],
+            at: Instant::now(),
+        });
         // A drain queued behind the completions waits with them.
         let early = bm.send(Drain);
         let mut early = std::pin::pin!(early);

@@ -183,6 +183,7 @@ impl Peer {
             pull_id,
             payload,
             requests,
+            handed_at,
         } = pull;
         // The pull's requests by id, so a log line inside the pull finds its requests (listed
         // only when the span is enabled).
@@ -214,7 +215,7 @@ impl Peer {
             mux
         });
         let stream = mux.add(stream.boxed_local());
-        let started = tokio::time::Instant::now();
+        let started = handed_at;
         let deadline = self.deadline_from(started, ctx);
         self.live.insert(
             pull_id,

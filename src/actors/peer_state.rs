@@ -445,6 +445,7 @@ mod tests {
         Pull {
             pull_id: id,
             payload: vec![],
+            handed_at: tokio::time::Instant::now(),
             requests: reqs
                 .iter()
                 .map(|r| crate::messages::PullRequest {

@@ -405,6 +405,7 @@ impl Receiver {
                         pull_id,
                         payload,
                         requests,
+                        handed_at: used,
                     },
                 ),
                 Err(e) => {

@@ -88,4 +88,10 @@ impl Completion {
 /// many [`Completion`]s one after another.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
-pub struct Completions(pub Vec<Completion>);
+pub struct Completions {
+    /// The completions, in the order their requests completed.
+    pub completions: Vec<Completion>,
+    /// When the aggregator published them: the time their quarantines and poisoned windows
+    /// count from (microseconds before the BlockManager reads them; one clock read, not two).
+    pub at: std::time::Instant,
+}

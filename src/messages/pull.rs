@@ -26,6 +26,9 @@ pub struct Pull {
     pub payload: Vec<u8>,
     /// The requests it asks for.
     pub requests: Vec<PullRequest>,
+    /// When the Receiver handed it over (tokio's clock): its deadline and latency count from
+    /// there (one clock read for the batch, not one more per pull).
+    pub handed_at: tokio::time::Instant,
 }
 
 /// A pull whose metadata could not be encoded, so nothing was sent: the Peer settles each of
