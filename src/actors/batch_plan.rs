@@ -162,12 +162,13 @@ fn check_blocks(r: &RequestMeta, l: &KvLayout) -> Result<(), BatchError> {
     }
 }
 
+/// Requests grouped by engine (inline for a batch from one engine, the usual case).
+pub type EngineGroups = smallvec::SmallVec<[(EngineKey, Vec<SharedRequest>); 1]>;
+
 /// Group requests by (bootstrap address, engine), engines in order of first appearance and
 /// requests in arrival order: one pull per engine and peer.
-pub fn group_by_engine(
-    requests: impl IntoIterator<Item = SharedRequest>,
-) -> Vec<(EngineKey, Vec<SharedRequest>)> {
-    let mut groups: Vec<(EngineKey, Vec<SharedRequest>)> = Vec::new();
+pub fn group_by_engine(requests: impl IntoIterator<Item = SharedRequest>) -> EngineGroups {
+    let mut groups = EngineGroups::new();
     for meta in requests {
         let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
         match groups.iter_mut().find(|(k, _)| *k == key) {

@@ -18,6 +18,7 @@ pub mod peer_text;
 #[doc(hidden)]
 pub mod pool;
 pub mod pull;
+mod reply_reader;
 pub mod retire;
 pub mod settle;
 #[doc(hidden)]

@@ -127,7 +127,7 @@ fn array_len(buf: &[u8], at: usize) -> Result<Option<usize>, StrictError> {
     })
 }
 
-fn take(buf: &[u8], pos: &mut usize, n: usize) -> Result<(), StrictError> {
+pub(crate) fn take(buf: &[u8], pos: &mut usize, n: usize) -> Result<(), StrictError> {
     let end = pos.checked_add(n).ok_or(StrictError::Truncated(*pos))?;
     if end > buf.len() {
         return Err(StrictError::Truncated(*pos));
@@ -136,7 +136,7 @@ fn take(buf: &[u8], pos: &mut usize, n: usize) -> Result<(), StrictError> {
     Ok(())
 }
 
-fn be_len(buf: &[u8], pos: &mut usize, n: usize) -> Result<usize, StrictError> {
+pub(crate) fn be_len(buf: &[u8], pos: &mut usize, n: usize) -> Result<usize, StrictError> {
     let start = *pos;
     take(buf, pos, n)?;
     Ok(buf[start..*pos]
@@ -144,7 +144,7 @@ fn be_len(buf: &[u8], pos: &mut usize, n: usize) -> Result<usize, StrictError> {
         .fold(0usize, |acc, b| (acc << 8) | usize::from(*b)))
 }
 
-fn skip_value(buf: &[u8], pos: &mut usize, depth: usize) -> Result<(), StrictError> {
+pub(crate) fn skip_value(buf: &[u8], pos: &mut usize, depth: usize) -> Result<(), StrictError> {
     if depth > MAX_DEPTH {
         return Err(StrictError::TooDeep);
     }
