@@ -13,7 +13,6 @@ use actix::{
     Actor, ActorContext, AsyncContext, Context, Handler, Recipient, SpawnHandle, StreamHandler,
     Supervised,
 };
-use futures::StreamExt;
 
 use crate::messages::{
     AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Retire, Settles, UnsentPull, ABORTED_BY_HOST,
@@ -22,7 +21,7 @@ use crate::telemetry::{self as m, KeptHandles, Labels};
 
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
-use super::pull_mux::{PullHandle, PullMux};
+use super::pull_mux::{PullHandle, PullMux, Tagged};
 use super::rediscovery::PeerHealth;
 use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
@@ -78,15 +77,23 @@ pub enum ChannelEvent {
     Ended,
 }
 
-/// A channel event tagged with its pull (the Peer's stream item).
-pub struct PullEvent {
-    pull_id: PullId,
-    event: ChannelEvent,
+/// What the merged reply streams yield: a reply or a failure of one pull's channel, or its
+/// end (the Peer's stream item).
+type PullEvent = Tagged<Result<Frames, TransportError>>;
+
+impl ChannelEvent {
+    fn of(item: Option<Result<Frames, TransportError>>) -> Self {
+        match item {
+            Some(Ok(frames)) => ChannelEvent::Reply(frames),
+            Some(Err(e)) => ChannelEvent::Failed(e),
+            None => ChannelEvent::Ended,
+        }
+    }
 }
 
 struct Live {
     /// Ends the pull's reply stream (dropping its channel).
-    stream: PullHandle<PullEvent>,
+    stream: PullHandle<Result<Frames, TransportError>>,
     /// When the pull is abandoned unless a reply comes first that restarts it (see
     /// [`PeerConfig::pull_timeout`]). On tokio's clock, the one the timer runs on.
     deadline: tokio::time::Instant,
@@ -119,7 +126,7 @@ pub struct Peer {
     live: FastMap<PullId, Live>,
     /// The live pulls' reply streams, merged into one stream of the actor's (added on the
     /// first pull; a restart drops the actor's streams, and this with them).
-    mux: Option<PullMux<PullEvent>>,
+    mux: Option<PullMux<Result<Frames, TransportError>>>,
     /// One timer for the deadlines of all live pulls, armed for the earliest and never
     /// cancelled when a pull ends: when it fires, overdue pulls are abandoned and it is armed
     /// again for the earliest deadline left. A timer per pull cost a timer-wheel registration,
@@ -195,26 +202,12 @@ impl Peer {
         self.state.start(pull_id, requests);
         let finish = CleanFinish::default();
         let replies = self.transport.pull(self.id(), payload, finish.clone());
-        let stream = replies
-            .map(move |r| PullEvent {
-                pull_id,
-                event: match r {
-                    Ok(frames) => ChannelEvent::Reply(frames),
-                    Err(e) => ChannelEvent::Failed(e),
-                },
-            })
-            .chain(futures::stream::once(async move {
-                PullEvent {
-                    pull_id,
-                    event: ChannelEvent::Ended,
-                }
-            }));
         let mux = self.mux.get_or_insert_with(|| {
             let (mux, merged) = PullMux::new();
             ctx.add_stream(merged);
             mux
         });
-        let stream = mux.add(stream.boxed_local());
+        let stream = mux.add(pull_id, replies);
         let started = handed_at;
         let deadline = self.deadline_from(started, ctx);
         self.live.insert(
@@ -531,7 +524,7 @@ impl StreamHandler<PullEvent> for Peer {
         if !self.state.is_in_flight(pull_id) {
             return;
         }
-        match ev.event {
+        match ChannelEvent::of(ev.item) {
             ChannelEvent::Reply(frames) => {
                 let fx = self.state.on_reply(pull_id, frames);
                 // P restarts its readiness wait after every subset; so does D's deadline. A

@@ -6,7 +6,9 @@
 //! (at 64 pulls in flight, 64 futile receives per reply), and a burst of replies kept the
 //! thread in one Peer for long enough to delay every settle behind it. Merged here, only the
 //! pulls whose sockets woke are polled (`SelectAll` keeps a waker per stream), and the Peer has
-//! one item however many pulls are live.
+//! one item however many pulls are live. Each item comes tagged with its pull, and a stream
+//! that ends by itself says so once ([`Tagged::item`] `None`): the Peer's pull is then over
+//! without a reply, which it must learn; one ended through its [`PullHandle`] says nothing.
 
 use std::cell::RefCell;
 use std::pin::Pin;
@@ -15,6 +17,17 @@ use std::task::{Context, Poll, Waker};
 
 use futures::stream::{LocalBoxStream, SelectAll};
 use futures::{Stream, StreamExt};
+
+use crate::messages::PullId;
+
+/// An item of one merged stream, or its end (`None`), with the stream's pull.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Tagged<I> {
+    /// The pull whose stream it came from.
+    pub pull_id: PullId,
+    /// The item; `None` once, when the stream ended by itself.
+    pub item: Option<I>,
+}
 
 /// One merged stream, which its [`PullHandle`] can end at once.
 struct Slot<T> {
@@ -46,27 +59,33 @@ impl<T> PullHandle<T> {
 /// The merge's view of a slot.
 struct Slotted<T> {
     slot: Rc<RefCell<Slot<T>>>,
+    pull_id: PullId,
 }
 
 impl<T> Stream for Slotted<T> {
-    type Item = T;
+    type Item = Tagged<T>;
 
-    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+    fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Tagged<T>>> {
+        let pull_id = self.pull_id;
         let mut slot = self.slot.borrow_mut();
         let Some(stream) = slot.stream.as_mut() else {
             return Poll::Ready(None);
         };
-        let r = stream.poll_next_unpin(cx);
-        match r {
-            Poll::Ready(None) => slot.stream = None,
+        match stream.poll_next_unpin(cx) {
+            Poll::Ready(item) => {
+                if item.is_none() {
+                    // Said once; the merge drops the slot at its next poll.
+                    slot.stream = None;
+                }
+                Poll::Ready(Some(Tagged { pull_id, item }))
+            }
             Poll::Pending => {
                 if !slot.waker.as_ref().is_some_and(|w| w.will_wake(cx.waker())) {
                     slot.waker = Some(cx.waker().clone());
                 }
+                Poll::Pending
             }
-            Poll::Ready(Some(_)) => {}
         }
-        r
     }
 }
 
@@ -109,14 +128,17 @@ impl<T> PullMux<T> {
         )
     }
 
-    /// Merge `stream` in; the handle ends it.
-    pub fn add(&self, stream: LocalBoxStream<'static, T>) -> PullHandle<T> {
+    /// Merge `stream`, pull `pull_id`'s, in; the handle ends it.
+    pub fn add(&self, pull_id: PullId, stream: LocalBoxStream<'static, T>) -> PullHandle<T> {
         let slot = Rc::new(RefCell::new(Slot {
             stream: Some(stream),
             waker: None,
         }));
         let mut inner = self.inner.borrow_mut();
-        inner.streams.push(Slotted { slot: slot.clone() });
+        inner.streams.push(Slotted {
+            slot: slot.clone(),
+            pull_id,
+        });
         if let Some(w) = inner.waker.take() {
             w.wake();
         }
@@ -137,9 +159,9 @@ impl<T> PullMux<T> {
 }
 
 impl<T> Stream for MergedPulls<T> {
-    type Item = T;
+    type Item = Tagged<T>;
 
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<T>> {
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Tagged<T>>> {
         if self.run >= ITEMS_PER_TURN {
             self.run = 0;
             cx.waker().wake_by_ref();
@@ -224,8 +246,8 @@ mod tests {
         let mut txs = Vec::new();
         let mut polls = Vec::new();
         let mut handles = Vec::new();
-        for (s, tx, p, _) in probes {
-            handles.push(mux.add(s));
+        for (i, (s, tx, p, _)) in probes.into_iter().enumerate() {
+            handles.push(mux.add(i as PullId, s));
             txs.push(tx);
             polls.push(p);
         }
@@ -234,7 +256,10 @@ mod tests {
         let before: Vec<usize> = polls.iter().map(|p| p.get()).collect();
         assert!(before.iter().all(|&n| n == 1), "each polled once to start");
         txs[7].unbounded_send(42).unwrap();
-        assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(42)));
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(item(7, 42)))
+        );
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
         for (i, p) in polls.iter().enumerate() {
             if i != 7 {
@@ -243,33 +268,48 @@ mod tests {
         }
     }
 
-    /// An ended stream is dropped at once and yields nothing more, even what was already
-    /// queued; the others go on. With every stream gone the merged stream waits
-    /// (it does not end), and a stream added later is polled.
+    /// A stream ended through its handle is dropped at once and yields nothing more, even
+    /// what was already queued; the others go on. One that ends by itself says so once. With
+    /// every stream gone the merged stream waits (it does not end), and a stream added later
+    /// is polled.
     #[test]
     fn an_ended_stream_is_dropped_at_once_and_the_merge_never_ends() {
         let (mux, mut merged) = PullMux::new();
         let (a, a_tx, _, a_dropped) = probe();
         let (b, b_tx, _, b_dropped) = probe();
-        let a_handle = mux.add(a);
-        let _b_handle = mux.add(b);
+        let a_handle = mux.add(1, a);
+        let _b_handle = mux.add(2, b);
         let mut cx = Context::from_waker(noop_waker_ref());
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
         a_tx.unbounded_send(1).unwrap();
         a_handle.end();
         assert!(a_dropped.get(), "the ended stream was dropped at once");
         b_tx.unbounded_send(2).unwrap();
-        assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(2)));
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(item(2, 2)))
+        );
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
         assert!(!b_dropped.get());
         assert_eq!(mux.len(), 1);
         drop(b_tx); // b ends by itself
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(Tagged {
+                pull_id: 2,
+                item: None
+            })),
+            "b's end, said once"
+        );
         assert!(merged.poll_next_unpin(&mut cx).is_pending(), "no end");
         assert!(b_dropped.get() && mux.is_empty());
         let (c, c_tx, _, _) = probe();
-        let _c_handle = mux.add(c);
+        let _c_handle = mux.add(3, c);
         c_tx.unbounded_send(3).unwrap();
-        assert_eq!(merged.poll_next_unpin(&mut cx), Poll::Ready(Some(3)));
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(item(3, 3)))
+        );
     }
 
     /// Adding a stream wakes the task that waits on the merged stream.
@@ -282,7 +322,7 @@ mod tests {
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
         assert!(!flag.load(std::sync::atomic::Ordering::SeqCst));
         let (s, ..) = probe();
-        let _h = mux.add(s);
+        let _h = mux.add(1, s);
         assert!(
             flag.load(std::sync::atomic::Ordering::SeqCst),
             "the waiter was woken"
@@ -296,7 +336,7 @@ mod tests {
     fn a_burst_gives_the_thread_up_between_turns() {
         let (mux, mut merged) = PullMux::new();
         let (s, tx, ..) = probe();
-        let _h = mux.add(s);
+        let _h = mux.add(1, s);
         let n = ITEMS_PER_TURN * 3;
         for i in 0..n as u32 {
             tx.unbounded_send(i).unwrap();
@@ -308,7 +348,7 @@ mod tests {
         let mut turns = 0;
         while got.len() < n {
             match merged.poll_next_unpin(&mut cx) {
-                Poll::Ready(Some(i)) => got.push(i),
+                Poll::Ready(Some(t)) => got.extend(t.item),
                 Poll::Ready(None) => unreachable!("the merged stream never ends"),
                 Poll::Pending => {
                     assert!(
@@ -321,6 +361,13 @@ mod tests {
         }
         assert_eq!(got, (0..n as u32).collect::<Vec<_>>());
         assert_eq!(turns, 2, "{n} items, {ITEMS_PER_TURN} per turn");
+    }
+
+    fn item(pull_id: PullId, i: u32) -> Tagged<u32> {
+        Tagged {
+            pull_id,
+            item: Some(i),
+        }
     }
 
     use std::sync::Arc;
