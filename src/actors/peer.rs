@@ -22,7 +22,7 @@ use crate::telemetry::{self as m, KeptHandles, Labels};
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
 use super::pull_mux::{PullHandle, PullMux, Tagged};
-use super::rediscovery::PeerHealth;
+use super::rediscovery::{clock_now, PeerHealth};
 use super::transport::{CleanFinish, Frames, PeerTransport, TransportError};
 
 /// `stale` events one pull may emit; a peer that keeps naming ids that are not pending would
@@ -396,7 +396,7 @@ impl Peer {
         self.labels
             .counter_by(m::UNREACHABLE_BATCHES, "reason", "peer_backoff")
             .increment(1);
-        let left = until.saturating_duration_since(Instant::now());
+        let left = until.saturating_duration_since(clock_now());
         tracing::warn!(peer = %self.id(), pull_id = pull.pull_id, backoff_left_ms = left.as_millis() as u64,
             "pull refused: peer is in its restart backoff");
         self.state.start(pull.pull_id, pull.requests);
@@ -431,7 +431,7 @@ impl Supervised for Peer {
         self.mux = None;
         self.timer = None;
         let backoff = self.cfg.backoff(self.consecutive_failures);
-        let until = Instant::now() + backoff;
+        let until = clock_now() + backoff;
         self.backoff_until = Some(until);
         // Marks the engines that list this peer stale: P may have come back elsewhere.
         let cause = self.last_failure.take().unwrap_or(reason);
@@ -450,7 +450,7 @@ impl Handler<Pull> for Peer {
 
     fn handle(&mut self, pull: Pull, ctx: &mut Context<Self>) {
         match self.backoff_until {
-            Some(until) if until > Instant::now() => self.refuse(pull, until),
+            Some(until) if until > clock_now() => self.refuse(pull, until),
             _ => self.start_pull(pull, ctx),
         }
     }

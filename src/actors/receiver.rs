@@ -31,7 +31,7 @@ use super::event_sink::EventSink;
 use super::live_set::SharedLiveSet;
 use super::peer::{Peer, PeerConfig};
 use super::rediscovery::{
-    EngineKey, PeerHealth, Plan, Rediscovery, RediscoveryConfig, Unreachable,
+    clock_now, EngineKey, PeerHealth, Plan, Rediscovery, RediscoveryConfig, Unreachable,
 };
 use super::topology::{EngineTopology, TopologyError, TopologySource};
 use super::transport::PeerTransport;
@@ -216,7 +216,7 @@ impl Receiver {
         let forgotten = self
             .rediscovery
             .borrow_mut()
-            .forget_idle(Instant::now(), after);
+            .forget_idle(now.into_std(), after);
         for (bootstrap, engine) in &forgotten {
             self.topology.invalidate(bootstrap, engine);
             self.derived.remove(&(bootstrap.clone(), engine.clone()));
@@ -247,7 +247,7 @@ impl Receiver {
         tracing::warn!(error = %err, requests = group.len(), "topology failure; failing the batch");
         self.rediscovery
             .borrow_mut()
-            .lookup_failed(key, err.to_string(), Instant::now());
+            .lookup_failed(key, err.to_string(), clock_now());
         self.topology.invalidate(&key.0, &key.1);
         self.fail_awaiting(group, err.to_string());
     }
@@ -312,17 +312,18 @@ impl Receiver {
         Ok(peers)
     }
 
-    /// `now`: the time (one clock read for all the batch's engines and peers); `since`: when
-    /// the batch was taken (its completions' latency counts from there, `load_kv` to
-    /// completion).
+    /// `at`: the time (one clock read for all the batch's engines and peers: the Peers'
+    /// deadlines count from it); `since`: when the batch was taken (its completions' latency
+    /// counts from there, `load_kv` to completion).
     fn dispatch(
         &mut self,
         key: EngineKey,
         group: Vec<SharedRequest>,
         peers: Result<Arc<[PeerId]>, TopologyError>,
-        now: Instant,
+        at: tokio::time::Instant,
         since: Instant,
     ) {
+        let now = at.into_std();
         let mut group = group;
         if !self.aborted.is_empty() {
             // Aborted during the lookup: failed then, never sent.
@@ -375,7 +376,7 @@ impl Receiver {
         };
         let landing = self.landing.clone();
         let (host, port) = landing.endpoint();
-        let used = tokio::time::Instant::now();
+        let used = at;
         let req_blocks = batch_plan::req_blocks(&group);
         for (k, (peer, pull_id)) in peers.iter().zip(pulls.clone()).enumerate() {
             // Each pull owns its requests; the last one takes the list itself.
@@ -618,7 +619,8 @@ impl Receiver {
             tracing::warn!(error = %e, "request refused at load_kv");
         }
         reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
-        let now = Instant::now();
+        let at = tokio::time::Instant::now();
+        let now = at.into_std();
         for (key, group) in groups {
             let plan = self.rediscovery.borrow_mut().plan(&key, now);
             match plan {
@@ -638,7 +640,7 @@ impl Receiver {
             // between), its peers derived once per topology.
             if let Some(topo) = self.topology.cached(&key.0, &key.1) {
                 let peers = self.peers_of(&key, topo);
-                self.dispatch(key, group, peers, now, now);
+                self.dispatch(key, group, peers, at, now);
                 continue;
             }
             // Otherwise dispatched now if the lookup is ready at once, not through a future
@@ -651,7 +653,7 @@ impl Receiver {
                 // Dispatched within this handler: no abort can come in between.
                 std::task::Poll::Ready(topo) => {
                     let peers = self.derive_peers(topo);
-                    self.dispatch(key, group, peers, now, now)
+                    self.dispatch(key, group, peers, at, now)
                 }
                 // Until the lookup answers, an abort finds the request here.
                 std::task::Poll::Pending => {
@@ -663,7 +665,7 @@ impl Receiver {
                             act.forget_undispatched(r);
                         }
                         let peers = act.derive_peers(topo);
-                        act.dispatch(key, group, peers, Instant::now(), now)
+                        act.dispatch(key, group, peers, tokio::time::Instant::now(), now)
                     }));
                 }
             }

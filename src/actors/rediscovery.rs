@@ -29,6 +29,13 @@ use thiserror::Error;
 
 use crate::messages::PeerId;
 
+/// Now, on the clock rediscovery keeps its times on: tokio's (the one the Peers' deadlines
+/// and the idle sweep use), so that one read per batch serves them all, and a test that pauses
+/// tokio's clock governs every one of them.
+pub fn clock_now() -> Instant {
+    tokio::time::Instant::now().into_std()
+}
+
 /// `(bootstrap address, engine id)`: one cached topology.
 pub type EngineKey = (std::sync::Arc<str>, std::sync::Arc<str>);
 
