@@ -7,12 +7,13 @@
 //! of 1,000 such messages, per message (the actor handles them in few polls: a lower bound).
 //!
 //! `pipeline/*` sends one request's messages through actors whose handlers do nothing else: the
-//! floor of a request at batch 1 with one peer, for the design's four stages
-//! (`pipeline/four_stages`: the host's `load_kv` round trip, the Receiver's admission round trip
-//! to the BlockManager, aggregate, pull, settles, completions, three events, the drain and its
-//! `Handed`) and for one where the Receiver, the aggregator and the BlockManager are one actor
-//! and the Peer another (`pipeline/two_stages`: the same less the admission round trip,
-//! `Aggregate` and `Completions`). A Peer's channel to P is left out of both.
+//! floor of a request at batch 1 with one peer, for the design's four stages as built
+//! (`pipeline/four_stages`: the host's `load_kv` round trip, the pull, the settles, the
+//! completions, three events and the drain; admission, the aggregator's registration and the
+//! drain's hand-over are shared state, not messages) and for one where the Receiver, the
+//! aggregator and the BlockManager are one actor and the Peer another (`pipeline/two_stages`:
+//! the same less `Completions`, the settles and the pull going to and from one actor). A
+//! Peer's channel to P is left out of both.
 
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -77,34 +78,23 @@ impl Release {
     }
 }
 
-/// The BlockManager's share: admits, takes completions (outbox + the release event), `Handed`.
+/// The BlockManager's share: takes completions (outbox + the release event).
 struct Manager(Release);
 impl Actor for Manager {
     type Context = Context<Self>;
 }
-impl Handler<Ask> for Manager {
-    type Result = bool;
-    fn handle(&mut self, _: Ask, _: &mut Context<Self>) -> bool {
-        true
-    }
-}
 impl Handler<Step> for Manager {
     type Result = ();
     fn handle(&mut self, m: Step, _: &mut Context<Self>) {
-        // A completion (odd ids are `Handed`, which does nothing here).
-        if m.0 % 2 == 0 {
-            self.0.release(m.0);
-        }
+        self.0.release(m.0);
     }
 }
 
 /// A stage that tells the events and passes the request on: a Peer (a pull's settle event,
-/// its settles to whoever aggregates) or the aggregator (`completions_only`: `Aggregate`, odd,
-/// only registers; a settle, even, becomes a completion event and a completion message).
+/// its settles to the aggregator) or the aggregator (the completion event, the completion).
 struct Forward {
     next: Recipient<Step>,
     events: Events,
-    completions_only: bool,
 }
 impl Actor for Forward {
     type Context = Context<Self>;
@@ -112,35 +102,23 @@ impl Actor for Forward {
 impl Handler<Step> for Forward {
     type Result = ();
     fn handle(&mut self, m: Step, _: &mut Context<Self>) {
-        if !self.completions_only || m.0 % 2 == 0 {
-            let _ = self.events.send(m.0);
-            self.next.do_send(Step(m.0));
-        }
+        let _ = self.events.send(m.0);
+        self.next.do_send(Step(m.0));
     }
 }
 
-/// The Receiver of the four-stage design: admission round trip, then aggregate and pull.
+/// The Receiver of the four-stage design: admits in place, hands the Peer its pull.
 struct Entry {
-    manager: Addr<Manager>,
-    aggregator: Addr<Forward>,
     peer: Addr<Forward>,
 }
 impl Actor for Entry {
     type Context = Context<Self>;
 }
 impl Handler<Ask> for Entry {
-    type Result = ResponseActFuture<Self, bool>;
-    fn handle(&mut self, m: Ask, _: &mut Context<Self>) -> Self::Result {
-        Box::pin(
-            self.manager
-                .send(Ask(m.0))
-                .into_actor(self)
-                .map(move |ok, act, _| {
-                    act.aggregator.do_send(Step(m.0 + 1));
-                    act.peer.do_send(Step(m.0));
-                    ok.unwrap_or(false)
-                }),
-        )
+    type Result = bool;
+    fn handle(&mut self, m: Ask, _: &mut Context<Self>) -> bool {
+        self.peer.do_send(Step(m.0));
+        true
     }
 }
 
@@ -165,11 +143,9 @@ impl Handler<Ask> for Core {
 impl Handler<Step> for Core {
     type Result = ();
     fn handle(&mut self, m: Step, _: &mut Context<Self>) {
-        if m.0 % 2 == 0 {
-            // The completion event, then the release.
-            let _ = self.release.events.send(m.0);
-            self.release.release(m.0);
-        }
+        // The completion event, then the release.
+        let _ = self.release.events.send(m.0);
+        self.release.release(m.0);
     }
 }
 
@@ -178,12 +154,11 @@ async fn spawned<F: std::future::Future + 'static>(f: F) -> F::Output {
     actix::spawn(f).await.unwrap()
 }
 
-/// The host's side of one request: `load_kv`, wait for the release event (the third), drain,
-/// hand over.
+/// The host's side of one request: `load_kv`, wait for the release event (the third), drain
+/// (in place, the hand-over with it).
 async fn one_request(
     id: u64,
     entry: &Recipient<Ask>,
-    handed: &Recipient<Step>,
     events: &mut tokio::sync::mpsc::UnboundedReceiver<u64>,
     outbox: &Outbox,
 ) {
@@ -193,7 +168,6 @@ async fn one_request(
     }
     let out = std::mem::take(&mut *outbox.lock().unwrap());
     assert_eq!(out, [id]);
-    handed.do_send(Step(id + 1));
 }
 
 fn bench(c: &mut Criterion) {
@@ -240,41 +214,32 @@ fn bench(c: &mut Criterion) {
             outbox: outbox.clone(),
             events: tx.clone(),
         };
-        let (entry, handed): (Recipient<Ask>, Recipient<Step>) = sys.block_on(async {
+        let entry: Recipient<Ask> = sys.block_on(async {
             if two {
                 let core = Core::create(|ctx| Core {
                     peer: Some(
                         Forward {
                             next: ctx.address().recipient(),
                             events: tx.clone(),
-                            completions_only: false,
                         }
                         .start(),
                     ),
                     release: release.clone(),
                 });
-                (core.clone().recipient(), core.recipient())
+                core.recipient()
             } else {
                 let manager = Manager(release.clone()).start();
                 let aggregator = Forward {
-                    next: manager.clone().recipient(),
+                    next: manager.recipient(),
                     events: tx.clone(),
-                    completions_only: true,
                 }
                 .start();
                 let peer = Forward {
-                    next: aggregator.clone().recipient(),
+                    next: aggregator.recipient(),
                     events: tx.clone(),
-                    completions_only: false,
                 }
                 .start();
-                let entry = Entry {
-                    manager: manager.clone(),
-                    aggregator,
-                    peer,
-                }
-                .start();
-                (entry.recipient(), manager.recipient())
+                Entry { peer }.start().recipient()
             }
         });
         let name = if two { "two_stages" } else { "four_stages" };
@@ -283,14 +248,14 @@ fn bench(c: &mut Criterion) {
         g.bench_function(name, |b| {
             b.iter_custom(|iters| {
                 // The host is a task on the actors' thread, as in `benches/core.rs`.
-                let (entry, handed, outbox) = (entry.clone(), handed.clone(), outbox.clone());
+                let (entry, outbox) = (entry.clone(), outbox.clone());
                 let mut rx = events.take().expect("returned by the last run");
                 let first = next;
-                next += 2 * iters;
+                next += iters;
                 let (elapsed, rx) = sys.block_on(spawned(async move {
                     let t0 = Instant::now();
                     for i in 1..=iters {
-                        one_request(first + 2 * i, &entry, &handed, &mut rx, &outbox).await;
+                        one_request(first + i, &entry, &mut rx, &outbox).await;
                     }
                     (t0.elapsed(), rx)
                 }));
