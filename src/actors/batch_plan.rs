@@ -41,7 +41,7 @@ pub fn validate_metas(
     layout: &KvLayout,
 ) -> Validated {
     // Each request checked alone, then the batch for duplicates.
-    let checked: Vec<Result<SharedRequest, BatchError>> = requests
+    let checked: smallvec::SmallVec<[Result<SharedRequest, BatchError>; 2]> = requests
         .map(|m| m.and_then(|m| check_blocks(&m, layout).map(|_| Arc::new(m))))
         .collect();
     let passed = || checked.iter().filter_map(|r| r.as_ref().ok()).map(|m| &**m);
@@ -167,8 +167,20 @@ pub type EngineGroups = smallvec::SmallVec<[(EngineKey, Vec<SharedRequest>); 1]>
 
 /// Group requests by (bootstrap address, engine), engines in order of first appearance and
 /// requests in arrival order: one pull per engine and peer.
-pub fn group_by_engine(requests: impl IntoIterator<Item = SharedRequest>) -> EngineGroups {
+pub fn group_by_engine(requests: Vec<SharedRequest>) -> EngineGroups {
     let mut groups = EngineGroups::new();
+    let Some(first) = requests.first() else {
+        return groups;
+    };
+    let key = (first.bootstrap_addr.clone(), first.engine_id.clone());
+    // Usually one engine: the batch is its group as it is.
+    if requests
+        .iter()
+        .all(|m| m.bootstrap_addr == key.0 && m.engine_id == key.1)
+    {
+        groups.push((key, requests));
+        return groups;
+    }
     for meta in requests {
         let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
         match groups.iter_mut().find(|(k, _)| *k == key) {
@@ -388,12 +400,34 @@ mod tests {
             &l,
             &mut Interner::default(),
         );
-        let g = group_by_engine(v.valid.into_iter().map(|(_, m)| m));
-        let shape: Vec<(&str, Vec<&str>)> = g
-            .iter()
-            .map(|(k, rs)| (&*k.1, rs.iter().map(|r| &*r.req_id).collect()))
+        let shape = |g: EngineGroups| -> Vec<(String, Vec<String>)> {
+            g.iter()
+                .map(|(k, rs)| {
+                    (
+                        k.1.to_string(),
+                        rs.iter().map(|r| r.req_id.to_string()).collect(),
+                    )
+                })
+                .collect()
+        };
+        let metas: Vec<SharedRequest> = v.valid.into_iter().map(|(_, m)| m).collect();
+        assert_eq!(
+            shape(group_by_engine(metas.clone())),
+            [
+                ("e1".into(), vec!["a".into(), "c".into()]),
+                ("e2".into(), vec!["b".into()])
+            ]
+        );
+        // One engine (the batch taken as it is), and none.
+        let e1: Vec<SharedRequest> = metas
+            .into_iter()
+            .filter(|m| &*m.engine_id == "e1")
             .collect();
-        assert_eq!(shape, [("e1", vec!["a", "c"]), ("e2", vec!["b"])]);
+        assert_eq!(
+            shape(group_by_engine(e1)),
+            [("e1".into(), vec!["a".into(), "c".into()])]
+        );
+        assert!(group_by_engine(vec![]).is_empty());
     }
 
     #[test]
