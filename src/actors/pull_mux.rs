@@ -32,7 +32,10 @@ pub struct Tagged<I> {
 /// One merged stream, which its [`PullHandle`] can end at once.
 struct Slot<T> {
     stream: Option<LocalBoxStream<'static, T>>,
-    /// Who polls this stream, woken when it is ended so the merge drops the empty slot.
+    /// Who polls this stream while it is parked (its last poll was `Pending`), woken when it
+    /// is ended so the merge drops the empty slot. A stream that just yielded is polled again
+    /// anyway (the merge queues it at once), so it keeps none: ending it then, as a Peer does
+    /// after a reply that finishes its pull, wakes nobody.
     waker: Option<Waker>,
 }
 
@@ -73,6 +76,7 @@ impl<T> Stream for Slotted<T> {
         };
         match stream.poll_next_unpin(cx) {
             Poll::Ready(item) => {
+                slot.waker = None;
                 if item.is_none() {
                     // Said once; the merge drops the slot at its next poll.
                     slot.stream = None;
@@ -326,6 +330,39 @@ mod tests {
             merged.poll_next_unpin(&mut cx),
             Poll::Ready(Some(item(1, 7)))
         );
+    }
+
+    /// Ending a parked stream wakes the merge's task (so it drops the slot); ending one right
+    /// after it yielded wakes nobody (the merge polls it again anyway), and either way the
+    /// slot is gone at the merge's next poll.
+    #[test]
+    fn only_ending_a_parked_stream_wakes_the_merge() {
+        let (mux, mut merged) = PullMux::<u32>::new();
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        let mut cx = Context::from_waker(&waker);
+        let (a, a_tx, ..) = probe();
+        let (b, _b_tx, ..) = probe();
+        let (a, b) = (mux.add(1, a), mux.add(2, b));
+        assert!(merged.poll_next_unpin(&mut cx).is_pending(), "both parked");
+        a_tx.unbounded_send(5).unwrap();
+        flag.store(false, std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(item(1, 5)))
+        );
+        a.end();
+        assert!(
+            !flag.load(std::sync::atomic::Ordering::SeqCst),
+            "ending a stream that just yielded woke the task"
+        );
+        b.end();
+        assert!(
+            flag.load(std::sync::atomic::Ordering::SeqCst),
+            "ending a parked stream did not wake the task"
+        );
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        assert!(mux.is_empty(), "both slots dropped at the next poll");
     }
 
     /// A burst of items is handed out ITEMS_PER_TURN at a time: then the merged stream wakes
