@@ -295,7 +295,7 @@ impl Kv {
     }
 
     /// Route settles to their attempt's aggregator; publish what it says.
-    fn settle(&self, s: &mut State, settles: Vec<Settle>) {
+    fn settle(&self, s: &mut State, settles: impl IntoIterator<Item = Settle>) {
         for st in settles {
             if self.cfg.drop_omitted_settles
                 && matches!(

@@ -15,7 +15,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message};
 
-use crate::messages::{Completion, Completions, KvEvent, Settle, Settles, SharedRequest};
+use crate::messages::{CompletionList, Completions, KvEvent, Settle, Settles, SharedRequest};
 use crate::telemetry::{self as m, KeptHandles, Labels};
 
 use super::aggregation_table::SharedAggregation;
@@ -144,7 +144,7 @@ struct Outbox {
     /// Allocated at the first completion (with `started` and `events`), for as many as the
     /// message had settles: a peer's settles complete nothing until the last peer's (most
     /// messages, with several peers).
-    completions: Vec<Completion>,
+    completions: CompletionList,
     settles: usize,
     /// When each completion's aggregation started (its latency is taken at the flush).
     started: smallvec::SmallVec<[Instant; 2]>,

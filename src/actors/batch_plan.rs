@@ -18,8 +18,8 @@ use super::rediscovery::EngineKey;
 /// A batch split by validation, each request with its index in the batch.
 #[derive(Debug, Default)]
 pub struct Validated {
-    /// Requests that passed validation, in batch order.
-    pub valid: Vec<(usize, SharedRequest)>,
+    /// Requests that passed validation, in batch order (inline for a batch of one or two).
+    pub valid: smallvec::SmallVec<[(usize, SharedRequest); 2]>,
     /// Requests refused, with why.
     pub rejected: Vec<(usize, BatchError)>,
 }

@@ -2,7 +2,6 @@
 //! every completion, quarantines blocks that uncertain peers may still write until the data
 //! plane fences them (or the last-resort deadline), and serves the host's per-step drain.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -10,8 +9,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 
 use crate::config::Policy;
 use crate::messages::{
-    Allocate, Completion, Completions, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
-    LedgerStats, ReqId,
+    Allocate, Completion, CompletionList, Completions, Drain, FirstFailure, Free, GetLedgerStats,
+    KvEvent, LedgerStats, ReqId,
 };
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
@@ -108,7 +107,8 @@ impl Handler<Completion> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, c: Completion, ctx: &mut Context<Self>) {
-        self.complete_in_order(VecDeque::from([c]), Instant::now(), ctx);
+        let one: CompletionList = smallvec::smallvec![c];
+        self.complete_in_order(one.into_iter(), Instant::now(), ctx);
     }
 }
 
@@ -116,7 +116,7 @@ impl Handler<Completions> for BlockManager {
     type Result = ();
 
     fn handle(&mut self, cs: Completions, ctx: &mut Context<Self>) {
-        self.complete_in_order(cs.completions.into(), cs.at, ctx);
+        self.complete_in_order(cs.completions.into_iter(), cs.at, ctx);
     }
 }
 
@@ -131,11 +131,11 @@ impl BlockManager {
     /// one turn; a quarantine's deadline is a bound, microseconds do not matter to it).
     fn complete_in_order(
         &mut self,
-        mut list: VecDeque<Completion>,
+        mut list: smallvec::IntoIter<[Completion; 1]>,
         now: Instant,
         ctx: &mut Context<Self>,
     ) {
-        while let Some(c) = list.pop_front() {
+        while let Some(c) = list.next() {
             let suspects = c.suspects();
             let revoked = self.landing.revoke(&RevokeRequest {
                 req: &c.req,
@@ -342,7 +342,7 @@ mod tests {
             live.lock().admit(r).unwrap();
         }
         bm.do_send(Completions {
-            completions: vec![ok(&a), ok(&b)],
+            completions: smallvec::smallvec![ok(&a), ok(&b)],
             at: Instant::now(),
         });
         // A drain queued behind the completions waits with them.

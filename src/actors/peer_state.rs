@@ -5,8 +5,8 @@ use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::peer_text::peer_text;
 use crate::messages::{
-    Cause, PeerId, PullId, PullRequest, ReqId, Settle, SettleOutcome, UnsentPull, XferReplyRef,
-    XferStatus,
+    Cause, PeerId, PullId, PullRequest, ReqId, Settle, SettleList, SettleOutcome, UnsentPull,
+    XferReplyRef, XferStatus,
 };
 
 use super::pending_set::PendingSet;
@@ -17,7 +17,7 @@ use super::transport::Frames;
 pub struct Effects {
     /// Settles, in order (each one an event; the awaited ones go to the aggregator, this
     /// list itself when every one is: no second list per reply).
-    pub settles: Vec<Settle>,
+    pub settles: SettleList,
     /// Indices in `settles` of those no aggregator awaits (requests loaded without blocks).
     pub unawaited: Vec<usize>,
     /// Ids a reply named that were not pending for that pull: counted, a few kept as a sample.
@@ -122,7 +122,7 @@ impl Effects {
     }
 
     /// The settles an aggregator awaits (the others leave the list).
-    pub fn awaited(&mut self) -> Vec<Settle> {
+    pub fn awaited(&mut self) -> SettleList {
         let mut settles = std::mem::take(&mut self.settles);
         if !self.unawaited.is_empty() {
             let mut i = 0;

@@ -9,8 +9,8 @@ use crate::messages::PullRequest;
 pub struct PendingSet {
     /// Sorted by `meta.req_id`, without duplicates; kept until the pull is forgotten.
     requests: Vec<PullRequest>,
-    /// Bit `i` set: `requests[i]` settled.
-    settled: Vec<u64>,
+    /// Bit `i` set: `requests[i]` settled (inline up to 64 requests).
+    settled: smallvec::SmallVec<[u64; 1]>,
     left: usize,
     /// Where the next id is looked for first: the one after the last found. P names a pull's
     /// requests in an order of its own, usually the order they were asked in, which for ids
@@ -27,7 +27,7 @@ impl PendingSet {
         v.shrink_to_fit();
         let left = v.len();
         PendingSet {
-            settled: vec![0; left.div_ceil(64)],
+            settled: smallvec::smallvec![0; left.div_ceil(64)],
             requests: v,
             left,
             next: 0,

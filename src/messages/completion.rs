@@ -83,6 +83,9 @@ impl Completion {
     }
 }
 
+/// Completions in order, inline for one (a batch of one allocates no list).
+pub type CompletionList = smallvec::SmallVec<[Completion; 1]>;
+
 /// RequestAggregator -> BlockManager: the completions one batch of settles produced, in order
 /// (one message where a reply settles a whole batch, not one per request). Handled as that
 /// many [`Completion`]s one after another.
@@ -90,7 +93,7 @@ impl Completion {
 #[rtype(result = "()")]
 pub struct Completions {
     /// The completions, in the order their requests completed.
-    pub completions: Vec<Completion>,
+    pub completions: CompletionList,
     /// When the aggregator published them: the time their quarantines and poisoned windows
     /// count from (microseconds before the BlockManager reads them; one clock read, not two).
     pub at: std::time::Instant,

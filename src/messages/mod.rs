@@ -29,14 +29,14 @@ pub use batch::{
     BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
     Queued, RequestMeta, SharedRequest,
 };
-pub use completion::{Completion, Completions, FirstFailure, Outcome};
+pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, UnsentPull};
 pub use retire::{CountPeers, PeerCount, Retire};
-pub use settle::{Cause, Settle, SettleOutcome, Settles};
+pub use settle::{Cause, Settle, SettleList, SettleOutcome, Settles};
 pub use wire::{
     MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError,
     XferReplyRef, XferStatus,

@@ -114,7 +114,10 @@ impl SettleOutcome {
 /// per-request messages were most of the actors' mailbox traffic.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
-pub struct Settles(pub Vec<Settle>);
+pub struct Settles(pub SettleList);
+
+/// Settles in order, inline for one (a reply at batch 1 allocates no list).
+pub type SettleList = smallvec::SmallVec<[Settle; 1]>;
 
 /// Exactly one per (peer, request) of a pull (DESIGN.md §4 rule 1).
 #[derive(Debug, Clone, Message)]
