@@ -314,8 +314,7 @@ mod tests {
     #[test]
     fn a_stream_added_is_polled_at_the_next_poll_without_a_wake() {
         let (mux, mut merged) = PullMux::<u32>::new();
-        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        let (flag, waker) = flagged();
         let mut cx = Context::from_waker(&waker);
         assert!(merged.poll_next_unpin(&mut cx).is_pending());
         let (s, tx, polls, _) = probe();
@@ -338,8 +337,7 @@ mod tests {
     #[test]
     fn only_ending_a_parked_stream_wakes_the_merge() {
         let (mux, mut merged) = PullMux::<u32>::new();
-        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        let (flag, waker) = flagged();
         let mut cx = Context::from_waker(&waker);
         let (a, a_tx, ..) = probe();
         let (b, _b_tx, ..) = probe();
@@ -377,8 +375,7 @@ mod tests {
         for i in 0..n as u32 {
             tx.unbounded_send(i).unwrap();
         }
-        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        let (flag, waker) = flagged();
         let mut cx = Context::from_waker(&waker);
         let mut got = Vec::new();
         let mut turns = 0;
@@ -407,6 +404,14 @@ mod tests {
     }
 
     use std::sync::Arc;
+
+    /// A waker that raises a flag, and the flag.
+    fn flagged() -> (Arc<std::sync::atomic::AtomicBool>, Waker) {
+        let flag = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let waker = futures::task::waker(Arc::new(Flag(flag.clone())));
+        (flag, waker)
+    }
+
     struct Flag(Arc<std::sync::atomic::AtomicBool>);
     impl futures::task::ArcWake for Flag {
         fn wake_by_ref(me: &Arc<Self>) {
