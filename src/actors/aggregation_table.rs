@@ -83,11 +83,6 @@ impl AggregationTable {
         self.entries.remove(req_id);
     }
 
-    /// Requests awaited and not yet completed.
-    pub fn len(&self) -> usize {
-        self.entries.len()
-    }
-
     /// Whether no request is awaited.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()

@@ -7,9 +7,10 @@
 //! context, mailbox, one boxed recipient per pull that named it) cost more memory and CPU than
 //! the request itself (docs/PERFORMANCE.md has the figures), while the table gives the same
 //! guarantees: the Receiver registers a batch's states in it before it hands any Peer the pull
-//! ([`super::aggregation_table`]), so no settle can arrive before its state exists. A settle counts only for the attempt whose pulls it came
-//! from (each attempt knows its pull ids), so a late settle of an earlier attempt of the same id
-//! (possible under the naive policy, which completes before every peer settled) is stale.
+//! ([`super::aggregation_table`]), so no settle can arrive before its state exists. A settle
+//! counts only for the attempt whose pulls it came from (each attempt knows its pull ids), so
+//! a late settle of an earlier attempt of the same id (possible under the naive policy, which
+//! completes before every peer settled) is stale.
 
 use std::time::Instant;
 
