@@ -516,10 +516,12 @@ impl Model for Kv {
                     );
                     s.peers[p].start(
                         pull,
-                        vec![PullRequest {
+                        [PullRequest {
                             meta: meta.clone(),
                             awaited: true,
-                        }],
+                        }]
+                        .into_iter()
+                        .collect(),
                     );
                     s.pulls.insert(pull, (attempt, p));
                     s.writes.push(Write {

@@ -475,7 +475,7 @@ fn data_server_survives_random_and_mutated_requests() {
     let panics_before = PANICS.load(Ordering::SeqCst);
     let mut runner = proptest::test_runner::TestRunner::new(config(64));
     runner
-        .run(&data_stream(bases.clone()), |b| {
+        .run(&data_stream(bases.to_vec()), |b| {
             let (_, n) = peak(|| {
                 rt.block_on(async {
                     let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();

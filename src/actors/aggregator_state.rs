@@ -513,8 +513,8 @@ mod tests {
         fn endpoint(&self) -> (&str, u32) {
             ("", 0)
         }
-        fn open_pull(&self, _w: &crate::rdma::PullWindow<'_>) -> Vec<u64> {
-            vec![]
+        fn open_pull(&self, _w: &crate::rdma::PullWindow<'_>) -> crate::rdma::RegionBases {
+            [].into()
         }
         fn revoke(&self, _r: &crate::rdma::RevokeRequest<'_>) -> crate::rdma::Revoked {
             crate::rdma::Revoked::not_exact()

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use crate::config::DRank;
 use crate::layout::KvLayout;
 use crate::messages::{
-    BatchError, Interner, KvRequest, MetadataRef, MooncakeXferMetadata, ReqBlocksRef, RequestMeta,
-    SharedRequest,
+    BatchError, Interner, KvRequest, MetadataRef, MooncakeXferMetadata, ReqBlock, ReqBlocksRef,
+    RequestMeta, SharedRequest,
 };
 
 use super::rediscovery::EngineKey;
@@ -162,12 +162,16 @@ fn check_blocks(r: &RequestMeta, l: &KvLayout) -> Result<(), BatchError> {
     }
 }
 
+/// The requests of one engine in a batch, inline for one (a batch of one allocates no list).
+pub type RequestGroup = smallvec::SmallVec<[SharedRequest; 1]>;
+
 /// Requests grouped by engine (inline for a batch from one engine, the usual case).
-pub type EngineGroups = smallvec::SmallVec<[(EngineKey, Vec<SharedRequest>); 1]>;
+pub type EngineGroups = smallvec::SmallVec<[(EngineKey, RequestGroup); 1]>;
 
 /// Group requests by (bootstrap address, engine), engines in order of first appearance and
 /// requests in arrival order: one pull per engine and peer.
-pub fn group_by_engine(requests: Vec<SharedRequest>) -> EngineGroups {
+pub fn group_by_engine(requests: impl Into<RequestGroup>) -> EngineGroups {
+    let requests = requests.into();
     let mut groups = EngineGroups::new();
     let Some(first) = requests.first() else {
         return groups;
@@ -185,7 +189,7 @@ pub fn group_by_engine(requests: Vec<SharedRequest>) -> EngineGroups {
         let key = (meta.bootstrap_addr.clone(), meta.engine_id.clone());
         match groups.iter_mut().find(|(k, _)| *k == key) {
             Some((_, v)) => v.push(meta),
-            None => groups.push((key, vec![meta])),
+            None => groups.push((key, smallvec::smallvec![meta])),
         }
     }
     groups
@@ -254,8 +258,8 @@ impl LayoutArrays {
 
 /// The `req_blocks` of a group of requests, borrowed and sorted by id (once per batch; every
 /// peer's pull carries the same).
-pub fn req_blocks(group: &[SharedRequest]) -> ReqBlocksRef<'_> {
-    let mut v: Vec<(&str, &str, &[Vec<u32>])> = group
+pub fn req_blocks(group: &[SharedRequest]) -> ReqBlockList<'_> {
+    let mut v: ReqBlockList<'_> = group
         .iter()
         .map(|r| {
             let blocks: &[Vec<u32>] = if r.is_awaiting() { &r.block_ids } else { &[] };
@@ -263,8 +267,11 @@ pub fn req_blocks(group: &[SharedRequest]) -> ReqBlocksRef<'_> {
         })
         .collect();
     v.sort_by(|a, b| a.0.cmp(b.0));
-    ReqBlocksRef(v)
+    v
 }
+
+/// [`req_blocks`]' list, inline for a batch of one (no allocation per batch at low load).
+pub type ReqBlockList<'a> = smallvec::SmallVec<[ReqBlock<'a>; 1]>;
 
 /// [`pull_metadata`], borrowed: the same bytes on the wire, no per-request copies.
 pub fn pull_metadata_ref<'a>(
@@ -449,6 +456,7 @@ mod tests {
         // The borrowed form P receives is byte for byte the owned one.
         let arrays = LayoutArrays::new(&l);
         let blocks = req_blocks(&group);
+        let blocks = ReqBlocksRef(&blocks);
         let borrowed = pull_metadata_ref(&arrays, d, ("10.0.0.7", 15000), &blocks, &[0x10, 0x20]);
         assert_eq!(borrowed.encode().unwrap(), md.encode().unwrap());
         assert_eq!(

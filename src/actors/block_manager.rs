@@ -284,8 +284,8 @@ mod tests {
         fn endpoint(&self) -> (&str, u32) {
             ("", 0)
         }
-        fn open_pull(&self, _w: &PullWindow<'_>) -> Vec<u64> {
-            vec![]
+        fn open_pull(&self, _w: &PullWindow<'_>) -> crate::rdma::RegionBases {
+            [].into()
         }
         fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
             let rx = (&*r.req.req_id == "a")

@@ -5,7 +5,7 @@ use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::peer_text::peer_text;
 use crate::messages::{
-    Cause, PeerId, PullId, PullRequest, ReqId, Settle, SettleList, SettleOutcome, UnsentPull,
+    Cause, PeerId, PullId, PullRequests, ReqId, Settle, SettleList, SettleOutcome, UnsentPull,
     XferReplyRef, XferStatus,
 };
 
@@ -196,7 +196,7 @@ impl PeerState {
     }
 
     /// Track a new pull. A request listed twice in one pull is tracked once.
-    pub fn start(&mut self, pull_id: PullId, requests: Vec<PullRequest>) {
+    pub fn start(&mut self, pull_id: PullId, requests: PullRequests) {
         let pending = PendingSet::new(requests);
         let carried = pending.len();
         self.pulls.insert(

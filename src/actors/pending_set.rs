@@ -2,13 +2,13 @@
 //! search) and one bit each for "settled". About 16 bytes a request, where a hash map with its
 //! slack cost 64 (docs/PERFORMANCE.md, memory per in-flight request).
 
-use crate::messages::PullRequest;
+use crate::messages::{PullRequest, PullRequests};
 
 /// Pending requests of one pull, each at most once.
 #[derive(Clone, Default)]
 pub struct PendingSet {
     /// Sorted by `meta.req_id`, without duplicates; kept until the pull is forgotten.
-    requests: Vec<PullRequest>,
+    requests: PullRequests,
     /// Bit `i` set: `requests[i]` settled (inline up to 64 requests).
     settled: smallvec::SmallVec<[u64; 1]>,
     left: usize,
@@ -21,7 +21,8 @@ pub struct PendingSet {
 
 impl PendingSet {
     /// The pull's requests; an id listed twice is kept once.
-    pub fn new(mut v: Vec<PullRequest>) -> Self {
+    pub fn new(v: impl Into<PullRequests>) -> Self {
+        let mut v = v.into();
         v.sort_by(|a, b| a.meta.req_id.cmp(&b.meta.req_id));
         v.dedup_by(|a, b| a.meta.req_id == b.meta.req_id);
         v.shrink_to_fit();

@@ -5,8 +5,10 @@
 //! per pull, a reply on one pull made the Peer poll the sockets of every other live pull too
 //! (at 64 pulls in flight, 64 futile receives per reply), and a burst of replies kept the
 //! thread in one Peer for long enough to delay every settle behind it. Merged here, only the
-//! pulls whose sockets woke are polled (`SelectAll` keeps a waker per stream), and the Peer has
-//! one item however many pulls are live. Each item comes tagged with its pull, and a stream
+//! pulls whose sockets woke are polled (the merge keeps a waker per stream), and the Peer has
+//! one item however many pulls are live. The merge is `futures_buffered`'s: its streams sit in
+//! reusable slots, where `futures`' `SelectAll` allocates a task node for every stream and
+//! again for every item it yields (two allocations of a request's 28 at batch 1). Each item comes tagged with its pull, and a stream
 //! that ends by itself says so once ([`Tagged::item`] `None`): the Peer's pull is then over
 //! without a reply, which it must learn; one ended through its [`PullHandle`] says nothing.
 
@@ -15,8 +17,9 @@ use std::pin::Pin;
 use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
-use futures::stream::{LocalBoxStream, SelectAll};
+use futures::stream::LocalBoxStream;
 use futures::{Stream, StreamExt};
+use futures_buffered::MergeUnbounded;
 
 use crate::messages::PullId;
 
@@ -94,7 +97,7 @@ impl<T> Stream for Slotted<T> {
 }
 
 struct Inner<T> {
-    streams: SelectAll<Slotted<T>>,
+    streams: MergeUnbounded<Slotted<T>>,
 }
 
 /// Adds streams to a [`MergedPulls`]; each added stream can be stopped on its own.
@@ -119,7 +122,7 @@ impl<T> PullMux<T> {
     /// A mux and the stream that yields the items of everything added to it.
     pub fn new() -> (Self, MergedPulls<T>) {
         let inner = Rc::new(RefCell::new(Inner {
-            streams: SelectAll::new(),
+            streams: MergeUnbounded::new(),
         }));
         (
             PullMux {

@@ -16,8 +16,9 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
-    LoadKvTo, LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest, ReqId,
-    Retire, SharedRequest, UnsentPull, WireError, ABORTED_BY_HOST,
+    LoadKvTo, LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest,
+    PullRequests, ReqBlocksRef, ReqId, Retire, SharedRequest, UnsentPull, WireError,
+    ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -242,7 +243,7 @@ impl Receiver {
     }
 
     /// No writer exists for this batch (DESIGN.md §4 rule 7).
-    fn fail_batch(&mut self, key: &EngineKey, group: Vec<SharedRequest>, err: TopologyError) {
+    fn fail_batch(&mut self, key: &EngineKey, group: batch_plan::RequestGroup, err: TopologyError) {
         self.labels.counter(m::TOPOLOGY_FAILURES).increment(1);
         tracing::warn!(error = %err, requests = group.len(), "topology failure; failing the batch");
         self.rediscovery
@@ -255,7 +256,7 @@ impl Receiver {
     /// Nothing is sent for this batch: a peer it needs is known down, or bootstrap is in its
     /// backoff. Failing at once (rule 7: no writer was given an address) beats waiting out a
     /// restart backoff of seconds for an answer that is already known.
-    fn fail_unreachable(&mut self, group: Vec<SharedRequest>, why: Unreachable) {
+    fn fail_unreachable(&mut self, group: batch_plan::RequestGroup, why: Unreachable) {
         let reason = match why {
             Unreachable::PeerDown { .. } => "peer_down",
             Unreachable::LookupBackoff { .. } => "lookup_backoff",
@@ -279,7 +280,7 @@ impl Receiver {
         }
     }
 
-    fn fail_awaiting(&mut self, group: Vec<SharedRequest>, reason: String) {
+    fn fail_awaiting(&mut self, group: batch_plan::RequestGroup, reason: String) {
         let requests: Vec<_> = group.into_iter().filter(|r| r.is_awaiting()).collect();
         if !requests.is_empty() {
             self.aggregator().do_send(FailUnsent { requests, reason });
@@ -318,7 +319,7 @@ impl Receiver {
     fn dispatch(
         &mut self,
         key: EngineKey,
-        group: Vec<SharedRequest>,
+        group: batch_plan::RequestGroup,
         peers: Result<Arc<[PeerId]>, TopologyError>,
         at: tokio::time::Instant,
         since: Instant,
@@ -359,7 +360,7 @@ impl Receiver {
         self.aggregation
             .borrow_mut()
             .register(pulls.clone(), states, since);
-        let mut requests: Vec<PullRequest> = group
+        let mut requests: PullRequests = group
             .iter()
             .map(|req| PullRequest {
                 meta: req.clone(),
@@ -378,6 +379,7 @@ impl Receiver {
         let (host, port) = landing.endpoint();
         let used = at;
         let req_blocks = batch_plan::req_blocks(&group);
+        let req_blocks = ReqBlocksRef(&req_blocks);
         for (k, (peer, pull_id)) in peers.iter().zip(pulls.clone()).enumerate() {
             // Each pull owns its requests; the last one takes the list itself.
             let requests = if k + 1 == peers.len() {
@@ -525,7 +527,7 @@ impl Handler<Abort> for Receiver {
     fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
         if let Some(r) = self.undispatched.remove(&msg.req_id) {
             self.aborted.push(r.clone());
-            self.fail_awaiting(vec![r], ABORTED_BY_HOST.into());
+            self.fail_awaiting(smallvec::smallvec![r], ABORTED_BY_HOST.into());
             self.labels
                 .counter_by(m::ABORTS, "stage", "before_dispatch")
                 .increment(1);
@@ -587,7 +589,7 @@ impl Receiver {
         ctx: &mut Context<Self>,
     ) -> LoadKvReply {
         let mut reply = LoadKvReply::default();
-        let mut admitted = Vec::with_capacity(valid.len());
+        let mut admitted = batch_plan::RequestGroup::with_capacity(valid.len());
         if self.block_manager.connected() {
             // Under one lock for the whole batch: its admission is atomic with respect to
             // releases, drains and other batches, and ends before any of its pulls is sent.

@@ -111,7 +111,7 @@ impl DataTarget {
                              "port": d.tcp_data_port, "proto_version": d.tcp_proto_version},
                     "permits": landing.permits().enabled(), "windows": map.windows(),
                 });
-                (v, map.region_bases(0))
+                (v, map.region_bases(0).to_vec())
             }
             #[cfg(feature = "rdma")]
             DataTarget::Rdma(t) => {

@@ -34,10 +34,10 @@ pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
-pub use pull::{Pull, PullRequest, UnsentPull};
+pub use pull::{Pull, PullRequest, PullRequests, UnsentPull};
 pub use retire::{CountPeers, PeerCount, Retire};
 pub use settle::{Cause, Settle, SettleList, SettleOutcome, Settles};
 pub use wire::{
-    MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlocksRef, WireError,
-    XferReplyRef, XferStatus,
+    IdList, MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlock,
+    ReqBlocksRef, WireError, XferReplyRef, XferStatus,
 };

@@ -15,6 +15,10 @@ pub struct PullRequest {
     pub awaited: bool,
 }
 
+/// A pull's requests, inline for one: a batch of one allocates no list for its pull (the list
+/// lives as long as the pull, in the Peer's pending set).
+pub type PullRequests = smallvec::SmallVec<[PullRequest; 1]>;
+
 /// One `MooncakeXferMetadata` for one peer. The payload is already encoded: the Peer only
 /// transports it and interprets the replies.
 #[derive(Clone, Message)]
@@ -25,7 +29,7 @@ pub struct Pull {
     /// The encoded `MooncakeXferMetadata` sent to P.
     pub payload: Vec<u8>,
     /// The requests it asks for.
-    pub requests: Vec<PullRequest>,
+    pub requests: PullRequests,
     /// When the Receiver handed it over (tokio's clock): its deadline and latency count from
     /// there (one clock read for the batch, not one more per pull).
     pub handed_at: tokio::time::Instant,
@@ -40,7 +44,7 @@ pub struct UnsentPull {
     /// The pull that was not sent.
     pub pull_id: PullId,
     /// Its requests (each settled Failed).
-    pub requests: Vec<PullRequest>,
+    pub requests: PullRequests,
     /// Why it could not be encoded.
     pub reason: String,
 }

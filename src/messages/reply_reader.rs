@@ -13,7 +13,7 @@
 use rmp::Marker;
 
 use super::msgpack_strict::{be_len, skip_value, take, StrictError};
-use super::wire::{WireError, XferReplyRef, XferStatus};
+use super::wire::{IdList, WireError, XferReplyRef, XferStatus};
 
 /// The keys whose arrays count against the cap on ids.
 const STATUS: &[u8] = b"status";
@@ -212,7 +212,7 @@ impl<'a> Reader<'a> {
         field: &'static str,
         ids: &mut usize,
         max: usize,
-    ) -> Result<Option<Vec<&'a str>>, WireError> {
+    ) -> Result<Option<IdList<'a>>, WireError> {
         self.nil_or(|r| {
             let (m, at) = r.marker()?;
             let n = match m {
@@ -233,7 +233,7 @@ impl<'a> Reader<'a> {
             if n > r.buf.len() - r.pos {
                 return Err(StrictError::Truncated(at).into());
             }
-            let mut v = Vec::with_capacity(n);
+            let mut v = IdList::with_capacity(n);
             for _ in 0..n {
                 v.push(r.str(field)?);
             }

@@ -66,16 +66,20 @@ pub struct MetadataRef<'a> {
     pub remote_pp_size: u32,
 }
 
-/// `req_blocks`, borrowed: (request id, transfer id, blocks per group), sorted by request id
-/// (the order a `BTreeMap` gives the owned form), ids unique.
-#[derive(Debug, Clone, Default)]
-pub struct ReqBlocksRef<'a>(pub Vec<(&'a str, &'a str, &'a [Vec<u32>])>);
+/// One entry of `req_blocks`, borrowed: (request id, transfer id, blocks per group).
+pub type ReqBlock<'a> = (&'a str, &'a str, &'a [Vec<u32>]);
+
+/// `req_blocks`, borrowed, sorted by request id (the order a `BTreeMap` gives the owned form),
+/// ids unique. A slice, so that whoever builds the list chooses its storage (the Receiver's
+/// is inline for a batch of one).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct ReqBlocksRef<'a>(pub &'a [ReqBlock<'a>]);
 
 impl Serialize for ReqBlocksRef<'_> {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
         let mut m = s.serialize_map(Some(self.0.len()))?;
-        for (id, transfer, blocks) in &self.0 {
+        for (id, transfer, blocks) in self.0 {
             m.serialize_entry(id, &(transfer, blocks))?;
         }
         m.end()
@@ -99,7 +103,7 @@ impl ReqBlocksRef<'_> {
         use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
         let e = rmp_serde::encode::Error::from;
         write_map_len(buf, list_len(self.0.len())?).map_err(e)?;
-        for (id, transfer, blocks) in &self.0 {
+        for (id, transfer, blocks) in self.0 {
             write_str(buf, id).map_err(e)?;
             write_array_len(buf, 2).map_err(e)?;
             write_str(buf, transfer).map_err(e)?;
@@ -256,6 +260,10 @@ pub struct MooncakeXferResponse {
     pub err_msg: Option<String>,
 }
 
+/// A reply's `ok_reqs` or `err_reqs`, borrowed; inline for one id (a reply at batch 1 allocates
+/// nothing).
+pub type IdList<'a> = smallvec::SmallVec<[&'a str; 1]>;
+
 /// A [`MooncakeXferResponse`] read in place: its ids and message borrow the frame. D reads a
 /// reply once, to settle the requests it names, so owned copies of the ids would be allocated
 /// only to be freed (two replies of 16 ids were 32 allocations per batch). The owned type
@@ -264,9 +272,9 @@ pub struct MooncakeXferResponse {
 pub struct XferReplyRef<'a> {
     pub status: XferStatus,
     #[serde(default, borrow)]
-    pub ok_reqs: Option<Vec<&'a str>>,
+    pub ok_reqs: Option<IdList<'a>>,
     #[serde(default, borrow)]
-    pub err_reqs: Option<Vec<&'a str>>,
+    pub err_reqs: Option<IdList<'a>>,
     #[serde(default, borrow)]
     pub err_msg: Option<&'a str>,
 }
@@ -306,7 +314,7 @@ impl<'a> XferReplyRef<'a> {
 
     /// The owned reply.
     pub fn owned(&self) -> MooncakeXferResponse {
-        let owned = |v: &Option<Vec<&str>>| {
+        let owned = |v: &Option<IdList<'_>>| {
             v.as_ref()
                 .map(|ids| ids.iter().map(|s| s.to_string()).collect())
         };
@@ -571,7 +579,7 @@ mod tests {
                 remote_port: port,
                 remote_tp_size: tp.0,
                 remote_tp_rank: tp.1,
-                req_blocks: &ReqBlocksRef(req_blocks),
+                req_blocks: &ReqBlocksRef(&req_blocks),
                 kv_caches_base_addr: &bases,
                 block_lens: &lens,
                 kv_block_lens: &kv_lens,

@@ -91,13 +91,17 @@ pub enum FenceError {
     },
 }
 
+/// The base address of every region, as a pull advertises them. Shared: a data plane whose
+/// bases never change hands every pull the same list (no copy per pull).
+pub type RegionBases = std::sync::Arc<[u64]>;
+
 /// The data plane, as the Receiver (windows) and the BlockManager (revoke, fence) see it.
 pub trait Landing: Send + Sync + 'static {
     /// `remote_hostname` and `remote_port` to advertise: where P's TE finds D's handshake daemon.
     fn endpoint(&self) -> (&str, u32);
 
     /// Open the pull's landing permit; returns the advertised base address of every region.
-    fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64>;
+    fn open_pull(&self, window: &PullWindow<'_>) -> RegionBases;
 
     /// Close every permit covering this request's blocks, and poison the windows of the pulls of
     /// `suspects`. Called once per completion, before the request's blocks are released,
@@ -134,7 +138,7 @@ pub trait Landing: Send + Sync + 'static {
 pub struct StaticLanding {
     host: String,
     port: u32,
-    bases: Vec<u64>,
+    bases: RegionBases,
 }
 
 impl StaticLanding {
@@ -144,7 +148,7 @@ impl StaticLanding {
         StaticLanding {
             host: host.to_owned(),
             port,
-            bases,
+            bases: bases.into(),
         }
     }
 }
@@ -154,7 +158,7 @@ impl Landing for StaticLanding {
         (&self.host, self.port)
     }
 
-    fn open_pull(&self, _window: &PullWindow<'_>) -> Vec<u64> {
+    fn open_pull(&self, _window: &PullWindow<'_>) -> RegionBases {
         self.bases.clone()
     }
 

@@ -16,6 +16,6 @@ pub mod tcp;
 pub mod verbs;
 
 pub use landing::{
-    FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked, StaticLanding,
+    FenceError, Landing, PullWindow, RegionBases, Revocation, RevokeRequest, Revoked, StaticLanding,
 };
 pub use tcp::{TargetConfig, TcpLanding, TcpTarget};

@@ -52,11 +52,13 @@ pub fn peer() -> PeerId {
 /// Open a pull for `reqs`; returns the advertised base of every region.
 pub fn open(t: &TcpTarget, pull_id: u64, reqs: &[Arc<RequestMeta>]) -> Vec<u64> {
     let p = peer();
-    t.landing().open_pull(&PullWindow {
-        pull_id,
-        peer: &p,
-        requests: reqs,
-    })
+    t.landing()
+        .open_pull(&PullWindow {
+            pull_id,
+            peer: &p,
+            requests: reqs,
+        })
+        .to_vec()
 }
 
 /// Revoke `req` as the BlockManager does at a completion (no suspect peer), and wait until no

@@ -67,8 +67,8 @@ impl Landing for ManualLanding {
         ("127.0.0.1", 15000)
     }
 
-    fn open_pull(&self, w: &PullWindow<'_>) -> Vec<u64> {
-        vec![0x7e00_0000_0000 + (w.pull_id << 32)]
+    fn open_pull(&self, w: &PullWindow<'_>) -> kvrecv::rdma::RegionBases {
+        [0x7e00_0000_0000 + (w.pull_id << 32)].into()
     }
 
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {

@@ -1135,7 +1135,7 @@ impl Landing for TcpLanding {
         (&self.host, self.port)
     }
 
-    fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64> {
+    fn open_pull(&self, window: &PullWindow<'_>) -> crate::rdma::RegionBases {
         let w = self.permits.open(window);
         self.permits.map().region_bases(w)
     }

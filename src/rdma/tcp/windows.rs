@@ -212,7 +212,7 @@ impl WindowMap {
     }
 
     /// Advertised base address of every region in `window` (what `kv_caches_base_addr` carries).
-    pub fn region_bases(&self, window: u32) -> Vec<u64> {
+    pub fn region_bases(&self, window: u32) -> crate::rdma::RegionBases {
         let w = self.window_base(window);
         self.region_start.iter().map(|s| w + s).collect()
     }
@@ -286,7 +286,7 @@ mod tests {
         let m = WindowMap::new(&l, DEFAULT_BASE, 16).unwrap();
         let (a, n) = m.advertised_span();
         for w in 0..16 {
-            for (i, b) in m.region_bases(w).into_iter().enumerate() {
+            for (i, b) in m.region_bases(w).iter().copied().enumerate() {
                 let last = b + 64 * 16 * 1024 - 1;
                 let r = m.resolve(last, 1).unwrap();
                 assert_eq!((r.window, r.region), (w, i));

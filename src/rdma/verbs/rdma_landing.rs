@@ -45,7 +45,7 @@ pub enum RdmaLandingError {
 pub struct RdmaLanding<B> {
     host: String,
     port: u32,
-    bases: Vec<u64>,
+    bases: crate::rdma::RegionBases,
     fence: RdmaFence<B>,
 }
 
@@ -128,7 +128,7 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
         Ok(RdmaLanding {
             host: host.into(),
             port: u32::from(port),
-            bases,
+            bases: bases.into(),
             fence,
         })
     }
@@ -149,7 +149,7 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
         (&self.host, self.port)
     }
 
-    fn open_pull(&self, window: &PullWindow<'_>) -> Vec<u64> {
+    fn open_pull(&self, window: &PullWindow<'_>) -> crate::rdma::RegionBases {
         // The peer's host becomes a known one: segments there are its, not orphans.
         self.fence.note_peer(window.peer);
         self.bases.clone()
@@ -246,8 +246,8 @@ mod tests {
                 requests: &reqs,
             };
             assert_eq!(
-                l.open_pull(&w),
-                vec![0x1000, 0x9000],
+                &*l.open_pull(&w),
+                [0x1000, 0x9000],
                 "no synthetic per-pull windows on RDMA"
             );
         }
