@@ -98,15 +98,19 @@ impl Receiver {
             max: cfg.topology_retry_max,
         });
         let layout_arrays = batch_plan::LayoutArrays::new(&cfg.layout);
-        let layout_tail = MetadataTail::of(&batch_plan::pull_metadata_ref(
+        // Everything but the requests and the bases is the same in every pull.
+        let no_requests = ReqBlocksRef::default();
+        let template = batch_plan::pull_metadata_ref(
             &layout_arrays,
             cfg.d_rank,
-            ("", 0),
-            &Default::default(),
+            landing.endpoint(),
+            &no_requests,
             &[],
-        ))
-        .inspect_err(|e| tracing::warn!(error = %e, "cannot pre-encode the layout's metadata"))
-        .ok();
+        );
+        let layout_tail = MetadataTail::of(&template)
+            .and_then(|t| t.with_head(&template))
+            .inspect_err(|e| tracing::warn!(error = %e, "cannot pre-encode the layout's metadata"))
+            .ok();
         let rules = Arc::new(AggregationRules {
             policy: cfg.policy,
             transport_failures_uncertain: cfg.mooncake_protocol

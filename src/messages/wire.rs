@@ -133,20 +133,13 @@ impl MetadataRef<'_> {
         let mut buf = Vec::with_capacity(tail.bytes.len() + self.head_len_bound());
         // Written with rmp's own calls, the bytes serde's serializer would write for each
         // (the most compact int, a str, an array of ints), without a serializer per entry.
-        use rmp::encode::{write_array_len, write_map_len, write_str, write_uint};
+        use rmp::encode::{write_array_len, write_str, write_uint};
         let e = rmp_serde::encode::Error::from;
-        write_map_len(&mut buf, HEAD_ENTRIES + tail.entries).map_err(e)?;
-        write_str(&mut buf, "remote_hostname").map_err(e)?;
-        write_str(&mut buf, self.remote_hostname).map_err(e)?;
-        for (key, v) in [
-            ("remote_port", self.remote_port),
-            ("remote_tp_size", self.remote_tp_size),
-            ("remote_tp_rank", self.remote_tp_rank),
-        ] {
-            write_str(&mut buf, key).map_err(e)?;
-            write_uint(&mut buf, u64::from(v)).map_err(e)?;
+        match &tail.head {
+            // D's endpoint and ranks are the same in every pull of a coordinator.
+            Some(head) if head.is_of(self) => buf.extend_from_slice(&head.bytes),
+            _ => self.write_endpoint(&mut buf, tail.entries)?,
         }
-        write_str(&mut buf, "req_blocks").map_err(e)?;
         self.req_blocks.write_to(&mut buf)?;
         write_str(&mut buf, "kv_caches_base_addr").map_err(e)?;
         write_array_len(&mut buf, list_len(self.kv_caches_base_addr.len())?).map_err(e)?;
@@ -155,6 +148,25 @@ impl MetadataRef<'_> {
         }
         buf.extend_from_slice(&tail.bytes);
         Ok(buf)
+    }
+
+    /// The map's header and the entries before `req_blocks`'s value (D's endpoint and ranks).
+    fn write_endpoint(&self, buf: &mut Vec<u8>, tail_entries: u32) -> Result<(), WireError> {
+        use rmp::encode::{write_map_len, write_str, write_uint};
+        let e = rmp_serde::encode::Error::from;
+        write_map_len(buf, HEAD_ENTRIES + tail_entries).map_err(e)?;
+        write_str(buf, "remote_hostname").map_err(e)?;
+        write_str(buf, self.remote_hostname).map_err(e)?;
+        for (key, v) in [
+            ("remote_port", self.remote_port),
+            ("remote_tp_size", self.remote_tp_size),
+            ("remote_tp_rank", self.remote_tp_rank),
+        ] {
+            write_str(buf, key).map_err(e)?;
+            write_uint(buf, u64::from(v)).map_err(e)?;
+        }
+        write_str(buf, "req_blocks").map_err(e)?;
+        Ok(())
     }
 
     /// At least the encoded length of the head entries (up to `kv_caches_base_addr`), so a
@@ -184,6 +196,26 @@ const HEAD_ENTRIES: u32 = 6;
 pub struct MetadataTail {
     bytes: Vec<u8>,
     entries: u32,
+    /// The head before `req_blocks`'s value for one endpoint, encoded (see [`Self::with_head`]).
+    head: Option<EncodedHead>,
+}
+
+/// The map header and D's endpoint and ranks, encoded for the metadata they were taken from.
+#[derive(Debug, Clone)]
+struct EncodedHead {
+    hostname: String,
+    port: u32,
+    tp: (u32, u32),
+    bytes: Vec<u8>,
+}
+
+impl EncodedHead {
+    /// Whether `md` has the endpoint and ranks these bytes say.
+    fn is_of(&self, md: &MetadataRef<'_>) -> bool {
+        self.hostname == md.remote_hostname
+            && self.port == md.remote_port
+            && self.tp == (md.remote_tp_size, md.remote_tp_rank)
+    }
 }
 
 impl MetadataTail {
@@ -192,6 +224,7 @@ impl MetadataTail {
         let mut t = MetadataTail {
             bytes: Vec::new(),
             entries: 0,
+            head: None,
         };
         // In declaration order, each omitted as `MetadataRef`'s `skip_serializing_if` omits it.
         t.put("block_lens", md.block_lens, false)?;
@@ -205,6 +238,21 @@ impl MetadataTail {
         let pp = md.remote_pp_size;
         t.put("remote_pp_size", &pp, is_one(&pp))?;
         Ok(t)
+    }
+
+    /// This tail, with `md`'s endpoint and ranks encoded too: a metadata with the same ones
+    /// copies them instead of writing four keys and values (every pull of a coordinator has
+    /// the same). Any other metadata is written in full, so the bytes never depend on it.
+    pub fn with_head(mut self, md: &MetadataRef<'_>) -> Result<Self, WireError> {
+        let mut bytes = Vec::new();
+        md.write_endpoint(&mut bytes, self.entries)?;
+        self.head = Some(EncodedHead {
+            hostname: md.remote_hostname.to_owned(),
+            port: md.remote_port,
+            tp: (md.remote_tp_size, md.remote_tp_rank),
+            bytes,
+        });
+        Ok(self)
     }
 
     fn put<T: Serialize + ?Sized>(
@@ -600,7 +648,17 @@ mod tests {
             let bytes = md.encode_with(&tail).unwrap();
             // Allocated once: the bound covers what was written.
             proptest::prop_assert!(bytes.len() <= tail.bytes.len() + md.head_len_bound());
-            proptest::prop_assert_eq!(bytes, md.encode().unwrap());
+            let whole = md.encode().unwrap();
+            proptest::prop_assert_eq!(&bytes, &whole);
+            // With the endpoint pre-encoded: copied for a metadata of that endpoint, and
+            // written for one of any other (the template's), the same bytes either way.
+            let with_head = tail.clone().with_head(&md).unwrap();
+            proptest::prop_assert_eq!(&md.encode_with(&with_head).unwrap(), &whole);
+            let other = MetadataRef { req_blocks: md.req_blocks, kv_caches_base_addr: &bases, ..template };
+            proptest::prop_assert_eq!(
+                other.encode_with(&with_head).unwrap(),
+                other.encode().unwrap()
+            );
         }
     }
 }
