@@ -203,7 +203,10 @@ impl BlockLedger {
 
     fn release_now(&mut self, req: &SharedRequest) {
         self.live.lock().release_blocks(req);
-        self.failure_signalled.remove(&req.req_id);
+        // Usually none failed: no hashing of the id for nothing.
+        if !self.failure_signalled.is_empty() {
+            self.failure_signalled.remove(&req.req_id);
+        }
         self.out.lock().finished_recving.push(req.req_id.clone());
         if let Some(pool) = &mut self.pool {
             pool.release(&req.req_id);

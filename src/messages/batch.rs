@@ -397,20 +397,35 @@ pub struct Interner {
     seen: FastSet<Arc<str>>,
     /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
     bootstraps: FastSet<Arc<str>>,
+    /// The last values returned, looked at before the sets: a host's requests mostly name one
+    /// engine and one bootstrap address, so most lookups are a comparison, not a hash.
+    recent: [Option<Arc<str>>; 2],
+    /// The last address found in `bootstraps`.
+    recent_bootstrap: Option<Arc<str>>,
 }
 
 impl Interner {
     const CAP: usize = 4096;
 
     /// Whether `addr` already passed [`check_bootstrap_addr`].
-    fn checked_bootstrap(&self, addr: &str) -> bool {
-        self.bootstraps.contains(addr)
+    fn checked_bootstrap(&mut self, addr: &str) -> bool {
+        if self.recent_bootstrap.as_deref() == Some(addr) {
+            return true;
+        }
+        match self.bootstraps.get(addr) {
+            Some(a) => {
+                self.recent_bootstrap = Some(a.clone());
+                true
+            }
+            None => false,
+        }
     }
 
     /// Remember that `addr` passed [`check_bootstrap_addr`].
     fn bootstrap_ok(&mut self, addr: &str) {
         if self.bootstraps.len() >= Self::CAP {
             self.bootstraps.clear();
+            self.recent_bootstrap = None;
         }
         let a = self.intern(addr);
         self.bootstraps.insert(a);
@@ -418,14 +433,23 @@ impl Interner {
 
     /// The shared copy of `s`.
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.seen.get(s) {
+        if let Some(a) = self.recent.iter().flatten().find(|a| ***a == *s) {
             return a.clone();
         }
-        if self.seen.len() >= Self::CAP {
-            self.seen.clear();
-        }
-        let a: Arc<str> = Arc::from(s);
-        self.seen.insert(a.clone());
+        let a = match self.seen.get(s) {
+            Some(a) => a.clone(),
+            None => {
+                if self.seen.len() >= Self::CAP {
+                    self.seen.clear();
+                }
+                let a: Arc<str> = Arc::from(s);
+                self.seen.insert(a.clone());
+                a
+            }
+        };
+        // The older of the two makes way.
+        self.recent.swap(0, 1);
+        self.recent[0] = Some(a.clone());
         a
     }
 }
