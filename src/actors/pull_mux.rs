@@ -34,6 +34,8 @@ pub struct Tagged<I> {
 
 /// One merged stream, which its [`PullHandle`] can end at once.
 struct Slot<T> {
+    /// Whose stream it is: a handle ends only its own pull's (slots are reused).
+    pull_id: PullId,
     stream: Option<LocalBoxStream<'static, T>>,
     /// Who polls this stream while it is parked (its last poll was `Pending`), woken when it
     /// is ended so the merge drops the empty slot. A stream that just yielded is polled again
@@ -42,9 +44,14 @@ struct Slot<T> {
     waker: Option<Waker>,
 }
 
+/// Every merged stream's slot, reused from one pull to the next (a pull allocates none).
+type Slots<T> = Rc<RefCell<slab::Slab<Slot<T>>>>;
+
 /// Ends one merged stream.
 pub struct PullHandle<T> {
-    slot: Rc<RefCell<Slot<T>>>,
+    slots: Slots<T>,
+    key: usize,
+    pull_id: PullId,
 }
 
 impl<T> PullHandle<T> {
@@ -52,8 +59,14 @@ impl<T> PullHandle<T> {
     /// pool before the next pull asks for one. It yields nothing more.
     pub fn end(&self) {
         let (stream, waker) = {
-            let mut slot = self.slot.borrow_mut();
-            (slot.stream.take(), slot.waker.take())
+            let mut slots = self.slots.borrow_mut();
+            match slots.get_mut(self.key) {
+                Some(slot) if slot.pull_id == self.pull_id => {
+                    (slot.stream.take(), slot.waker.take())
+                }
+                // Already dropped by the merge (it ended by itself), maybe reused since.
+                _ => (None, None),
+            }
         };
         drop(stream);
         if let Some(w) = waker {
@@ -62,18 +75,29 @@ impl<T> PullHandle<T> {
     }
 }
 
-/// The merge's view of a slot.
+/// The merge's view of a slot; its slot is freed when the merge drops it.
 struct Slotted<T> {
-    slot: Rc<RefCell<Slot<T>>>,
-    pull_id: PullId,
+    slots: Slots<T>,
+    key: usize,
+}
+
+impl<T> Drop for Slotted<T> {
+    fn drop(&mut self) {
+        // Not while the slab is borrowed: the merge drops an ended stream's entry after its
+        // poll, outside it.
+        if let Ok(mut slots) = self.slots.try_borrow_mut() {
+            slots.try_remove(self.key);
+        }
+    }
 }
 
 impl<T> Stream for Slotted<T> {
     type Item = Tagged<T>;
 
     fn poll_next(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Tagged<T>>> {
-        let pull_id = self.pull_id;
-        let mut slot = self.slot.borrow_mut();
+        let mut slots = self.slots.borrow_mut();
+        let slot = &mut slots[self.key];
+        let pull_id = slot.pull_id;
         let Some(stream) = slot.stream.as_mut() else {
             return Poll::Ready(None);
         };
@@ -98,6 +122,7 @@ impl<T> Stream for Slotted<T> {
 
 struct Inner<T> {
     streams: MergeUnbounded<Slotted<T>>,
+    slots: Slots<T>,
 }
 
 /// Adds streams to a [`MergedPulls`]; each added stream can be stopped on its own.
@@ -123,6 +148,7 @@ impl<T> PullMux<T> {
     pub fn new() -> (Self, MergedPulls<T>) {
         let inner = Rc::new(RefCell::new(Inner {
             streams: MergeUnbounded::new(),
+            slots: Rc::default(),
         }));
         (
             PullMux {
@@ -139,16 +165,22 @@ impl<T> PullMux<T> {
     /// poll that task once more for nothing: once per pull, 3% of a request at batch 1
     /// (docs/PERFORMANCE.md, tenth round).
     pub fn add(&self, pull_id: PullId, stream: LocalBoxStream<'static, T>) -> PullHandle<T> {
-        let slot = Rc::new(RefCell::new(Slot {
+        let mut inner = self.inner.borrow_mut();
+        let slots = inner.slots.clone();
+        let key = slots.borrow_mut().insert(Slot {
+            pull_id,
             stream: Some(stream),
             waker: None,
-        }));
-        let mut inner = self.inner.borrow_mut();
-        inner.streams.push(Slotted {
-            slot: slot.clone(),
-            pull_id,
         });
-        PullHandle { slot }
+        inner.streams.push(Slotted {
+            slots: slots.clone(),
+            key,
+        });
+        PullHandle {
+            slots,
+            key,
+            pull_id,
+        }
     }
 
     /// Streams merged (an ended one counts until the merge next polls it).
@@ -308,6 +340,35 @@ mod tests {
         assert_eq!(
             merged.poll_next_unpin(&mut cx),
             Poll::Ready(Some(item(3, 3)))
+        );
+    }
+
+    /// Slots are reused: the handle of a pull whose stream ended by itself ends nothing of
+    /// the pull that took its slot since.
+    #[test]
+    fn a_stale_handle_leaves_the_next_pull_in_its_slot_alone() {
+        let (mux, mut merged) = PullMux::<u32>::new();
+        let mut cx = Context::from_waker(noop_waker_ref());
+        let (a, a_tx, ..) = probe();
+        let a_handle = mux.add(1, a);
+        drop(a_tx);
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(Tagged {
+                pull_id: 1,
+                item: None
+            }))
+        );
+        assert!(merged.poll_next_unpin(&mut cx).is_pending());
+        assert!(mux.is_empty(), "a's slot is free");
+        let (b, b_tx, _, b_dropped) = probe();
+        let _b_handle = mux.add(2, b);
+        a_handle.end();
+        assert!(!b_dropped.get(), "a's handle ended b");
+        b_tx.unbounded_send(5).unwrap();
+        assert_eq!(
+            merged.poll_next_unpin(&mut cx),
+            Poll::Ready(Some(item(2, 5)))
         );
     }
 

@@ -379,8 +379,6 @@ impl Receiver {
             some_not_awaited = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
             &some_not_awaited
         };
-        let landing = self.landing.clone();
-        let (host, port) = landing.endpoint();
         let used = at;
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);
@@ -391,7 +389,8 @@ impl Receiver {
             } else {
                 requests.clone()
             };
-            let bases = landing.open_pull(&PullWindow {
+            // Borrows of the landing end with the encoding, before the pull is handed over.
+            let bases = self.landing.open_pull(&PullWindow {
                 pull_id,
                 peer,
                 requests: awaiting,
@@ -399,11 +398,12 @@ impl Receiver {
             let md = batch_plan::pull_metadata_ref(
                 &self.layout_arrays,
                 self.cfg.d_rank,
-                (host, port),
+                self.landing.endpoint(),
                 &req_blocks,
                 &bases,
             );
             let encoded = (self.encode)(&md, self.layout_tail.as_ref());
+            drop(bases);
             match encoded {
                 Ok(payload) => self.hand_peer(
                     peer,

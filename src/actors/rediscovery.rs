@@ -210,7 +210,11 @@ impl Rediscovery {
             let down = self.down_peer(peers, now);
             (down, !peers.iter().any(|p| self.down.contains_key(p)))
         };
-        let e = self.engines.entry(key.clone()).or_default();
+        // A known engine's key is not cloned (and dropped) for nothing.
+        let e = match self.engines.get_mut(key) {
+            Some(e) => e,
+            None => self.engines.entry(key.clone()).or_default(),
+        };
         e.last_seen = Some(now);
         e.last_error = None;
         if healthy {
