@@ -7,6 +7,8 @@ pub mod aggregator;
 #[doc(hidden)]
 pub mod aggregator_state;
 #[doc(hidden)]
+pub mod alarm;
+#[doc(hidden)]
 pub mod batch_plan;
 #[doc(hidden)]
 pub mod block_ledger;

@@ -10,15 +10,16 @@ use std::rc::Rc;
 use std::time::{Duration, Instant};
 
 use actix::{
-    Actor, ActorContext, AsyncContext, Context, Handler, Recipient, SpawnHandle, StreamHandler,
-    Supervised,
+    Actor, ActorContext, AsyncContext, Context, Handler, Recipient, StreamHandler, Supervised,
 };
 
+use crate::messages::tick::DeadlinesDue;
 use crate::messages::{
     AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Retire, Settles, UnsentPull, ABORTED_BY_HOST,
 };
 use crate::telemetry::{self as m, KeptHandles, Labels};
 
+use super::alarm::Alarm;
 use super::event_sink::EventSink;
 use super::peer_state::{Effects, PeerState, StaleIds};
 use super::pull_mux::{PullHandle, PullMux, Tagged};
@@ -137,7 +138,7 @@ pub struct Peer {
     /// cancelled when a pull ends: when it fires, overdue pulls are abandoned and it is armed
     /// again for the earliest deadline left. A timer per pull cost a timer-wheel registration,
     /// a wake-up of the runtime's driver (an eventfd write) and a cancellation per pull.
-    timer: Option<(tokio::time::Instant, SpawnHandle)>,
+    timer: Option<Alarm>,
     restarts: u32,
     consecutive_failures: u32,
     backoff_until: Option<Instant>,
@@ -263,15 +264,11 @@ impl Peer {
     /// (only an abort's grace is sooner), so a new one is rarely earlier than the armed one
     /// and rarely re-registers the timer.
     fn arm_timer(&mut self, at: tokio::time::Instant, ctx: &mut Context<Self>) {
-        if let Some((armed, handle)) = self.timer {
-            if armed <= at {
-                return;
-            }
-            ctx.cancel_future(handle);
+        if self.timer.as_ref().is_some_and(|armed| armed.at() <= at) {
+            return;
         }
-        let wait = at.saturating_duration_since(tokio::time::Instant::now());
-        let handle = ctx.run_later(wait, |act, ctx| act.on_timer(ctx));
-        self.timer = Some((at, handle));
+        // The one it replaces (if any) is cancelled as it drops.
+        self.timer = Alarm::set(ctx.address().recipient(), at, DeadlinesDue);
     }
 
     /// Abandon every pull whose deadline passed; arm the timer for the earliest one left.
@@ -452,6 +449,14 @@ impl Supervised for Peer {
             peer: self.id().clone(),
             restarts: self.restarts,
         });
+    }
+}
+
+impl Handler<DeadlinesDue> for Peer {
+    type Result = ();
+
+    fn handle(&mut self, _: DeadlinesDue, ctx: &mut Context<Self>) {
+        self.on_timer(ctx);
     }
 }
 

@@ -14,6 +14,7 @@ use actix::{
 };
 
 use crate::config::KvRecvConfig;
+use crate::messages::tick::SweepDue;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
     LoadKvTo, LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest,
@@ -26,6 +27,7 @@ use crate::telemetry::{self as m, Labels};
 use super::aggregation_table::SharedAggregation;
 use super::aggregator::{FailUnsent, RequestAggregator};
 use super::aggregator_state::{AggregationRules, AggregatorState};
+use super::alarm::Alarm;
 use super::batch_plan;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
@@ -80,6 +82,9 @@ pub struct Receiver {
     /// failed: each pull then encodes them itself, and meets the same error).
     layout_tail: Option<MetadataTail>,
     labels: Labels,
+    /// The idle-peer sweep's next run, and how often it runs.
+    sweep: Option<Alarm>,
+    sweep_every: std::time::Duration,
 }
 
 impl Receiver {
@@ -142,6 +147,8 @@ impl Receiver {
             layout_arrays,
             layout_tail,
             labels: Labels::default(),
+            sweep: None,
+            sweep_every: std::time::Duration::from_secs(10),
         }
     }
 
@@ -451,22 +458,27 @@ impl Actor for Receiver {
             std::time::Duration::from_millis(1),
             std::time::Duration::from_secs(10),
         );
-        schedule_sweep(ctx, every);
+        self.sweep_every = every;
+        self.arm_sweep(ctx);
     }
 }
 
-/// The idle-peer sweep, every `every`. Not `run_interval`: a system dropped without being
-/// stopped polls its actors once more from their drop, outside any runtime (an actor never
-/// polled before is even started there), and making or re-arming a timer there panics. The
-/// sweep is armed only while a runtime is there.
-fn schedule_sweep(ctx: &mut Context<Receiver>, every: std::time::Duration) {
-    if tokio::runtime::Handle::try_current().is_err() {
-        return;
+impl Receiver {
+    /// The idle-peer sweep, `sweep_every` from now. An [`Alarm`], not `run_interval`: a timer
+    /// in the context is polled at every turn of the Receiver (every batch).
+    fn arm_sweep(&mut self, ctx: &mut Context<Self>) {
+        let at = tokio::time::Instant::now() + self.sweep_every;
+        self.sweep = Alarm::set(ctx.address().recipient(), at, SweepDue);
     }
-    ctx.run_later(every, move |act, ctx| {
-        act.retire_idle_peers();
-        schedule_sweep(ctx, every);
-    });
+}
+
+impl Handler<SweepDue> for Receiver {
+    type Result = ();
+
+    fn handle(&mut self, _: SweepDue, ctx: &mut Context<Self>) {
+        self.retire_idle_peers();
+        self.arm_sweep(ctx);
+    }
 }
 
 impl Handler<CountPeers> for Receiver {

@@ -22,6 +22,8 @@ mod reply_reader;
 pub mod retire;
 pub mod settle;
 #[doc(hidden)]
+pub mod tick;
+#[doc(hidden)]
 pub mod wire;
 
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};

@@ -1,0 +1,13 @@
+//! An actor's own timers firing, sent to it by its [`Alarm`](crate::actors::alarm::Alarm).
+
+use actix::Message;
+
+/// Peer: a pull deadline may have passed; abandon the overdue pulls.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct DeadlinesDue;
+
+/// Receiver: time to retire the peers idle for too long.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct SweepDue;
