@@ -268,7 +268,7 @@ impl Peer {
             return;
         }
         // The one it replaces (if any) is cancelled as it drops.
-        self.timer = Alarm::set(ctx.address().recipient(), at, DeadlinesDue);
+        self.timer = Alarm::set(ctx.address().downgrade().recipient(), at, DeadlinesDue);
     }
 
     /// Abandon every pull whose deadline passed; arm the timer for the earliest one left.

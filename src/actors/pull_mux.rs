@@ -8,9 +8,10 @@
 //! pulls whose sockets woke are polled (the merge keeps a waker per stream), and the Peer has
 //! one item however many pulls are live. The merge is `futures_buffered`'s: its streams sit in
 //! reusable slots, where `futures`' `SelectAll` allocates a task node for every stream and
-//! again for every item it yields (two allocations of a request's 28 at batch 1). Each item comes tagged with its pull, and a stream
-//! that ends by itself says so once ([`Tagged::item`] `None`): the Peer's pull is then over
-//! without a reply, which it must learn; one ended through its [`PullHandle`] says nothing.
+//! again for every item it yields (two allocations of a request's 28 at batch 1). Each item
+//! comes tagged with its pull, and a stream that ends by itself says so once
+//! ([`Tagged::item`] `None`): the Peer's pull is then over without a reply, which it must
+//! learn; one ended through its [`PullHandle`] says nothing.
 
 use std::cell::RefCell;
 use std::pin::Pin;
@@ -83,8 +84,8 @@ struct Slotted<T> {
 
 impl<T> Drop for Slotted<T> {
     fn drop(&mut self) {
-        // Not while the slab is borrowed: the merge drops an ended stream's entry after its
-        // poll, outside it.
+        // The merge drops an ended stream's entry after that stream's poll, when the slab is
+        // not borrowed; a failed borrow would only leave an empty slot behind.
         if let Ok(mut slots) = self.slots.try_borrow_mut() {
             slots.try_remove(self.key);
         }

@@ -468,7 +468,7 @@ impl Receiver {
     /// in the context is polled at every turn of the Receiver (every batch).
     fn arm_sweep(&mut self, ctx: &mut Context<Self>) {
         let at = tokio::time::Instant::now() + self.sweep_every;
-        self.sweep = Alarm::set(ctx.address().recipient(), at, SweepDue);
+        self.sweep = Alarm::set(ctx.address().downgrade().recipient(), at, SweepDue);
     }
 }
 
