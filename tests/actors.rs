@@ -601,6 +601,31 @@ async fn quarantine_without_fence_is_released_at_the_deadline() {
     );
 }
 
+/// Quarantines taken one after another are each released at their own deadline: the
+/// BlockManager's one alarm, armed for the earliest, is armed again for the next.
+#[actix::test]
+async fn successive_quarantines_are_each_released_at_their_deadline() {
+    let mut h = Harness::start(Setup {
+        landing: ManualLanding::default(),
+        p_tp: 1,
+        quarantine_deadline: Duration::from_millis(100),
+        ..Setup::default()
+    });
+    for (id, block) in [("r1", 7), ("r2", 8)] {
+        h.load(vec![req(id, &[block])]).await;
+        h.next_pull().await.respond(Error, &[], &[], None);
+        h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. }))
+            .await;
+        // The scenario, not a wait for anything: r2's deadline comes half a deadline after
+        // r1's, so the alarm that releases r1 finds r2 still held.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in ["r1", "r2"] {
+        let rel = h.wait_for("forced release", is_released(id)).await;
+        assert!(matches!(rel, KvEvent::Released { forced: true, .. }));
+    }
+}
+
 /// §5: a clean completion (no uncertain peer) is released at once, permits revoked first.
 #[actix::test]
 async fn ok_completion_revokes_then_releases() {

@@ -224,6 +224,11 @@ impl BlockLedger {
         })
     }
 
+    /// The earliest last-resort deadline of a quarantine held, if any.
+    pub fn next_deadline(&self) -> Option<Instant> {
+        self.held.values().map(|h| h.deadline).min()
+    }
+
     /// Quarantines whose last-resort deadline has passed.
     pub fn expired(&self, now: Instant) -> Vec<ReqId> {
         let mut v: Vec<ReqId> = self

@@ -8,6 +8,7 @@ use std::time::Instant;
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult, WrapFuture};
 
 use crate::config::Policy;
+use crate::messages::tick::QuarantinesDue;
 use crate::messages::{
     Allocate, Completion, CompletionList, Completions, Drain, FirstFailure, Free, GetLedgerStats,
     KvEvent, LedgerStats, ReqId,
@@ -15,10 +16,12 @@ use crate::messages::{
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
 
+use super::alarm::Alarm;
 use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
 use super::live_set::SharedLiveSet;
+use super::rediscovery::clock_now;
 
 /// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
 /// peers are fenced, and hands released requests to the host's drain.
@@ -28,6 +31,10 @@ pub struct BlockManager {
     policy: Policy,
     events: EventSink,
     labels: Labels,
+    /// Fires at the earliest quarantine deadline held: one alarm for all of them, not a timer
+    /// per quarantine in the context (actix polls every context item at every turn, and a
+    /// failure burst can hold thousands).
+    deadlines: Option<Alarm>,
 }
 
 impl BlockManager {
@@ -44,6 +51,7 @@ impl BlockManager {
             policy,
             events,
             labels: Labels::default(),
+            deadlines: None,
         }
     }
 
@@ -62,6 +70,20 @@ impl BlockManager {
     /// The built-in pool's ownership table (for the data plane's audit), if there is a pool.
     pub fn ownership(&self) -> Option<Arc<BlockOwnership>> {
         self.ledger.pool().map(|p| p.ownership())
+    }
+
+    /// Make the deadline alarm fire no later than `at` (deadlines mostly come in order, so it
+    /// is rarely set again).
+    fn arm_deadlines(&mut self, at: Instant, ctx: &mut Context<Self>) {
+        let at = tokio::time::Instant::from_std(at);
+        if self
+            .deadlines
+            .as_ref()
+            .is_some_and(|armed| armed.at() <= at)
+        {
+            return;
+        }
+        self.deadlines = Alarm::set(ctx.address().downgrade().recipient(), at, QuarantinesDue);
     }
 
     fn end_quarantine(&mut self, req_id: &ReqId, fenced: bool) {
@@ -93,6 +115,22 @@ impl BlockManager {
 
 impl Actor for BlockManager {
     type Context = Context<Self>;
+}
+
+impl Handler<QuarantinesDue> for BlockManager {
+    type Result = ();
+
+    /// Release every quarantine whose deadline passed, then wait for the earliest left.
+    fn handle(&mut self, _: QuarantinesDue, ctx: &mut Context<Self>) {
+        self.deadlines = None;
+        // tokio's clock, the one the alarm sleeps on (a paused test clock included).
+        for req_id in self.ledger.expired(clock_now()) {
+            self.end_quarantine(&req_id, false);
+        }
+        if let Some(next) = self.ledger.next_deadline() {
+            self.arm_deadlines(next, ctx);
+        }
+    }
 }
 
 impl Handler<FirstFailure> for BlockManager {
@@ -207,8 +245,7 @@ impl BlockManager {
                         Err(e) => tracing::warn!(req_id = %r, error = %e, "fence failed; holding blocks until the deadline"),
                     }
                 }));
-                let wait = deadline.saturating_duration_since(Instant::now());
-                ctx.run_later(wait, move |act, _ctx| act.end_quarantine(&req_id, false));
+                self.arm_deadlines(deadline, ctx);
             }
         }
     }

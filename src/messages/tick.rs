@@ -7,6 +7,11 @@ use actix::Message;
 #[rtype(result = "()")]
 pub struct DeadlinesDue;
 
+/// BlockManager: a quarantine's last-resort deadline may have passed; release those whose did.
+#[derive(Debug, Message)]
+#[rtype(result = "()")]
+pub struct QuarantinesDue;
+
 /// Receiver: time to retire the peers idle for too long.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
