@@ -82,9 +82,8 @@ pub struct Receiver {
     /// failed: each pull then encodes them itself, and meets the same error).
     layout_tail: Option<MetadataTail>,
     labels: Labels,
-    /// The idle-peer sweep's next run, and how often it runs.
+    /// The idle-peer sweep's next run.
     sweep: Option<Alarm>,
-    sweep_every: std::time::Duration,
 }
 
 impl Receiver {
@@ -148,7 +147,6 @@ impl Receiver {
             layout_tail,
             labels: Labels::default(),
             sweep: None,
-            sweep_every: std::time::Duration::from_secs(10),
         }
     }
 
@@ -453,21 +451,20 @@ impl Actor for Receiver {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        // Checked a few times per retirement period, at most every 10 s.
-        let every = (self.cfg.peer_retire_after / 4).clamp(
-            std::time::Duration::from_millis(1),
-            std::time::Duration::from_secs(10),
-        );
-        self.sweep_every = every;
         self.arm_sweep(ctx);
     }
 }
 
 impl Receiver {
-    /// The idle-peer sweep, `sweep_every` from now. An [`Alarm`], not `run_interval`: a timer
-    /// in the context is polled at every turn of the Receiver (every batch).
+    /// The next idle-peer sweep: a few times per retirement period, at most every 10 s. An
+    /// [`Alarm`], not `run_interval`: a timer in the context is polled at every turn of the
+    /// Receiver (every batch).
     fn arm_sweep(&mut self, ctx: &mut Context<Self>) {
-        let at = tokio::time::Instant::now() + self.sweep_every;
+        let every = (self.cfg.peer_retire_after / 4).clamp(
+            std::time::Duration::from_millis(1),
+            std::time::Duration::from_secs(10),
+        );
+        let at = tokio::time::Instant::now() + every;
         self.sweep = Alarm::set(ctx.address().downgrade().recipient(), at, SweepDue);
     }
 }
