@@ -209,19 +209,30 @@ fn is_completion(id: &str) -> impl Fn(&KvEvent) -> bool + '_ {
 const RTS: [Option<QpState>; 2] = [Some(QpState::Rts); 2];
 const ERR: [Option<QpState>; 2] = [Some(QpState::Err); 2];
 
-/// The pull advertises the registered addresses, not per-pull windows (PROTOCOL.md §5.4).
+/// The pull advertises the IOVAs of a registered landing window (DESIGN.md §5), each region
+/// inside one descriptor buffer.
 #[actix::test]
-async fn pulls_advertise_the_registered_base_addresses() {
+async fn pulls_advertise_a_registered_windows_base_addresses() {
     let mut rig = Rig::start("rdma", Duration::from_secs(60), true).await;
     rig.load("r1", &[1, 2]).await;
     let pull = rig.next_pull().await;
     assert_eq!(pull.peer, p_peer());
     let bases = pull.metadata().kv_caches_base_addr;
     let landing = rig.target.landing();
-    assert_eq!(bases, landing.bases());
-    let buf = rig.target.bytes().unwrap().as_ptr() as u64;
-    assert_eq!(bases, vec![buf, buf + 64 * 64]);
-    assert_eq!(rig.target.descriptor().buffers[0].addr, buf);
+    let window = landing
+        .live_windows()
+        .into_iter()
+        .find(|w| landing.window_bases(*w).is_some_and(|b| *b == bases[..]))
+        .expect("the bases of a registered window");
+    let d = rig.target.descriptor();
+    for base in &bases {
+        let b = d
+            .buffers
+            .iter()
+            .find(|b| b.addr == *base)
+            .unwrap_or_else(|| panic!("window {window}: no buffer at {base:#x}"));
+        assert_eq!(b.length, 64 * 64);
+    }
     pull.respond(XferStatus::Finish, &["r1"], &[], None);
     let ev = rig.wait_for("release", is_released("r1")).await;
     assert!(matches!(ev, KvEvent::Released { fenced: false, .. }));
@@ -304,13 +315,53 @@ async fn te_failure_in_err_reqs_is_not_fenced_on_tcp() {
     assert_eq!(rig.states(P_SEGMENT), RTS);
 }
 
-/// A peer bound to no segment cannot be fenced: its blocks stay quarantined until the
-/// last-resort deadline, and no QP is touched.
+/// A peer bound to no segment is still fenced: its landing window's registrations are
+/// destroyed (whatever QP it writes through, its keys are gone), so its blocks are released as
+/// fenced at once, and no QP is touched.
 #[actix::test]
-async fn unbound_peer_stays_quarantined_until_the_deadline() {
+async fn unbound_peer_is_fenced_by_its_windows_keys() {
+    let mut rig = Rig::start("rdma", Duration::from_secs(3600), false).await;
+    rig.load("r1", &[6]).await;
+    let pull = rig.next_pull().await;
+    let bases = pull.metadata().kv_caches_base_addr;
+    pull.respond(XferStatus::Error, &[], &[], Some("boom"));
+    let rel = rig.wait_for("release", is_released("r1")).await;
+    assert!(
+        matches!(
+            rel,
+            KvEvent::Released {
+                fenced: true,
+                forced: false,
+                ..
+            }
+        ),
+        "{rel:?}"
+    );
+    assert!(
+        rig.target
+            .descriptor()
+            .buffers
+            .iter()
+            .all(|b| !bases.contains(&b.addr)),
+        "the window's buffers left the descriptor"
+    );
+    assert_eq!(rig.states(P_SEGMENT), RTS);
+    assert_eq!(rig.states(OTHER_SEGMENT), RTS);
+}
+
+/// A window whose registrations cannot be destroyed (and no QP to stop) is not a fence: the
+/// blocks stay quarantined until the last-resort deadline.
+#[actix::test]
+async fn a_window_that_cannot_be_deregistered_holds_the_blocks_until_the_deadline() {
     let mut rig = Rig::start("rdma", Duration::from_millis(200), false).await;
     rig.load("r1", &[6]).await;
     let pull = rig.next_pull().await;
+    rig.target
+        .handshake()
+        .lock()
+        .unwrap()
+        .backend_mut()
+        .fail_deregister = Some(16);
     pull.respond(XferStatus::Error, &[], &[], Some("boom"));
     rig.wait_for("quarantine", is_quarantined("r1")).await;
     let rel = rig.wait_for("release", is_released("r1")).await;
@@ -325,8 +376,6 @@ async fn unbound_peer_stays_quarantined_until_the_deadline() {
         ),
         "{rel:?}"
     );
-    assert_eq!(rig.states(P_SEGMENT), RTS);
-    assert_eq!(rig.states(OTHER_SEGMENT), RTS);
 }
 
 /// After a fence the peer can re-handshake (same QP numbers: the fenced QPs are reset and

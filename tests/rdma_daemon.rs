@@ -199,13 +199,28 @@ async fn metadata_returns_the_rdma_descriptor_compact_alphabetical_newline_termi
         ["mlx5_0", "mlx5_1"]
     );
     let landing = t.landing();
-    assert_eq!(d.buffers.len(), 1);
-    let b = &d.buffers[0];
-    assert_eq!((b.lkey.len(), b.rkey.len()), (2, 2), "one key per device");
-    assert_eq!(b.addr, landing.bases()[0], "the registered address");
-    assert_eq!(b.length, 2 * 64 * 8);
-    let buf = t.bytes().unwrap();
-    assert_eq!(b.addr, buf.as_ptr() as u64, "the real buffer, not a window");
+    // One buffer per landing window and layout region, each at the window's IOVA.
+    let windows = landing.live_windows();
+    assert_eq!(
+        windows.len(),
+        RdmaTargetConfig::loopback(KvLayout::uniform(2, 64, 8)).windows
+    );
+    assert_eq!(d.buffers.len(), windows.len() * 2);
+    for (i, slot) in windows.iter().enumerate() {
+        let bases = landing.window_bases(*slot).unwrap();
+        for (r, b) in d.buffers[2 * i..2 * i + 2].iter().enumerate() {
+            assert_eq!((b.lkey.len(), b.rkey.len()), (2, 2), "one key per device");
+            assert_eq!(b.addr, bases[r], "the window's IOVA for region {r}");
+            assert_eq!(b.length, 64 * 8);
+        }
+    }
+    let rkeys: std::collections::BTreeSet<u32> =
+        d.buffers.iter().flat_map(|b| b.rkey.clone()).collect();
+    assert_eq!(
+        rkeys.len(),
+        d.buffers.len() * 2,
+        "no two buffers share a key"
+    );
     let (host, port) = kvrecv::rdma::Landing::endpoint(&*landing);
     assert_eq!(format!("{host}:{port}"), t.segment_name());
 }

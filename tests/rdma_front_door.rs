@@ -14,7 +14,8 @@ use kvrecv::messages::{KvEvent, KvRequest};
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
 use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState, QpTransition};
 use kvrecv::rdma::verbs::{
-    FakeVerbs, HandShakeDesc, LocalNic, MrAccess, MrKeys, QpId, VerbsBackend, VerbsError,
+    FakeVerbs, HandShakeDesc, LocalNic, MrAccess, MrKeys, QpId, SegmentDescriptor, VerbsBackend,
+    VerbsError, WriteRefused,
 };
 use kvrecv::sim::writer::NoopWriter;
 use kvrecv::sim::{Faults, PrefillSim, SimConfig};
@@ -68,10 +69,11 @@ impl VerbsBackend for SharedVerbs {
     fn destroy_qp(&mut self, qp: QpId) -> Result<(), VerbsError> {
         self.inner.lock().unwrap().destroy_qp(qp)
     }
-    unsafe fn register_memory(
+    unsafe fn register_memory_iova(
         &mut self,
         addr: u64,
         length: u64,
+        iova: u64,
         access: MrAccess,
     ) -> Result<Vec<MrKeys>, VerbsError> {
         // SAFETY: forwarded as is; the caller's contract is the fake's.
@@ -79,7 +81,7 @@ impl VerbsBackend for SharedVerbs {
             self.inner
                 .lock()
                 .unwrap()
-                .register_memory(addr, length, access)
+                .register_memory_iova(addr, length, iova, access)
         }
     }
     fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {
@@ -257,12 +259,28 @@ async fn a_peer_whose_te_uses_another_address_fences_the_orphan_segment() {
     w.kv.shutdown().await;
 }
 
+/// D's descriptor as P's TE fetches it: `(address, rkey on device 0)` of every buffer.
+async fn descriptor_keys(w: &World) -> Vec<(u64, u32)> {
+    let (_, body) = request(
+        w.kv.handshake_addr().unwrap(),
+        Some(FrameType::Metadata),
+        b"",
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    let d: SegmentDescriptor = serde_json::from_slice(&body).unwrap();
+    d.buffers.iter().map(|b| (b.addr, b.rkey[0])).collect()
+}
+
 /// A peer whose TE has not connected yet has D's addresses and may connect after the failure:
-/// nothing can be fenced, so its blocks are held to the last-resort deadline, never released as
-/// fenced.
+/// no QP of its can be stopped, but its landing window's registrations are destroyed, so when
+/// it connects afterwards and writes with the keys it was given, nothing lands. Its blocks are
+/// released as fenced at once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_peer_not_connected_yet_is_held_to_the_deadline_not_called_fenced() {
-    let mut w = world_with(Duration::from_millis(300)).await;
+async fn a_peer_not_connected_yet_is_fenced_by_its_windows_keys() {
+    let mut w = world_with(Duration::from_secs(3600)).await;
+    let before = descriptor_keys(&w).await;
     w.sim.set_faults(
         0,
         0,
@@ -273,17 +291,26 @@ async fn a_peer_not_connected_yet_is_held_to_the_deadline_not_called_fenced() {
     );
     w.kv.load_kv(vec![req(&w, "bad", &[6])]).await.unwrap();
     let ev = released(&mut w.events, "bad").await;
-    assert!(
-        matches!(
-            ev,
-            KvEvent::Released {
-                fenced: false,
-                forced: true,
-                ..
-            }
-        ),
-        "{ev:?}"
-    );
+    assert!(fenced(&ev), "{ev:?}");
+    // The TE connects late and posts with what it had: the retired window's keys fail.
+    let qps = connect(&w, "127.0.0.1:16001").await;
+    assert_eq!(states(&w, &qps), RTS);
+    let after = descriptor_keys(&w).await;
+    let gone: Vec<&(u64, u32)> = before.iter().filter(|b| !after.contains(b)).collect();
+    assert!(!gone.is_empty(), "the pull's window left the descriptor");
+    for &(addr, rkey) in &before {
+        let r = w
+            .verbs
+            .inner
+            .lock()
+            .unwrap()
+            .deliver_write(qps[0], rkey, addr, 8);
+        if gone.contains(&&(addr, rkey)) {
+            assert_eq!(r, Err(WriteRefused::RemoteAccess), "{addr:#x}");
+        } else {
+            assert!(r.is_ok(), "a window still advertised takes writes: {r:?}");
+        }
+    }
     w.kv.shutdown().await;
 }
 

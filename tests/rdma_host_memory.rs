@@ -1,8 +1,8 @@
 //! The RDMA target registers the host's own KV regions (issue 10, item 2's last part): with
-//! `host_memory`, every layout region is registered in place with the NIC, advertised to P as
-//! its own descriptor buffer, and used as the landing's base; kvrecv allocates and registers
-//! nothing else, and deregisters the host's regions when the target goes. On the fake verbs
-//! backend.
+//! `host_memory`, every layout region is registered in place with the NIC — once per landing
+//! window, each at the window's own IOVA (DESIGN.md §5) — and advertised to P as one
+//! descriptor buffer per window and region; kvrecv allocates and registers nothing else, and
+//! deregisters every window when the target goes. On the fake verbs backend.
 
 use std::sync::Arc;
 
@@ -44,11 +44,15 @@ fn host_memory(cache: &mut [Vec<u8>]) -> HostMemory {
     )
 }
 
-fn registered(calls: &[VerbsCall]) -> Vec<(u64, u64)> {
+/// `(host address, length, IOVA)` of every registration made.
+fn registered(calls: &[VerbsCall]) -> Vec<(u64, u64, u64)> {
     calls
         .iter()
         .filter_map(|c| match c {
-            VerbsCall::Register { addr, length, .. } => Some((*addr, *length)),
+            VerbsCall::Register { addr, length, .. } => Some((*addr, *length, *addr)),
+            VerbsCall::RegisterAt {
+                addr, length, iova, ..
+            } => Some((*addr, *length, *iova)),
             _ => None,
         })
         .collect()
@@ -61,36 +65,52 @@ async fn the_host_regions_are_registered_in_place_and_advertised() {
         .iter()
         .map(|b| (b.as_ptr() as u64, b.len() as u64))
         .collect();
+    let windows = 3;
     let cfg = RdmaTargetConfig {
         host_memory: Some(host_memory(&mut cache)),
+        windows,
         ..RdmaTargetConfig::loopback(KvLayout::uniform(2, BLOCK, BLOCKS))
     };
     let target = RdmaTarget::start(fake(), cfg).await.unwrap();
 
-    // Exactly the host's regions were registered: no kvrecv-owned KV buffer exists.
+    // Exactly the host's regions were registered, once per window: no kvrecv-owned KV buffer.
     let hs = Arc::clone(target.handshake());
-    assert_eq!(registered(&hs.lock().unwrap().backend().calls), spans);
-    // P is told to write straight into them, one descriptor buffer per region.
+    let regs = registered(&hs.lock().unwrap().backend().calls);
+    assert_eq!(regs.len(), windows * spans.len());
+    for (i, chunk) in regs.chunks(spans.len()).enumerate() {
+        let host: Vec<(u64, u64)> = chunk.iter().map(|&(a, l, _)| (a, l)).collect();
+        assert_eq!(
+            host, spans,
+            "window {i} registers the host's regions in layout order"
+        );
+    }
+    let iovas: std::collections::BTreeSet<u64> = regs.iter().map(|r| r.2).collect();
+    assert_eq!(
+        iovas.len(),
+        regs.len(),
+        "every registration has an IOVA of its own"
+    );
+    // P is told the windows' IOVAs, one descriptor buffer per window and region.
     let advertised: Vec<(u64, u64)> = target
         .descriptor()
         .buffers
         .iter()
         .map(|b| (b.addr, b.length))
         .collect();
-    assert_eq!(advertised, spans);
-    let bases: Vec<u64> = spans.iter().map(|s| s.0).collect();
-    assert_eq!(target.landing().bases(), &bases[..]);
+    let expected: Vec<(u64, u64)> = regs.iter().map(|&(_, l, iova)| (iova, l)).collect();
+    assert_eq!(advertised, expected);
     assert!(target.bytes().is_none(), "no kvrecv-owned buffer to read");
 
     // Dropping the target takes the NIC's access away before the host may free its memory.
     drop(target);
     let calls = hs.lock().unwrap().backend().calls.clone();
-    for (addr, _) in &spans {
+    for (_, _, iova) in &regs {
         assert!(
-            calls.contains(&VerbsCall::Deregister { addr: *addr }),
-            "{addr:#x} still registered: {calls:?}"
+            calls.contains(&VerbsCall::Deregister { addr: *iova }),
+            "{iova:#x} still registered: {calls:?}"
         );
     }
+    assert!(hs.lock().unwrap().backend().registrations().is_empty());
 }
 
 #[tokio::test]

@@ -11,6 +11,8 @@ use kvrecv::config::KvRecvConfig;
 use kvrecv::rdma::{Landing, TargetConfig, TcpTarget};
 
 /// The running data target.
+// One per process, alive for its whole life: the size of a variant does not matter.
+#[allow(clippy::large_enum_variant)]
 pub enum DataTarget {
     Tcp(TcpTarget),
     #[cfg(feature = "rdma")]
@@ -119,8 +121,14 @@ impl DataTarget {
                     "protocol": "rdma",
                     "handshake": {"listen": t.handshake_addr().to_string(), "segment_name": t.segment_name()},
                     "devices": t.descriptor().devices.iter().map(|d| d.name.clone()).collect::<Vec<_>>(),
+                    "windows": t.landing().live_windows().len(),
                 });
-                (v, t.landing().bases().to_vec())
+                let landing = t.landing();
+                let first = landing
+                    .live_windows()
+                    .first()
+                    .and_then(|w| landing.window_bases(*w));
+                (v, first.map(|b| b.to_vec()).unwrap_or_default())
             }
         }
     }

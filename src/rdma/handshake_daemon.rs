@@ -21,7 +21,7 @@ use tokio::sync::Semaphore;
 
 use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
 
-use super::verbs::{SharedHandshake, VerbsBackend};
+use super::verbs::{PublishedDescriptor, SharedHandshake, VerbsBackend};
 
 /// Largest accepted frame (`MC_HANDSHAKE_MAX_LENGTH`).
 pub const MAX_FRAME: u64 = 1 << 20;
@@ -175,14 +175,15 @@ impl HandshakeService for TcpService {
 /// RDMA mode: serve the RDMA segment descriptor (PROTOCOL.md §6) and hand Connection frames to
 /// the passive endpoint handshake, which shares its endpoints with the fence.
 pub struct RdmaService<B> {
-    descriptor: Vec<u8>,
+    /// Replaced by the landing whenever a window is retired or added.
+    descriptor: PublishedDescriptor,
     handshake: SharedHandshake<B>,
 }
 
 impl<B> RdmaService<B> {
-    pub fn new(descriptor: &SegmentDescriptor, handshake: SharedHandshake<B>) -> Self {
+    pub fn new(descriptor: PublishedDescriptor, handshake: SharedHandshake<B>) -> Self {
         RdmaService {
-            descriptor: descriptor.to_wire(),
+            descriptor,
             handshake,
         }
     }
@@ -194,7 +195,7 @@ impl<B: VerbsBackend + 'static> HandshakeService for RdmaService<B> {
     }
 
     fn metadata(&self, _body: &[u8]) -> Vec<u8> {
-        self.descriptor.clone()
+        self.descriptor.wire().to_vec()
     }
 
     fn connection(&self, body: &[u8]) -> Vec<u8> {
@@ -240,9 +241,9 @@ impl Daemon {
         Daemon::with_service(Arc::new(TcpService::new(descriptor)))
     }
 
-    /// RDMA mode: serve `descriptor` and route Connection frames to `handshake`.
+    /// RDMA mode: serve the current `descriptor` and route Connection frames to `handshake`.
     pub fn rdma<B: VerbsBackend + 'static>(
-        descriptor: &SegmentDescriptor,
+        descriptor: PublishedDescriptor,
         handshake: SharedHandshake<B>,
     ) -> Self {
         Daemon::with_service(Arc::new(RdmaService::new(descriptor, handshake)))

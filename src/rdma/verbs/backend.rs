@@ -52,7 +52,7 @@ pub enum VerbsError {
     },
     #[error("no such queue pair {0:?}")]
     UnknownQp(QpId),
-    #[error("no memory registration at address {0:#x}")]
+    #[error("no memory registration at IOVA {0:#x}")]
     UnknownRegion(u64),
     #[error("cannot register an empty region at {0:#x}")]
     EmptyRegion(u64),
@@ -79,19 +79,40 @@ pub trait VerbsBackend: Send {
     /// Destroy a queue pair (after which its number is invalid).
     fn destroy_qp(&mut self, qp: QpId) -> Result<(), VerbsError>;
 
-    /// Register `[addr, addr + length)` on every device; keys come back in device order.
+    /// Register `[addr, addr + length)` on every device; keys come back in device order. P
+    /// addresses the bytes at their own virtual address (`iova == addr`).
     ///
     /// # Safety
-    /// The range must be memory of this process that stays mapped until
-    /// [`deregister_memory`](Self::deregister_memory) returns, and nothing else may rely on its
-    /// contents while registered: any peer holding an rkey can write to it at any time.
+    /// As [`register_memory_iova`](Self::register_memory_iova).
     unsafe fn register_memory(
         &mut self,
         addr: u64,
         length: u64,
         access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        // SAFETY: the caller's contract is this method's.
+        unsafe { self.register_memory_iova(addr, length, addr, access) }
+    }
+
+    /// Register `[addr, addr + length)` on every device so that remote writes address it as
+    /// `[iova, iova + length)` (`ibv_reg_mr_iova2`). The same bytes may be registered several
+    /// times at different IOVAs, each with its own rkey: that is how a landing window gets keys
+    /// of its own, which a fence can destroy without touching the others (DESIGN.md §5).
+    /// Registrations are named by their IOVA, unique per backend.
+    ///
+    /// # Safety
+    /// The range must be memory of this process that stays mapped until
+    /// [`deregister_memory`](Self::deregister_memory) returns, and nothing else may rely on its
+    /// contents while registered: any peer holding an rkey can write to it at any time.
+    unsafe fn register_memory_iova(
+        &mut self,
+        addr: u64,
+        length: u64,
+        iova: u64,
+        access: MrAccess,
     ) -> Result<Vec<MrKeys>, VerbsError>;
 
-    /// Drop the registration made at `addr` on every device.
-    fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError>;
+    /// Drop the registration whose IOVA is `iova` on every device. Once this returns, no write
+    /// with its rkeys can reach memory (the NIC answers a remote access error).
+    fn deregister_memory(&mut self, iova: u64) -> Result<(), VerbsError>;
 }

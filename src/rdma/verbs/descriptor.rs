@@ -5,6 +5,7 @@
 //! Mooncake side.
 
 use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
 
@@ -42,6 +43,24 @@ pub enum DescriptorError {
     },
 }
 
+/// The descriptor the handshake daemon serves, replaced whenever the landing windows change
+/// (a window retired by a fence, one registered in its place). Cheap to clone; clones share.
+#[derive(Debug, Clone, Default)]
+pub struct PublishedDescriptor(Arc<Mutex<Arc<[u8]>>>);
+
+impl PublishedDescriptor {
+    /// Serve `d` from now on.
+    pub fn set(&self, d: &SegmentDescriptor) {
+        let wire: Arc<[u8]> = d.to_wire().into();
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = wire;
+    }
+
+    /// The JSON line served now.
+    pub fn wire(&self) -> Arc<[u8]> {
+        Arc::clone(&self.0.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+}
+
 /// Build the RDMA segment descriptor (PROTOCOL.md §6) for `nics` (device order) and `regions`.
 /// Every device is listed as preferred for every location: without a PCIe/NUMA topology D has no
 /// better ranking, and P then spreads its writes over all of D's NICs.
@@ -59,6 +78,23 @@ pub fn build(
     }
     if regions.is_empty() {
         return Err(DescriptorError::NoBuffers);
+    }
+    build_live(segment_name, nics, regions, timestamp)
+}
+
+/// [`build`] for a running target: the buffer list may be empty (every landing window retired
+/// and none could be registered again), which leaves P no address to write to.
+pub fn build_live(
+    segment_name: &str,
+    nics: &[LocalNic],
+    regions: &[RegisteredRegion],
+    timestamp: String,
+) -> Result<SegmentDescriptor, DescriptorError> {
+    if segment_name.is_empty() {
+        return Err(DescriptorError::EmptyName);
+    }
+    if nics.is_empty() {
+        return Err(DescriptorError::NoDevices);
     }
     let mut buffers = Vec::with_capacity(regions.len());
     let mut priority_matrix = BTreeMap::new();

@@ -30,9 +30,37 @@ pub enum VerbsCall {
         length: u64,
         access: MrAccess,
     },
+    /// A registration at an IOVA other than its address (a landing window's).
+    RegisterAt {
+        addr: u64,
+        length: u64,
+        iova: u64,
+        access: MrAccess,
+    },
+    /// `addr` is the registration's IOVA.
     Deregister {
         addr: u64,
     },
+}
+
+/// One live registration of the fake.
+#[derive(Debug, Clone)]
+struct FakeMr {
+    addr: u64,
+    length: u64,
+    /// Every registration grants remote write (D's only use of one), so access is not kept.
+    keys: Vec<MrKeys>,
+}
+
+/// Why the fake NIC did not place an incoming RDMA WRITE (see [`FakeVerbs::deliver_write`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum WriteRefused {
+    /// The QP does not exist or is not in RTR/RTS: the packet is dropped silently (a QP in ERR
+    /// neither acks nor NAKs; the writer sees retry-exceeded).
+    Dropped,
+    /// No live registration on the QP's device has this rkey, covers the range and grants
+    /// remote write: the responder NAKs with a remote access error.
+    RemoteAccess,
 }
 
 /// The fake backend.
@@ -42,13 +70,16 @@ pub struct FakeVerbs {
     next_qp_num: u32,
     next_key: u32,
     states: BTreeMap<QpId, QpState>,
-    regions: BTreeMap<u64, Vec<MrKeys>>,
+    /// Live registrations by IOVA.
+    regions: BTreeMap<u64, FakeMr>,
     /// Every call, in order.
     pub calls: Vec<VerbsCall>,
     /// Fail the next `modify_qp` whose target state matches, with this errno.
     pub fail_modify_to: Option<(QpState, i32)>,
     /// Report this state from `query_qp_state` instead of the real one (a NIC that lies).
     pub query_override: Option<QpState>,
+    /// Fail the next `deregister_memory` with this errno (the registration stays live).
+    pub fail_deregister: Option<i32>,
 }
 
 impl FakeVerbs {
@@ -63,7 +94,40 @@ impl FakeVerbs {
             calls: Vec::new(),
             fail_modify_to: None,
             query_override: None,
+            fail_deregister: None,
         }
+    }
+
+    /// What the NIC does with an RDMA WRITE of `len` bytes at `iova` with `rkey` arriving on
+    /// `qp`: `Ok(address)` of the bytes it would write in this process, or why it refuses.
+    /// This is the responder's check (IB spec 9.7.5.1.x, o9-20): QP able to receive (RTR/RTS),
+    /// an rkey naming a registration of the QP's PD (here: device), and the range inside it. Tests use it to play P's one-sided writes, retries included.
+    pub fn deliver_write(
+        &self,
+        qp: QpId,
+        rkey: u32,
+        iova: u64,
+        len: u64,
+    ) -> Result<u64, WriteRefused> {
+        match self.states.get(&qp) {
+            Some(QpState::Rtr | QpState::Rts) => {}
+            _ => return Err(WriteRefused::Dropped),
+        }
+        let end = iova.checked_add(len).ok_or(WriteRefused::RemoteAccess)?;
+        self.regions
+            .iter()
+            .find(|(&at, mr)| {
+                mr.keys.get(qp.nic).is_some_and(|k| k.rkey == rkey)
+                    && at <= iova
+                    && end <= at + mr.length
+            })
+            .map(|(&at, mr)| mr.addr + (iova - at))
+            .ok_or(WriteRefused::RemoteAccess)
+    }
+
+    /// IOVAs of the live registrations.
+    pub fn registrations(&self) -> Vec<u64> {
+        self.regions.keys().copied().collect()
     }
 
     /// Current state of a live QP.
@@ -170,19 +234,37 @@ impl VerbsBackend for FakeVerbs {
             .ok_or(VerbsError::UnknownQp(qp))
     }
 
-    unsafe fn register_memory(
+    unsafe fn register_memory_iova(
         &mut self,
         addr: u64,
         length: u64,
+        iova: u64,
         access: MrAccess,
     ) -> Result<Vec<MrKeys>, VerbsError> {
-        self.calls.push(VerbsCall::Register {
-            addr,
-            length,
-            access,
+        self.calls.push(if iova == addr {
+            VerbsCall::Register {
+                addr,
+                length,
+                access,
+            }
+        } else {
+            VerbsCall::RegisterAt {
+                addr,
+                length,
+                iova,
+                access,
+            }
         });
         if length == 0 {
             return Err(VerbsError::EmptyRegion(addr));
+        }
+        if self.regions.contains_key(&iova) {
+            // The real backend names registrations by IOVA too: a second one would orphan the
+            // first's keys.
+            return Err(VerbsError::Os {
+                op: "ibv_reg_mr_iova2",
+                errno: 17,
+            });
         }
         let keys: Vec<MrKeys> = (0..self.nics.len())
             .map(|_| {
@@ -193,15 +275,28 @@ impl VerbsBackend for FakeVerbs {
                 }
             })
             .collect();
-        self.regions.insert(addr, keys.clone());
+        self.regions.insert(
+            iova,
+            FakeMr {
+                addr,
+                length,
+                keys: keys.clone(),
+            },
+        );
         Ok(keys)
     }
 
-    fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {
-        self.calls.push(VerbsCall::Deregister { addr });
+    fn deregister_memory(&mut self, iova: u64) -> Result<(), VerbsError> {
+        self.calls.push(VerbsCall::Deregister { addr: iova });
+        if let Some(errno) = self.fail_deregister.take() {
+            return Err(VerbsError::Os {
+                op: "ibv_dereg_mr",
+                errno,
+            });
+        }
         self.regions
-            .remove(&addr)
+            .remove(&iova)
             .map(|_| ())
-            .ok_or(VerbsError::UnknownRegion(addr))
+            .ok_or(VerbsError::UnknownRegion(iova))
     }
 }

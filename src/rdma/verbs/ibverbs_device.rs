@@ -55,7 +55,7 @@ pub struct IbvDevices {
     nics: Vec<LocalNic>,
     devices: Vec<DeviceResources>,
     qps: BTreeMap<QpId, *mut ffi::ibv_qp>,
-    /// Registration address → one MR per device.
+    /// Registration IOVA → one MR per device.
     mrs: BTreeMap<u64, Vec<*mut ffi::ibv_mr>>,
 }
 
@@ -465,24 +465,31 @@ impl VerbsBackend for IbvDevices {
         Ok(())
     }
 
-    unsafe fn register_memory(
+    unsafe fn register_memory_iova(
         &mut self,
         addr: u64,
         length: u64,
+        iova: u64,
         access: MrAccess,
     ) -> Result<Vec<MrKeys>, VerbsError> {
         if length == 0 {
             return Err(VerbsError::EmptyRegion(addr));
+        }
+        if self.mrs.contains_key(&iova) {
+            return Err(os("ibv_reg_mr_iova2", libc::EEXIST));
         }
         // REMOTE_WRITE requires LOCAL_WRITE (verbs rule); never REMOTE_ATOMIC.
         let bits = access_bits(true, access.remote_read, true, false);
         let mut mrs = Vec::with_capacity(self.devices.len());
         for res in &self.devices {
             // SAFETY: the caller guarantees the range stays mapped while registered.
-            let mr =
-                unsafe { ffi::ibv_reg_mr(res.pd, addr as *mut _, length as usize, bits as i32) };
+            // `ibv_reg_mr_iova2` (libibverbs 1.8+) lets the same bytes be registered once per
+            // landing window, each at its own IOVA with its own keys.
+            let mr = unsafe {
+                ffi::ibv_reg_mr_iova2(res.pd, addr as *mut _, length as usize, iova, bits)
+            };
             if mr.is_null() {
-                let e = os("ibv_reg_mr", last_errno());
+                let e = os("ibv_reg_mr_iova2", last_errno());
                 for mr in mrs {
                     // SAFETY: registered just above.
                     unsafe { ffi::ibv_dereg_mr(mr) };
@@ -501,15 +508,15 @@ impl VerbsBackend for IbvDevices {
                 }
             })
             .collect();
-        self.mrs.insert(addr, mrs);
+        self.mrs.insert(iova, mrs);
         Ok(keys)
     }
 
-    fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {
+    fn deregister_memory(&mut self, iova: u64) -> Result<(), VerbsError> {
         let mrs = self
             .mrs
-            .remove(&addr)
-            .ok_or(VerbsError::UnknownRegion(addr))?;
+            .remove(&iova)
+            .ok_or(VerbsError::UnknownRegion(iova))?;
         let mut first = None;
         for mr in mrs {
             // SAFETY: live MR owned by us, deregistered once.

@@ -16,6 +16,7 @@ pub mod fence;
 pub mod gid;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
+pub mod key_windows;
 pub mod memory;
 pub mod nic;
 pub mod nic_path;
@@ -24,13 +25,14 @@ pub mod peer_binding;
 pub mod qp_attrs;
 pub mod rdma_landing;
 pub mod rdma_target;
+pub mod window_registrations;
 
 pub use crate::messages::handshake::SegmentDescriptor;
 pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
-pub use descriptor::{DescriptorError, RegisteredRegion};
+pub use descriptor::{DescriptorError, PublishedDescriptor, RegisteredRegion};
 pub use endpoint::{Endpoint, EndpointState};
-pub use fake::FakeVerbs;
+pub use fake::{FakeVerbs, WriteRefused};
 pub use fence::{RdmaFence, SharedHandshake};
 pub use gid::Gid;
 #[cfg(feature = "rdma")]

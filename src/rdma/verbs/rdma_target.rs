@@ -9,13 +9,12 @@ use thiserror::Error;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use super::backend::{MrAccess, VerbsBackend, VerbsError};
-use super::descriptor::DescriptorError;
+use super::backend::{MrAccess, VerbsBackend};
 use super::fence::{RdmaFence, SharedHandshake};
-use super::memory::MemoryRegistrations;
 use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::peer_binding::PeerBinding;
-use super::rdma_landing::{RdmaLanding, RdmaLandingError};
+use super::rdma_landing::{RdmaLanding, RdmaLandingError, WindowsConfig};
+use super::window_registrations::HostSpan;
 use crate::layout::KvLayout;
 use crate::messages::handshake::SegmentDescriptor;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
@@ -39,6 +38,10 @@ pub struct RdmaTargetConfig {
     pub host_memory: Option<HostMemory>,
     /// How the fence finds a peer's segments (by host unless told otherwise).
     pub peer_binding: PeerBinding,
+    /// Landing windows kept registered (DESIGN.md §5: one per P host while they last).
+    pub windows: usize,
+    /// First IOVA slot; `None` draws one at random (tests fix it).
+    pub first_slot: Option<u32>,
 }
 
 impl RdmaTargetConfig {
@@ -53,6 +56,8 @@ impl RdmaTargetConfig {
             access: MrAccess::default(),
             host_memory: None,
             peer_binding: PeerBinding::default(),
+            windows: WindowsConfig::default().windows,
+            first_slot: None,
         }
     }
 }
@@ -69,12 +74,6 @@ pub enum RdmaTargetError {
     /// Checked before anything is registered, so a refused start leaves no registration.
     #[error("host regions: {0}")]
     HostRegions(String),
-    #[error("memory registration: {0}")]
-    Register(#[from] VerbsError),
-    #[error("RDMA descriptor: {0}")]
-    Descriptor(#[from] DescriptorError),
-    #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap")]
-    DescriptorTooLarge(usize),
     #[error("landing: {0}")]
     Landing(#[from] RdmaLandingError),
 }
@@ -83,10 +82,12 @@ pub enum RdmaTargetError {
 /// whose deregistration fails is leaked, never freed).
 pub struct RdmaTarget<B: VerbsBackend + 'static> {
     handshake: SharedHandshake<B>,
-    memory: MemoryRegistrations,
+    /// kvrecv's own destination memory (`None` with the host's regions). Leaked, never freed,
+    /// if a window cannot be deregistered.
+    owned: Option<Box<[u8]>>,
     landing: Arc<RdmaLanding<B>>,
     daemon: Arc<Daemon>,
-    descriptor: SegmentDescriptor,
+    segment: String,
     handshake_addr: SocketAddr,
     task: JoinHandle<()>,
 }
@@ -95,7 +96,7 @@ impl<B: VerbsBackend + 'static> std::fmt::Debug for RdmaTarget<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaTarget")
             .field("handshake_addr", &self.handshake_addr)
-            .field("segment", &self.descriptor.name)
+            .field("segment", &self.segment)
             .finish()
     }
 }
@@ -127,53 +128,62 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         if let Some(host) = &cfg.host_memory {
             check_host_regions(&cfg.layout, host)?;
         }
-        let mut memory = MemoryRegistrations::new();
-        let (nics, regions) = {
-            let mut hs = handshake.lock().unwrap_or_else(|p| p.into_inner());
-            match &cfg.host_memory {
-                Some(host) => {
-                    for r in host.regions() {
-                        memory.register_host_region(
-                            hs.backend_mut(),
-                            cfg.location.clone(),
-                            r,
-                            cfg.access,
-                        )?;
-                    }
-                }
-                None => {
-                    memory.register_host(
-                        hs.backend_mut(),
-                        cfg.location.clone(),
-                        vec![0u8; len].into_boxed_slice(),
-                        cfg.access,
-                    )?;
-                }
-            }
-            (hs.backend().nics().to_vec(), memory.regions())
+        // kvrecv's own buffer, or nothing when the host gave its regions.
+        let mut owned = match &cfg.host_memory {
+            Some(_) => None,
+            None => Some(vec![0u8; len].into_boxed_slice()),
         };
-        let descriptor =
-            crate::rdma::verbs::descriptor::build(&name, &nics, &regions, timestamp())?;
-        let wire_len = descriptor.to_wire().len();
-        if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
-            return Err(RdmaTargetError::DescriptorTooLarge(wire_len));
-        }
+        let spans: Vec<HostSpan> = match (&cfg.host_memory, &mut owned) {
+            (Some(host), _) => host
+                .regions()
+                .iter()
+                .map(|r| (r.as_ptr() as u64, r.len() as u64))
+                .collect(),
+            (None, Some(buf)) => {
+                let base = buf.as_mut_ptr() as u64;
+                let mut at = 0u64;
+                cfg.layout
+                    .regions
+                    .iter()
+                    .map(|r| {
+                        let n = r.block_len * u64::from(cfg.layout.num_blocks);
+                        let span = (base + at, n);
+                        at += n;
+                        span
+                    })
+                    .collect()
+            }
+            (None, None) => unreachable!("allocated above when the host gave no memory"),
+        };
         let landing = Arc::new(RdmaLanding::new(
             cfg.advertise_host.clone(),
             handshake_addr.port(),
             &cfg.layout,
-            &regions,
+            spans,
+            WindowsConfig {
+                windows: cfg.windows,
+                location: cfg.location.clone(),
+                access: cfg.access,
+                first_slot: cfg.first_slot,
+            },
+            Arc::clone(&handshake),
             RdmaFence::with_binding(Arc::clone(&handshake), cfg.peer_binding),
         )?);
-        let daemon = Arc::new(Daemon::rdma(&descriptor, Arc::clone(&handshake)));
+        let nics = handshake
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .backend()
+            .nics()
+            .len();
+        let daemon = Arc::new(Daemon::rdma(landing.published(), Arc::clone(&handshake)));
         let task = tokio::spawn(handshake_daemon::serve(listener, Arc::clone(&daemon)));
-        tracing::info!(%handshake_addr, segment = %name, devices = nics.len(), "RDMA target listening");
+        tracing::info!(%handshake_addr, segment = %name, devices = nics, windows = cfg.windows, "RDMA target listening");
         Ok(RdmaTarget {
             handshake,
-            memory,
+            owned,
             landing,
             daemon,
-            descriptor,
+            segment: name,
             handshake_addr,
             task,
         })
@@ -189,14 +199,16 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         &self.handshake
     }
 
-    /// The descriptor served to Metadata requests.
-    pub fn descriptor(&self) -> &SegmentDescriptor {
-        &self.descriptor
+    /// The descriptor served to Metadata requests now (it changes when a fence retires a
+    /// landing window).
+    pub fn descriptor(&self) -> SegmentDescriptor {
+        serde_json::from_slice(&self.landing.published().wire())
+            .expect("kvrecv wrote this descriptor itself")
     }
 
     /// Segment name P uses (`host:port` of the handshake daemon).
     pub fn segment_name(&self) -> &str {
-        &self.descriptor.name
+        &self.segment
     }
 
     pub fn handshake_addr(&self) -> SocketAddr {
@@ -207,19 +219,19 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         &self.daemon.stats
     }
 
-    /// What P wrote into kvrecv's registered buffer (`None` with `host_memory`: the host
-    /// reads its own regions).
+    /// What P wrote into kvrecv's own buffer, every layout region back to back (`None` with
+    /// `host_memory`: the host reads its own regions).
     pub fn bytes(&self) -> Option<&[u8]> {
-        self.memory.bytes(0)
+        self.owned.as_deref()
     }
 }
 
 impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
     fn drop(&mut self) {
         self.task.abort();
-        let mut hs = self.handshake.lock().unwrap_or_else(|p| p.into_inner());
-        if let Err(e) = self.memory.deregister_all(hs.backend_mut()) {
+        if let Err(e) = self.landing.close() {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
+            std::mem::forget(self.owned.take());
         }
     }
 }
@@ -252,14 +264,4 @@ fn layout_bytes(layout: &KvLayout) -> Option<usize> {
         let n = r.block_len.checked_mul(u64::from(layout.num_blocks))?;
         acc.checked_add(usize::try_from(n).ok()?)
     })
-}
-
-fn timestamp() -> String {
-    format!(
-        "{:.6}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_secs_f64()
-    )
 }
