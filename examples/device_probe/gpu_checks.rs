@@ -341,6 +341,14 @@ async fn primary(report: &mut Report, o: &GpuOpts, p: &Prefill, ctx: Ctx) {
     drop(ctx);
 }
 
+/// What the probe saw the moment kvrecv reported a request landed: time since the busy
+/// kernel was queued, whether that kernel had finished, the blocks that differed.
+type AtLanding = (
+    Duration,
+    Result<bool, String>,
+    Result<Vec<(usize, u32)>, String>,
+);
+
 #[allow(clippy::too_many_arguments)]
 async fn ordering(
     report: &mut Report,
@@ -364,11 +372,7 @@ async fn ordering(
     };
     let t0 = Instant::now();
     // What was true the moment kvrecv said the bytes landed: read before anything else.
-    let mut at_landing: Option<(
-        Duration,
-        Result<bool, String>,
-        Result<Vec<(usize, u32)>, String>,
-    )> = None;
+    let mut at_landing: Option<AtLanding> = None;
     let run = receive(
         kv,
         events,

@@ -47,14 +47,6 @@ impl Report {
         self.line(Verdict::Skipped, check, detail);
     }
 
-    /// PASS on `Ok`, FAIL with the error otherwise.
-    pub fn result(&mut self, check: &str, r: Result<String, String>) {
-        match r {
-            Ok(d) => self.pass(check, d),
-            Err(e) => self.fail(check, e),
-        }
-    }
-
     /// Whether any check failed.
     pub fn failed(&self) -> bool {
         self.failed
