@@ -258,7 +258,7 @@ async fn primary(report: &mut Report, o: &GpuOpts, p: &Prefill, ctx: Ctx) {
     let pid = p.pid().map(|p| p.to_string());
     let (d0, p0) = (cpu_seconds("self"), pid.as_deref().and_then(cpu_seconds));
     let t0 = Instant::now();
-    let run = receive(&kv, &mut events, reqs, Duration::from_secs(180), |_| {}).await;
+    let run = receive(&kv, &mut events, reqs, Duration::from_secs(150), |_| {}).await;
     let wall = t0.elapsed().as_secs_f64();
     let (d1, p1) = (cpu_seconds("self"), pid.as_deref().and_then(cpu_seconds));
     let verified = run.and_then(|()| {
@@ -298,10 +298,11 @@ async fn primary(report: &mut Report, o: &GpuOpts, p: &Prefill, ctx: Ctx) {
             report.pass(
                 "gpu.throughput",
                 format!(
-                    "gib={gib:.2} seconds={wall:.2} gib_per_s={:.2} d_cpu_s_per_gib={} p_cpu_s_per_gib={}",
+                    "gib={gib:.2} seconds={wall:.2} gib_per_s={:.2} d_cpu_s_per_gib={} p_cpu_s_per_gib={} build={}",
                     gib / wall,
                     per_gib(d0, d1),
-                    per_gib(p0, p1)
+                    per_gib(p0, p1),
+                    if cfg!(debug_assertions) { "debug" } else { "release" }
                 ),
             );
         }
