@@ -16,16 +16,14 @@
 //!   kvrecv must refuse them at start with a typed error naming the context, or land every
 //!   byte; accepting them and then failing (or landing wrong bytes) is the defect.
 
-use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use futures::StreamExt;
 use kvrecv::embed::EventStream;
-use kvrecv::messages::completion::Outcome;
-use kvrecv::{DeviceMemory, DeviceRegion, KvEvent, KvLayout, KvRecv, KvRecvConfig, KvRequest};
+use kvrecv::{DeviceMemory, DeviceRegion, KvLayout, KvRecv, KvRecvConfig, KvRequest};
 
 use crate::cuda::{Busy, Ctx, DevBuf, Pinned, Stream};
 use crate::expected;
+use crate::loads;
 use crate::prefill::Prefill;
 use crate::report::Report;
 
@@ -99,61 +97,18 @@ pub fn start(o: &GpuOpts, blocks: u32, mem: DeviceMemory) -> Result<(KvRecv, Eve
 }
 
 pub fn request(p: &Prefill, id: &str, blocks: std::ops::Range<u32>) -> KvRequest {
-    KvRequest {
-        req_id: id.into(),
-        transfer_id: Some(id.into()),
-        remote_engine_id: Some(p.engine_id.clone()),
-        remote_bootstrap_addr: Some(p.bootstrap.clone()),
-        block_ids: vec![blocks.collect()],
-    }
+    loads::request(&p.engine_id, &p.bootstrap, id, blocks.collect())
 }
 
-/// Load `reqs`; wait until every one is released. `on_landed` runs the moment a request's
-/// completion says Ok (before its release); a failed completion is returned as an error.
+/// Load `reqs` and wait until every one is released; a failed completion is an error.
 pub async fn receive(
     kv: &KvRecv,
     events: &mut EventStream,
     reqs: Vec<KvRequest>,
     timeout: Duration,
-    mut on_landed: impl FnMut(&str),
+    on_landed: impl FnMut(&str),
 ) -> Result<(), String> {
-    let mut waiting: HashSet<String> = reqs.iter().map(|r| r.req_id.clone()).collect();
-    let reply = kv.load_kv(reqs).await.map_err(|e| e.to_string())?;
-    if let Some(r) = reply.rejected.first() {
-        return Err(format!("load_kv refused a request: {r}"));
-    }
-    let mut failed: HashMap<String, String> = HashMap::new();
-    let deadline = tokio::time::Instant::now() + timeout;
-    while !waiting.is_empty() {
-        let ev = tokio::time::timeout_at(deadline, events.next())
-            .await
-            .map_err(|_| {
-                format!(
-                    "{} request(s) not released within {timeout:?}",
-                    waiting.len()
-                )
-            })?
-            .ok_or("kvrecv's event stream ended")?;
-        match ev {
-            KvEvent::Completion {
-                req_id, outcome, ..
-            } => match outcome {
-                Outcome::Ok => on_landed(&req_id),
-                Outcome::Failed { reason, .. } => {
-                    failed.insert(req_id.to_string(), reason);
-                }
-            },
-            KvEvent::Released { req_id, .. } => {
-                waiting.remove(&*req_id);
-            }
-            _ => {}
-        }
-    }
-    let _ = kv.drain().await;
-    match failed.into_iter().next() {
-        Some((id, why)) => Err(format!("request {id} failed: {why}")),
-        None => Ok(()),
-    }
+    loads::all_ok(&loads::receive(kv, events, reqs, timeout, on_landed).await?)
 }
 
 /// Compare blocks `blocks` of every layer, written for `transfer_id`, with what is on the

@@ -14,6 +14,7 @@
 mod cuda;
 mod expected;
 mod gpu_checks;
+mod loads;
 mod prefill;
 mod rehearsal;
 mod report;
