@@ -4,9 +4,13 @@ kvrecv target. Usage: te_writer.py <segment name host:port> <command JSON>
 The command JSON: {"writes": [{"addr": int, "len": int, "seed": int}], "batch": bool,
 "read_back": bool}. Each write's payload is pattern(seed, len) (same formula as the Rust tests).
 Prints one JSON line: {"results": [int per write or batch], "read_back_ok": bool|null}.
+
+The TE's transport is TCP unless KVRECV_TE_PROTOCOL says otherwise (scripts/device-check sets
+"rdma", with KVRECV_TE_DEVICE naming the local RDMA device to write from).
 """
 import ctypes
 import json
+import os
 import sys
 
 from mooncake.engine import TransferEngine
@@ -20,7 +24,9 @@ def main():
     target = sys.argv[1]
     cmd = json.loads(sys.argv[2])
     te = TransferEngine()
-    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
+    protocol = os.environ.get("KVRECV_TE_PROTOCOL", "tcp")
+    device = os.environ.get("KVRECV_TE_DEVICE", "")
+    rc = te.initialize("127.0.0.1", "P2PHANDSHAKE", protocol, device)
     if rc != 0:
         print(json.dumps({"error": f"initialize returned {rc}"}))
         return 2

@@ -1,0 +1,319 @@
+//! The few CUDA driver calls the probe makes as the *host* would (PyTorch's side of the
+//! process): its own retained primary context or a non-primary one, its own allocations, a
+//! non-blocking stream and pinned buffer to read what landed without queueing behind anything,
+//! and a long kernel on the legacy default stream. Raw `cudarc::driver::sys` calls (dynamic
+//! loading: this compiles without CUDA), wrapped in owners that free what they made.
+
+use std::ffi::c_void;
+use std::time::Duration;
+
+use cudarc::driver::sys;
+
+/// The spin kernel (PTX, JIT-compiled by the driver for whatever GPU is there).
+const SPIN_PTX: &str = concat!(include_str!("spin.ptx"), "\0");
+
+/// `CU_STREAM_LEGACY`: the legacy default stream, whatever the thread's default is.
+const LEGACY_STREAM: sys::CUstream = 0x1 as sys::CUstream;
+
+fn ok(r: sys::CUresult, what: &str) -> Result<(), String> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(format!("{what}: {r:?}"))
+    }
+}
+
+/// Loads libcuda and initialises the driver; `Err` says why the GPU checks cannot run.
+pub fn init() -> Result<String, String> {
+    // SAFETY: only probes for the shared library.
+    if !unsafe { sys::is_culib_present() } {
+        return Err("no CUDA driver library (libcuda.so)".into());
+    }
+    // SAFETY: plain driver calls with valid out-pointers.
+    unsafe {
+        ok(sys::cuInit(0), "cuInit")?;
+        let mut v = 0;
+        ok(sys::cuDriverGetVersion(&mut v), "cuDriverGetVersion")?;
+        let mut dev = 0;
+        ok(sys::cuDeviceGet(&mut dev, 0), "cuDeviceGet")?;
+        let mut name = [0 as std::ffi::c_char; 128];
+        ok(
+            sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, dev),
+            "cuDeviceGetName",
+        )?;
+        let name = std::ffi::CStr::from_ptr(name.as_ptr()).to_string_lossy();
+        Ok(format!("{name}, driver API {}.{}", v / 1000, v % 1000 / 10))
+    }
+}
+
+/// A context the probe holds: the device's primary context retained by the probe itself (as
+/// PyTorch does), or a context of its own (`cuCtxCreate`), which kvrecv's copier does not use.
+pub struct Ctx {
+    raw: sys::CUcontext,
+    dev: sys::CUdevice,
+    primary: bool,
+}
+
+impl Ctx {
+    /// Retain GPU `ordinal`'s primary context and make it current on this thread.
+    pub fn retain_primary(ordinal: i32) -> Result<Ctx, String> {
+        let mut dev = 0;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; the retain is released in `Drop`.
+        unsafe {
+            ok(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+            ok(
+                sys::cuDevicePrimaryCtxRetain(&mut raw, dev),
+                "cuDevicePrimaryCtxRetain",
+            )?;
+        }
+        let c = Ctx {
+            raw,
+            dev,
+            primary: true,
+        };
+        c.bind()?;
+        Ok(c)
+    }
+
+    /// A new (non-primary) context on GPU `ordinal`, current on this thread.
+    pub fn create(ordinal: i32) -> Result<Ctx, String> {
+        let mut dev = 0;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: valid out-pointers; destroyed in `Drop`.
+        unsafe {
+            ok(sys::cuDeviceGet(&mut dev, ordinal), "cuDeviceGet")?;
+            ok(sys::cuCtxCreate_v2(&mut raw, 0, dev), "cuCtxCreate")?;
+        }
+        Ok(Ctx {
+            raw,
+            dev,
+            primary: false,
+        })
+    }
+
+    /// Make this context current on the calling thread.
+    pub fn bind(&self) -> Result<(), String> {
+        // SAFETY: a live context.
+        ok(unsafe { sys::cuCtxSetCurrent(self.raw) }, "cuCtxSetCurrent")
+    }
+
+    /// Wait for everything queued in this context (every stream).
+    pub fn synchronize(&self) -> Result<(), String> {
+        self.bind()?;
+        // SAFETY: plain driver call.
+        ok(unsafe { sys::cuCtxSynchronize() }, "cuCtxSynchronize")
+    }
+}
+
+impl Drop for Ctx {
+    fn drop(&mut self) {
+        // SAFETY: the retain or creation of `new`; nothing of ours uses it after this.
+        unsafe {
+            if self.primary {
+                sys::cuDevicePrimaryCtxRelease_v2(self.dev);
+            } else {
+                sys::cuCtxDestroy_v2(self.raw);
+            }
+        }
+    }
+}
+
+/// Device memory allocated by the probe in a given context (the host's KV tensor).
+pub struct DevBuf {
+    pub ptr: sys::CUdeviceptr,
+    pub len: usize,
+}
+
+impl DevBuf {
+    /// `len` zeroed bytes in the current context.
+    pub fn alloc_zeroed(len: usize) -> Result<DevBuf, String> {
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer; freed in `Drop`; the memset covers exactly the allocation
+        // and is synchronous with respect to the host for device memory.
+        unsafe {
+            ok(sys::cuMemAlloc_v2(&mut ptr, len), "cuMemAlloc")?;
+            let buf = DevBuf { ptr, len };
+            ok(sys::cuMemsetD8_v2(ptr, 0, len), "cuMemsetD8")?;
+            ok(sys::cuCtxSynchronize(), "cuCtxSynchronize")?;
+            Ok(buf)
+        }
+    }
+}
+
+impl Drop for DevBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc_zeroed`; its context is current (owners are dropped
+        // before their context, on the thread that made them).
+        unsafe {
+            sys::cuMemFree_v2(self.ptr);
+        }
+    }
+}
+
+/// Page-locked host memory: the target of device reads that must not wait for other streams.
+pub struct Pinned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Pinned {
+    pub fn alloc(len: usize) -> Result<Pinned, String> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; freed in `Drop`.
+        ok(
+            unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) },
+            "cuMemAllocHost",
+        )?;
+        Ok(Pinned { ptr: p.cast(), len })
+    }
+
+    /// The first `n` bytes.
+    pub fn bytes(&self, n: usize) -> &[u8] {
+        assert!(n <= self.len, "read past the pinned buffer");
+        // SAFETY: `n` bytes of our allocation, written only by copies we synchronised with.
+        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+    }
+}
+
+impl Drop for Pinned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `alloc`.
+        unsafe {
+            sys::cuMemFreeHost(self.ptr.cast());
+        }
+    }
+}
+
+/// A stream created with `CU_STREAM_NON_BLOCKING`: it never waits for the legacy stream.
+pub struct Stream(sys::CUstream);
+
+impl Stream {
+    pub fn non_blocking() -> Result<Stream, String> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: valid out-pointer; destroyed in `Drop`.
+        ok(
+            unsafe {
+                sys::cuStreamCreate(
+                    &mut s,
+                    sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32,
+                )
+            },
+            "cuStreamCreate",
+        )?;
+        Ok(Stream(s))
+    }
+
+    /// Copy `n` bytes at `src` into `dst` on this stream and wait for that copy alone.
+    pub fn read(&self, dst: &Pinned, src: sys::CUdeviceptr, n: usize) -> Result<(), String> {
+        assert!(n <= dst.len, "read past the pinned buffer");
+        // SAFETY: `dst` holds `n` bytes; `src..src + n` is device memory the caller owns.
+        unsafe {
+            ok(
+                sys::cuMemcpyDtoHAsync_v2(dst.ptr.cast(), src, n, self.0),
+                "cuMemcpyDtoHAsync",
+            )?;
+            ok(sys::cuStreamSynchronize(self.0), "cuStreamSynchronize")
+        }
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // SAFETY: created in `non_blocking`.
+        unsafe {
+            sys::cuStreamDestroy_v2(self.0);
+        }
+    }
+}
+
+/// An event recorded on the legacy stream after the busy kernel: complete once that work is.
+pub struct Busy {
+    event: sys::CUevent,
+    module: sys::CUmodule,
+}
+
+impl Busy {
+    /// Queue a kernel that spins for `d` on the legacy default stream of the current context,
+    /// then an event behind it. Returns at once (the launch is asynchronous).
+    pub fn start(d: Duration) -> Result<Busy, String> {
+        let mut module = std::ptr::null_mut();
+        let mut func = std::ptr::null_mut();
+        let mut event = std::ptr::null_mut();
+        let mut ns: u64 = d.as_nanos().try_into().unwrap_or(u64::MAX);
+        let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
+        // SAFETY: a NUL-terminated PTX image; the kernel takes one u64, passed by pointer as
+        // `cuLaunchKernel` wants; the module is unloaded in `Drop` after the work finished.
+        unsafe {
+            ok(
+                sys::cuModuleLoadData(&mut module, SPIN_PTX.as_ptr().cast()),
+                "cuModuleLoadData (spin kernel)",
+            )?;
+            let busy = Busy { event, module };
+            ok(
+                sys::cuModuleGetFunction(&mut func, module, c"kvrecv_spin".as_ptr()),
+                "cuModuleGetFunction",
+            )?;
+            ok(
+                sys::cuEventCreate(
+                    &mut event,
+                    sys::CUevent_flags_enum::CU_EVENT_DISABLE_TIMING as u32,
+                ),
+                "cuEventCreate",
+            )?;
+            let busy = Busy { event, ..busy };
+            ok(
+                sys::cuLaunchKernel(
+                    func,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    1,
+                    0,
+                    LEGACY_STREAM,
+                    params.as_mut_ptr(),
+                    std::ptr::null_mut(),
+                ),
+                "cuLaunchKernel (spin)",
+            )?;
+            ok(sys::cuEventRecord(event, LEGACY_STREAM), "cuEventRecord")?;
+            Ok(busy)
+        }
+    }
+
+    /// Whether the queued work has finished (the event is complete).
+    pub fn done(&self) -> Result<bool, String> {
+        // SAFETY: a live event.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => Err(format!("cuEventQuery: {r:?}")),
+        }
+    }
+
+    /// Wait for the queued work.
+    pub fn wait(&self) -> Result<(), String> {
+        // SAFETY: a live event.
+        ok(
+            unsafe { sys::cuEventSynchronize(self.event) },
+            "cuEventSynchronize",
+        )
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        // SAFETY: made in `start`; waiting first so the module is not unloaded under the kernel.
+        unsafe {
+            if !self.event.is_null() {
+                sys::cuEventSynchronize(self.event);
+                sys::cuEventDestroy_v2(self.event);
+            }
+            if !self.module.is_null() {
+                sys::cuModuleUnload(self.module);
+            }
+        }
+    }
+}
