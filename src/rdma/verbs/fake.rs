@@ -92,13 +92,25 @@ impl FakeVerbs {
         self.calls.clear();
     }
 
-    /// Legal per the verbs QP state machine (IB spec 10.3.1), restricted to what D requests.
-    fn legal(from: QpState, to: QpState) -> bool {
+    /// Legal as the kernel's `qp_state_table` (drivers/infiniband/core/verbs.c) has it, which
+    /// `ibv_modify_qp` enforces on real hardware: RESET → {RESET, INIT}; INIT → {RESET, ERR,
+    /// INIT, RTR}; RTR → {RESET, ERR, RTS}; RTS → {RESET, ERR, RTS, SQD}; SQD → {RESET, ERR,
+    /// RTS, SQD}; SQE → {RESET, ERR, RTS}; ERR → {RESET, ERR}. Notably RESET → ERR is refused.
+    /// SQD and SQE are [`QpState::Other`] with their `ibv_qp_state` codes (4 and 5).
+    pub fn legal(from: QpState, to: QpState) -> bool {
         use QpState::*;
-        matches!(
-            (from, to),
-            (_, Reset) | (_, Err) | (Reset, Init) | (Init, Init) | (Init, Rtr) | (Rtr, Rts)
-        )
+        const SQD: u32 = 4;
+        const SQE: u32 = 5;
+        match (from, to) {
+            (Reset, Reset | Init) => true,
+            (Init, Reset | Err | Init | Rtr) => true,
+            (Rtr, Reset | Err | Rts) => true,
+            (Rts, Reset | Err | Rts | Other(SQD)) => true,
+            (Other(SQD), Reset | Err | Rts | Other(SQD)) => true,
+            (Other(SQE), Reset | Err | Rts) => true,
+            (Err, Reset | Err) => true,
+            _ => false,
+        }
     }
 }
 
@@ -203,5 +215,56 @@ impl VerbsBackend for FakeVerbs {
             .remove(&addr)
             .map(|_| ())
             .ok_or(VerbsError::UnknownRegion(addr))
+    }
+}
+
+#[cfg(test)]
+mod state_table_tests {
+    use super::*;
+    use QpState::*;
+
+    /// The kernel's `qp_state_table`, written out as the set of legal targets per state.
+    #[test]
+    fn legal_transitions_are_exactly_the_kernels() {
+        let all = [Reset, Init, Rtr, Rts, Other(4), Other(5), Err];
+        let kernel: [(QpState, &[QpState]); 7] = [
+            (Reset, &[Reset, Init]),
+            (Init, &[Reset, Err, Init, Rtr]),
+            (Rtr, &[Reset, Err, Rts]),
+            (Rts, &[Reset, Err, Rts, Other(4)]),
+            (Other(4), &[Reset, Err, Rts, Other(4)]),
+            (Other(5), &[Reset, Err, Rts]),
+            (Err, &[Reset, Err]),
+        ];
+        for (from, legal) in kernel {
+            for to in all {
+                assert_eq!(
+                    FakeVerbs::legal(from, to),
+                    legal.contains(&to),
+                    "{from:?} -> {to:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_fresh_qp_refuses_err_as_real_hardware_does() {
+        let mut f = FakeVerbs::new(vec![LocalNic {
+            name: "mlx5_0".into(),
+            port: 1,
+            lid: 0,
+            gid: Default::default(),
+            gid_index: 0,
+            active_mtu: crate::rdma::verbs::qp_attrs::Mtu::Mtu4096,
+        }]);
+        let qp = f.create_rc_qps(0, 1).unwrap()[0];
+        assert_eq!(
+            f.modify_qp(qp, &QpTransition::ToErr),
+            Result::Err(VerbsError::Os {
+                op: "ibv_modify_qp",
+                errno: 22
+            })
+        );
+        assert_eq!(f.state(qp), Some(Reset));
     }
 }

@@ -94,9 +94,32 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
         self.table.servers()
     }
 
-    /// The endpoint keyed by P's NIC path, if any.
+    /// An endpoint from P's NIC path, if any: the one on D's first NIC (in device order) that
+    /// has one. With several D NICs, [`endpoint_on`](Self::endpoint_on) names the NIC.
     pub fn endpoint(&self, peer_nic_path: &str) -> Option<&Endpoint> {
-        self.table.get(peer_nic_path)
+        self.table.from_peer(peer_nic_path).next()
+    }
+
+    /// The endpoint from P's NIC path on D's NIC named `nic`.
+    pub fn endpoint_on(&self, nic: &str, peer_nic_path: &str) -> Option<&Endpoint> {
+        let i = self.nic_index(nic)?;
+        self.table.get(i, peer_nic_path)
+    }
+
+    /// Every endpoint from P's NIC path, in D NIC order (one per D NIC P connected to).
+    pub fn endpoints_from<'a>(
+        &'a self,
+        peer_nic_path: &'a str,
+    ) -> impl Iterator<Item = &'a Endpoint> {
+        self.table.from_peer(peer_nic_path)
+    }
+
+    fn nic_index(&self, name: &str) -> Option<usize> {
+        self.table
+            .backend()
+            .nics()
+            .iter()
+            .position(|n| n.name == name)
     }
 
     /// Handle one type-0 frame body and return the reply body (JSON line). Every failure,
@@ -138,11 +161,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             });
         }
         let nic = self
-            .table
-            .backend()
-            .nics()
-            .iter()
-            .position(|n| n.name == wanted.nic)
+            .nic_index(&wanted.nic)
             .ok_or_else(|| HandshakeReject::UnknownNic(wanted.nic.clone()))?;
         let expected = self.table.qps_per_endpoint();
         if req.qp_num.len() != expected {
@@ -152,7 +171,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             });
         }
         if req.ready_ack == Some(true) {
-            return self.confirm(&req);
+            return self.confirm(nic, &req);
         }
         if req.local_gid.is_empty() {
             return Err(HandshakeReject::MissingPeerGid);
@@ -176,7 +195,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             .map_err(HandshakeReject::Verbs)?;
         let local_qps = ep.local_qp_nums();
         let local = &self.table.backend().nics()[nic];
-        tracing::info!(peer = %req.local_nic_path, ?kind, qps = ?local_qps, "RDMA endpoint connected");
+        tracing::info!(peer = %req.local_nic_path, nic = %local.name, ?kind, qps = ?local_qps, "RDMA endpoint connected");
         Ok(HandShakeDesc {
             local_gid: local.gid.to_string(),
             local_lid: local.lid,
@@ -192,10 +211,14 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
 
     /// The `ready_ack: true` round: same QP numbers as the handshake, answered with an empty
     /// descriptor.
-    fn confirm(&mut self, req: &HandShakeDesc) -> Result<HandShakeDesc, HandshakeReject> {
+    fn confirm(
+        &mut self,
+        nic: usize,
+        req: &HandShakeDesc,
+    ) -> Result<HandShakeDesc, HandshakeReject> {
         let ep = self
             .table
-            .get(&req.local_nic_path)
+            .get(nic, &req.local_nic_path)
             .filter(|ep| {
                 matches!(
                     ep.state,
@@ -210,7 +233,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             });
         }
         self.table
-            .set_state(&req.local_nic_path, EndpointState::Connected);
+            .set_state(nic, &req.local_nic_path, EndpointState::Connected);
         Ok(HandShakeDesc::default())
     }
 
@@ -407,16 +430,94 @@ mod tests {
         assert_eq!(fake.live_qps(), 2);
     }
 
+    fn to_nic(qps: &[u32], ready_ack: Option<bool>, nic: &str) -> HandShakeDesc {
+        HandShakeDesc {
+            peer_nic_path: format!("{D}@{nic}"),
+            ..request(qps, ready_ack)
+        }
+    }
+
+    fn states_of(t: &PassiveHandshake<FakeVerbs>, ep: &Endpoint) -> Vec<Option<QpState>> {
+        ep.local_qps.iter().map(|q| t.backend().state(*q)).collect()
+    }
+
     #[test]
-    fn rehandshake_to_another_local_nic_replaces_the_qps() {
+    fn handshake_from_one_p_nic_to_a_second_d_nic_keeps_both_endpoints() {
+        // Mooncake's P picks one of D's NICs per slice: the same P NIC connects to both.
         let mut t = target();
-        let first = t.on_connection_request(request(&[1, 2], None)).unwrap();
-        let mut other = request(&[1, 2], None);
-        other.peer_nic_path = format!("{D}@mlx5_0");
-        let second = t.on_connection_request(other).unwrap();
+        let first = t
+            .on_connection_request(to_nic(&[1, 2], Some(false), "mlx5_1"))
+            .unwrap();
+        t.on_connection_request(to_nic(&[1, 2], Some(true), "mlx5_1"))
+            .unwrap();
+        t.backend_mut().clear_calls();
+        let second = t
+            .on_connection_request(to_nic(&[3, 4], None, "mlx5_0"))
+            .unwrap();
         assert_ne!(first.qp_num, second.qp_num);
-        assert_eq!(t.endpoint(P_PATH).unwrap().nic, 0);
-        assert_eq!(t.backend().live_qps(), 2, "old QPs destroyed");
+        let on1 = t.endpoint_on("mlx5_1", P_PATH).unwrap().clone();
+        let on0 = t.endpoint_on("mlx5_0", P_PATH).unwrap().clone();
+        assert_eq!((on0.nic, on1.nic), (0, 1));
+        assert_eq!(on1.local_qp_nums(), first.qp_num);
+        assert_eq!(
+            on1.state,
+            EndpointState::Connected,
+            "first endpoint untouched"
+        );
+        assert_eq!(on1.peer_qps, vec![1, 2]);
+        assert_eq!(states_of(&t, &on1), vec![Some(QpState::Rts); 2]);
+        assert_eq!(states_of(&t, &on0), vec![Some(QpState::Rts); 2]);
+        assert!(
+            t.backend().calls.iter().all(|c| match c {
+                VerbsCall::Create { nic, .. } => *nic == 0,
+                VerbsCall::Modify { qp, .. } | VerbsCall::Destroy { qp } => qp.nic == 0,
+                _ => true,
+            }),
+            "the second handshake touched mlx5_1's QPs: {:?}",
+            t.backend().calls
+        );
+        assert_eq!(t.backend().live_qps(), 4);
+        assert_eq!(t.endpoints_from(P_PATH).count(), 2);
+        // Each endpoint's confirmation round is its own.
+        assert!(t
+            .on_connection_request(to_nic(&[1, 2], Some(true), "mlx5_0"))
+            .is_err());
+    }
+
+    #[test]
+    fn fence_stops_the_segments_endpoints_on_every_d_nic() {
+        let mut t = target();
+        t.on_connection_request(to_nic(&[1, 2], None, "mlx5_1"))
+            .unwrap();
+        t.on_connection_request(to_nic(&[3, 4], None, "mlx5_0"))
+            .unwrap();
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(2));
+        for nic in ["mlx5_0", "mlx5_1"] {
+            let ep = t.endpoint_on(nic, P_PATH).unwrap().clone();
+            assert_eq!(ep.state, EndpointState::Fenced, "{nic}");
+            assert_eq!(states_of(&t, &ep), vec![Some(QpState::Err); 2], "{nic}");
+        }
+    }
+
+    #[test]
+    fn rehandshake_after_a_fence_gets_new_qps_and_the_old_numbers_reach_no_qp() {
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        let old = qps(&t);
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(1));
+        // Same peer QP numbers: P's retry after its endpoint was torn down.
+        let reply = t.on_connection_request(request(&[1, 2], None)).unwrap();
+        let new = qps(&t);
+        for qp in &old {
+            assert!(!new.contains(qp), "old QP {qp:?} reused");
+            assert!(!reply.qp_num.contains(&qp.qp_num));
+            assert_eq!(t.backend().state(*qp), None, "old QP {qp:?} not destroyed");
+        }
+        assert_eq!(
+            states_of(&t, t.endpoint(P_PATH).unwrap()),
+            vec![Some(QpState::Rts); 2]
+        );
+        assert_eq!(t.backend().live_qps(), 2);
     }
 
     #[test]
@@ -517,16 +618,19 @@ mod tests {
         );
         let ep = t.endpoint(P_PATH).unwrap().clone();
         assert_eq!(ep.state, EndpointState::Broken);
-        for qp in &ep.local_qps {
-            assert_eq!(
-                t.backend().state(*qp),
-                Some(QpState::Err),
-                "no QP may stay in RTR"
-            );
-        }
-        // The next attempt resets the same QPs and succeeds.
+        // The first QP failed at RTS (it was in RTR), the second never left RESET, which
+        // cannot go to ERR (the kernel refuses RESET → ERR) and accepts nothing as it is.
+        assert_eq!(
+            states_of(&t, &ep),
+            vec![Some(QpState::Err), Some(QpState::Reset)],
+            "no QP may stay in RTR"
+        );
+        // The next attempt replaces the broken QPs and succeeds.
         t.on_connection_request(request(&[1, 2], None)).unwrap();
-        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+        let again = t.endpoint(P_PATH).unwrap();
+        assert_eq!(again.state, EndpointState::Connected);
+        assert!(again.local_qps.iter().all(|q| !ep.local_qps.contains(q)));
+        assert_eq!(t.backend().live_qps(), 2);
     }
 
     fn qps(t: &PassiveHandshake<FakeVerbs>) -> Vec<QpId> {
@@ -557,7 +661,7 @@ mod tests {
         );
 
         // A confirmation on a fenced endpoint is refused; a re-handshake, even with the same
-        // peer QP numbers, resets the fenced QPs and connects again.
+        // peer QP numbers, connects new QPs.
         assert!(t
             .on_connection_request(request(&[1, 2], Some(true)))
             .is_err());
@@ -568,6 +672,11 @@ mod tests {
             assert_eq!(t.backend().transitions_of(qp)[0], QpTransition::ToReset);
             assert_eq!(t.backend().state(qp), Some(QpState::Rts));
         }
+        assert!(t
+            .backend()
+            .calls
+            .iter()
+            .any(|c| matches!(c, VerbsCall::Create { .. })));
         assert_eq!(
             t.fence_server("10.9.9.9:1"),
             Ok(0),
