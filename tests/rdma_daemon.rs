@@ -24,6 +24,8 @@ fn nic(name: &str) -> LocalNic {
         gid: D_GID.parse().unwrap(),
         gid_index: 3,
         active_mtu: Mtu::Mtu4096,
+        link_layer: Default::default(),
+        numa_node: None,
     }
 }
 

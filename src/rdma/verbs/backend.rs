@@ -50,6 +50,10 @@ pub enum VerbsError {
         port: u8,
         detail: String,
     },
+    /// Every device was skipped (port down, no usable GID, not present, open failed); each
+    /// entry says why.
+    #[error("no usable RDMA device: {}", super::device_select::describe_skipped(.0))]
+    NoUsableDevice(Vec<super::device_select::SkippedDevice>),
     #[error("no such queue pair {0:?}")]
     UnknownQp(QpId),
     #[error("no memory registration at address {0:#x}")]

@@ -10,7 +10,7 @@ use std::collections::BTreeMap;
 
 use super::backend::{QpId, VerbsBackend, VerbsError};
 use super::nic_path::NicPath;
-use super::qp_attrs::{connect_sequence, Mtu, QpState, QpTransition, RemoteQp};
+use super::qp_attrs::{connect_sequence_with, Mtu, PathAttrs, QpState, QpTransition, RemoteQp};
 
 /// Where an endpoint stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,6 +96,7 @@ pub struct EndpointTable<B> {
     backend: B,
     qps_per_endpoint: usize,
     mtu_cap: Mtu,
+    path: PathAttrs,
     endpoints: BTreeMap<EndpointKey, Endpoint>,
 }
 
@@ -106,8 +107,15 @@ impl<B: VerbsBackend> EndpointTable<B> {
             backend,
             qps_per_endpoint: qps_per_endpoint.max(1),
             mtu_cap,
+            path: PathAttrs::default(),
             endpoints: BTreeMap::new(),
         }
+    }
+
+    /// Traffic class and service level of every QP connected from now on.
+    pub fn with_path(mut self, path: PathAttrs) -> Self {
+        self.path = path;
+        self
     }
 
     pub fn backend(&self) -> &B {
@@ -221,7 +229,7 @@ impl<B: VerbsBackend> EndpointTable<B> {
                 gid: remote_gid,
                 qp_num,
             };
-            for t in connect_sequence(local, self.mtu_cap, remote) {
+            for t in connect_sequence_with(local, self.mtu_cap, remote, self.path) {
                 if let Err(e) = self.backend.modify_qp(*qp, &t) {
                     result = Err(e);
                     break 'qps;

@@ -101,16 +101,16 @@ impl FakeVerbs {
         use QpState::*;
         const SQD: u32 = 4;
         const SQE: u32 = 5;
-        match (from, to) {
-            (Reset, Reset | Init) => true,
-            (Init, Reset | Err | Init | Rtr) => true,
-            (Rtr, Reset | Err | Rts) => true,
-            (Rts, Reset | Err | Rts | Other(SQD)) => true,
-            (Other(SQD), Reset | Err | Rts | Other(SQD)) => true,
-            (Other(SQE), Reset | Err | Rts) => true,
-            (Err, Reset | Err) => true,
-            _ => false,
-        }
+        matches!(
+            (from, to),
+            (Reset, Reset | Init)
+                | (Init, Reset | Err | Init | Rtr)
+                | (Rtr, Reset | Err | Rts)
+                | (Rts, Reset | Err | Rts | Other(SQD))
+                | (Other(SQD), Reset | Err | Rts | Other(SQD))
+                | (Other(SQE), Reset | Err | Rts)
+                | (Err, Reset | Err)
+        )
     }
 }
 
@@ -256,6 +256,8 @@ mod state_table_tests {
             gid: Default::default(),
             gid_index: 0,
             active_mtu: crate::rdma::verbs::qp_attrs::Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         }]);
         let qp = f.create_rc_qps(0, 1).unwrap()[0];
         assert_eq!(

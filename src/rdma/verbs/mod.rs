@@ -10,10 +10,12 @@
 
 pub mod backend;
 pub mod descriptor;
+pub mod device_select;
 pub mod endpoint;
 pub mod fake;
 pub mod fence;
 pub mod gid;
+pub mod gid_rank;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
 pub mod memory;
@@ -29,6 +31,7 @@ pub use crate::messages::handshake::SegmentDescriptor;
 pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 pub use descriptor::{DescriptorError, RegisteredRegion};
+pub use device_select::SkippedDevice;
 pub use endpoint::{Endpoint, EndpointState};
 pub use fake::FakeVerbs;
 pub use fence::{RdmaFence, SharedHandshake};
@@ -36,7 +39,7 @@ pub use gid::Gid;
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
 pub use memory::MemoryRegistrations;
-pub use nic::LocalNic;
+pub use nic::{LinkLayer, LocalNic};
 pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};
 pub use peer_binding::PeerBinding;
 pub use rdma_landing::{RdmaLanding, RdmaLandingError};

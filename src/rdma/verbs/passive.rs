@@ -8,7 +8,7 @@ use super::backend::{VerbsBackend, VerbsError};
 use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
 use super::gid::{Gid, GidParseError};
 use super::nic_path::NicPath;
-use super::qp_attrs::Mtu;
+use super::qp_attrs::{Mtu, PathAttrs};
 use crate::messages::handshake_desc::HandShakeDesc;
 
 /// Mooncake's defaults: `MC_NUM_QP_PER_EP` and `MC_MTU`.
@@ -18,6 +18,10 @@ pub struct HandshakeConfig {
     pub qps_per_endpoint: usize,
     /// Upper bound of the path MTU. Default 4096.
     pub mtu_cap: Mtu,
+    /// GRH traffic class of D's QPs (`MC_IB_TC`). Default 0.
+    pub traffic_class: u8,
+    /// Service level of D's QPs (`MC_IB_SL`). Default 0.
+    pub service_level: u8,
 }
 
 impl Default for HandshakeConfig {
@@ -25,6 +29,8 @@ impl Default for HandshakeConfig {
         HandshakeConfig {
             qps_per_endpoint: 2,
             mtu_cap: Mtu::Mtu4096,
+            traffic_class: 0,
+            service_level: 0,
         }
     }
 }
@@ -72,7 +78,12 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
     pub fn new(backend: B, segment_name: impl Into<String>, config: HandshakeConfig) -> Self {
         PassiveHandshake {
             segment_name: segment_name.into(),
-            table: EndpointTable::new(backend, config.qps_per_endpoint, config.mtu_cap),
+            table: EndpointTable::new(backend, config.qps_per_endpoint, config.mtu_cap).with_path(
+                PathAttrs {
+                    traffic_class: config.traffic_class,
+                    service_level: config.service_level,
+                },
+            ),
         }
     }
 
@@ -269,6 +280,8 @@ mod tests {
             gid: D_GID.parse().unwrap(),
             gid_index: 3,
             active_mtu: mtu,
+            link_layer: Default::default(),
+            numa_node: None,
         }
     }
 
@@ -344,6 +357,25 @@ mod tests {
                 "QP {qp:?} must be connected to P QP {peer:#x} with the §6 attributes"
             );
             assert_eq!(fake.state(*qp), Some(QpState::Rts));
+        }
+    }
+
+    #[test]
+    fn configured_traffic_class_and_service_level_reach_every_rtr() {
+        let fake = FakeVerbs::new(vec![nic("mlx5_1", Mtu::Mtu4096)]);
+        let cfg = HandshakeConfig {
+            traffic_class: 106,
+            service_level: 3,
+            ..HandshakeConfig::default()
+        };
+        let mut t = PassiveHandshake::new(fake, D, cfg);
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        for qp in qps(&t) {
+            let rtr = t.backend().transitions_of(qp)[2].clone();
+            assert!(
+                matches!(&rtr, QpTransition::ToRtr(r) if (r.traffic_class, r.sl) == (106, 3)),
+                "{rtr:?}"
+            );
         }
     }
 

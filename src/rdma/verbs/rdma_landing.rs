@@ -193,6 +193,8 @@ mod tests {
                 .unwrap(),
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         };
         Arc::new(Mutex::new(PassiveHandshake::new(
             FakeVerbs::new(vec![nic]),
