@@ -239,3 +239,38 @@ async fn notify_and_probe_are_unchanged_in_rdma_mode() {
         )
     );
 }
+
+/// RLIMIT_MEMLOCK is checked before anything is registered: a hard limit below the layout × NICs
+/// is a typed start error saying what to raise; a soft limit below it is raised to the hard one.
+#[tokio::test]
+async fn memlock_below_the_layout_is_refused_and_a_low_soft_limit_raised() {
+    // 2 regions × 8 blocks × 64 bytes = 1 KiB per NIC, one page each; 2 NICs: 8 KiB pinned.
+    let layout = KvLayout::uniform(2, 64, 8);
+    let mut fake = FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]);
+    fake.memlock = Some((4096, 4096));
+    let err = RdmaTarget::start(fake, RdmaTargetConfig::loopback(layout.clone()))
+        .await
+        .unwrap_err();
+    let kvrecv::rdma::verbs::RdmaTargetError::Register(
+        kvrecv::rdma::verbs::VerbsError::MemlockTooLow {
+            need, nics, soft, ..
+        },
+    ) = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!((*need, *nics, *soft), (8192, 2, 4096));
+    assert!(err.to_string().contains("ulimit -l"), "{err}");
+
+    let mut fake = FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]);
+    fake.memlock = Some((4096, 1 << 20));
+    let t = RdmaTarget::start(fake, RdmaTargetConfig::loopback(layout))
+        .await
+        .unwrap();
+    let hs = t.handshake().lock().unwrap();
+    assert_eq!(
+        hs.backend().memlock,
+        Some((1 << 20, 1 << 20)),
+        "soft raised to hard"
+    );
+}

@@ -54,6 +54,20 @@ pub enum VerbsError {
     /// entry says why.
     #[error("no usable RDMA device: {}", super::device_select::describe_skipped(.0))]
     NoUsableDevice(Vec<super::device_select::SkippedDevice>),
+    /// `RLIMIT_MEMLOCK` (even raised to the hard limit) is below what registering needs.
+    #[error(
+        "memory registration needs {need} bytes locked ({nics} NIC(s), plus {pinned} bytes \
+         already pinned) but RLIMIT_MEMLOCK is {} (hard {}): raise it (`ulimit -l unlimited`, \
+         systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1) or give kvrecv CAP_IPC_LOCK",
+        super::memlock::show(*.soft), super::memlock::show(*.hard)
+    )]
+    MemlockTooLow {
+        need: u64,
+        nics: usize,
+        pinned: u64,
+        soft: u64,
+        hard: u64,
+    },
     #[error("no such queue pair {0:?}")]
     UnknownQp(QpId),
     #[error("no memory registration at address {0:#x}")]
@@ -98,4 +112,13 @@ pub trait VerbsBackend: Send {
 
     /// Drop the registration made at `addr` on every device.
     fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError>;
+
+    /// Before registering `bytes_per_nic` (page-rounded) on every device: make sure
+    /// `RLIMIT_MEMLOCK` allows it, raising the soft limit to the hard one if that is enough
+    /// ([`super::memlock::plan`]), else [`VerbsError::MemlockTooLow`]. Default: nothing to check
+    /// (a backend that pins nothing).
+    fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {
+        let _ = bytes_per_nic;
+        Ok(())
+    }
 }

@@ -49,6 +49,9 @@ pub struct FakeVerbs {
     pub fail_modify_to: Option<(QpState, i32)>,
     /// Report this state from `query_qp_state` instead of the real one (a NIC that lies).
     pub query_override: Option<QpState>,
+    /// `RLIMIT_MEMLOCK` as (soft, hard) bytes, checked by `ensure_memlock` (soft raised when
+    /// allowed); `None`: unlimited.
+    pub memlock: Option<(u64, u64)>,
 }
 
 impl FakeVerbs {
@@ -63,6 +66,7 @@ impl FakeVerbs {
             calls: Vec::new(),
             fail_modify_to: None,
             query_override: None,
+            memlock: None,
         }
     }
 
@@ -215,6 +219,29 @@ impl VerbsBackend for FakeVerbs {
             .remove(&addr)
             .map(|_| ())
             .ok_or(VerbsError::UnknownRegion(addr))
+    }
+
+    fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {
+        use super::memlock::{pinned_bytes, plan, MemlockPlan};
+        let Some((soft, hard)) = self.memlock else {
+            return Ok(());
+        };
+        let nics = self.nics.len();
+        let need = pinned_bytes([bytes_per_nic], nics, 4096);
+        match plan(soft, hard, 0, need, false) {
+            MemlockPlan::Enough => Ok(()),
+            MemlockPlan::RaiseSoft { to } => {
+                self.memlock = Some((to, hard));
+                Ok(())
+            }
+            MemlockPlan::TooLow => Err(VerbsError::MemlockTooLow {
+                need,
+                nics,
+                pinned: 0,
+                soft,
+                hard,
+            }),
+        }
     }
 }
 

@@ -112,6 +112,25 @@ fn numa_node(device: &str) -> Option<u32> {
         .and_then(|n| u32::try_from(n).ok())
 }
 
+/// From `/proc/self/status`: bytes already pinned (`VmPin`) and whether `CAP_IPC_LOCK` (bit 14)
+/// is effective (the kernel then ignores RLIMIT_MEMLOCK for registrations).
+fn proc_status() -> (u64, bool) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    let pinned = field("VmPin:")
+        .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024);
+    let cap = field("CapEff:")
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .is_some_and(|bits| bits & (1 << 14) != 0);
+    (pinned, cap)
+}
+
 impl IbvDevices {
     /// Open the configured devices (every one, or the `devices` list), allocate a PD and a CQ on
     /// each usable one. A device whose port is not ACTIVE, that has no usable GID, or that fails
@@ -534,6 +553,41 @@ impl VerbsBackend for IbvDevices {
             .collect();
         self.mrs.insert(addr, mrs);
         Ok(keys)
+    }
+
+    fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {
+        use super::memlock::{pinned_bytes, plan, MemlockPlan};
+        use rlimit::Resource;
+        let (soft, hard) = Resource::MEMLOCK
+            .get()
+            .map_err(|e| os("getrlimit(RLIMIT_MEMLOCK)", e.raw_os_error().unwrap_or(0)))?;
+        // SAFETY: sysconf has no preconditions.
+        let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let nics = self.devices.len();
+        let need = pinned_bytes([bytes_per_nic], nics, page);
+        let (pinned, cap) = proc_status();
+        match plan(soft, hard, pinned, need, cap) {
+            MemlockPlan::Enough => Ok(()),
+            MemlockPlan::RaiseSoft { to } => {
+                Resource::MEMLOCK
+                    .set(to, hard)
+                    .map_err(|e| os("setrlimit(RLIMIT_MEMLOCK)", e.raw_os_error().unwrap_or(0)))?;
+                tracing::info!(
+                    from = soft,
+                    to,
+                    need,
+                    "RLIMIT_MEMLOCK soft limit raised for RDMA registration"
+                );
+                Ok(())
+            }
+            MemlockPlan::TooLow => Err(VerbsError::MemlockTooLow {
+                need,
+                nics,
+                pinned,
+                soft,
+                hard,
+            }),
+        }
     }
 
     fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {

@@ -18,6 +18,7 @@ pub mod gid;
 pub mod gid_rank;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
+pub mod memlock;
 pub mod memory;
 pub mod nic;
 pub mod nic_path;

@@ -130,6 +130,11 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         let mut memory = MemoryRegistrations::new();
         let (nics, regions) = {
             let mut hs = handshake.lock().unwrap_or_else(|p| p.into_inner());
+            let bytes_per_nic = match &cfg.host_memory {
+                Some(host) => host.regions().iter().map(|r| r.len() as u64).sum(),
+                None => len as u64,
+            };
+            hs.backend_mut().ensure_memlock(bytes_per_nic)?;
             match &cfg.host_memory {
                 Some(host) => {
                     for r in host.regions() {
