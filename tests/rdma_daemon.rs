@@ -274,3 +274,66 @@ async fn memlock_below_the_layout_is_refused_and_a_low_soft_limit_raised() {
         "soft raised to hard"
     );
 }
+
+/// One request over a blocking std socket whose read times out by itself (the runtime under
+/// test may be stalled): (type byte, body).
+fn std_request(addr: std::net::SocketAddr, ty: u8, body: &[u8]) -> std::io::Result<(u8, Vec<u8>)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, T)?;
+    s.set_read_timeout(Some(T))?;
+    s.write_all(&(body.len() as u64 + 1).to_le_bytes())?;
+    s.write_all(&[ty])?;
+    s.write_all(body)?;
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len)?;
+    let mut payload = vec![0u8; u64::from_le_bytes(len) as usize];
+    s.read_exact(&mut payload)?;
+    let body = payload.split_off(1);
+    Ok((payload[0], body))
+}
+
+/// A handshake whose firmware call hangs (the fake holds `create_rc_qps`) does not stop the
+/// daemon: on a runtime with a single worker, another connection is still answered meanwhile,
+/// and the held handshake completes once released. (Before, the verbs calls ran on the worker,
+/// so the second request timed out.)
+#[test]
+fn a_blocked_handshake_does_not_stop_the_daemon_answering_others() {
+    use kvrecv::rdma::verbs::fake::FakeGate;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let (release, release_rx) = std::sync::mpsc::channel();
+    let mut fake = FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]);
+    fake.gate = Some(FakeGate {
+        entered: entered_tx,
+        release: release_rx,
+    });
+    let t = rt
+        .block_on(RdmaTarget::start(
+            fake,
+            RdmaTargetConfig::loopback(KvLayout::uniform(2, 64, 8)),
+        ))
+        .unwrap();
+    let addr = t.handshake_addr();
+    let body = hs_request(&t, &[1, 2]);
+    let held = std::thread::spawn(move || std_request(addr, 0, &body));
+    entered
+        .recv_timeout(T)
+        .expect("the handshake reached the backend");
+
+    let (ty, desc) = std_request(addr, 1, b"{}\n")
+        .expect("a Metadata request is answered while a handshake's verbs call is held");
+    assert_eq!(ty, 1);
+    assert_eq!(desc, t.descriptor().to_wire());
+
+    release.send(()).unwrap();
+    let (ty, reply) = held.join().unwrap().unwrap();
+    assert_eq!(ty, 0);
+    let reply = HandShakeDesc::from_json(&reply).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    assert_eq!(reply.qp_num.len(), 2);
+    rt.block_on(async move { drop(t) });
+}

@@ -35,6 +35,14 @@ pub enum VerbsCall {
     },
 }
 
+/// Holds one backend call: `entered` is signalled when the call starts, which then waits until
+/// `release` receives (or its sender is dropped).
+#[derive(Debug)]
+pub struct FakeGate {
+    pub entered: std::sync::mpsc::Sender<()>,
+    pub release: std::sync::mpsc::Receiver<()>,
+}
+
 /// The fake backend.
 #[derive(Debug)]
 pub struct FakeVerbs {
@@ -49,6 +57,8 @@ pub struct FakeVerbs {
     pub fail_modify_to: Option<(QpState, i32)>,
     /// Report this state from `query_qp_state` instead of the real one (a NIC that lies).
     pub query_override: Option<QpState>,
+    /// Hold the next `create_rc_qps` until the test says so (a firmware call that hangs).
+    pub gate: Option<FakeGate>,
     /// `RLIMIT_MEMLOCK` as (soft, hard) bytes, checked by `ensure_memlock` (soft raised when
     /// allowed); `None`: unlimited.
     pub memlock: Option<(u64, u64)>,
@@ -67,6 +77,7 @@ impl FakeVerbs {
             fail_modify_to: None,
             query_override: None,
             memlock: None,
+            gate: None,
         }
     }
 
@@ -124,6 +135,10 @@ impl VerbsBackend for FakeVerbs {
     }
 
     fn create_rc_qps(&mut self, nic: usize, count: usize) -> Result<Vec<QpId>, VerbsError> {
+        if let Some(gate) = self.gate.take() {
+            let _ = gate.entered.send(());
+            let _ = gate.release.recv();
+        }
         if nic >= self.nics.len() {
             return Err(VerbsError::UnknownDevice(format!("#{nic}")));
         }
