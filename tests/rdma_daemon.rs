@@ -317,6 +317,9 @@ fn a_blocked_handshake_does_not_stop_the_daemon_answering_others() {
             RdmaTargetConfig::loopback(KvLayout::uniform(2, 64, 8)),
         ))
         .unwrap();
+    // Rebound after `t`, so dropped before it if an assertion fails: the held call is
+    // released before `t`'s Drop waits for the handshake lock that call holds.
+    let release = release;
     let addr = t.handshake_addr();
     let body = hs_request(&t, &[1, 2]);
     let held = std::thread::spawn(move || std_request(addr, 0, &body));
