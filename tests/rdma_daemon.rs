@@ -340,3 +340,38 @@ fn a_blocked_handshake_does_not_stop_the_daemon_answering_others() {
     assert_eq!(reply.qp_num.len(), 2);
     rt.block_on(async move { drop(t) });
 }
+
+/// The target reads its devices' async events by itself: a QP that fails on its own (here the
+/// fake reports IBV_EVENT_QP_FATAL) leaves its endpoint Broken, not "Connected".
+#[tokio::test]
+async fn the_target_reads_async_events_and_breaks_the_failed_endpoint() {
+    use kvrecv::rdma::verbs::{AsyncEvent, AsyncEventKind};
+    let t = target().await;
+    let (_, body) = request(
+        t.handshake_addr(),
+        Some(FrameType::Connection),
+        &hs_request(&t, &[1, 2]),
+        T,
+    )
+    .await
+    .unwrap();
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    let mut handled = t.async_events_handled();
+    t.handshake()
+        .lock()
+        .unwrap()
+        .backend_mut()
+        .push_async_event(AsyncEvent {
+            nic: 1,
+            kind: AsyncEventKind::QpFatal {
+                qp_num: reply.qp_num[0],
+            },
+        });
+    tokio::time::timeout(T, handled.wait_for(|n| *n >= 1))
+        .await
+        .expect("the event is read")
+        .unwrap();
+    let hs = t.handshake().lock().unwrap();
+    assert_eq!(hs.endpoint(P_PATH).unwrap().state, EndpointState::Broken);
+}

@@ -121,4 +121,17 @@ pub trait VerbsBackend: Send {
         let _ = bytes_per_nic;
         Ok(())
     }
+
+    /// The async events pending now, without blocking (libibverbs: `ibv_get_async_event` on
+    /// each device's non-blocking async fd until EAGAIN, each acknowledged). Default: none.
+    fn take_async_events(&mut self) -> Vec<super::async_events::AsyncEvent> {
+        Vec::new()
+    }
+
+    /// File descriptors that turn readable when an async event is pending (libibverbs: each
+    /// device's `async_fd`). Owned by the backend and open for as long as it lives. Default:
+    /// none.
+    fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
+    }
 }

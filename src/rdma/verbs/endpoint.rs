@@ -8,6 +8,7 @@
 
 use std::collections::BTreeMap;
 
+use super::async_events::{AsyncEvent, AsyncEventKind};
 use super::backend::{QpId, VerbsBackend, VerbsError};
 use super::nic_path::NicPath;
 use super::qp_attrs::{connect_sequence_with, Mtu, PathAttrs, QpState, QpTransition, RemoteQp};
@@ -304,6 +305,31 @@ impl<B: VerbsBackend> EndpointTable<B> {
             let stopped = self.stop_qp(qp);
             tracing::warn!(qp = qp.qp_num, error = %e, stopped = stopped.is_ok(), "RDMA QP not destroyed");
         }
+    }
+
+    /// Act on an async event: the endpoint owning a failed QP, or every endpoint on a NIC whose
+    /// port or device failed, becomes Broken (its QPs are in ERR already, or unusable). Returns
+    /// the endpoints that were live and are now Broken.
+    pub fn on_async_event(&mut self, ev: &AsyncEvent) -> Vec<EndpointKey> {
+        let port = self.backend.nics().get(ev.nic).map(|n| n.port);
+        let hit = |k: &EndpointKey, ep: &Endpoint| -> bool {
+            k.nic == ev.nic
+                && match ev.kind {
+                    AsyncEventKind::PortErr { port: p } => Some(p) == port,
+                    AsyncEventKind::DeviceFatal => true,
+                    kind => kind
+                        .failed_qp()
+                        .is_some_and(|n| ep.local_qps.iter().any(|q| q.qp_num == n)),
+                }
+        };
+        let mut broken = Vec::new();
+        for (k, ep) in self.endpoints.iter_mut() {
+            if hit(k, ep) && live(ep.state) {
+                ep.state = EndpointState::Broken;
+                broken.push(k.clone());
+            }
+        }
+        broken
     }
 
     /// Fence every endpoint whose P NIC path is on segment `server`, on every D NIC: each QP

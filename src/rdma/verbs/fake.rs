@@ -3,6 +3,10 @@
 //! wiring can be tested the same way.
 
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+
+use super::async_events::AsyncEvent;
 
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 use super::nic::LocalNic;
@@ -59,6 +63,11 @@ pub struct FakeVerbs {
     pub query_override: Option<QpState>,
     /// Hold the next `create_rc_qps` until the test says so (a firmware call that hangs).
     pub gate: Option<FakeGate>,
+    /// Async events pushed by a test, not yet taken.
+    events: std::collections::VecDeque<AsyncEvent>,
+    /// (reader, writer): a byte per pushed event, so the reader's fd turns readable like a
+    /// device's async fd. `None` if the pair could not be made.
+    event_pipe: Option<(UnixStream, UnixStream)>,
     /// `RLIMIT_MEMLOCK` as (soft, hard) bytes, checked by `ensure_memlock` (soft raised when
     /// allowed); `None`: unlimited.
     pub memlock: Option<(u64, u64)>,
@@ -78,6 +87,18 @@ impl FakeVerbs {
             query_override: None,
             memlock: None,
             gate: None,
+            events: Default::default(),
+            event_pipe: UnixStream::pair()
+                .and_then(|(r, w)| r.set_nonblocking(true).map(|()| (r, w)))
+                .ok(),
+        }
+    }
+
+    /// Queue an async event as a device would report it (the fd turns readable).
+    pub fn push_async_event(&mut self, event: AsyncEvent) {
+        self.events.push_back(event);
+        if let Some((_, w)) = &mut self.event_pipe {
+            let _ = w.write_all(&[1]);
         }
     }
 
@@ -234,6 +255,19 @@ impl VerbsBackend for FakeVerbs {
             .remove(&addr)
             .map(|_| ())
             .ok_or(VerbsError::UnknownRegion(addr))
+    }
+
+    fn take_async_events(&mut self) -> Vec<AsyncEvent> {
+        if let Some((r, _)) = &mut self.event_pipe {
+            let mut sink = [0u8; 64];
+            while matches!(r.read(&mut sink), Ok(1..)) {}
+        }
+        self.events.drain(..).collect()
+    }
+
+    fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.event_pipe.iter().map(|(r, _)| r.as_raw_fd()).collect()
     }
 
     fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {

@@ -14,6 +14,7 @@ use std::ptr;
 
 use ibverbs_sys as ffi;
 
+use super::async_events::{AsyncEvent, AsyncEventKind};
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 use super::device_select::{self, describe_port, devices_to_open, PortProbe, SkippedDevice};
 use super::gid::Gid;
@@ -221,6 +222,19 @@ impl IbvDevices {
                 return Err(e);
             }
         };
+        // Non-blocking, so that `take_async_events` drains without waiting (Mooncake does the
+        // same before polling it).
+        // SAFETY: `ctx` is open; its `async_fd` is a descriptor it owns.
+        let nonblocking = unsafe {
+            let fd = (*ctx).async_fd;
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !nonblocking {
+            let e = os("fcntl(async_fd, O_NONBLOCK)", last_errno());
+            release(&res);
+            return Err(e);
+        }
         // SAFETY: `ctx` is open.
         res.pd = unsafe { ffi::ibv_alloc_pd(ctx) };
         if res.pd.is_null() {
@@ -553,6 +567,50 @@ impl VerbsBackend for IbvDevices {
             .collect();
         self.mrs.insert(addr, mrs);
         Ok(keys)
+    }
+
+    fn take_async_events(&mut self) -> Vec<AsyncEvent> {
+        let mut out = Vec::new();
+        for (nic, res) in self.devices.iter().enumerate() {
+            loop {
+                // SAFETY: all-zero is a valid out-parameter (a null pointer in the union).
+                let mut ev: ffi::ibv_async_event = unsafe { std::mem::zeroed() };
+                // SAFETY: `res.ctx` is open and its async fd non-blocking: returns -1 (EAGAIN)
+                // when nothing is pending.
+                if unsafe { ffi::ibv_get_async_event(res.ctx, &mut ev) } != 0 {
+                    break;
+                }
+                // SAFETY: the union member read is the one `event_type` says is set, and a QP
+                // named by an event cannot be destroyed before the event is acknowledged.
+                let qp_num = || unsafe { (*ev.element.qp).qp_num };
+                let kind = match ev.event_type {
+                    ffi::IBV_EVENT_QP_FATAL => AsyncEventKind::QpFatal { qp_num: qp_num() },
+                    ffi::IBV_EVENT_QP_REQ_ERR => AsyncEventKind::QpReqErr { qp_num: qp_num() },
+                    ffi::IBV_EVENT_QP_ACCESS_ERR => {
+                        AsyncEventKind::QpAccessErr { qp_num: qp_num() }
+                    }
+                    ffi::IBV_EVENT_PATH_MIG_ERR => AsyncEventKind::PathMigErr { qp_num: qp_num() },
+                    ffi::IBV_EVENT_PORT_ERR => AsyncEventKind::PortErr {
+                        // SAFETY: port events set `port_num`.
+                        port: u8::try_from(unsafe { ev.element.port_num }).unwrap_or(0),
+                    },
+                    ffi::IBV_EVENT_DEVICE_FATAL => AsyncEventKind::DeviceFatal,
+                    code => AsyncEventKind::Other { code },
+                };
+                // SAFETY: `ev` came from `ibv_get_async_event` and is acknowledged once.
+                unsafe { ffi::ibv_ack_async_event(&mut ev) };
+                out.push(AsyncEvent { nic, kind });
+            }
+        }
+        out
+    }
+
+    fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
+        // SAFETY: every `ctx` is open while `self` lives.
+        self.devices
+            .iter()
+            .map(|res| unsafe { (*res.ctx).async_fd })
+            .collect()
     }
 
     fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {

@@ -8,6 +8,7 @@
 //! the `rdma` feature against [`FakeVerbs`]; only `ibverbs_device` (feature `rdma`) links
 //! libibverbs.
 
+pub mod async_events;
 pub mod backend;
 pub mod descriptor;
 pub mod device_select;
@@ -30,6 +31,7 @@ pub mod rdma_target;
 
 pub use crate::messages::handshake::SegmentDescriptor;
 pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
+pub use async_events::{AsyncEvent, AsyncEventKind};
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 pub use descriptor::{DescriptorError, RegisteredRegion};
 pub use device_select::SkippedDevice;

@@ -4,6 +4,7 @@
 
 use thiserror::Error;
 
+use super::async_events::{AsyncEventKind, ASYNC_EVENTS};
 use super::backend::{VerbsBackend, VerbsError};
 use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
 use super::gid::{Gid, GidParseError};
@@ -246,6 +247,33 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
         self.table
             .set_state(nic, &req.local_nic_path, EndpointState::Connected);
         Ok(HandShakeDesc::default())
+    }
+
+    /// Take the backend's pending async events and act on them: an endpoint whose QP failed by
+    /// itself, or whose NIC's port or device went down, is marked Broken (so it is not reused
+    /// nor confirmed, and a re-handshake replaces its QPs). Each event is logged and counted.
+    /// Returns how many events were handled.
+    pub fn on_async_events(&mut self) -> usize {
+        let events = self.table.backend_mut().take_async_events();
+        for ev in &events {
+            let broken = self.table.on_async_event(ev);
+            let nic = self
+                .table
+                .backend()
+                .nics()
+                .get(ev.nic)
+                .map_or("?", |n| n.name.as_str());
+            metrics::counter!(ASYNC_EVENTS, "event" => ev.kind.label()).increment(1);
+            let peers: Vec<&str> = broken.iter().map(|k| k.peer_path.as_str()).collect();
+            match ev.kind {
+                AsyncEventKind::Other { code } => {
+                    tracing::info!(nic, code, "RDMA async event")
+                }
+                kind => tracing::warn!(nic, event = kind.label(), ?kind, broken = ?peers,
+                    "RDMA async event: endpoints marked broken"),
+            }
+        }
+        events.len()
     }
 
     /// Fence every endpoint of P segment `server` (QPs to ERR, confirmed). `Ok(n)`: `n`
@@ -714,6 +742,74 @@ mod tests {
             Ok(0),
             "nothing connected, nothing to fence"
         );
+    }
+
+    #[test]
+    fn a_qp_that_fails_by_itself_breaks_its_endpoint_only_and_is_replaced_next_time() {
+        use crate::rdma::verbs::async_events::{AsyncEvent, AsyncEventKind};
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        let mut other = request(&[5, 6], None);
+        other.local_nic_path = "10.0.0.6:16001@mlx5_0".into();
+        t.on_connection_request(other).unwrap();
+        let failed = qps(&t);
+        t.backend_mut().push_async_event(AsyncEvent {
+            nic: 1,
+            kind: AsyncEventKind::QpFatal {
+                qp_num: failed[1].qp_num,
+            },
+        });
+        assert_eq!(t.on_async_events(), 1);
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Broken);
+        assert_eq!(
+            t.endpoint("10.0.0.6:16001@mlx5_0").unwrap().state,
+            EndpointState::Connected
+        );
+        assert_eq!(t.on_async_events(), 0, "taken once");
+        // Not confirmable; the same peer QPs are not reused but connected to new QPs.
+        assert!(t
+            .on_connection_request(request(&[1, 2], Some(true)))
+            .is_err());
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        assert!(qps(&t).iter().all(|q| !failed.contains(q)));
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+    }
+
+    #[test]
+    fn a_port_or_device_going_down_breaks_every_endpoint_on_that_nic() {
+        use crate::rdma::verbs::async_events::{AsyncEvent, AsyncEventKind};
+        let mut t = target();
+        t.on_connection_request(to_nic(&[1, 2], None, "mlx5_1"))
+            .unwrap();
+        t.on_connection_request(to_nic(&[3, 4], None, "mlx5_0"))
+            .unwrap();
+        let on = |t: &PassiveHandshake<FakeVerbs>, nic| t.endpoint_on(nic, P_PATH).unwrap().state;
+        for (nic, kind) in [
+            (1, AsyncEventKind::Other { code: 4 }),
+            (1, AsyncEventKind::PortErr { port: 2 }),
+        ] {
+            t.backend_mut().push_async_event(AsyncEvent { nic, kind });
+        }
+        assert_eq!(t.on_async_events(), 2);
+        assert_eq!(
+            on(&t, "mlx5_1"),
+            EndpointState::Connected,
+            "COMM_EST, other port"
+        );
+        t.backend_mut().push_async_event(AsyncEvent {
+            nic: 1,
+            kind: AsyncEventKind::PortErr { port: 1 },
+        });
+        t.on_async_events();
+        assert_eq!(on(&t, "mlx5_1"), EndpointState::Broken);
+        assert_eq!(on(&t, "mlx5_0"), EndpointState::Connected);
+        t.backend_mut().push_async_event(AsyncEvent {
+            nic: 0,
+            kind: AsyncEventKind::DeviceFatal,
+        });
+        t.on_async_events();
+        assert_eq!(on(&t, "mlx5_0"), EndpointState::Broken);
     }
 
     #[test]

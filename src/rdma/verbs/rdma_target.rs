@@ -7,8 +7,10 @@ use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use super::async_events;
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::descriptor::DescriptorError;
 use super::fence::{RdmaFence, SharedHandshake};
@@ -89,6 +91,10 @@ pub struct RdmaTarget<B: VerbsBackend + 'static> {
     descriptor: SegmentDescriptor,
     handshake_addr: SocketAddr,
     task: JoinHandle<()>,
+    /// Reads the devices' async events (`async_events::watch`).
+    events_task: JoinHandle<()>,
+    /// How many async events were handled so far.
+    async_events: Arc<watch::Sender<u64>>,
 }
 
 impl<B: VerbsBackend + 'static> std::fmt::Debug for RdmaTarget<B> {
@@ -172,6 +178,11 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         )?);
         let daemon = Arc::new(Daemon::rdma(&descriptor, Arc::clone(&handshake)));
         let task = tokio::spawn(handshake_daemon::serve(listener, Arc::clone(&daemon)));
+        let async_events = Arc::new(watch::channel(0u64).0);
+        let events_task = tokio::spawn(async_events::watch(
+            Arc::clone(&handshake),
+            Arc::clone(&async_events),
+        ));
         tracing::info!(%handshake_addr, segment = %name, devices = nics.len(), "RDMA target listening");
         Ok(RdmaTarget {
             handshake,
@@ -181,6 +192,8 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             descriptor,
             handshake_addr,
             task,
+            events_task,
+            async_events,
         })
     }
 
@@ -208,6 +221,12 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         self.handshake_addr
     }
 
+    /// The number of device async events handled so far (QP fatal, port down, ...: their
+    /// endpoints are marked Broken), as it changes.
+    pub fn async_events_handled(&self) -> watch::Receiver<u64> {
+        self.async_events.subscribe()
+    }
+
     pub fn handshake_stats(&self) -> &Arc<HandshakeStats> {
         &self.daemon.stats
     }
@@ -222,6 +241,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
 impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
     fn drop(&mut self) {
         self.task.abort();
+        self.events_task.abort();
         let mut hs = self.handshake.lock().unwrap_or_else(|p| p.into_inner());
         if let Err(e) = self.memory.deregister_all(hs.backend_mut()) {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
