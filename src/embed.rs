@@ -116,6 +116,7 @@ pub struct KvRecvBuilder {
     builtin_pool: bool,
     worker_threads: usize,
     rdma: Option<RdmaStarter>,
+    rdma_handshake: crate::rdma::verbs::HandshakeConfig,
     peer_binding: PeerBinding,
 }
 
@@ -181,6 +182,7 @@ impl KvRecvBuilder {
             builtin_pool: false,
             worker_threads: 2,
             rdma: None,
+            rdma_handshake: Default::default(),
             peer_binding: PeerBinding::default(),
         }
     }
@@ -297,11 +299,19 @@ impl KvRecvBuilder {
         self
     }
 
-    /// Be an RDMA target on this host's RDMA devices (libibverbs; feature `rdma`). Without this
-    /// call, `mooncake_protocol = "rdma"` opens every device with the default settings.
+    /// Be an RDMA target on this host's RDMA devices (libibverbs; feature `rdma`): which devices
+    /// (unusable ones are skipped), port and GID index. Without this call,
+    /// `mooncake_protocol = "rdma"` opens every device with the default settings.
     #[cfg(feature = "rdma")]
     pub fn rdma_devices(self, devices: crate::rdma::verbs::DeviceConfig) -> Self {
         self.rdma(move || crate::rdma::verbs::IbvDevices::open(&devices))
+    }
+
+    /// Queue-pair settings of the RDMA target: QPs per endpoint, MTU cap, traffic class and
+    /// service level (default: Mooncake's defaults, QoS 0).
+    pub fn rdma_handshake(mut self, handshake: crate::rdma::verbs::HandshakeConfig) -> Self {
+        self.rdma_handshake = handshake;
+        self
     }
 
     /// How the RDMA fence finds the queue pairs of a peer to fence (default: by host).
@@ -330,6 +340,7 @@ impl KvRecvBuilder {
             builtin_pool,
             worker_threads,
             rdma,
+            rdma_handshake,
             peer_binding,
         } = self;
         target.layout = config.layout.clone();
@@ -356,6 +367,7 @@ impl KvRecvBuilder {
                             handshake_bind: target.handshake_bind,
                             advertise_host: target.advertise_host.clone(),
                             host_memory: target.host_memory.clone(),
+                            handshake: rdma_handshake,
                             peer_binding,
                             ..RdmaTargetConfig::loopback(config.layout.clone())
                         })

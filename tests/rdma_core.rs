@@ -58,6 +58,8 @@ impl Rig {
                 .unwrap(),
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         };
         // Explicit bindings only: these tests are about what `bind_peer` says (binding by host
         // is tested through the front door, tests/rdma_front_door.rs).

@@ -24,6 +24,8 @@ fn nic(name: &str) -> LocalNic {
         gid: D_GID.parse().unwrap(),
         gid_index: 3,
         active_mtu: Mtu::Mtu4096,
+        link_layer: Default::default(),
+        numa_node: None,
     }
 }
 
@@ -251,4 +253,140 @@ async fn notify_and_probe_are_unchanged_in_rdma_mode() {
             &b"{\"name\":\"\",\"notify_msg\":\"success\"}\n"[..]
         )
     );
+}
+
+/// RLIMIT_MEMLOCK is checked before anything is registered: a hard limit below the layout × NICs
+/// is a typed start error saying what to raise; a soft limit below it is raised to the hard one.
+#[tokio::test]
+async fn memlock_below_the_layout_is_refused_and_a_low_soft_limit_raised() {
+    // 2 regions × 8 blocks × 64 bytes = 1 KiB per NIC, one page each; 2 NICs: 8 KiB pinned.
+    let layout = KvLayout::uniform(2, 64, 8);
+    let mut fake = FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]);
+    fake.memlock = Some((4096, 4096));
+    let err = RdmaTarget::start(fake, RdmaTargetConfig::loopback(layout.clone()))
+        .await
+        .unwrap_err();
+    let kvrecv::rdma::verbs::RdmaTargetError::Register(
+        kvrecv::rdma::verbs::VerbsError::MemlockTooLow {
+            need, nics, soft, ..
+        },
+    ) = &err
+    else {
+        panic!("{err:?}")
+    };
+    assert_eq!((*need, *nics, *soft), (8192, 2, 4096));
+    assert!(err.to_string().contains("ulimit -l"), "{err}");
+
+    let mut fake = FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]);
+    fake.memlock = Some((4096, 1 << 20));
+    let t = RdmaTarget::start(fake, RdmaTargetConfig::loopback(layout))
+        .await
+        .unwrap();
+    let hs = t.handshake().lock().unwrap();
+    assert_eq!(
+        hs.backend().memlock,
+        Some((1 << 20, 1 << 20)),
+        "soft raised to hard"
+    );
+}
+
+/// One request over a blocking std socket whose read times out by itself (the runtime under
+/// test may be stalled): (type byte, body).
+fn std_request(addr: std::net::SocketAddr, ty: u8, body: &[u8]) -> std::io::Result<(u8, Vec<u8>)> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect_timeout(&addr, T)?;
+    s.set_read_timeout(Some(T))?;
+    s.write_all(&(body.len() as u64 + 1).to_le_bytes())?;
+    s.write_all(&[ty])?;
+    s.write_all(body)?;
+    let mut len = [0u8; 8];
+    s.read_exact(&mut len)?;
+    let mut payload = vec![0u8; u64::from_le_bytes(len) as usize];
+    s.read_exact(&mut payload)?;
+    let body = payload.split_off(1);
+    Ok((payload[0], body))
+}
+
+/// A handshake whose firmware call hangs (the fake holds `create_rc_qps`) does not stop the
+/// daemon: on a runtime with a single worker, another connection is still answered meanwhile,
+/// and the held handshake completes once released. (Before, the verbs calls ran on the worker,
+/// so the second request timed out.)
+#[test]
+fn a_blocked_handshake_does_not_stop_the_daemon_answering_others() {
+    use kvrecv::rdma::verbs::fake::FakeGate;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let (entered_tx, entered) = std::sync::mpsc::channel();
+    let (release, release_rx) = std::sync::mpsc::channel();
+    let mut fake = FakeVerbs::new(vec![nic("mlx5_0"), nic("mlx5_1")]);
+    fake.gate = Some(FakeGate {
+        entered: entered_tx,
+        release: release_rx,
+    });
+    let t = rt
+        .block_on(RdmaTarget::start(
+            fake,
+            RdmaTargetConfig::loopback(KvLayout::uniform(2, 64, 8)),
+        ))
+        .unwrap();
+    // Rebound after `t`, so dropped before it if an assertion fails: the held call is
+    // released before `t`'s Drop waits for the handshake lock that call holds.
+    let release = release;
+    let addr = t.handshake_addr();
+    let body = hs_request(&t, &[1, 2]);
+    let held = std::thread::spawn(move || std_request(addr, 0, &body));
+    entered
+        .recv_timeout(T)
+        .expect("the handshake reached the backend");
+
+    let (ty, desc) = std_request(addr, 1, b"{}\n")
+        .expect("a Metadata request is answered while a handshake's verbs call is held");
+    assert_eq!(ty, 1);
+    assert_eq!(desc, t.descriptor().to_wire());
+
+    release.send(()).unwrap();
+    let (ty, reply) = held.join().unwrap().unwrap();
+    assert_eq!(ty, 0);
+    let reply = HandShakeDesc::from_json(&reply).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    assert_eq!(reply.qp_num.len(), 2);
+    rt.block_on(async move { drop(t) });
+}
+
+/// The target reads its devices' async events by itself: a QP that fails on its own (here the
+/// fake reports IBV_EVENT_QP_FATAL) leaves its endpoint Broken, not "Connected".
+#[tokio::test]
+async fn the_target_reads_async_events_and_breaks_the_failed_endpoint() {
+    use kvrecv::rdma::verbs::{AsyncEvent, AsyncEventKind};
+    let t = target().await;
+    let (_, body) = request(
+        t.handshake_addr(),
+        Some(FrameType::Connection),
+        &hs_request(&t, &[1, 2]),
+        T,
+    )
+    .await
+    .unwrap();
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    let mut handled = t.async_events_handled();
+    t.handshake()
+        .lock()
+        .unwrap()
+        .backend_mut()
+        .push_async_event(AsyncEvent {
+            nic: 1,
+            kind: AsyncEventKind::QpFatal {
+                qp_num: reply.qp_num[0],
+            },
+        });
+    tokio::time::timeout(T, handled.wait_for(|n| *n >= 1))
+        .await
+        .expect("the event is read")
+        .unwrap();
+    let hs = t.handshake().lock().unwrap();
+    assert_eq!(hs.endpoint(P_PATH).unwrap().state, EndpointState::Broken);
 }

@@ -14,8 +14,8 @@ use kvrecv::messages::{KvEvent, KvRequest};
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
 use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState, QpTransition};
 use kvrecv::rdma::verbs::{
-    FakeVerbs, HandShakeDesc, LocalNic, MrAccess, MrKeys, QpId, SegmentDescriptor, VerbsBackend,
-    VerbsError, WriteRefused,
+    FakeVerbs, HandShakeDesc, HandshakeConfig, LocalNic, MrAccess, MrKeys, QpId, SegmentDescriptor,
+    VerbsBackend, VerbsError, WriteRefused,
 };
 use kvrecv::sim::writer::NoopWriter;
 use kvrecv::sim::{Faults, PrefillSim, SimConfig};
@@ -41,6 +41,8 @@ impl SharedVerbs {
             gid: P_GID.parse().unwrap(),
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         }];
         SharedVerbs {
             inner: Arc::new(Mutex::new(FakeVerbs::new(nics.clone()))),
@@ -236,6 +238,58 @@ async fn an_uncertain_peer_is_fenced_by_host_without_manual_binding() {
     assert_eq!(stats.protocol, MooncakeProtocol::Rdma);
     assert_eq!(stats.handshakes, 2);
     w.kv.shutdown().await;
+}
+
+/// The builder's QP settings reach the handshake: every RTR carries the configured traffic
+/// class and service level.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builder_traffic_class_and_service_level_reach_the_qps() {
+    let verbs = SharedVerbs::new();
+    let backend = verbs.clone();
+    let kv = KvRecv::builder(KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        ..KvRecvConfig::default()
+    })
+    .rdma(move || Ok(backend.clone()))
+    .rdma_handshake(HandshakeConfig {
+        traffic_class: 106,
+        service_level: 3,
+        ..HandshakeConfig::default()
+    })
+    .start()
+    .unwrap();
+    let req = HandShakeDesc {
+        local_gid: P_GID.into(),
+        local_nic_path: "10.0.0.5:16001@mlx5_0".into(),
+        peer_nic_path: format!("{}@mlx5_0", kv.segment_name().unwrap()),
+        qp_num: vec![0x51, 0x52],
+        ..HandShakeDesc::default()
+    };
+    let (_, body) = request(
+        kv.handshake_addr().unwrap(),
+        Some(FrameType::Connection),
+        &req.to_json_line(),
+        PATIENCE,
+    )
+    .await
+    .unwrap();
+    let reply = HandShakeDesc::from_json(&body).unwrap();
+    assert!(reply.reply_msg.is_empty(), "{reply:?}");
+    for qp_num in reply.qp_num {
+        let rtr: Vec<QpTransition> = verbs
+            .inner
+            .lock()
+            .unwrap()
+            .transitions_of(QpId { nic: 0, qp_num })
+            .into_iter()
+            .filter(|t| matches!(t, QpTransition::ToRtr(_)))
+            .collect();
+        assert!(
+            matches!(&rtr[..], [QpTransition::ToRtr(r)] if (r.traffic_class, r.sl) == (106, 3)),
+            "{rtr:?}"
+        );
+    }
+    kv.shutdown().await;
 }
 
 /// P's TE connected from an address that is no peer's side-channel host: D cannot attribute

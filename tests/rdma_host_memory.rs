@@ -23,6 +23,8 @@ fn fake() -> FakeVerbs {
         gid: Default::default(),
         gid_index: 3,
         active_mtu: Mtu::Mtu4096,
+        link_layer: Default::default(),
+        numa_node: None,
     }])
 }
 

@@ -516,6 +516,27 @@ async fn rdma_protocol_is_honoured_or_refused_never_served_over_tcp() {
             "--num-blocks",
             "4",
         ],
+        // The device and QP options are accepted (and reach the device opening).
+        &[
+            "--protocol",
+            "rdma",
+            "--rdma-devices",
+            "mlx5_0,mlx5_1",
+            "--rdma-port",
+            "1",
+            "--rdma-gid-index",
+            "3",
+            "--rdma-traffic-class",
+            "106",
+            "--rdma-service-level",
+            "3",
+            "--layers",
+            "1",
+            "--block-len",
+            "64",
+            "--num-blocks",
+            "4",
+        ],
     ] {
         let mut s = Serve::start(args);
         let e = s.wait("error", |v| ev(v, "error") || ev(v, "ready")).await;

@@ -45,7 +45,7 @@ use tokio::net::unix::pipe;
 use super::event_line::event_line;
 use super::line_reader::{Line, LineReader};
 use super::serve_output::{output, Output, Writer};
-use super::serve_target::DataTarget;
+use super::serve_target::{DataTarget, RdmaOptions};
 use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::{KvRecvConfig, MooncakeProtocol, Policy};
 use kvrecv::control::control_cpu::unpin_current_thread;
@@ -99,6 +99,24 @@ pub struct ServeArgs {
     /// or `rdma` (the RDMA target on this host's devices; needs a build with `--features rdma`).
     #[arg(long, value_enum)]
     pub protocol: Option<Protocol>,
+    /// RDMA devices to use, comma-separated, in this order (default: every device). A listed
+    /// device that is absent, whose port is down or that has no usable GID is skipped with a
+    /// warning; startup fails only when none is usable.
+    #[arg(long, value_delimiter = ',')]
+    pub rdma_devices: Option<Vec<String>>,
+    /// RDMA port number on every device (Mooncake's `MC_IB_PORT`).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..))]
+    pub rdma_port: u8,
+    /// GID index on every device (`MC_GID_INDEX`; default: the best GID as Mooncake ranks
+    /// them, routable before private before link-local or overlay, RoCE v2 before v1).
+    #[arg(long)]
+    pub rdma_gid_index: Option<u8>,
+    /// GRH traffic class of D's queue pairs (`MC_IB_TC`; on RoCE v2, DSCP << 2).
+    #[arg(long, default_value_t = 0)]
+    pub rdma_traffic_class: u8,
+    /// Service level of D's queue pairs (`MC_IB_SL`).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..16))]
+    pub rdma_service_level: u8,
     /// Interface the TE handshake daemon and data server listen on. Nothing authenticates
     /// them (any host that reaches them can write into the advertised windows while a permit is
     /// open): bind the interface the prefill nodes use, never a public one.
@@ -304,6 +322,17 @@ impl ServeArgs {
         Ok(cfg)
     }
 
+    /// The RDMA target's device and queue-pair options (used with `--protocol rdma`).
+    pub fn rdma_options(&self) -> RdmaOptions {
+        RdmaOptions {
+            devices: self.rdma_devices.clone(),
+            port: self.rdma_port,
+            gid_index: self.rdma_gid_index,
+            traffic_class: self.rdma_traffic_class,
+            service_level: self.rdma_service_level,
+        }
+    }
+
     /// The data-plane target for `layout`.
     pub fn target(&self, layout: &KvLayout) -> Result<TargetConfig, String> {
         let advertise_host = match &self.advertise_host {
@@ -493,7 +522,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
         ..target
     };
     // Its tasks keep running on the data runtime's workers after this returns.
-    let target = match data_rt.block_on(DataTarget::start(&cfg, target_cfg)) {
+    let target = match data_rt.block_on(DataTarget::start(&cfg, target_cfg, &args.rdma_options())) {
         Ok(t) => t,
         Err(e) => return fail(format!("data plane: {e}")),
     };

@@ -23,26 +23,52 @@ fn n(a: &AtomicU64) -> u64 {
     a.load(Ordering::Relaxed)
 }
 
+/// `serve`'s `--rdma-*` options: which devices, port and GID, and the QPs' QoS.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaOptions {
+    pub devices: Option<Vec<String>>,
+    pub port: u8,
+    pub gid_index: Option<u8>,
+    pub traffic_class: u8,
+    pub service_level: u8,
+}
+
 impl DataTarget {
     /// Start the target `cfg.mooncake_protocol` names; an error is one line for the operator.
-    pub async fn start(cfg: &KvRecvConfig, tcp: TargetConfig) -> Result<DataTarget, String> {
+    pub async fn start(
+        cfg: &KvRecvConfig,
+        tcp: TargetConfig,
+        rdma: &RdmaOptions,
+    ) -> Result<DataTarget, String> {
         match cfg.mooncake_protocol {
             kvrecv::config::MooncakeProtocol::Tcp => TcpTarget::start(tcp)
                 .await
                 .map(DataTarget::Tcp)
                 .map_err(|e| e.to_string()),
-            kvrecv::config::MooncakeProtocol::Rdma => Self::start_rdma(tcp).await,
+            kvrecv::config::MooncakeProtocol::Rdma => Self::start_rdma(tcp, rdma).await,
         }
     }
 
     #[cfg(feature = "rdma")]
-    async fn start_rdma(tcp: TargetConfig) -> Result<DataTarget, String> {
-        use kvrecv::rdma::verbs::{DeviceConfig, IbvDevices, RdmaTarget, RdmaTargetConfig};
-        let devices =
-            IbvDevices::open(&DeviceConfig::default()).map_err(|e| format!("RDMA devices: {e}"))?;
+    async fn start_rdma(tcp: TargetConfig, rdma: &RdmaOptions) -> Result<DataTarget, String> {
+        use kvrecv::rdma::verbs::{
+            DeviceConfig, HandshakeConfig, IbvDevices, RdmaTarget, RdmaTargetConfig,
+        };
+        let device_cfg = DeviceConfig {
+            devices: rdma.devices.clone(),
+            port: rdma.port,
+            gid_index: rdma.gid_index,
+            ..DeviceConfig::default()
+        };
+        let devices = IbvDevices::open(&device_cfg).map_err(|e| format!("RDMA devices: {e}"))?;
         let cfg = RdmaTargetConfig {
             handshake_bind: tcp.handshake_bind,
             advertise_host: tcp.advertise_host.clone(),
+            handshake: HandshakeConfig {
+                traffic_class: rdma.traffic_class,
+                service_level: rdma.service_level,
+                ..HandshakeConfig::default()
+            },
             ..RdmaTargetConfig::loopback(tcp.layout.clone())
         };
         RdmaTarget::start(devices, cfg)
@@ -52,7 +78,7 @@ impl DataTarget {
     }
 
     #[cfg(not(feature = "rdma"))]
-    async fn start_rdma(_tcp: TargetConfig) -> Result<DataTarget, String> {
+    async fn start_rdma(_tcp: TargetConfig, _rdma: &RdmaOptions) -> Result<DataTarget, String> {
         Err(kvrecv::embed::StartError::RdmaNotBuilt.to_string())
     }
 

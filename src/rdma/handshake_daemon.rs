@@ -134,7 +134,8 @@ pub trait HandshakeService: Send + Sync + 'static {
     /// Reply body (JSON incl. its `\n`) to a Metadata request: the segment descriptor.
     fn metadata(&self, body: &[u8]) -> Vec<u8>;
 
-    /// Reply body (a HandShakeDesc JSON line) to a Connection request.
+    /// Reply body (a HandShakeDesc JSON line) to a Connection request. May block (firmware
+    /// calls): the daemon calls it on tokio's blocking pool.
     fn connection(&self, body: &[u8]) -> Vec<u8>;
 }
 
@@ -205,7 +206,8 @@ impl<B: VerbsBackend + 'static> HandshakeService for RdmaService<B> {
             .handshake
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        // Short synchronous verbs calls (create / modify QP): fine to run on the reactor.
+        // Synchronous verbs calls (create / modify / destroy QP): the daemon runs this on the
+        // blocking pool (`Daemon::handle`), never on a runtime worker.
         hs.on_connection_frame(body)
     }
 }
@@ -308,7 +310,22 @@ impl Daemon {
             tokio::time::timeout(RECV_TIMEOUT, read_frame(stream))
                 .await
                 .map_err(|_| FrameError::Timeout)??;
-        let reply = self.reply(ty, &body);
+        let reply = match ty {
+            // The RDMA endpoint handshake creates and modifies QPs (firmware commands that can
+            // take long on a busy NIC) under a std mutex: off the runtime, so that a slow one
+            // never stalls the other handshakes, the data plane or the coordinator.
+            FrameType::Connection => {
+                self.stats.connection.fetch_add(1, Ordering::Relaxed);
+                let service = Arc::clone(&self.service);
+                tokio::task::spawn_blocking(move || service.connection(&body))
+                    .await
+                    .unwrap_or_else(|e| {
+                        HandShakeDesc::rejection(format!("kvrecv: handshake handler failed: {e}"))
+                            .to_json_line()
+                    })
+            }
+            _ => self.reply(ty, &body),
+        };
         let mut frame = Vec::with_capacity(reply.len() + 9);
         let len = reply.len() as u64 + u64::from(typed);
         frame.extend_from_slice(&len.to_le_bytes());

@@ -50,6 +50,24 @@ pub enum VerbsError {
         port: u8,
         detail: String,
     },
+    /// Every device was skipped (port down, no usable GID, not present, open failed); each
+    /// entry says why.
+    #[error("no usable RDMA device: {}", super::device_select::describe_skipped(.0))]
+    NoUsableDevice(Vec<super::device_select::SkippedDevice>),
+    /// `RLIMIT_MEMLOCK` (even raised to the hard limit) is below what registering needs.
+    #[error(
+        "memory registration needs {need} bytes locked ({nics} NIC(s), plus {pinned} bytes \
+         already pinned) but RLIMIT_MEMLOCK is {} (hard {}): raise it (`ulimit -l unlimited`, \
+         systemd LimitMEMLOCK=infinity, docker --ulimit memlock=-1) or give kvrecv CAP_IPC_LOCK",
+        super::memlock::show(*.soft), super::memlock::show(*.hard)
+    )]
+    MemlockTooLow {
+        need: u64,
+        nics: usize,
+        pinned: u64,
+        soft: u64,
+        hard: u64,
+    },
     #[error("no such queue pair {0:?}")]
     UnknownQp(QpId),
     #[error("no memory registration at IOVA {0:#x}")]
@@ -115,4 +133,26 @@ pub trait VerbsBackend: Send {
     /// Drop the registration whose IOVA is `iova` on every device. Once this returns, no write
     /// with its rkeys can reach memory (the NIC answers a remote access error).
     fn deregister_memory(&mut self, iova: u64) -> Result<(), VerbsError>;
+
+    /// Before registering `bytes_per_nic` (page-rounded) on every device: make sure
+    /// `RLIMIT_MEMLOCK` allows it, raising the soft limit to the hard one if that is enough
+    /// ([`super::memlock::plan`]), else [`VerbsError::MemlockTooLow`]. Default: nothing to check
+    /// (a backend that pins nothing).
+    fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {
+        let _ = bytes_per_nic;
+        Ok(())
+    }
+
+    /// The async events pending now, without blocking (libibverbs: `ibv_get_async_event` on
+    /// each device's non-blocking async fd until EAGAIN, each acknowledged). Default: none.
+    fn take_async_events(&mut self) -> Vec<super::async_events::AsyncEvent> {
+        Vec::new()
+    }
+
+    /// File descriptors that turn readable when an async event is pending (libibverbs: each
+    /// device's `async_fd`). Owned by the backend and open for as long as it lives. Default:
+    /// none.
+    fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
+        Vec::new()
+    }
 }

@@ -61,9 +61,28 @@ impl PublishedDescriptor {
     }
 }
 
+/// The `priority_matrix` entry of one buffer location: `[preferred, available]` NIC names, as
+/// Mooncake's `topology.cpp` lists them for `cpu:<node>`: the NICs on that NUMA node are
+/// preferred, the others available (P picks among the preferred ones, and falls back to the
+/// others on retries). When the node of the location or of every NIC is unknown (a `cuda:<n>`
+/// location, or no NUMA information), or no NIC is on that node, every NIC is preferred.
+pub fn location_priority(location: &str, nics: &[LocalNic]) -> [Vec<String>; 2] {
+    let node = location
+        .strip_prefix("cpu:")
+        .and_then(|n| n.parse::<u32>().ok());
+    let (preferred, available): (Vec<&LocalNic>, Vec<&LocalNic>) = match node {
+        Some(node) => nics.iter().partition(|n| n.numa_node == Some(node)),
+        None => (Vec::new(), Vec::new()),
+    };
+    let names = |v: Vec<&LocalNic>| v.into_iter().map(|n| n.name.clone()).collect::<Vec<_>>();
+    if preferred.is_empty() {
+        return [nics.iter().map(|n| n.name.clone()).collect(), Vec::new()];
+    }
+    [names(preferred), names(available)]
+}
+
 /// Build the RDMA segment descriptor (PROTOCOL.md §6) for `nics` (device order) and `regions`.
-/// Every device is listed as preferred for every location: without a PCIe/NUMA topology D has no
-/// better ranking, and P then spreads its writes over all of D's NICs.
+/// The priority matrix prefers the NICs on each location's NUMA node ([`location_priority`]).
 pub fn build(
     segment_name: &str,
     nics: &[LocalNic],
@@ -98,7 +117,6 @@ pub fn build_live(
     }
     let mut buffers = Vec::with_capacity(regions.len());
     let mut priority_matrix = BTreeMap::new();
-    let all: Vec<String> = nics.iter().map(|n| n.name.clone()).collect();
     for (index, r) in regions.iter().enumerate() {
         if r.location.is_empty() || r.addr == 0 || r.length == 0 {
             return Err(DescriptorError::BadBuffer { index });
@@ -119,7 +137,7 @@ pub fn build_live(
         });
         priority_matrix
             .entry(r.location.clone())
-            .or_insert_with(|| [all.clone(), Vec::new()]);
+            .or_insert_with(|| location_priority(&r.location, nics));
     }
     Ok(SegmentDescriptor {
         buffers,
@@ -155,6 +173,8 @@ mod tests {
             gid: gid.parse().unwrap(),
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         }
     }
 
@@ -201,6 +221,43 @@ mod tests {
         );
         let back: SegmentDescriptor = serde_json::from_str(&line).unwrap();
         assert_eq!(back, d);
+    }
+
+    #[test]
+    fn nics_on_the_locations_numa_node_are_preferred_the_others_available() {
+        let mut n = nics();
+        n.push(nic(
+            "mlx5_2",
+            "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:02:07",
+        ));
+        n[0].numa_node = Some(0);
+        n[1].numa_node = Some(1);
+        n[2].numa_node = Some(1);
+        let s = |v: &[&str]| v.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            location_priority("cpu:1", &n),
+            [s(&["mlx5_1", "mlx5_2"]), s(&["mlx5_0"])]
+        );
+        assert_eq!(
+            location_priority("cpu:0", &n),
+            [s(&["mlx5_0"]), s(&["mlx5_1", "mlx5_2"])]
+        );
+        let all = [s(&["mlx5_0", "mlx5_1", "mlx5_2"]), Vec::new()];
+        // No NIC on that node, a GPU location, or no NUMA information: all preferred.
+        assert_eq!(location_priority("cpu:3", &n), all);
+        assert_eq!(location_priority("cuda:0", &n), all);
+        assert_eq!(
+            location_priority("cpu:1", &nics()),
+            [s(&["mlx5_0", "mlx5_1"]), vec![]]
+        );
+        // And it is what the descriptor carries.
+        let mut r = region(1, &[(1, 2), (3, 4), (5, 6)]);
+        r.location = "cpu:1".into();
+        let d = crate::rdma::verbs::descriptor::build("h:1", &n, &[r], "t".into()).unwrap();
+        assert_eq!(
+            d.priority_matrix["cpu:1"],
+            [s(&["mlx5_1", "mlx5_2"]), s(&["mlx5_0"])]
+        );
     }
 
     #[test]

@@ -3,6 +3,10 @@
 //! wiring can be tested the same way.
 
 use std::collections::BTreeMap;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+
+use super::async_events::AsyncEvent;
 
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 use super::nic::LocalNic;
@@ -63,6 +67,14 @@ pub enum WriteRefused {
     RemoteAccess,
 }
 
+/// Holds one backend call: `entered` is signalled when the call starts, which then waits until
+/// `release` receives (or its sender is dropped).
+#[derive(Debug)]
+pub struct FakeGate {
+    pub entered: std::sync::mpsc::Sender<()>,
+    pub release: std::sync::mpsc::Receiver<()>,
+}
+
 /// The fake backend.
 #[derive(Debug)]
 pub struct FakeVerbs {
@@ -80,6 +92,16 @@ pub struct FakeVerbs {
     pub query_override: Option<QpState>,
     /// Fail the next `deregister_memory` with this errno (the registration stays live).
     pub fail_deregister: Option<i32>,
+    /// Hold the next `create_rc_qps` until the test says so (a firmware call that hangs).
+    pub gate: Option<FakeGate>,
+    /// Async events pushed by a test, not yet taken.
+    events: std::collections::VecDeque<AsyncEvent>,
+    /// (reader, writer): a byte per pushed event, so the reader's fd turns readable like a
+    /// device's async fd. `None` if the pair could not be made.
+    event_pipe: Option<(UnixStream, UnixStream)>,
+    /// `RLIMIT_MEMLOCK` as (soft, hard) bytes, checked by `ensure_memlock` (soft raised when
+    /// allowed); `None`: unlimited.
+    pub memlock: Option<(u64, u64)>,
 }
 
 impl FakeVerbs {
@@ -95,6 +117,20 @@ impl FakeVerbs {
             fail_modify_to: None,
             query_override: None,
             fail_deregister: None,
+            memlock: None,
+            gate: None,
+            events: Default::default(),
+            event_pipe: UnixStream::pair()
+                .and_then(|(r, w)| r.set_nonblocking(true).map(|()| (r, w)))
+                .ok(),
+        }
+    }
+
+    /// Queue an async event as a device would report it (the fd turns readable).
+    pub fn push_async_event(&mut self, event: AsyncEvent) {
+        self.events.push_back(event);
+        if let Some((_, w)) = &mut self.event_pipe {
+            let _ = w.write_all(&[1]);
         }
     }
 
@@ -156,12 +192,24 @@ impl FakeVerbs {
         self.calls.clear();
     }
 
-    /// Legal per the verbs QP state machine (IB spec 10.3.1), restricted to what D requests.
-    fn legal(from: QpState, to: QpState) -> bool {
+    /// Legal as the kernel's `qp_state_table` (drivers/infiniband/core/verbs.c) has it, which
+    /// `ibv_modify_qp` enforces on real hardware: RESET → {RESET, INIT}; INIT → {RESET, ERR,
+    /// INIT, RTR}; RTR → {RESET, ERR, RTS}; RTS → {RESET, ERR, RTS, SQD}; SQD → {RESET, ERR,
+    /// RTS, SQD}; SQE → {RESET, ERR, RTS}; ERR → {RESET, ERR}. Notably RESET → ERR is refused.
+    /// SQD and SQE are [`QpState::Other`] with their `ibv_qp_state` codes (4 and 5).
+    pub fn legal(from: QpState, to: QpState) -> bool {
         use QpState::*;
+        const SQD: u32 = 4;
+        const SQE: u32 = 5;
         matches!(
             (from, to),
-            (_, Reset) | (_, Err) | (Reset, Init) | (Init, Init) | (Init, Rtr) | (Rtr, Rts)
+            (Reset, Reset | Init)
+                | (Init, Reset | Err | Init | Rtr)
+                | (Rtr, Reset | Err | Rts)
+                | (Rts, Reset | Err | Rts | Other(SQD))
+                | (Other(SQD), Reset | Err | Rts | Other(SQD))
+                | (Other(SQE), Reset | Err | Rts)
+                | (Err, Reset | Err)
         )
     }
 }
@@ -172,6 +220,10 @@ impl VerbsBackend for FakeVerbs {
     }
 
     fn create_rc_qps(&mut self, nic: usize, count: usize) -> Result<Vec<QpId>, VerbsError> {
+        if let Some(gate) = self.gate.take() {
+            let _ = gate.entered.send(());
+            let _ = gate.release.recv();
+        }
         if nic >= self.nics.len() {
             return Err(VerbsError::UnknownDevice(format!("#{nic}")));
         }
@@ -298,5 +350,94 @@ impl VerbsBackend for FakeVerbs {
             .remove(&iova)
             .map(|_| ())
             .ok_or(VerbsError::UnknownRegion(iova))
+    }
+
+    fn take_async_events(&mut self) -> Vec<AsyncEvent> {
+        if let Some((r, _)) = &mut self.event_pipe {
+            let mut sink = [0u8; 64];
+            while matches!(r.read(&mut sink), Ok(1..)) {}
+        }
+        self.events.drain(..).collect()
+    }
+
+    fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
+        use std::os::fd::AsRawFd;
+        self.event_pipe.iter().map(|(r, _)| r.as_raw_fd()).collect()
+    }
+
+    fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {
+        use super::memlock::{pinned_bytes, plan, MemlockPlan};
+        let Some((soft, hard)) = self.memlock else {
+            return Ok(());
+        };
+        let nics = self.nics.len();
+        let need = pinned_bytes([bytes_per_nic], nics, 4096);
+        match plan(soft, hard, 0, need, false) {
+            MemlockPlan::Enough => Ok(()),
+            MemlockPlan::RaiseSoft { to } => {
+                self.memlock = Some((to, hard));
+                Ok(())
+            }
+            MemlockPlan::TooLow => Err(VerbsError::MemlockTooLow {
+                need,
+                nics,
+                pinned: 0,
+                soft,
+                hard,
+            }),
+        }
+    }
+}
+
+#[cfg(test)]
+mod state_table_tests {
+    use super::*;
+    use QpState::*;
+
+    /// The kernel's `qp_state_table`, written out as the set of legal targets per state.
+    #[test]
+    fn legal_transitions_are_exactly_the_kernels() {
+        let all = [Reset, Init, Rtr, Rts, Other(4), Other(5), Err];
+        let kernel: [(QpState, &[QpState]); 7] = [
+            (Reset, &[Reset, Init]),
+            (Init, &[Reset, Err, Init, Rtr]),
+            (Rtr, &[Reset, Err, Rts]),
+            (Rts, &[Reset, Err, Rts, Other(4)]),
+            (Other(4), &[Reset, Err, Rts, Other(4)]),
+            (Other(5), &[Reset, Err, Rts]),
+            (Err, &[Reset, Err]),
+        ];
+        for (from, legal) in kernel {
+            for to in all {
+                assert_eq!(
+                    FakeVerbs::legal(from, to),
+                    legal.contains(&to),
+                    "{from:?} -> {to:?}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn a_fresh_qp_refuses_err_as_real_hardware_does() {
+        let mut f = FakeVerbs::new(vec![LocalNic {
+            name: "mlx5_0".into(),
+            port: 1,
+            lid: 0,
+            gid: Default::default(),
+            gid_index: 0,
+            active_mtu: crate::rdma::verbs::qp_attrs::Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
+        }]);
+        let qp = f.create_rc_qps(0, 1).unwrap()[0];
+        assert_eq!(
+            f.modify_qp(qp, &QpTransition::ToErr),
+            Result::Err(VerbsError::Os {
+                op: "ibv_modify_qp",
+                errno: 22
+            })
+        );
+        assert_eq!(f.state(qp), Some(Reset));
     }
 }

@@ -20,7 +20,8 @@ use super::peer_binding::{peer_host, segments_to_fence, PeerBinding};
 use crate::messages::PeerId;
 use crate::rdma::FenceError;
 
-/// The handshake handler, shared between the handshake daemon and the fence.
+/// The handshake handler, shared between the handshake daemon and the fence. A std mutex held
+/// across verbs calls: only ever locked off the async runtime (`spawn_blocking`) or at start.
 pub type SharedHandshake<B> = Arc<Mutex<PassiveHandshake<B>>>;
 
 /// Fences peers on RDMA. Cheap to clone; clones share bindings and endpoints.
@@ -150,11 +151,29 @@ impl<B: VerbsBackend + 'static> RdmaFence<B> {
         Ok(())
     }
 
-    /// The same, shaped like `Landing::fence`. The verbs calls are short syscalls, so the work
-    /// is done before the future is returned; the future only carries the result.
+    /// The same, shaped like `Landing::fence`. Inside a tokio runtime the verbs calls (which
+    /// are firmware commands: `ibv_modify_qp` can take milliseconds, far longer on a busy or
+    /// failing NIC, and the table's lock may be held by a handshake doing the same) run on the
+    /// blocking pool, so no runtime worker waits on them; outside one (plain executors in tests)
+    /// they run when the future is first polled.
     pub fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
-        let result = self.fence_now(peers);
-        Box::pin(async move { result })
+        let this = self.clone();
+        let peers = peers.to_vec();
+        Box::pin(async move {
+            if tokio::runtime::Handle::try_current().is_err() {
+                return this.fence_now(&peers);
+            }
+            let first = peers.first().cloned();
+            tokio::task::spawn_blocking(move || this.fence_now(&peers))
+                .await
+                .unwrap_or_else(|e| match first {
+                    Some(peer) => Err(FenceError::Failed {
+                        peer,
+                        reason: format!("fence task failed: {e}"),
+                    }),
+                    None => Ok(()),
+                })
+        })
     }
 }
 
@@ -178,6 +197,8 @@ mod tests {
                 .unwrap(),
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         };
         let t = PassiveHandshake::new(
             FakeVerbs::new(vec![nic]),

@@ -14,19 +14,24 @@ use std::ptr;
 
 use ibverbs_sys as ffi;
 
+use super::async_events::{AsyncEvent, AsyncEventKind};
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
+use super::device_select::{self, describe_port, devices_to_open, PortProbe, SkippedDevice};
 use super::gid::Gid;
-use super::nic::{select_gid, GidEntryInfo, GidKind, LocalNic};
-use super::qp_attrs::{Mtu, QpState, QpTransition};
+use super::gid_rank::{GidEntryInfo, GidKind};
+use super::nic::LocalNic;
+use super::qp_attrs::{QpState, QpTransition};
 
 /// Which devices to open and how (Mooncake's `MC_*` knobs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceConfig {
-    /// Device names to use, in this order; `None` = every device in libibverbs' order.
+    /// Device names to use, in this order (Mooncake's device filter); `None` = every device in
+    /// libibverbs' order. A listed device that is absent or unusable is skipped.
     pub devices: Option<Vec<String>>,
     /// Port number (`MC_IB_PORT`, default 1).
     pub port: u8,
-    /// GID index (`MC_GID_INDEX`); `None` = pick one (see `select_gid`).
+    /// GID index (`MC_GID_INDEX`); `None` = the best one as Mooncake ranks them
+    /// (`gid_rank::select_gid`).
     pub gid_index: Option<u8>,
     /// Completion queue size. D posts no work requests; the CQ exists because a QP needs one.
     pub cq_entries: i32,
@@ -80,8 +85,58 @@ fn os(op: &'static str, errno: i32) -> VerbsError {
     VerbsError::Os { op, errno }
 }
 
+/// The network interface with index `ifindex` (0: none), as sysfs `gid_attrs/ndevs` names it.
+fn interface_name(ifindex: u32) -> Option<String> {
+    if ifindex == 0 {
+        return None;
+    }
+    let mut buf = [0 as libc::c_char; libc::IF_NAMESIZE];
+    // SAFETY: `buf` has the IF_NAMESIZE bytes `if_indextoname` may write.
+    let p = unsafe { libc::if_indextoname(ifindex, buf.as_mut_ptr()) };
+    if p.is_null() {
+        return None;
+    }
+    // SAFETY: on success `buf` holds a NUL-terminated name.
+    Some(
+        unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned(),
+    )
+}
+
+/// sysfs `/sys/class/infiniband/<dev>/device/numa_node` (what Mooncake's topology reads);
+/// `None` for -1 (no NUMA affinity) or unreadable.
+fn numa_node(device: &str) -> Option<u32> {
+    std::fs::read_to_string(format!("/sys/class/infiniband/{device}/device/numa_node"))
+        .ok()
+        .and_then(|s| s.trim().parse::<i64>().ok())
+        .and_then(|n| u32::try_from(n).ok())
+}
+
+/// From `/proc/self/status`: bytes already pinned (`VmPin`) and whether `CAP_IPC_LOCK` (bit 14)
+/// is effective (the kernel then ignores RLIMIT_MEMLOCK for registrations).
+fn proc_status() -> (u64, bool) {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix(name))
+            .map(str::trim)
+    };
+    let pinned = field("VmPin:")
+        .and_then(|v| v.trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024);
+    let cap = field("CapEff:")
+        .and_then(|v| u64::from_str_radix(v, 16).ok())
+        .is_some_and(|bits| bits & (1 << 14) != 0);
+    (pinned, cap)
+}
+
 impl IbvDevices {
-    /// Open the configured devices, query port and GID, allocate a PD and a CQ on each.
+    /// Open the configured devices (every one, or the `devices` list), allocate a PD and a CQ on
+    /// each usable one. A device whose port is not ACTIVE, that has no usable GID, or that fails
+    /// to open is skipped with a warning (as Mooncake does); [`VerbsError::NoUsableDevice`] when
+    /// none is left, naming why each was skipped.
     pub fn open(config: &DeviceConfig) -> Result<IbvDevices, VerbsError> {
         let mut num = 0;
         // SAFETY: plain libibverbs call; the list is freed below.
@@ -111,33 +166,35 @@ impl IbvDevices {
         config: &DeviceConfig,
         all: &[(String, *mut ffi::ibv_device)],
     ) -> Result<IbvDevices, VerbsError> {
-        let chosen: Vec<(String, *mut ffi::ibv_device)> = match &config.devices {
-            None => all.to_vec(),
-            Some(names) => names
-                .iter()
-                .map(|n| {
-                    all.iter()
-                        .find(|(name, _)| name == n)
-                        .cloned()
-                        .ok_or_else(|| VerbsError::UnknownDevice(n.clone()))
-                })
-                .collect::<Result<_, _>>()?,
-        };
-        if chosen.is_empty() {
+        if all.is_empty() {
             return Err(VerbsError::NoDevice(String::new()));
         }
+        let present: Vec<String> = all.iter().map(|(n, _)| n.clone()).collect();
+        let (names, mut skipped) = devices_to_open(config.devices.as_deref(), &present);
         let mut me = IbvDevices {
             nics: Vec::new(),
             devices: Vec::new(),
             qps: BTreeMap::new(),
             mrs: BTreeMap::new(),
         };
-        for (name, dev) in chosen {
-            // On error `me` is dropped and releases what was opened so far.
-            let (nic, res) = Self::open_one(config, &name, dev)?;
-            me.nics.push(nic);
-            me.devices.push(res);
+        for name in names {
+            let Some(&(_, dev)) = all.iter().find(|(n, _)| *n == name) else {
+                continue;
+            };
+            match Self::open_one(config, &name, dev) {
+                Ok((nic, res)) => {
+                    tracing::info!(device = %nic.name, port = nic.port, gid_index = nic.gid_index,
+                        gid = %nic.gid, link_layer = ?nic.link_layer, numa_node = ?nic.numa_node,
+                        "RDMA device opened");
+                    me.nics.push(nic);
+                    me.devices.push(res);
+                }
+                Err(reason) => skipped.push(SkippedDevice { name, reason }),
+            }
         }
+        // On error `me` is dropped and releases what was opened.
+        me.nics = device_select::finish(std::mem::take(&mut me.nics), skipped)?;
+        device_select::warn_if_mixed(&me.nics);
         Ok(me)
     }
 
@@ -156,13 +213,28 @@ impl IbvDevices {
             pd: ptr::null_mut(),
             cq: ptr::null_mut(),
         };
-        let nic = match Self::describe(config, name, ctx) {
+        let nic = match Self::probe(config, name, ctx)
+            .and_then(|probe| describe_port(name, config.port, config.gid_index, &probe))
+        {
             Ok(nic) => nic,
             Err(e) => {
                 release(&res);
                 return Err(e);
             }
         };
+        // Non-blocking, so that `take_async_events` drains without waiting (Mooncake does the
+        // same before polling it).
+        // SAFETY: `ctx` is open; its `async_fd` is a descriptor it owns.
+        let nonblocking = unsafe {
+            let fd = (*ctx).async_fd;
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            flags >= 0 && libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK) == 0
+        };
+        if !nonblocking {
+            let e = os("fcntl(async_fd, O_NONBLOCK)", last_errno());
+            release(&res);
+            return Err(e);
+        }
         // SAFETY: `ctx` is open.
         res.pd = unsafe { ffi::ibv_alloc_pd(ctx) };
         if res.pd.is_null() {
@@ -182,24 +254,18 @@ impl IbvDevices {
         Ok((nic, res))
     }
 
-    /// Port state, LID, MTU and the GID to publish.
-    fn describe(
+    /// Port state, LID, MTU, link layer, the GID table with each entry's network device, and
+    /// the device's NUMA node: what `describe_port` decides on.
+    fn probe(
         config: &DeviceConfig,
         name: &str,
         ctx: *mut ffi::ibv_context,
-    ) -> Result<LocalNic, VerbsError> {
+    ) -> Result<PortProbe, VerbsError> {
         let mut attr = ffi::ibv_port_attr::default();
         // SAFETY: `ctx` is open; `attr` is a valid out-parameter.
         let rc = unsafe { ffi::ibv_query_port(ctx, config.port, &mut attr as *mut _ as *mut _) };
         if rc != 0 {
             return Err(os("ibv_query_port", rc));
-        }
-        if attr.state != ffi::ibv_port_state::IBV_PORT_ACTIVE {
-            return Err(VerbsError::PortNotActive {
-                nic: name.to_owned(),
-                port: config.port,
-                state: attr.state,
-            });
         }
         let len = attr.gid_tbl_len.max(0) as usize;
         // SAFETY: all-zero is a valid `ibv_gid_entry` (plain integers and a byte union).
@@ -217,35 +283,32 @@ impl IbvDevices {
         if n < 0 {
             return Err(os("ibv_query_gid_table", (-n) as i32));
         }
-        let entries: Vec<GidEntryInfo> = table[..n as usize]
+        let gids = table[..n as usize]
             .iter()
             .filter(|e| e.port_num == u32::from(config.port) && e.gid_index <= u32::from(u8::MAX))
-            .map(|e| GidEntryInfo {
-                index: e.gid_index as u8,
-                // SAFETY: every bit pattern of the union is a valid byte array.
-                gid: Gid(unsafe { e.gid.raw }),
-                kind: if e.gid_type == ffi::IBV_GID_TYPE_ROCE_V2 {
-                    GidKind::RoceV2
-                } else {
-                    GidKind::IbOrRoceV1
-                },
+            .filter_map(|e| {
+                let kind = match e.gid_type {
+                    ffi::IBV_GID_TYPE_IB => GidKind::Ib,
+                    ffi::IBV_GID_TYPE_ROCE_V1 => GidKind::RoceV1,
+                    ffi::IBV_GID_TYPE_ROCE_V2 => GidKind::RoceV2,
+                    _ => return None,
+                };
+                Some(GidEntryInfo {
+                    index: e.gid_index as u8,
+                    // SAFETY: every bit pattern of the union is a valid byte array.
+                    gid: Gid(unsafe { e.gid.raw }),
+                    kind,
+                    ndev: interface_name(e.ndev_ifindex),
+                })
             })
             .collect();
-        let chosen = select_gid(&entries, config.gid_index).ok_or_else(|| VerbsError::NoGid {
-            nic: name.to_owned(),
-            port: config.port,
-            detail: match config.gid_index {
-                Some(i) => format!(" (configured index {i} not in the table)"),
-                None => String::new(),
-            },
-        })?;
-        Ok(LocalNic {
-            name: name.to_owned(),
-            port: config.port,
+        Ok(PortProbe {
+            state: attr.state,
             lid: attr.lid,
-            gid: chosen.gid,
-            gid_index: chosen.index,
-            active_mtu: Mtu::from_code(attr.active_mtu).unwrap_or(Mtu::Mtu1024),
+            active_mtu: attr.active_mtu,
+            link_layer: attr.link_layer,
+            gids,
+            numa_node: numa_node(name),
         })
     }
 
@@ -346,6 +409,7 @@ fn qp_attr(t: &QpTransition) -> (ffi::ibv_qp_attr, u32) {
             a.ah_attr.grh.dgid.raw = r.dgid.0;
             a.ah_attr.grh.sgid_index = r.sgid_index;
             a.ah_attr.grh.hop_limit = r.hop_limit;
+            a.ah_attr.grh.traffic_class = r.traffic_class;
             m::IBV_QP_STATE
                 | m::IBV_QP_PATH_MTU
                 | m::IBV_QP_MIN_RNR_TIMER
@@ -512,6 +576,85 @@ impl VerbsBackend for IbvDevices {
         Ok(keys)
     }
 
+    fn take_async_events(&mut self) -> Vec<AsyncEvent> {
+        let mut out = Vec::new();
+        for (nic, res) in self.devices.iter().enumerate() {
+            loop {
+                // SAFETY: all-zero is a valid out-parameter (a null pointer in the union).
+                let mut ev: ffi::ibv_async_event = unsafe { std::mem::zeroed() };
+                // SAFETY: `res.ctx` is open and its async fd non-blocking: returns -1 (EAGAIN)
+                // when nothing is pending.
+                if unsafe { ffi::ibv_get_async_event(res.ctx, &mut ev) } != 0 {
+                    break;
+                }
+                // SAFETY: the union member read is the one `event_type` says is set, and a QP
+                // named by an event cannot be destroyed before the event is acknowledged.
+                let qp_num = || unsafe { (*ev.element.qp).qp_num };
+                let kind = match ev.event_type {
+                    ffi::IBV_EVENT_QP_FATAL => AsyncEventKind::QpFatal { qp_num: qp_num() },
+                    ffi::IBV_EVENT_QP_REQ_ERR => AsyncEventKind::QpReqErr { qp_num: qp_num() },
+                    ffi::IBV_EVENT_QP_ACCESS_ERR => {
+                        AsyncEventKind::QpAccessErr { qp_num: qp_num() }
+                    }
+                    ffi::IBV_EVENT_PATH_MIG_ERR => AsyncEventKind::PathMigErr { qp_num: qp_num() },
+                    ffi::IBV_EVENT_PORT_ERR => AsyncEventKind::PortErr {
+                        // SAFETY: port events set `port_num`.
+                        port: u8::try_from(unsafe { ev.element.port_num }).unwrap_or(0),
+                    },
+                    ffi::IBV_EVENT_DEVICE_FATAL => AsyncEventKind::DeviceFatal,
+                    code => AsyncEventKind::Other { code },
+                };
+                // SAFETY: `ev` came from `ibv_get_async_event` and is acknowledged once.
+                unsafe { ffi::ibv_ack_async_event(&mut ev) };
+                out.push(AsyncEvent { nic, kind });
+            }
+        }
+        out
+    }
+
+    fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
+        // SAFETY: every `ctx` is open while `self` lives.
+        self.devices
+            .iter()
+            .map(|res| unsafe { (*res.ctx).async_fd })
+            .collect()
+    }
+
+    fn ensure_memlock(&mut self, bytes_per_nic: u64) -> Result<(), VerbsError> {
+        use super::memlock::{pinned_bytes, plan, MemlockPlan};
+        use rlimit::Resource;
+        let (soft, hard) = Resource::MEMLOCK
+            .get()
+            .map_err(|e| os("getrlimit(RLIMIT_MEMLOCK)", e.raw_os_error().unwrap_or(0)))?;
+        // SAFETY: sysconf has no preconditions.
+        let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let nics = self.devices.len();
+        let need = pinned_bytes([bytes_per_nic], nics, page);
+        let (pinned, cap) = proc_status();
+        match plan(soft, hard, pinned, need, cap) {
+            MemlockPlan::Enough => Ok(()),
+            MemlockPlan::RaiseSoft { to } => {
+                Resource::MEMLOCK
+                    .set(to, hard)
+                    .map_err(|e| os("setrlimit(RLIMIT_MEMLOCK)", e.raw_os_error().unwrap_or(0)))?;
+                tracing::info!(
+                    from = soft,
+                    to,
+                    need,
+                    "RLIMIT_MEMLOCK soft limit raised for RDMA registration"
+                );
+                Ok(())
+            }
+            MemlockPlan::TooLow => Err(VerbsError::MemlockTooLow {
+                need,
+                nics,
+                pinned,
+                soft,
+                hard,
+            }),
+        }
+    }
+
     fn deregister_memory(&mut self, iova: u64) -> Result<(), VerbsError> {
         let mrs = self
             .mrs
@@ -549,8 +692,7 @@ mod tests {
                         e,
                         VerbsError::NoDevice(_)
                             | VerbsError::Unavailable(_)
-                            | VerbsError::PortNotActive { .. }
-                            | VerbsError::NoGid { .. }
+                            | VerbsError::NoUsableDevice(_)
                     ),
                     "{e:?}"
                 )
@@ -560,17 +702,26 @@ mod tests {
             devices: Some(vec!["no_such_dev".into()]),
             ..DeviceConfig::default()
         };
-        assert!(matches!(
-            IbvDevices::open(&named),
-            Err(VerbsError::UnknownDevice(_) | VerbsError::Unavailable(_))
-        ));
+        match IbvDevices::open(&named) {
+            Err(VerbsError::NoUsableDevice(skipped)) => {
+                assert_eq!(skipped[0].name, "no_such_dev");
+                assert_eq!(skipped[0].reason_label(), "not_present");
+            }
+            other => assert!(
+                matches!(
+                    other,
+                    Err(VerbsError::Unavailable(_) | VerbsError::NoDevice(_))
+                ),
+                "{other:?}"
+            ),
+        }
     }
 
     #[test]
     fn transitions_map_to_mooncake_masks() {
-        use super::super::qp_attrs::{connect_sequence, LocalPort, RemoteQp};
+        use super::super::qp_attrs::{connect_sequence_with, LocalPort, Mtu, PathAttrs, RemoteQp};
         use ffi::ibv_qp_attr_mask as m;
-        let seq = connect_sequence(
+        let seq = connect_sequence_with(
             LocalPort {
                 port: 1,
                 gid_index: 3,
@@ -582,6 +733,10 @@ mod tests {
                 gid: Gid([7; 16]),
                 qp_num: 0x99,
             },
+            PathAttrs {
+                traffic_class: 106,
+                service_level: 3,
+            },
         );
         let (a, mask) = qp_attr(&seq[2]);
         assert_eq!(a.qp_state, ffi::ibv_qp_state::IBV_QPS_RTR);
@@ -592,6 +747,7 @@ mod tests {
         // SAFETY: reading the byte view of the union.
         assert_eq!(unsafe { a.ah_attr.grh.dgid.raw }, [7; 16]);
         assert_eq!(mask & m::IBV_QP_AV.0, m::IBV_QP_AV.0);
+        assert_eq!((a.ah_attr.grh.traffic_class, a.ah_attr.sl), (106, 3));
         let (a, mask) = qp_attr(&QpTransition::ToErr);
         assert_eq!(
             (a.qp_state, mask),

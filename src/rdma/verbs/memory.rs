@@ -117,6 +117,8 @@ mod tests {
             gid: Default::default(),
             gid_index: 0,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         };
         FakeVerbs::new((0..n).map(nic).collect())
     }

@@ -8,15 +8,19 @@
 //! the `rdma` feature against [`FakeVerbs`]; only `ibverbs_device` (feature `rdma`) links
 //! libibverbs.
 
+pub mod async_events;
 pub mod backend;
 pub mod descriptor;
+pub mod device_select;
 pub mod endpoint;
 pub mod fake;
 pub mod fence;
 pub mod gid;
+pub mod gid_rank;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
 pub mod key_windows;
+pub mod memlock;
 pub mod memory;
 pub mod nic;
 pub mod nic_path;
@@ -29,8 +33,10 @@ pub mod window_registrations;
 
 pub use crate::messages::handshake::SegmentDescriptor;
 pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
+pub use async_events::{AsyncEvent, AsyncEventKind};
 pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 pub use descriptor::{DescriptorError, PublishedDescriptor, RegisteredRegion};
+pub use device_select::SkippedDevice;
 pub use endpoint::{Endpoint, EndpointState};
 pub use fake::{FakeVerbs, WriteRefused};
 pub use fence::{RdmaFence, SharedHandshake};
@@ -38,7 +44,7 @@ pub use gid::Gid;
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
 pub use memory::MemoryRegistrations;
-pub use nic::LocalNic;
+pub use nic::{LinkLayer, LocalNic};
 pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};
 pub use peer_binding::PeerBinding;
 pub use rdma_landing::{RdmaLanding, RdmaLandingError};

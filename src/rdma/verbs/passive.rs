@@ -4,11 +4,12 @@
 
 use thiserror::Error;
 
+use super::async_events::{AsyncEventKind, ASYNC_EVENTS};
 use super::backend::{VerbsBackend, VerbsError};
 use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
 use super::gid::{Gid, GidParseError};
 use super::nic_path::NicPath;
-use super::qp_attrs::Mtu;
+use super::qp_attrs::{Mtu, PathAttrs};
 use crate::messages::handshake_desc::HandShakeDesc;
 
 /// Mooncake's defaults: `MC_NUM_QP_PER_EP` and `MC_MTU`.
@@ -18,6 +19,10 @@ pub struct HandshakeConfig {
     pub qps_per_endpoint: usize,
     /// Upper bound of the path MTU. Default 4096.
     pub mtu_cap: Mtu,
+    /// GRH traffic class of D's QPs (`MC_IB_TC`). Default 0.
+    pub traffic_class: u8,
+    /// Service level of D's QPs (`MC_IB_SL`). Default 0.
+    pub service_level: u8,
 }
 
 impl Default for HandshakeConfig {
@@ -25,6 +30,8 @@ impl Default for HandshakeConfig {
         HandshakeConfig {
             qps_per_endpoint: 2,
             mtu_cap: Mtu::Mtu4096,
+            traffic_class: 0,
+            service_level: 0,
         }
     }
 }
@@ -72,7 +79,12 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
     pub fn new(backend: B, segment_name: impl Into<String>, config: HandshakeConfig) -> Self {
         PassiveHandshake {
             segment_name: segment_name.into(),
-            table: EndpointTable::new(backend, config.qps_per_endpoint, config.mtu_cap),
+            table: EndpointTable::new(backend, config.qps_per_endpoint, config.mtu_cap).with_path(
+                PathAttrs {
+                    traffic_class: config.traffic_class,
+                    service_level: config.service_level,
+                },
+            ),
         }
     }
 
@@ -94,9 +106,32 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
         self.table.servers()
     }
 
-    /// The endpoint keyed by P's NIC path, if any.
+    /// An endpoint from P's NIC path, if any: the one on D's first NIC (in device order) that
+    /// has one. With several D NICs, [`endpoint_on`](Self::endpoint_on) names the NIC.
     pub fn endpoint(&self, peer_nic_path: &str) -> Option<&Endpoint> {
-        self.table.get(peer_nic_path)
+        self.table.from_peer(peer_nic_path).next()
+    }
+
+    /// The endpoint from P's NIC path on D's NIC named `nic`.
+    pub fn endpoint_on(&self, nic: &str, peer_nic_path: &str) -> Option<&Endpoint> {
+        let i = self.nic_index(nic)?;
+        self.table.get(i, peer_nic_path)
+    }
+
+    /// Every endpoint from P's NIC path, in D NIC order (one per D NIC P connected to).
+    pub fn endpoints_from<'a>(
+        &'a self,
+        peer_nic_path: &'a str,
+    ) -> impl Iterator<Item = &'a Endpoint> {
+        self.table.from_peer(peer_nic_path)
+    }
+
+    fn nic_index(&self, name: &str) -> Option<usize> {
+        self.table
+            .backend()
+            .nics()
+            .iter()
+            .position(|n| n.name == name)
     }
 
     /// Handle one type-0 frame body and return the reply body (JSON line). Every failure,
@@ -138,11 +173,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             });
         }
         let nic = self
-            .table
-            .backend()
-            .nics()
-            .iter()
-            .position(|n| n.name == wanted.nic)
+            .nic_index(&wanted.nic)
             .ok_or_else(|| HandshakeReject::UnknownNic(wanted.nic.clone()))?;
         let expected = self.table.qps_per_endpoint();
         if req.qp_num.len() != expected {
@@ -152,7 +183,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             });
         }
         if req.ready_ack == Some(true) {
-            return self.confirm(&req);
+            return self.confirm(nic, &req);
         }
         if req.local_gid.is_empty() {
             return Err(HandshakeReject::MissingPeerGid);
@@ -176,7 +207,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             .map_err(HandshakeReject::Verbs)?;
         let local_qps = ep.local_qp_nums();
         let local = &self.table.backend().nics()[nic];
-        tracing::info!(peer = %req.local_nic_path, ?kind, qps = ?local_qps, "RDMA endpoint connected");
+        tracing::info!(peer = %req.local_nic_path, nic = %local.name, ?kind, qps = ?local_qps, "RDMA endpoint connected");
         Ok(HandShakeDesc {
             local_gid: local.gid.to_string(),
             local_lid: local.lid,
@@ -192,10 +223,14 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
 
     /// The `ready_ack: true` round: same QP numbers as the handshake, answered with an empty
     /// descriptor.
-    fn confirm(&mut self, req: &HandShakeDesc) -> Result<HandShakeDesc, HandshakeReject> {
+    fn confirm(
+        &mut self,
+        nic: usize,
+        req: &HandShakeDesc,
+    ) -> Result<HandShakeDesc, HandshakeReject> {
         let ep = self
             .table
-            .get(&req.local_nic_path)
+            .get(nic, &req.local_nic_path)
             .filter(|ep| {
                 matches!(
                     ep.state,
@@ -210,8 +245,35 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
             });
         }
         self.table
-            .set_state(&req.local_nic_path, EndpointState::Connected);
+            .set_state(nic, &req.local_nic_path, EndpointState::Connected);
         Ok(HandShakeDesc::default())
+    }
+
+    /// Take the backend's pending async events and act on them: an endpoint whose QP failed by
+    /// itself, or whose NIC's port or device went down, is marked Broken (so it is not reused
+    /// nor confirmed, and a re-handshake replaces its QPs). Each event is logged and counted.
+    /// Returns how many events were handled.
+    pub fn on_async_events(&mut self) -> usize {
+        let events = self.table.backend_mut().take_async_events();
+        for ev in &events {
+            let broken = self.table.on_async_event(ev);
+            let nic = self
+                .table
+                .backend()
+                .nics()
+                .get(ev.nic)
+                .map_or("?", |n| n.name.as_str());
+            metrics::counter!(ASYNC_EVENTS, "event" => ev.kind.label()).increment(1);
+            let peers: Vec<&str> = broken.iter().map(|k| k.peer_path.as_str()).collect();
+            match ev.kind {
+                AsyncEventKind::Other { code } => {
+                    tracing::info!(nic, code, "RDMA async event")
+                }
+                kind => tracing::warn!(nic, event = kind.label(), ?kind, broken = ?peers,
+                    "RDMA async event: endpoints marked broken"),
+            }
+        }
+        events.len()
     }
 
     /// Fence every endpoint of P segment `server` (QPs to ERR, confirmed). `Ok(n)`: `n`
@@ -246,6 +308,8 @@ mod tests {
             gid: D_GID.parse().unwrap(),
             gid_index: 3,
             active_mtu: mtu,
+            link_layer: Default::default(),
+            numa_node: None,
         }
     }
 
@@ -321,6 +385,25 @@ mod tests {
                 "QP {qp:?} must be connected to P QP {peer:#x} with the §6 attributes"
             );
             assert_eq!(fake.state(*qp), Some(QpState::Rts));
+        }
+    }
+
+    #[test]
+    fn configured_traffic_class_and_service_level_reach_every_rtr() {
+        let fake = FakeVerbs::new(vec![nic("mlx5_1", Mtu::Mtu4096)]);
+        let cfg = HandshakeConfig {
+            traffic_class: 106,
+            service_level: 3,
+            ..HandshakeConfig::default()
+        };
+        let mut t = PassiveHandshake::new(fake, D, cfg);
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        for qp in qps(&t) {
+            let rtr = t.backend().transitions_of(qp)[2].clone();
+            assert!(
+                matches!(&rtr, QpTransition::ToRtr(r) if (r.traffic_class, r.sl) == (106, 3)),
+                "{rtr:?}"
+            );
         }
     }
 
@@ -407,16 +490,94 @@ mod tests {
         assert_eq!(fake.live_qps(), 2);
     }
 
+    fn to_nic(qps: &[u32], ready_ack: Option<bool>, nic: &str) -> HandShakeDesc {
+        HandShakeDesc {
+            peer_nic_path: format!("{D}@{nic}"),
+            ..request(qps, ready_ack)
+        }
+    }
+
+    fn states_of(t: &PassiveHandshake<FakeVerbs>, ep: &Endpoint) -> Vec<Option<QpState>> {
+        ep.local_qps.iter().map(|q| t.backend().state(*q)).collect()
+    }
+
     #[test]
-    fn rehandshake_to_another_local_nic_replaces_the_qps() {
+    fn handshake_from_one_p_nic_to_a_second_d_nic_keeps_both_endpoints() {
+        // Mooncake's P picks one of D's NICs per slice: the same P NIC connects to both.
         let mut t = target();
-        let first = t.on_connection_request(request(&[1, 2], None)).unwrap();
-        let mut other = request(&[1, 2], None);
-        other.peer_nic_path = format!("{D}@mlx5_0");
-        let second = t.on_connection_request(other).unwrap();
+        let first = t
+            .on_connection_request(to_nic(&[1, 2], Some(false), "mlx5_1"))
+            .unwrap();
+        t.on_connection_request(to_nic(&[1, 2], Some(true), "mlx5_1"))
+            .unwrap();
+        t.backend_mut().clear_calls();
+        let second = t
+            .on_connection_request(to_nic(&[3, 4], None, "mlx5_0"))
+            .unwrap();
         assert_ne!(first.qp_num, second.qp_num);
-        assert_eq!(t.endpoint(P_PATH).unwrap().nic, 0);
-        assert_eq!(t.backend().live_qps(), 2, "old QPs destroyed");
+        let on1 = t.endpoint_on("mlx5_1", P_PATH).unwrap().clone();
+        let on0 = t.endpoint_on("mlx5_0", P_PATH).unwrap().clone();
+        assert_eq!((on0.nic, on1.nic), (0, 1));
+        assert_eq!(on1.local_qp_nums(), first.qp_num);
+        assert_eq!(
+            on1.state,
+            EndpointState::Connected,
+            "first endpoint untouched"
+        );
+        assert_eq!(on1.peer_qps, vec![1, 2]);
+        assert_eq!(states_of(&t, &on1), vec![Some(QpState::Rts); 2]);
+        assert_eq!(states_of(&t, &on0), vec![Some(QpState::Rts); 2]);
+        assert!(
+            t.backend().calls.iter().all(|c| match c {
+                VerbsCall::Create { nic, .. } => *nic == 0,
+                VerbsCall::Modify { qp, .. } | VerbsCall::Destroy { qp } => qp.nic == 0,
+                _ => true,
+            }),
+            "the second handshake touched mlx5_1's QPs: {:?}",
+            t.backend().calls
+        );
+        assert_eq!(t.backend().live_qps(), 4);
+        assert_eq!(t.endpoints_from(P_PATH).count(), 2);
+        // Each endpoint's confirmation round is its own.
+        assert!(t
+            .on_connection_request(to_nic(&[1, 2], Some(true), "mlx5_0"))
+            .is_err());
+    }
+
+    #[test]
+    fn fence_stops_the_segments_endpoints_on_every_d_nic() {
+        let mut t = target();
+        t.on_connection_request(to_nic(&[1, 2], None, "mlx5_1"))
+            .unwrap();
+        t.on_connection_request(to_nic(&[3, 4], None, "mlx5_0"))
+            .unwrap();
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(2));
+        for nic in ["mlx5_0", "mlx5_1"] {
+            let ep = t.endpoint_on(nic, P_PATH).unwrap().clone();
+            assert_eq!(ep.state, EndpointState::Fenced, "{nic}");
+            assert_eq!(states_of(&t, &ep), vec![Some(QpState::Err); 2], "{nic}");
+        }
+    }
+
+    #[test]
+    fn rehandshake_after_a_fence_gets_new_qps_and_the_old_numbers_reach_no_qp() {
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        let old = qps(&t);
+        assert_eq!(t.fence_server("10.0.0.5:16001"), Ok(1));
+        // Same peer QP numbers: P's retry after its endpoint was torn down.
+        let reply = t.on_connection_request(request(&[1, 2], None)).unwrap();
+        let new = qps(&t);
+        for qp in &old {
+            assert!(!new.contains(qp), "old QP {qp:?} reused");
+            assert!(!reply.qp_num.contains(&qp.qp_num));
+            assert_eq!(t.backend().state(*qp), None, "old QP {qp:?} not destroyed");
+        }
+        assert_eq!(
+            states_of(&t, t.endpoint(P_PATH).unwrap()),
+            vec![Some(QpState::Rts); 2]
+        );
+        assert_eq!(t.backend().live_qps(), 2);
     }
 
     #[test]
@@ -517,16 +678,19 @@ mod tests {
         );
         let ep = t.endpoint(P_PATH).unwrap().clone();
         assert_eq!(ep.state, EndpointState::Broken);
-        for qp in &ep.local_qps {
-            assert_eq!(
-                t.backend().state(*qp),
-                Some(QpState::Err),
-                "no QP may stay in RTR"
-            );
-        }
-        // The next attempt resets the same QPs and succeeds.
+        // The first QP failed at RTS (it was in RTR), the second never left RESET, which
+        // cannot go to ERR (the kernel refuses RESET → ERR) and accepts nothing as it is.
+        assert_eq!(
+            states_of(&t, &ep),
+            vec![Some(QpState::Err), Some(QpState::Reset)],
+            "no QP may stay in RTR"
+        );
+        // The next attempt replaces the broken QPs and succeeds.
         t.on_connection_request(request(&[1, 2], None)).unwrap();
-        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+        let again = t.endpoint(P_PATH).unwrap();
+        assert_eq!(again.state, EndpointState::Connected);
+        assert!(again.local_qps.iter().all(|q| !ep.local_qps.contains(q)));
+        assert_eq!(t.backend().live_qps(), 2);
     }
 
     fn qps(t: &PassiveHandshake<FakeVerbs>) -> Vec<QpId> {
@@ -557,7 +721,7 @@ mod tests {
         );
 
         // A confirmation on a fenced endpoint is refused; a re-handshake, even with the same
-        // peer QP numbers, resets the fenced QPs and connects again.
+        // peer QP numbers, connects new QPs.
         assert!(t
             .on_connection_request(request(&[1, 2], Some(true)))
             .is_err());
@@ -568,11 +732,84 @@ mod tests {
             assert_eq!(t.backend().transitions_of(qp)[0], QpTransition::ToReset);
             assert_eq!(t.backend().state(qp), Some(QpState::Rts));
         }
+        assert!(t
+            .backend()
+            .calls
+            .iter()
+            .any(|c| matches!(c, VerbsCall::Create { .. })));
         assert_eq!(
             t.fence_server("10.9.9.9:1"),
             Ok(0),
             "nothing connected, nothing to fence"
         );
+    }
+
+    #[test]
+    fn a_qp_that_fails_by_itself_breaks_its_endpoint_only_and_is_replaced_next_time() {
+        use crate::rdma::verbs::async_events::{AsyncEvent, AsyncEventKind};
+        let mut t = target();
+        t.on_connection_request(request(&[1, 2], Some(false)))
+            .unwrap();
+        let mut other = request(&[5, 6], None);
+        other.local_nic_path = "10.0.0.6:16001@mlx5_0".into();
+        t.on_connection_request(other).unwrap();
+        let failed = qps(&t);
+        t.backend_mut().push_async_event(AsyncEvent {
+            nic: 1,
+            kind: AsyncEventKind::QpFatal {
+                qp_num: failed[1].qp_num,
+            },
+        });
+        assert_eq!(t.on_async_events(), 1);
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Broken);
+        assert_eq!(
+            t.endpoint("10.0.0.6:16001@mlx5_0").unwrap().state,
+            EndpointState::Connected
+        );
+        assert_eq!(t.on_async_events(), 0, "taken once");
+        // Not confirmable; the same peer QPs are not reused but connected to new QPs.
+        assert!(t
+            .on_connection_request(request(&[1, 2], Some(true)))
+            .is_err());
+        t.on_connection_request(request(&[1, 2], None)).unwrap();
+        assert!(qps(&t).iter().all(|q| !failed.contains(q)));
+        assert_eq!(t.endpoint(P_PATH).unwrap().state, EndpointState::Connected);
+    }
+
+    #[test]
+    fn a_port_or_device_going_down_breaks_every_endpoint_on_that_nic() {
+        use crate::rdma::verbs::async_events::{AsyncEvent, AsyncEventKind};
+        let mut t = target();
+        t.on_connection_request(to_nic(&[1, 2], None, "mlx5_1"))
+            .unwrap();
+        t.on_connection_request(to_nic(&[3, 4], None, "mlx5_0"))
+            .unwrap();
+        let on = |t: &PassiveHandshake<FakeVerbs>, nic| t.endpoint_on(nic, P_PATH).unwrap().state;
+        for (nic, kind) in [
+            (1, AsyncEventKind::Other { code: 4 }),
+            (1, AsyncEventKind::PortErr { port: 2 }),
+        ] {
+            t.backend_mut().push_async_event(AsyncEvent { nic, kind });
+        }
+        assert_eq!(t.on_async_events(), 2);
+        assert_eq!(
+            on(&t, "mlx5_1"),
+            EndpointState::Connected,
+            "COMM_EST, other port"
+        );
+        t.backend_mut().push_async_event(AsyncEvent {
+            nic: 1,
+            kind: AsyncEventKind::PortErr { port: 1 },
+        });
+        t.on_async_events();
+        assert_eq!(on(&t, "mlx5_1"), EndpointState::Broken);
+        assert_eq!(on(&t, "mlx5_0"), EndpointState::Connected);
+        t.backend_mut().push_async_event(AsyncEvent {
+            nic: 0,
+            kind: AsyncEventKind::DeviceFatal,
+        });
+        t.on_async_events();
+        assert_eq!(on(&t, "mlx5_0"), EndpointState::Broken);
     }
 
     #[test]

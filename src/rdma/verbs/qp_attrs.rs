@@ -114,6 +114,8 @@ pub struct RtrAttrs {
     pub dgid: Gid,
     pub sgid_index: u8,
     pub hop_limit: u8,
+    /// GRH traffic class (`MC_IB_TC`; DSCP << 2 on RoCE v2), 0 by default.
+    pub traffic_class: u8,
     pub sl: u8,
     pub port: u8,
 }
@@ -136,7 +138,8 @@ pub enum QpTransition {
     ToInit(InitAttrs),
     ToRtr(RtrAttrs),
     ToRts(RtsAttrs),
-    /// Any → ERR: the fence. Incoming RDMA WRITEs on the QP are NAKed from here on.
+    /// Any → ERR (except from RESET, which the kernel refuses): the fence. A QP in ERR silently
+    /// drops incoming packets (no NAK); the writer sees its retries exhausted.
     ToErr,
 }
 
@@ -169,10 +172,29 @@ pub struct RemoteQp {
     pub qp_num: u32,
 }
 
+/// Fabric QoS of D's QPs, set at RTR in the address handle: Mooncake's `MC_IB_TC` (GRH traffic
+/// class) and `MC_IB_SL` (service level). Both 0 unless the fabric's QoS setup asks otherwise
+/// (e.g. a lossless RoCE priority mapped from a DSCP).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PathAttrs {
+    pub traffic_class: u8,
+    pub service_level: u8,
+}
+
 /// The four calls that connect one QP: any → RESET → INIT → RTR → RTS. RESET first even on a
-/// fresh QP because the same path re-connects an endpoint that was connected or fenced (ERR),
-/// and some NICs refuse INIT from anything but RESET.
+/// fresh QP because the same path re-connects an endpoint that was connected, and some NICs
+/// refuse INIT from anything but RESET. Traffic class and service level 0.
 pub fn connect_sequence(local: LocalPort, mtu_cap: Mtu, remote: RemoteQp) -> [QpTransition; 4] {
+    connect_sequence_with(local, mtu_cap, remote, PathAttrs::default())
+}
+
+/// [`connect_sequence`] with the fabric's traffic class and service level.
+pub fn connect_sequence_with(
+    local: LocalPort,
+    mtu_cap: Mtu,
+    remote: RemoteQp,
+    path: PathAttrs,
+) -> [QpTransition; 4] {
     [
         QpTransition::ToReset,
         QpTransition::ToInit(InitAttrs {
@@ -190,7 +212,8 @@ pub fn connect_sequence(local: LocalPort, mtu_cap: Mtu, remote: RemoteQp) -> [Qp
             dgid: remote.gid,
             sgid_index: local.gid_index,
             hop_limit: HOP_LIMIT,
-            sl: 0,
+            traffic_class: path.traffic_class,
+            sl: path.service_level,
             port: local.port,
         }),
         QpTransition::ToRts(RtsAttrs {
@@ -253,6 +276,31 @@ mod tests {
                 max_rd_atomic: 16
             })
         );
+    }
+
+    #[test]
+    fn traffic_class_and_service_level_go_into_the_rtr_address_handle() {
+        let local = LocalPort {
+            port: 1,
+            gid_index: 3,
+            active_mtu: Mtu::Mtu4096,
+        };
+        let remote = RemoteQp {
+            lid: 0,
+            gid: Gid::default(),
+            qp_num: 1,
+        };
+        let path = PathAttrs {
+            traffic_class: 106,
+            service_level: 3,
+        };
+        let seq = connect_sequence_with(local, Mtu::Mtu4096, remote, path);
+        let QpTransition::ToRtr(rtr) = &seq[2] else {
+            panic!("{:?}", seq[2])
+        };
+        assert_eq!((rtr.traffic_class, rtr.sl), (106, 3));
+        let plain = connect_sequence(local, Mtu::Mtu4096, remote);
+        assert!(matches!(&plain[2], QpTransition::ToRtr(r) if (r.traffic_class, r.sl) == (0, 0)));
     }
 
     #[test]

@@ -14,7 +14,7 @@
 //!   registered in its place at a slot not advertised before. The fence holds once none of a
 //!   peer's windows is registered, whether or not its queue pairs could be found.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::future::LocalBoxFuture;
 use thiserror::Error;
@@ -108,6 +108,11 @@ struct Windows {
 pub struct RdmaLanding<B> {
     host: String,
     port: u32,
+    core: Arc<Core<B>>,
+}
+
+/// What the fence needs, shared with the blocking task it runs on.
+struct Core<B> {
     segment: String,
     handshake: SharedHandshake<B>,
     fence: RdmaFence<B>,
@@ -204,21 +209,24 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
         let first = cfg.first_slot.unwrap_or_else(rand::random);
         let host = host.into();
         let landing = RdmaLanding {
-            segment: format!("{host}:{port}"),
+            core: Arc::new(Core {
+                segment: format!("{host}:{port}"),
+                handshake,
+                fence,
+                windows: Mutex::new(Windows {
+                    keys: KeyWindows::new(slots, want, first),
+                    regs,
+                    closed: false,
+                }),
+                published: PublishedDescriptor::default(),
+            }),
             host,
             port: u32::from(port),
-            handshake,
-            fence,
-            windows: Mutex::new(Windows {
-                keys: KeyWindows::new(slots, want, first),
-                regs,
-                closed: false,
-            }),
-            published: PublishedDescriptor::default(),
         };
         {
-            let mut w = lock(&landing.windows);
-            let mut hs = lock(&landing.handshake);
+            let core = &landing.core;
+            let mut w = lock(&core.windows);
+            let mut hs = lock(&core.handshake);
             while w.keys.missing() > 0 {
                 let Some(slot) = w.keys.fresh_slot() else {
                     break;
@@ -230,7 +238,7 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
                 w.keys.added(slot);
             }
             let d = super::descriptor::build(
-                &landing.segment,
+                &core.segment,
                 hs.backend().nics(),
                 &w.regs.regions(),
                 timestamp(),
@@ -251,40 +259,104 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
                     regions: layout.regions.len(),
                 });
             }
-            landing.published.set(&d);
+            core.published.set(&d);
         }
         Ok(landing)
     }
 
     /// Record that `peer` writes from Mooncake segment `segment` (`host:port`).
     pub fn bind_peer(&self, peer: PeerId, segment: impl Into<String>) {
-        self.fence.bind_peer(peer, segment);
+        self.core.fence.bind_peer(peer, segment);
     }
 
     /// The descriptor the handshake daemon serves (it changes as windows are retired).
     pub fn published(&self) -> PublishedDescriptor {
-        self.published.clone()
+        self.core.published.clone()
     }
 
     /// IOVA slots of the registered windows.
     pub fn live_windows(&self) -> Vec<u32> {
-        lock(&self.windows).keys.live()
+        lock(&self.core.windows).keys.live()
     }
 
     /// The advertised base of every layout region of registered window `slot`.
     pub fn window_bases(&self, slot: u32) -> Option<crate::rdma::RegionBases> {
-        lock(&self.windows).regs.bases(slot)
+        lock(&self.core.windows).regs.bases(slot)
     }
 
     /// Deregister every window (the target stops; nothing registers again). On an error the
     /// memory must not be released: the NIC may still write into it.
     pub fn close(&self) -> Result<(), super::backend::VerbsError> {
-        let mut w = lock(&self.windows);
+        let mut w = lock(&self.core.windows);
         w.closed = true;
-        let mut hs = lock(&self.handshake);
+        let mut hs = lock(&self.core.handshake);
         w.regs.deregister_all(hs.backend_mut())
     }
+}
 
+impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
+    fn endpoint(&self) -> (&str, u32) {
+        (&self.host, self.port)
+    }
+
+    fn open_pull(&self, window: &PullWindow<'_>) -> crate::rdma::RegionBases {
+        // The peer's host becomes a known one: segments there are its, not orphans.
+        self.core.fence.note_peer(window.peer);
+        let addr = window.peer.addr();
+        let host = peer_host(addr).unwrap_or_else(|| addr.to_owned());
+        let mut w = lock(&self.core.windows);
+        match w.keys.assign(addr, &host) {
+            Some(slot) => w
+                .regs
+                .bases(slot)
+                .unwrap_or_else(|| w.regs.unregistered_bases()),
+            None => {
+                metrics::counter!("kvrecv_rdma_pulls_without_window_total").increment(1);
+                tracing::warn!(peer = %addr, "no clean RDMA landing window: the pull's writes will be refused");
+                w.regs.unregistered_bases()
+            }
+        }
+    }
+
+    fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
+        let poisoned = if r.suspects.is_empty() {
+            0
+        } else {
+            let suspects: Vec<&str> = r.suspects.iter().map(PeerId::addr).collect();
+            lock(&self.core.windows).keys.poison(&suspects)
+        };
+        Revoked {
+            revocation: Revocation::NotExact,
+            poisoned,
+            quiesced: None,
+        }
+    }
+
+    fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
+        // Firmware calls (QPs to ERR, deregistration, a replacement registration of the whole
+        // layout) run on the blocking pool, never on the actor's thread; inside no runtime
+        // (plain executors in tests) when first polled.
+        let core = Arc::clone(&self.core);
+        let peers = peers.to_vec();
+        Box::pin(async move {
+            if tokio::runtime::Handle::try_current().is_err() {
+                return core.fence_now(&peers);
+            }
+            let first = peers.first().cloned();
+            tokio::task::spawn_blocking(move || core.fence_now(&peers))
+                .await
+                .unwrap_or_else(|e| match first {
+                    Some(peer) => Err(FenceError::Failed {
+                        peer,
+                        reason: format!("fence task failed: {e}"),
+                    }),
+                    None => Ok(()),
+                })
+        })
+    }
+}
+
+impl<B: VerbsBackend + 'static> Core<B> {
     /// Retire every poisoned window and register clean ones in their place; then publish the
     /// descriptor. Returns the first deregistration error.
     fn retire_poisoned(&self) -> Option<String> {
@@ -333,47 +405,11 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
         }
         error
     }
-}
 
-impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
-    fn endpoint(&self) -> (&str, u32) {
-        (&self.host, self.port)
-    }
-
-    fn open_pull(&self, window: &PullWindow<'_>) -> crate::rdma::RegionBases {
-        // The peer's host becomes a known one: segments there are its, not orphans.
-        self.fence.note_peer(window.peer);
-        let addr = window.peer.addr();
-        let host = peer_host(addr).unwrap_or_else(|| addr.to_owned());
-        let mut w = lock(&self.windows);
-        match w.keys.assign(addr, &host) {
-            Some(slot) => w
-                .regs
-                .bases(slot)
-                .unwrap_or_else(|| w.regs.unregistered_bases()),
-            None => {
-                metrics::counter!("kvrecv_rdma_pulls_without_window_total").increment(1);
-                tracing::warn!(peer = %addr, "no clean RDMA landing window: the pull's writes will be refused");
-                w.regs.unregistered_bases()
-            }
-        }
-    }
-
-    fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
-        let poisoned = if r.suspects.is_empty() {
-            0
-        } else {
-            let suspects: Vec<&str> = r.suspects.iter().map(PeerId::addr).collect();
-            lock(&self.windows).keys.poison(&suspects)
-        };
-        Revoked {
-            revocation: Revocation::NotExact,
-            poisoned,
-            quiesced: None,
-        }
-    }
-
-    fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
+    /// The fence, synchronously: the peers' queue pairs to ERR (writes in flight stop), then
+    /// every poisoned window retired. A peer whose queue pairs cannot be found is still fenced
+    /// once its windows' keys are all destroyed.
+    fn fence_now(&self, peers: &[PeerId]) -> Result<(), FenceError> {
         // Queue pairs first: writes in flight stop now. A peer whose queue pairs cannot be
         // found is still fenced below if its windows' keys are all destroyed.
         let qp_results: Vec<Result<(), FenceError>> = peers
@@ -406,7 +442,7 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
             });
             break;
         }
-        Box::pin(async move { result })
+        result
     }
 }
 
@@ -449,6 +485,8 @@ mod tests {
                 .unwrap(),
             gid_index: 3,
             active_mtu: Mtu::Mtu4096,
+            link_layer: Default::default(),
+            numa_node: None,
         };
         Arc::new(Mutex::new(PassiveHandshake::new(
             FakeVerbs::new(vec![nic]),

@@ -7,9 +7,11 @@ use std::sync::{Arc, Mutex};
 
 use thiserror::Error;
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use super::backend::{MrAccess, VerbsBackend};
+use super::async_events;
+use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::fence::{RdmaFence, SharedHandshake};
 use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::peer_binding::PeerBinding;
@@ -74,6 +76,9 @@ pub enum RdmaTargetError {
     /// Checked before anything is registered, so a refused start leaves no registration.
     #[error("host regions: {0}")]
     HostRegions(String),
+    /// RLIMIT_MEMLOCK too low for the windows' registrations, or another verbs failure.
+    #[error("memory registration: {0}")]
+    Register(#[from] VerbsError),
     #[error("landing: {0}")]
     Landing(#[from] RdmaLandingError),
 }
@@ -90,6 +95,10 @@ pub struct RdmaTarget<B: VerbsBackend + 'static> {
     segment: String,
     handshake_addr: SocketAddr,
     task: JoinHandle<()>,
+    /// Reads the devices' async events (`async_events::watch`).
+    events_task: JoinHandle<()>,
+    /// How many async events were handled so far.
+    async_events: Arc<watch::Sender<u64>>,
 }
 
 impl<B: VerbsBackend + 'static> std::fmt::Debug for RdmaTarget<B> {
@@ -128,6 +137,16 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         if let Some(host) = &cfg.host_memory {
             check_host_regions(&cfg.layout, host)?;
         }
+        // The kernel charges every registration of the same pages again: one per window.
+        let bytes_per_nic = match &cfg.host_memory {
+            Some(host) => host.regions().iter().map(|r| r.len() as u64).sum(),
+            None => len as u64,
+        };
+        handshake
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .backend_mut()
+            .ensure_memlock(bytes_per_nic.saturating_mul(cfg.windows.max(1) as u64))?;
         // kvrecv's own buffer, or nothing when the host gave its regions.
         let mut owned = match &cfg.host_memory {
             Some(_) => None,
@@ -177,6 +196,11 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             .len();
         let daemon = Arc::new(Daemon::rdma(landing.published(), Arc::clone(&handshake)));
         let task = tokio::spawn(handshake_daemon::serve(listener, Arc::clone(&daemon)));
+        let async_events = Arc::new(watch::channel(0u64).0);
+        let events_task = tokio::spawn(async_events::watch(
+            Arc::clone(&handshake),
+            Arc::clone(&async_events),
+        ));
         tracing::info!(%handshake_addr, segment = %name, devices = nics, windows = cfg.windows, "RDMA target listening");
         Ok(RdmaTarget {
             handshake,
@@ -186,6 +210,8 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             segment: name,
             handshake_addr,
             task,
+            events_task,
+            async_events,
         })
     }
 
@@ -215,6 +241,12 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         self.handshake_addr
     }
 
+    /// The number of device async events handled so far (QP fatal, port down, ...: their
+    /// endpoints are marked Broken), as it changes.
+    pub fn async_events_handled(&self) -> watch::Receiver<u64> {
+        self.async_events.subscribe()
+    }
+
     pub fn handshake_stats(&self) -> &Arc<HandshakeStats> {
         &self.daemon.stats
     }
@@ -229,6 +261,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
 impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
     fn drop(&mut self) {
         self.task.abort();
+        self.events_task.abort();
         if let Err(e) = self.landing.close() {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
             std::mem::forget(self.owned.take());
