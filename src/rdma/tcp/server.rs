@@ -16,7 +16,7 @@ use tokio::sync::Semaphore;
 use crate::block_ownership::BlockOwnership;
 use crate::telemetry as m;
 
-use super::permits::{Access, Admitted, PermitTable, RejectReason};
+use super::permits::{Access, Admitted, OwnedGateGuard, PermitTable, RejectReason};
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
 use crate::rdma::audit::{AuditCounters, Auditor};
@@ -368,10 +368,13 @@ fn landed(plane: &DataPlane, admitted: &Admitted, size: u64) {
     labels.counter(m::WRITES_LANDED).increment(1);
 }
 
-/// [`land`] for memory the server cannot address (the host's device regions): socket bytes
-/// collect in a staging buffer of at most [`STAGING_CHUNK`] bytes and are copied to the device
-/// inside the permit's gate, so a revocation either precedes a copy or waits for it; bytes
-/// staged before a revocation are dropped, never copied.
+/// [`land`] for memory the server cannot address (device memory): socket bytes collect in a
+/// staging buffer of at most [`STAGING_CHUNK`] bytes, then go to the device on tokio's blocking
+/// pool (a device copy and the wait for it never run on a runtime worker). Each copy holds the
+/// permit's gate until the device has the bytes, even if this task is dropped meanwhile, so a
+/// revocation either precedes a copy or waits for it to complete; bytes staged before a
+/// revocation are dropped, never copied. The write counts as landed only after its last copy
+/// returned.
 async fn land_staged(
     stream: &mut TcpStream,
     plane: &DataPlane,
@@ -383,7 +386,7 @@ async fn land_staged(
     let mut staging = vec![0u8; (size as usize).min(STAGING_CHUNK)];
     let (mut pos, mut filled) = (0u64, 0usize);
     loop {
-        {
+        let done = {
             let Some(_gate) = admitted.enter() else {
                 return Err(reject(stream, plane, h, RejectReason::Revoked).await);
             };
@@ -392,35 +395,79 @@ async fn land_staged(
                 Ok(0) => return Err(ConnEnd::Eof),
                 Ok(n) => {
                     filled += n;
-                    let done = pos + filled as u64 == size;
-                    if filled == staging.len() || done {
-                        plane
-                            .memory
-                            .upload(r.mem_offset + pos, &staging[..filled])?;
-                        if let Some(a) = plane.audit.get() {
-                            a.check(
-                                &staging[..filled],
-                                r.offset + pos,
-                                plane.map.block_len(r.region),
-                            );
-                        }
-                        pos += filled as u64;
-                        filled = 0;
-                    }
-                    if done {
-                        return Ok(());
-                    }
-                    continue;
+                    Some(pos + filled as u64 == size)
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
                 Err(e) => return Err(e.into()),
             }
-        }
-        match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
-            Err(_) => return Err(ConnEnd::Idle),
-            Ok(r) => r?,
+        };
+        match done {
+            Some(done) if filled == staging.len() || done => {
+                let Some(gate) = admitted.enter_owned() else {
+                    return Err(reject(stream, plane, h, RejectReason::Revoked).await);
+                };
+                staging = upload(plane, gate, r.mem_offset + pos, staging, filled).await?;
+                if let Some(a) = plane.audit.get() {
+                    a.check(
+                        &staging[..filled],
+                        r.offset + pos,
+                        plane.map.block_len(r.region),
+                    );
+                }
+                pos += filled as u64;
+                filled = 0;
+                if done {
+                    return Ok(());
+                }
+            }
+            Some(_) => {}
+            None => match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
+                Err(_) => return Err(ConnEnd::Idle),
+                Ok(r) => r?,
+            },
         }
     }
+}
+
+/// Copy `buf[..len]` to destination offset `at` on the blocking pool, `gate` held until the
+/// device has the bytes; the buffer comes back for the next chunk.
+async fn upload(
+    plane: &DataPlane,
+    gate: OwnedGateGuard,
+    at: u64,
+    buf: Vec<u8>,
+    len: usize,
+) -> Result<Vec<u8>, ConnEnd> {
+    let memory = Arc::clone(&plane.memory);
+    let (buf, copied) = tokio::task::spawn_blocking(move || {
+        let copied = memory.upload(at, &buf[..len]);
+        drop(gate);
+        (buf, copied)
+    })
+    .await
+    .map_err(|e| ConnEnd::Memory(MemoryError::Cuda(format!("device copy task: {e}"))))?;
+    copied?;
+    Ok(buf)
+}
+
+/// Copy `buf.len()` destination bytes at `at` out of staged (device) memory on the blocking
+/// pool, `gate` held until they are out.
+async fn download(
+    plane: &DataPlane,
+    gate: OwnedGateGuard,
+    at: u64,
+    mut buf: Vec<u8>,
+) -> Result<Vec<u8>, ConnEnd> {
+    let memory = Arc::clone(&plane.memory);
+    let (buf, copied) = tokio::task::spawn_blocking(move || {
+        let copied = memory.read(at, &mut buf);
+        drop(gate);
+        (buf, copied)
+    })
+    .await
+    .map_err(|e| ConnEnd::Memory(MemoryError::Cuda(format!("device copy task: {e}"))))?;
+    copied?;
+    Ok(buf)
 }
 
 /// Write `bytes`, giving up after the idle timeout without progress (a reader that stopped).
@@ -453,17 +500,21 @@ async fn serve_read(
     let mut pos = 0u64;
     while pos < h.size {
         let n = (h.size - pos).min(CHUNK) as usize;
-        {
-            let Some(_gate) = admitted.enter() else {
-                // Mid-stream: no status frame can follow the data already sent; the close says it.
-                plane
-                    .stats
-                    .rejected(RejectReason::Revoked)
-                    .fetch_add(1, Ordering::Relaxed);
-                let _ = stream.shutdown().await;
-                return Err(ConnEnd::Rejected(RejectReason::Revoked));
-            };
+        let Some(gate) = admitted.enter_owned() else {
+            // Mid-stream: no status frame can follow the data already sent; the close says it.
+            plane
+                .stats
+                .rejected(RejectReason::Revoked)
+                .fetch_add(1, Ordering::Relaxed);
+            let _ = stream.shutdown().await;
+            return Err(ConnEnd::Rejected(RejectReason::Revoked));
+        };
+        if plane.memory.is_staged() {
+            buf.truncate(n);
+            buf = download(plane, gate, r.mem_offset + pos, buf).await?;
+        } else {
             plane.memory.read(r.mem_offset + pos, &mut buf[..n])?;
+            drop(gate);
         }
         send(stream, plane, &buf[..n]).await?;
         pos += n as u64;
