@@ -239,3 +239,107 @@ impl Drop for CudaSlot {
         }
     }
 }
+
+/// The GPU side of GPUDirect RDMA for the host's regions: checked with the driver as for the
+/// TCP target, each exported as a dma-buf of the allocation holding it.
+pub(crate) struct CudaExport {
+    ctx: CopyCtx,
+    /// `(region pointer, its attributes)`.
+    regions: Vec<(u64, PointerAttributes)>,
+    /// `CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED`.
+    dma_buf: bool,
+}
+
+impl std::fmt::Debug for CudaExport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaExport")
+            .field("regions", &self.regions.len())
+            .field("dma_buf", &self.dma_buf)
+            .finish()
+    }
+}
+
+impl CudaExport {
+    /// `regions`: `(device pointer, bytes the layout uses)` on GPU `ordinal`.
+    pub(crate) fn new(ordinal: usize, regions: &[(u64, u64)]) -> Result<Self, MemoryError> {
+        let primary = primary(ordinal)?;
+        let mut attrs = Vec::with_capacity(regions.len());
+        for (i, &(ptr, _)) in regions.iter().enumerate() {
+            attrs.push(
+                pointer_attributes(ptr).map_err(|e| MemoryError::UnknownPointer {
+                    region: i,
+                    error: format!("{e:?}"),
+                })?,
+            );
+        }
+        let named: Vec<(usize, u64, u64)> = regions.iter().map(|&(p, l)| (ordinal, p, l)).collect();
+        let raw = match check_regions(&named, &attrs, primary.cu_ctx() as usize)? {
+            CopyContext::Primary => primary.cu_ctx(),
+            CopyContext::Host(c) => c as sys::CUcontext,
+        };
+        let dma_buf = primary
+            .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)
+            .is_ok_and(|v| v == 1);
+        Ok(CudaExport {
+            ctx: CopyCtx {
+                raw,
+                _primary: primary,
+            },
+            regions: regions.iter().map(|&(p, _)| p).zip(attrs).collect(),
+            dma_buf,
+        })
+    }
+}
+
+impl crate::rdma::verbs::DeviceMemoryExport for CudaExport {
+    fn dma_buf(&self, ptr: u64, len: u64) -> Result<crate::rdma::verbs::DmaBuf, String> {
+        use std::os::fd::FromRawFd;
+        if !self.dma_buf {
+            return Err("the GPU driver does not export dma-bufs (CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED is 0; \
+                 needs the open kernel modules)"
+                .into());
+        }
+        let a = self
+            .regions
+            .iter()
+            .find(|(p, _)| *p == ptr)
+            .map(|(_, a)| a)
+            .ok_or_else(|| format!("{ptr:#x} is not a registered device region"))?;
+        // The whole allocation, widened to host pages as the call requires; the region is
+        // `offset` bytes into it.
+        // SAFETY: sysconf has no preconditions. 64 KiB on some Arm nodes (Grace).
+        let page = u64::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).unwrap_or(4096);
+        let start = a.range_start / page * page;
+        let end = (a.range_start + a.range_size).div_ceil(page) * page;
+        if ptr + len > end {
+            return Err(format!("{len} bytes at {ptr:#x} run past the allocation"));
+        }
+        self.ctx.bind().map_err(|e| e.to_string())?;
+        let mut fd: std::os::raw::c_int = -1;
+        // SAFETY: out-pointer to a local int, as the DMA_BUF_FD handle type writes; a range of
+        // one live allocation (checked at construction).
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                &mut fd as *mut std::os::raw::c_int as *mut _,
+                start,
+                (end - start) as usize,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .map_err(|e| format!("cuMemGetHandleForAddressRange: {e:?}"))?;
+        if fd < 0 {
+            return Err("cuMemGetHandleForAddressRange returned no descriptor".into());
+        }
+        Ok(crate::rdma::verbs::DmaBuf {
+            // SAFETY: a fresh descriptor the driver handed over to us.
+            fd: unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) },
+            offset: ptr - start,
+        })
+    }
+
+    fn peermem_loaded(&self) -> bool {
+        crate::rdma::verbs::gpudirect::nvidia_peermem_loaded()
+    }
+}

@@ -221,6 +221,26 @@ impl DeviceRegion {
         }
         Ok(DeviceRegion { ordinal, ptr, len })
     }
+
+    /// The GPU.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+
+    /// The device pointer.
+    pub fn ptr(&self) -> u64 {
+        self.ptr
+    }
+
+    /// Bytes.
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// Whether the region has no bytes (never: the constructor refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// Copies into and out of memory the data server cannot address directly (device memory). TCP
@@ -263,6 +283,15 @@ impl DeviceMemory {
     /// The regions, in layout order.
     pub fn new(regions: Vec<DeviceRegion>) -> Self {
         DeviceMemory(Arc::new(DeviceInner::Regions(regions)))
+    }
+
+    /// The regions, in layout order (`None` for a fake device).
+    pub fn regions(&self) -> Option<&[DeviceRegion]> {
+        match &*self.0 {
+            DeviceInner::Regions(r) => Some(r),
+            #[cfg(any(test, feature = "testing"))]
+            DeviceInner::Fake(_) => None,
+        }
     }
 
     /// A fake device of `len` bytes (host memory reached only through copies, which complete
@@ -779,8 +808,14 @@ mod tests {
         #[cfg(not(feature = "cuda"))]
         assert!(matches!(e, MemoryError::CudaNotBuilt), "{e}");
         #[cfg(feature = "cuda")]
+        // With a driver, these made-up pointers are unknown to it.
         assert!(
-            matches!(e, MemoryError::NoCudaDriver | MemoryError::Cuda(_)),
+            matches!(
+                e,
+                MemoryError::NoCudaDriver
+                    | MemoryError::Cuda(_)
+                    | MemoryError::UnknownPointer { region: 0, .. }
+            ),
             "{e}"
         );
         // SAFETY: refused before use.

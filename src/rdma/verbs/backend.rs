@@ -3,6 +3,7 @@
 
 use thiserror::Error;
 
+use super::gpudirect::DmaBuf;
 use super::nic::LocalNic;
 use super::qp_attrs::{QpState, QpTransition};
 
@@ -94,4 +95,27 @@ pub trait VerbsBackend: Send {
 
     /// Drop the registration made at `addr` on every device.
     fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError>;
+
+    /// Register `length` bytes of device memory from the dma-buf `buf` (starting
+    /// `buf.offset` into it) on every device, with `iova` (the device pointer) as the address
+    /// P writes to; keys in device order, deregistered by `iova` through
+    /// [`deregister_memory`](Self::deregister_memory). `ibv_reg_dmabuf_mr`. By default (a
+    /// backend without it): `EOPNOTSUPP`.
+    ///
+    /// # Safety
+    /// As [`register_memory`](Self::register_memory): the dma-buf's memory stays allocated
+    /// until deregistered, and any peer holding an rkey can write to it at any time.
+    unsafe fn register_dmabuf(
+        &mut self,
+        buf: &DmaBuf,
+        iova: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        let _ = (buf, iova, length, access);
+        Err(VerbsError::Os {
+            op: "ibv_reg_dmabuf_mr",
+            errno: libc::EOPNOTSUPP,
+        })
+    }
 }

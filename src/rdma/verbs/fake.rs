@@ -5,6 +5,7 @@
 use std::collections::BTreeMap;
 
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
+use super::gpudirect::DmaBuf;
 use super::nic::LocalNic;
 use super::qp_attrs::{QpState, QpTransition};
 
@@ -33,6 +34,13 @@ pub enum VerbsCall {
     Deregister {
         addr: u64,
     },
+    /// `ibv_reg_dmabuf_mr` (device memory through a dma-buf).
+    RegisterDmaBuf {
+        offset: u64,
+        length: u64,
+        iova: u64,
+        access: MrAccess,
+    },
 }
 
 /// The fake backend.
@@ -49,6 +57,8 @@ pub struct FakeVerbs {
     pub fail_modify_to: Option<(QpState, i32)>,
     /// Report this state from `query_qp_state` instead of the real one (a NIC that lies).
     pub query_override: Option<QpState>,
+    /// Refuse every dma-buf registration with this errno (a kernel or rdma-core without it).
+    pub fail_dmabuf: Option<i32>,
 }
 
 impl FakeVerbs {
@@ -63,6 +73,7 @@ impl FakeVerbs {
             calls: Vec::new(),
             fail_modify_to: None,
             query_override: None,
+            fail_dmabuf: None,
         }
     }
 
@@ -203,5 +214,31 @@ impl VerbsBackend for FakeVerbs {
             .remove(&addr)
             .map(|_| ())
             .ok_or(VerbsError::UnknownRegion(addr))
+    }
+
+    unsafe fn register_dmabuf(
+        &mut self,
+        buf: &DmaBuf,
+        iova: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        self.calls.push(VerbsCall::RegisterDmaBuf {
+            offset: buf.offset,
+            length,
+            iova,
+            access,
+        });
+        if let Some(errno) = self.fail_dmabuf {
+            return Err(VerbsError::Os {
+                op: "ibv_reg_dmabuf_mr",
+                errno,
+            });
+        }
+        // SAFETY: the fake never touches the memory.
+        let keys = unsafe { self.register_memory(iova, length, access) }?;
+        // The registration is the dma-buf one: drop the record of the inner call.
+        self.calls.pop();
+        Ok(keys)
     }
 }

@@ -10,12 +10,14 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CStr;
+use std::os::fd::AsRawFd;
 use std::ptr;
 
 use ibverbs_sys as ffi;
 
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 use super::gid::Gid;
+use super::gpudirect::DmaBuf;
 use super::nic::{select_gid, GidEntryInfo, GidKind, LocalNic};
 use super::qp_attrs::{Mtu, QpState, QpTransition};
 
@@ -372,6 +374,67 @@ fn qp_attr(t: &QpTransition) -> (ffi::ibv_qp_attr, u32) {
     (a, mask.0)
 }
 
+/// `ibv_reg_dmabuf_mr`, looked up at run time: it exists from rdma-core v34 (libibverbs
+/// 1.12) on, and linking it directly would stop kvrecv from loading against an older
+/// libibverbs even where no device memory is registered.
+type RegDmabufMr = unsafe extern "C" fn(
+    *mut ffi::ibv_pd,
+    u64,
+    usize,
+    u64,
+    std::os::raw::c_int,
+    std::os::raw::c_int,
+) -> *mut ffi::ibv_mr;
+
+fn reg_dmabuf_mr() -> Option<RegDmabufMr> {
+    // SAFETY: dlsym with a NUL-terminated name; the symbol, when present, has this C signature
+    // (verbs.h).
+    unsafe {
+        let p = libc::dlsym(libc::RTLD_DEFAULT, c"ibv_reg_dmabuf_mr".as_ptr());
+        (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, RegDmabufMr>(p))
+    }
+}
+
+impl IbvDevices {
+    /// One MR per device from `reg(pd)`, kept under `addr`; all or nothing.
+    fn register_on_every_device(
+        &mut self,
+        op: &'static str,
+        addr: u64,
+        length: u64,
+        reg: impl Fn(*mut ffi::ibv_pd) -> *mut ffi::ibv_mr,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        if length == 0 {
+            return Err(VerbsError::EmptyRegion(addr));
+        }
+        let mut mrs = Vec::with_capacity(self.devices.len());
+        for res in &self.devices {
+            let mr = reg(res.pd);
+            if mr.is_null() {
+                let e = os(op, last_errno());
+                for mr in mrs {
+                    // SAFETY: registered just above.
+                    unsafe { ffi::ibv_dereg_mr(mr) };
+                }
+                return Err(e);
+            }
+            mrs.push(mr);
+        }
+        // SAFETY: every `mr` is live.
+        let keys = mrs
+            .iter()
+            .map(|&mr| unsafe {
+                MrKeys {
+                    lkey: (*mr).lkey,
+                    rkey: (*mr).rkey,
+                }
+            })
+            .collect();
+        self.mrs.insert(addr, mrs);
+        Ok(keys)
+    }
+}
+
 impl VerbsBackend for IbvDevices {
     fn nics(&self) -> &[LocalNic] {
         &self.nics
@@ -471,38 +534,12 @@ impl VerbsBackend for IbvDevices {
         length: u64,
         access: MrAccess,
     ) -> Result<Vec<MrKeys>, VerbsError> {
-        if length == 0 {
-            return Err(VerbsError::EmptyRegion(addr));
-        }
         // REMOTE_WRITE requires LOCAL_WRITE (verbs rule); never REMOTE_ATOMIC.
         let bits = access_bits(true, access.remote_read, true, false);
-        let mut mrs = Vec::with_capacity(self.devices.len());
-        for res in &self.devices {
+        self.register_on_every_device("ibv_reg_mr", addr, length, |pd| {
             // SAFETY: the caller guarantees the range stays mapped while registered.
-            let mr =
-                unsafe { ffi::ibv_reg_mr(res.pd, addr as *mut _, length as usize, bits as i32) };
-            if mr.is_null() {
-                let e = os("ibv_reg_mr", last_errno());
-                for mr in mrs {
-                    // SAFETY: registered just above.
-                    unsafe { ffi::ibv_dereg_mr(mr) };
-                }
-                return Err(e);
-            }
-            mrs.push(mr);
-        }
-        // SAFETY: every `mr` is live.
-        let keys = mrs
-            .iter()
-            .map(|&mr| unsafe {
-                MrKeys {
-                    lkey: (*mr).lkey,
-                    rkey: (*mr).rkey,
-                }
-            })
-            .collect();
-        self.mrs.insert(addr, mrs);
-        Ok(keys)
+            unsafe { ffi::ibv_reg_mr(pd, addr as *mut _, length as usize, bits as i32) }
+        })
     }
 
     fn deregister_memory(&mut self, addr: u64) -> Result<(), VerbsError> {
@@ -519,6 +556,26 @@ impl VerbsBackend for IbvDevices {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    unsafe fn register_dmabuf(
+        &mut self,
+        buf: &DmaBuf,
+        iova: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        let Some(reg) = reg_dmabuf_mr() else {
+            // rdma-core older than v34: no dma-buf registration.
+            return Err(os("ibv_reg_dmabuf_mr", libc::ENOSYS));
+        };
+        let bits = access_bits(true, access.remote_read, true, false);
+        let fd = buf.fd.as_raw_fd();
+        self.register_on_every_device("ibv_reg_dmabuf_mr", iova, length, |pd| {
+            // SAFETY: `fd` is a live dma-buf covering `offset..offset + length` (exporter); the
+            // caller keeps the memory allocated while registered.
+            unsafe { reg(pd, buf.offset, length as usize, iova, fd, bits as i32) }
+        })
     }
 }
 

@@ -14,6 +14,7 @@ pub mod endpoint;
 pub mod fake;
 pub mod fence;
 pub mod gid;
+pub mod gpudirect;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
 pub mod memory;
@@ -33,6 +34,7 @@ pub use endpoint::{Endpoint, EndpointState};
 pub use fake::FakeVerbs;
 pub use fence::{RdmaFence, SharedHandshake};
 pub use gid::Gid;
+pub use gpudirect::{DeviceMemoryExport, DmaBuf, GpuDirectError, GpuDirectPath};
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
 pub use memory::MemoryRegistrations;

@@ -1,6 +1,7 @@
 //! kvrecv as a Mooncake RDMA target, assembled: the handshake daemon in RDMA mode, host memory
-//! registered for the KV layout, the RDMA segment descriptor, and the [`RdmaLanding`] the core
-//! uses. Generic over the verbs backend, so the whole wiring runs against `FakeVerbs` in tests.
+//! (or the host's GPU memory, through GPUDirect RDMA) registered for the KV layout, the RDMA
+//! segment descriptor, and the [`RdmaLanding`] the core uses. Generic over the verbs backend,
+//! so the whole wiring runs against `FakeVerbs` in tests.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -12,6 +13,7 @@ use tokio::task::JoinHandle;
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::descriptor::DescriptorError;
 use super::fence::{RdmaFence, SharedHandshake};
+use super::gpudirect::{DeviceMemoryExport, GpuDirectError};
 use super::memory::MemoryRegistrations;
 use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::peer_binding::PeerBinding;
@@ -19,7 +21,7 @@ use super::rdma_landing::{RdmaLanding, RdmaLandingError};
 use crate::layout::KvLayout;
 use crate::messages::handshake::SegmentDescriptor;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
-use crate::rdma::memory::HostMemory;
+use crate::rdma::memory::{DeviceMemory, DeviceRegion, HostMemory};
 
 /// How to start an RDMA target.
 #[derive(Debug, Clone)]
@@ -37,6 +39,13 @@ pub struct RdmaTargetConfig {
     /// one descriptor buffer each, and kvrecv allocates no KV memory. `None`: one kvrecv-owned
     /// buffer holding every region back to back.
     pub host_memory: Option<HostMemory>,
+    /// The host's own CUDA device regions (one per layout region, layout order): registered in
+    /// place through GPUDirect RDMA (dma-buf, else nvidia-peermem), one `cuda:<ordinal>`
+    /// descriptor buffer each; P writes straight into GPU memory. Wins over `host_memory`.
+    pub device_memory: Option<DeviceMemory>,
+    /// The GPU side of that registration; `None`: CUDA's (feature `cuda`), which checks the
+    /// regions with the driver and exports dma-bufs. Tests pass a fake.
+    pub device_export: Option<Arc<dyn DeviceMemoryExport>>,
     /// How the fence finds a peer's segments (by host unless told otherwise).
     pub peer_binding: PeerBinding,
 }
@@ -52,6 +61,8 @@ impl RdmaTargetConfig {
             location: "cpu:0".into(),
             access: MrAccess::default(),
             host_memory: None,
+            device_memory: None,
+            device_export: None,
             peer_binding: PeerBinding::default(),
         }
     }
@@ -69,6 +80,9 @@ pub enum RdmaTargetError {
     /// Checked before anything is registered, so a refused start leaves no registration.
     #[error("host regions: {0}")]
     HostRegions(String),
+    /// Device memory that cannot be registered with the NIC (or fails the driver's checks).
+    #[error("GPUDirect RDMA: {0}")]
+    GpuDirect(#[from] GpuDirectError),
     #[error("memory registration: {0}")]
     Register(#[from] VerbsError),
     #[error("RDMA descriptor: {0}")]
@@ -124,14 +138,30 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             cfg.handshake.clone(),
         )));
         let len = layout_bytes(&cfg.layout).ok_or(RdmaTargetError::LayoutTooLarge)?;
-        if let Some(host) = &cfg.host_memory {
+        let device = match &cfg.device_memory {
+            Some(dev) => Some(device_regions(&cfg, dev)?),
+            None => None,
+        };
+        if let (None, Some(host)) = (&device, &cfg.host_memory) {
             check_host_regions(&cfg.layout, host)?;
         }
         let mut memory = MemoryRegistrations::new();
         let (nics, regions) = {
             let mut hs = handshake.lock().unwrap_or_else(|p| p.into_inner());
-            match &cfg.host_memory {
-                Some(host) => {
+            match (&device, &cfg.host_memory) {
+                (Some((regions, export)), _) => {
+                    for (i, r) in regions.iter().enumerate() {
+                        memory.register_device_region(
+                            hs.backend_mut(),
+                            format!("cuda:{}", r.ordinal()),
+                            export.as_ref(),
+                            i,
+                            r,
+                            cfg.access,
+                        )?;
+                    }
+                }
+                (None, Some(host)) => {
                     for r in host.regions() {
                         memory.register_host_region(
                             hs.backend_mut(),
@@ -141,7 +171,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
                         )?;
                     }
                 }
-                None => {
+                (None, None) => {
                     memory.register_host(
                         hs.backend_mut(),
                         cfg.location.clone(),
@@ -244,6 +274,71 @@ fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTa
         }
     }
     Ok(())
+}
+
+/// The host's device regions, one per layout region and each large enough, and the GPU side
+/// that registers them (the configured one, else CUDA's, which checks them with the driver).
+fn device_regions<'a>(
+    cfg: &RdmaTargetConfig,
+    dev: &'a DeviceMemory,
+) -> Result<(&'a [DeviceRegion], Arc<dyn DeviceMemoryExport>), RdmaTargetError> {
+    let regions = dev.regions().ok_or_else(|| {
+        GpuDirectError::Regions("a fake device cannot be registered with a NIC".into())
+    })?;
+    let layout = &cfg.layout;
+    if regions.len() != layout.regions.len() {
+        return Err(GpuDirectError::Regions(format!(
+            "{} regions for a layout of {}",
+            regions.len(),
+            layout.regions.len()
+        ))
+        .into());
+    }
+    let mut used = Vec::with_capacity(regions.len());
+    for (i, (d, l)) in regions.iter().zip(&layout.regions).enumerate() {
+        let needed = l.block_len.checked_mul(u64::from(layout.num_blocks));
+        match needed {
+            Some(n) if d.len() >= n => used.push((d.ptr(), n)),
+            _ => {
+                return Err(GpuDirectError::Regions(format!(
+                    "region {i} has {} bytes, the layout needs {needed:?}",
+                    d.len()
+                ))
+                .into())
+            }
+        }
+        if d.ordinal() != regions[0].ordinal() {
+            return Err(GpuDirectError::Regions(format!(
+                "region {i} is on GPU {}, region 0 on GPU {}",
+                d.ordinal(),
+                regions[0].ordinal()
+            ))
+            .into());
+        }
+    }
+    let export = match &cfg.device_export {
+        Some(e) => Arc::clone(e),
+        None => cuda_export(regions[0].ordinal(), &used)?,
+    };
+    Ok((regions, export))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_export(
+    ordinal: usize,
+    used: &[(u64, u64)],
+) -> Result<Arc<dyn DeviceMemoryExport>, RdmaTargetError> {
+    crate::rdma::cuda_device::CudaExport::new(ordinal, used)
+        .map(|e| Arc::new(e) as Arc<dyn DeviceMemoryExport>)
+        .map_err(|e| GpuDirectError::Regions(e.to_string()).into())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_export(
+    _ordinal: usize,
+    _used: &[(u64, u64)],
+) -> Result<Arc<dyn DeviceMemoryExport>, RdmaTargetError> {
+    Err(GpuDirectError::CudaNotBuilt.into())
 }
 
 /// Bytes of every layout region, without overflow.
