@@ -439,6 +439,7 @@ async fn upload(
     len: usize,
 ) -> Result<Vec<u8>, ConnEnd> {
     let memory = Arc::clone(&plane.memory);
+    let started = std::time::Instant::now();
     let (buf, copied) = tokio::task::spawn_blocking(move || {
         let copied = memory.upload(at, &buf[..len]);
         drop(gate);
@@ -446,7 +447,15 @@ async fn upload(
     })
     .await
     .map_err(|e| ConnEnd::Memory(MemoryError::Cuda(format!("device copy task: {e}"))))?;
+    if let Err(e) = &copied {
+        tracing::warn!(error = %e, offset = at, len, "device copy failed; connection closed");
+    }
     copied?;
+    plane
+        .permits
+        .labels()
+        .histogram(m::DEVICE_COPY_LATENCY)
+        .record(started.elapsed().as_secs_f64());
     Ok(buf)
 }
 
