@@ -61,19 +61,21 @@ unsafe fn attribute<T: Default>(
     }
 }
 
-/// What the driver reports about `ptr`, or `None` if it does not know the pointer.
+/// What the driver reports about `ptr`, or its error if it does not know the pointer.
 fn pointer_attributes(ptr: u64) -> Result<PointerAttributes, sys::CUresult> {
     use sys::CUpointer_attribute as A;
-    // SAFETY: each attribute is read into its documented C type.
+    // SAFETY: each attribute is read into its documented C type, or (the enum and the
+    // boolean, whose width the documentation leaves open) into a zeroed wider integer that
+    // holds it whatever its width (little-endian).
     unsafe {
-        let mem_type: u32 = attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?;
-        let managed: u32 = attribute(ptr, A::CU_POINTER_ATTRIBUTE_IS_MANAGED)?;
+        let mem_type: u64 = attribute(ptr, A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE)?;
+        let managed: u64 = attribute(ptr, A::CU_POINTER_ATTRIBUTE_IS_MANAGED)?;
         let ordinal: i32 = attribute(ptr, A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)?;
         let context: usize = attribute(ptr, A::CU_POINTER_ATTRIBUTE_CONTEXT)?;
         let range_start: u64 = attribute(ptr, A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR)?;
         let range_size: usize = attribute(ptr, A::CU_POINTER_ATTRIBUTE_RANGE_SIZE)?;
         Ok(PointerAttributes {
-            device_memory: mem_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32,
+            device_memory: mem_type == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u64,
             managed: managed != 0,
             ordinal: usize::try_from(ordinal).unwrap_or(usize::MAX),
             context,
