@@ -20,6 +20,7 @@ use super::permits::{Access, Admitted, OwnedGateGuard, PermitTable, RejectReason
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
 use crate::rdma::audit::{AuditCounters, Auditor};
+use crate::rdma::device_stream::STAGING_SLOTS;
 use crate::rdma::memory::{MemoryError, RegisteredMemory, STAGING_CHUNK};
 
 /// Default per-connection idle (and payload-progress) timeout. P's own status timeout is 30 s.
@@ -92,6 +93,9 @@ pub struct DataPlane {
     /// the data port could read an open pull's blocks).
     pub reads: bool,
     audit: OnceLock<Auditor>,
+    /// Staged device copies in flight at most (one per staging slot): the rest wait here, on
+    /// the runtime, rather than park blocking-pool threads on the slot pool.
+    copy_slots: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for DataPlane {
@@ -118,6 +122,7 @@ impl DataPlane {
             max_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             reads: false,
             audit: OnceLock::new(),
+            copy_slots: Arc::new(Semaphore::new(STAGING_SLOTS)),
         }
     }
 
@@ -403,10 +408,12 @@ async fn land_staged(
         };
         match done {
             Some(done) if filled == staging.len() || done => {
-                let Some(gate) = admitted.enter_owned() else {
+                let Some(back) =
+                    upload(plane, admitted, r.mem_offset + pos, staging, filled).await?
+                else {
                     return Err(reject(stream, plane, h, RejectReason::Revoked).await);
                 };
-                staging = upload(plane, gate, r.mem_offset + pos, staging, filled).await?;
+                staging = back;
                 if let Some(a) = plane.audit.get() {
                     a.check(
                         &staging[..filled],
@@ -429,20 +436,30 @@ async fn land_staged(
     }
 }
 
-/// Copy `buf[..len]` to destination offset `at` on the blocking pool, `gate` held until the
-/// device has the bytes; the buffer comes back for the next chunk.
+/// Copy `buf[..len]` to destination offset `at` on the blocking pool once a copy slot is free,
+/// the permit's gate held from then until the device has the bytes (waiting for a slot does not
+/// hold a revocation up); the buffer comes back for the next chunk. `None`: the write was
+/// revoked before its copy began (nothing copied).
 async fn upload(
     plane: &DataPlane,
-    gate: OwnedGateGuard,
+    admitted: &Admitted,
     at: u64,
     buf: Vec<u8>,
     len: usize,
-) -> Result<Vec<u8>, ConnEnd> {
-    let memory = Arc::clone(&plane.memory);
+) -> Result<Option<Vec<u8>>, ConnEnd> {
     let started = std::time::Instant::now();
+    let slot = Arc::clone(&plane.copy_slots)
+        .acquire_owned()
+        .await
+        .map_err(|_| ConnEnd::Memory(MemoryError::Cuda("device copies closed".into())))?;
+    let Some(gate) = admitted.enter_owned() else {
+        return Ok(None);
+    };
+    let memory = Arc::clone(&plane.memory);
     let (buf, copied) = tokio::task::spawn_blocking(move || {
         let copied = memory.upload(at, &buf[..len]);
         drop(gate);
+        drop(slot);
         (buf, copied)
     })
     .await
@@ -456,7 +473,7 @@ async fn upload(
         .labels()
         .histogram(m::DEVICE_COPY_LATENCY)
         .record(started.elapsed().as_secs_f64());
-    Ok(buf)
+    Ok(Some(buf))
 }
 
 /// Copy `buf.len()` destination bytes at `at` out of staged (device) memory on the blocking
