@@ -74,9 +74,6 @@ pub enum StartError {
          with --features rdma, or give a verbs backend with KvRecvBuilder::rdma"
     )]
     RdmaNotBuilt,
-    /// Device memory is not registered for RDMA yet (GPUDirect needs nvidia-peermem or dma-buf).
-    #[error("the RDMA target registers host memory only; device memory needs the TCP target")]
-    RdmaDeviceMemory,
 }
 
 /// Why a call on a running handle failed.
@@ -230,9 +227,12 @@ impl KvRecvBuilder {
     }
 
     /// Land every write in the host's own CUDA device regions (feature `cuda`; one per layout
-    /// region): kvrecv allocates no KV memory, TCP payloads go through a bounded staging buffer
-    /// and a device copy inside the permit gate. Contract: [`crate::rdma::memory::DeviceRegion::new`].
-    /// Without the feature or a driver, [`KvRecvBuilder::start`] fails with a typed error.
+    /// region): kvrecv allocates no KV memory. Over TCP, payloads go through bounded page-locked
+    /// staging and kvrecv's own CUDA streams, each copy complete before the write counts as
+    /// landed; over RDMA, the regions are registered with the NIC through GPUDirect RDMA
+    /// (dma-buf, else nvidia-peermem). The regions are checked with the driver at start.
+    /// Contract: [`crate::rdma::memory::DeviceRegion::new`]. Without the feature, a driver, or
+    /// (RDMA) GPUDirect support, [`KvRecvBuilder::start`] fails with a typed error.
     pub fn device_memory(mut self, memory: DeviceMemory) -> Self {
         self.target.device_memory = Some(memory);
         self
@@ -349,9 +349,6 @@ impl KvRecvBuilder {
             (MooncakeProtocol::Rdma, Some(r)) => Some(r),
             (MooncakeProtocol::Rdma, None) => Some(default_rdma()?),
         };
-        if rdma.is_some() && target.device_memory.is_some() {
-            return Err(StartError::RdmaDeviceMemory);
-        }
         // One label set for the whole worker: the coordinator derives the same from `config`.
         let labels = crate::telemetry::Labels::for_config(&config);
         target.labels = labels.clone();
@@ -368,6 +365,9 @@ impl KvRecvBuilder {
                             advertise_host: target.advertise_host.clone(),
                             host_memory: target.host_memory.clone(),
                             handshake: rdma_handshake,
+                            // Registered through GPUDirect RDMA (dma-buf or nvidia-peermem); a
+                            // node with neither fails the start with a typed error.
+                            device_memory: target.device_memory.clone(),
                             peer_binding,
                             ..RdmaTargetConfig::loopback(config.layout.clone())
                         })

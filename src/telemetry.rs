@@ -193,6 +193,10 @@ pub const PULL_LATENCY: &str = "kvrecv_pull_latency_seconds";
 pub const COMPLETION_LATENCY: &str = "kvrecv_completion_latency_seconds";
 /// Bytes written into destination memory.
 pub const BYTES_LANDED: &str = "kvrecv_bytes_landed_total";
+/// One staged copy of a write's chunk into device memory, from the hand-off to the blocking pool
+/// to the device holding the bytes (waiting for a staging slot included): GPU copy cost and
+/// staging contention.
+pub const DEVICE_COPY_LATENCY: &str = "kvrecv_device_copy_seconds";
 /// Writes landed in destination memory.
 pub const WRITES_LANDED: &str = "kvrecv_writes_landed_total";
 /// Requests refused by the data plane (writes, and reads while they are off), by reason; label
@@ -285,6 +289,11 @@ pub fn describe() {
         "Bytes written into destination memory"
     );
     describe_counter!(WRITES_LANDED, "Writes landed in destination memory");
+    describe_histogram!(
+        DEVICE_COPY_LATENCY,
+        Unit::Seconds,
+        "Staged copy of one chunk into device memory, slot wait and synchronisation included"
+    );
     describe_counter!(
         WRITES_REJECTED,
         "Writes refused by the data plane, by reason"

@@ -7,6 +7,12 @@
 pub mod accept_cap;
 #[doc(hidden)]
 pub mod audit;
+#[cfg(feature = "cuda")]
+mod cuda_device;
+pub mod device_pointer;
+pub(crate) mod device_stream;
+#[cfg(any(test, feature = "testing"))]
+pub mod fake_device;
 #[doc(hidden)]
 pub mod handshake_daemon;
 pub mod landing;

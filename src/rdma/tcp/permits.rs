@@ -269,11 +269,30 @@ pub struct GateGuard<'a> {
 impl Drop for GateGuard<'_> {
     fn drop(&mut self) {
         if let Some(p) = self.permit {
-            // SeqCst pairs with `quiesce`: either it sees this decrement, or this sees `draining`.
-            if p.inflight.fetch_sub(1, Ordering::SeqCst) == 1 && p.draining.load(Ordering::SeqCst) {
-                p.quiet.notify_waiters();
-            }
+            leave_gate(p);
         }
+    }
+}
+
+/// [`GateGuard`] owning its permit, so it can travel with a device copy to a blocking thread:
+/// the copy holds the gate until the device has the bytes, even if the connection's task is
+/// dropped meanwhile, and a revocation's quiescence waits for it.
+pub struct OwnedGateGuard {
+    permit: Option<Arc<Permit>>,
+}
+
+impl Drop for OwnedGateGuard {
+    fn drop(&mut self) {
+        if let Some(p) = &self.permit {
+            leave_gate(p);
+        }
+    }
+}
+
+fn leave_gate(p: &Permit) {
+    // SeqCst pairs with `quiesce`: either it sees this decrement, or this sees `draining`.
+    if p.inflight.fetch_sub(1, Ordering::SeqCst) == 1 && p.draining.load(Ordering::SeqCst) {
+        p.quiet.notify_waiters();
     }
 }
 
@@ -312,7 +331,26 @@ impl Admitted {
         }
     }
 
-    /// Account a landed write to its pull and requests (before it is acknowledged).
+    /// [`Self::enter`], with a guard that owns its permit (for a copy finished on another
+    /// thread).
+    pub fn enter_owned(&self) -> Option<OwnedGateGuard> {
+        let Some(p) = &self.permit else {
+            return Some(OwnedGateGuard { permit: None });
+        };
+        p.inflight.fetch_add(1, Ordering::SeqCst);
+        let guard = OwnedGateGuard {
+            permit: Some(Arc::clone(p)),
+        };
+        // As in `enter`.
+        if self.reqs.iter().all(|&i| p.open[i].load(Ordering::SeqCst)) {
+            Some(guard)
+        } else {
+            None
+        }
+    }
+
+    /// Account a landed write to its pull and requests (before it is acknowledged). With
+    /// device memory, only once the device holds every byte (the copy's stream synchronised).
     pub fn landed(&self, bytes: u64) {
         if let Some(p) = &self.permit {
             p.bytes_landed.fetch_add(bytes, Ordering::Relaxed);

@@ -16,10 +16,11 @@ use tokio::sync::Semaphore;
 use crate::block_ownership::BlockOwnership;
 use crate::telemetry as m;
 
-use super::permits::{Access, Admitted, PermitTable, RejectReason};
+use super::permits::{Access, Admitted, OwnedGateGuard, PermitTable, RejectReason};
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
 use crate::rdma::audit::{AuditCounters, Auditor};
+use crate::rdma::device_stream::STAGING_SLOTS;
 use crate::rdma::memory::{MemoryError, RegisteredMemory, STAGING_CHUNK};
 
 /// Default per-connection idle (and payload-progress) timeout. P's own status timeout is 30 s.
@@ -92,6 +93,9 @@ pub struct DataPlane {
     /// the data port could read an open pull's blocks).
     pub reads: bool,
     audit: OnceLock<Auditor>,
+    /// Staged device copies in flight at most (one per staging slot): the rest wait here, on
+    /// the runtime, rather than park blocking-pool threads on the slot pool.
+    copy_slots: Arc<Semaphore>,
 }
 
 impl std::fmt::Debug for DataPlane {
@@ -118,6 +122,7 @@ impl DataPlane {
             max_connections: DEFAULT_MAX_DATA_CONNECTIONS,
             reads: false,
             audit: OnceLock::new(),
+            copy_slots: Arc::new(Semaphore::new(STAGING_SLOTS)),
         }
     }
 
@@ -368,10 +373,13 @@ fn landed(plane: &DataPlane, admitted: &Admitted, size: u64) {
     labels.counter(m::WRITES_LANDED).increment(1);
 }
 
-/// [`land`] for memory the server cannot address (the host's device regions): socket bytes
-/// collect in a staging buffer of at most [`STAGING_CHUNK`] bytes and are copied to the device
-/// inside the permit's gate, so a revocation either precedes a copy or waits for it; bytes
-/// staged before a revocation are dropped, never copied.
+/// [`land`] for memory the server cannot address (device memory): socket bytes collect in a
+/// staging buffer of at most [`STAGING_CHUNK`] bytes, then go to the device on tokio's blocking
+/// pool (a device copy and the wait for it never run on a runtime worker). Each copy holds the
+/// permit's gate until the device has the bytes, even if this task is dropped meanwhile, so a
+/// revocation either precedes a copy or waits for it to complete; bytes staged before a
+/// revocation are dropped, never copied. The write counts as landed only after its last copy
+/// returned.
 async fn land_staged(
     stream: &mut TcpStream,
     plane: &DataPlane,
@@ -383,7 +391,7 @@ async fn land_staged(
     let mut staging = vec![0u8; (size as usize).min(STAGING_CHUNK)];
     let (mut pos, mut filled) = (0u64, 0usize);
     loop {
-        {
+        let done = {
             let Some(_gate) = admitted.enter() else {
                 return Err(reject(stream, plane, h, RejectReason::Revoked).await);
             };
@@ -392,35 +400,100 @@ async fn land_staged(
                 Ok(0) => return Err(ConnEnd::Eof),
                 Ok(n) => {
                     filled += n;
-                    let done = pos + filled as u64 == size;
-                    if filled == staging.len() || done {
-                        plane
-                            .memory
-                            .upload(r.mem_offset + pos, &staging[..filled])?;
-                        if let Some(a) = plane.audit.get() {
-                            a.check(
-                                &staging[..filled],
-                                r.offset + pos,
-                                plane.map.block_len(r.region),
-                            );
-                        }
-                        pos += filled as u64;
-                        filled = 0;
-                    }
-                    if done {
-                        return Ok(());
-                    }
-                    continue;
+                    Some(pos + filled as u64 == size)
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => None,
                 Err(e) => return Err(e.into()),
             }
-        }
-        match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
-            Err(_) => return Err(ConnEnd::Idle),
-            Ok(r) => r?,
+        };
+        match done {
+            Some(done) if filled == staging.len() || done => {
+                let Some(back) =
+                    upload(plane, admitted, r.mem_offset + pos, staging, filled).await?
+                else {
+                    return Err(reject(stream, plane, h, RejectReason::Revoked).await);
+                };
+                staging = back;
+                if let Some(a) = plane.audit.get() {
+                    a.check(
+                        &staging[..filled],
+                        r.offset + pos,
+                        plane.map.block_len(r.region),
+                    );
+                }
+                pos += filled as u64;
+                filled = 0;
+                if done {
+                    return Ok(());
+                }
+            }
+            Some(_) => {}
+            None => match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
+                Err(_) => return Err(ConnEnd::Idle),
+                Ok(r) => r?,
+            },
         }
     }
+}
+
+/// Copy `buf[..len]` to destination offset `at` on the blocking pool once a copy slot is free,
+/// the permit's gate held from then until the device has the bytes (waiting for a slot does not
+/// hold a revocation up); the buffer comes back for the next chunk. `None`: the write was
+/// revoked before its copy began (nothing copied).
+async fn upload(
+    plane: &DataPlane,
+    admitted: &Admitted,
+    at: u64,
+    buf: Vec<u8>,
+    len: usize,
+) -> Result<Option<Vec<u8>>, ConnEnd> {
+    let started = std::time::Instant::now();
+    let slot = Arc::clone(&plane.copy_slots)
+        .acquire_owned()
+        .await
+        .map_err(|_| ConnEnd::Memory(MemoryError::Cuda("device copies closed".into())))?;
+    let Some(gate) = admitted.enter_owned() else {
+        return Ok(None);
+    };
+    let memory = Arc::clone(&plane.memory);
+    let (buf, copied) = tokio::task::spawn_blocking(move || {
+        let copied = memory.upload(at, &buf[..len]);
+        drop(gate);
+        drop(slot);
+        (buf, copied)
+    })
+    .await
+    .map_err(|e| ConnEnd::Memory(MemoryError::Cuda(format!("device copy task: {e}"))))?;
+    if let Err(e) = &copied {
+        tracing::warn!(error = %e, offset = at, len, "device copy failed; connection closed");
+    }
+    copied?;
+    plane
+        .permits
+        .labels()
+        .histogram(m::DEVICE_COPY_LATENCY)
+        .record(started.elapsed().as_secs_f64());
+    Ok(Some(buf))
+}
+
+/// Copy `buf.len()` destination bytes at `at` out of staged (device) memory on the blocking
+/// pool, `gate` held until they are out.
+async fn download(
+    plane: &DataPlane,
+    gate: OwnedGateGuard,
+    at: u64,
+    mut buf: Vec<u8>,
+) -> Result<Vec<u8>, ConnEnd> {
+    let memory = Arc::clone(&plane.memory);
+    let (buf, copied) = tokio::task::spawn_blocking(move || {
+        let copied = memory.read(at, &mut buf);
+        drop(gate);
+        (buf, copied)
+    })
+    .await
+    .map_err(|e| ConnEnd::Memory(MemoryError::Cuda(format!("device copy task: {e}"))))?;
+    copied?;
+    Ok(buf)
 }
 
 /// Write `bytes`, giving up after the idle timeout without progress (a reader that stopped).
@@ -453,17 +526,21 @@ async fn serve_read(
     let mut pos = 0u64;
     while pos < h.size {
         let n = (h.size - pos).min(CHUNK) as usize;
-        {
-            let Some(_gate) = admitted.enter() else {
-                // Mid-stream: no status frame can follow the data already sent; the close says it.
-                plane
-                    .stats
-                    .rejected(RejectReason::Revoked)
-                    .fetch_add(1, Ordering::Relaxed);
-                let _ = stream.shutdown().await;
-                return Err(ConnEnd::Rejected(RejectReason::Revoked));
-            };
+        let Some(gate) = admitted.enter_owned() else {
+            // Mid-stream: no status frame can follow the data already sent; the close says it.
+            plane
+                .stats
+                .rejected(RejectReason::Revoked)
+                .fetch_add(1, Ordering::Relaxed);
+            let _ = stream.shutdown().await;
+            return Err(ConnEnd::Rejected(RejectReason::Revoked));
+        };
+        if plane.memory.is_staged() {
+            buf.truncate(n);
+            buf = download(plane, gate, r.mem_offset + pos, buf).await?;
+        } else {
             plane.memory.read(r.mem_offset + pos, &mut buf[..n])?;
+            drop(gate);
         }
         send(stream, plane, &buf[..n]).await?;
         pos += n as u64;

@@ -3,6 +3,7 @@
 
 use thiserror::Error;
 
+use super::gpudirect::DmaBuf;
 use super::nic::LocalNic;
 use super::qp_attrs::{QpState, QpTransition};
 
@@ -154,5 +155,28 @@ pub trait VerbsBackend: Send {
     /// none.
     fn async_event_fds(&self) -> Vec<std::os::fd::RawFd> {
         Vec::new()
+    }
+
+    /// Register `length` bytes of device memory from the dma-buf `buf` (starting
+    /// `buf.offset` into it) on every device, with `iova` as the address
+    /// P writes to; keys in device order, deregistered by `iova` through
+    /// [`deregister_memory`](Self::deregister_memory). `ibv_reg_dmabuf_mr`. By default (a
+    /// backend without it): `EOPNOTSUPP`.
+    ///
+    /// # Safety
+    /// As [`register_memory`](Self::register_memory): the dma-buf's memory stays allocated
+    /// until deregistered, and any peer holding an rkey can write to it at any time.
+    unsafe fn register_dmabuf(
+        &mut self,
+        buf: &DmaBuf,
+        iova: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        let _ = (buf, iova, length, access);
+        Err(VerbsError::Os {
+            op: "ibv_reg_dmabuf_mr",
+            errno: libc::EOPNOTSUPP,
+        })
     }
 }

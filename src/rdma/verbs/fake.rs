@@ -9,6 +9,7 @@ use std::os::unix::net::UnixStream;
 use super::async_events::AsyncEvent;
 
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
+use super::gpudirect::DmaBuf;
 use super::nic::LocalNic;
 use super::qp_attrs::{QpState, QpTransition};
 
@@ -44,6 +45,13 @@ pub enum VerbsCall {
     /// `addr` is the registration's IOVA.
     Deregister {
         addr: u64,
+    },
+    /// `ibv_reg_dmabuf_mr` (device memory through a dma-buf).
+    RegisterDmaBuf {
+        offset: u64,
+        length: u64,
+        iova: u64,
+        access: MrAccess,
     },
 }
 
@@ -102,6 +110,8 @@ pub struct FakeVerbs {
     /// `RLIMIT_MEMLOCK` as (soft, hard) bytes, checked by `ensure_memlock` (soft raised when
     /// allowed); `None`: unlimited.
     pub memlock: Option<(u64, u64)>,
+    /// Refuse every dma-buf registration with this errno (a kernel or rdma-core without it).
+    pub fail_dmabuf: Option<i32>,
 }
 
 impl FakeVerbs {
@@ -123,6 +133,7 @@ impl FakeVerbs {
             event_pipe: UnixStream::pair()
                 .and_then(|(r, w)| r.set_nonblocking(true).map(|()| (r, w)))
                 .ok(),
+            fail_dmabuf: None,
         }
     }
 
@@ -350,6 +361,32 @@ impl VerbsBackend for FakeVerbs {
             .remove(&iova)
             .map(|_| ())
             .ok_or(VerbsError::UnknownRegion(iova))
+    }
+
+    unsafe fn register_dmabuf(
+        &mut self,
+        buf: &DmaBuf,
+        iova: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        self.calls.push(VerbsCall::RegisterDmaBuf {
+            offset: buf.offset,
+            length,
+            iova,
+            access,
+        });
+        if let Some(errno) = self.fail_dmabuf {
+            return Err(VerbsError::Os {
+                op: "ibv_reg_dmabuf_mr",
+                errno,
+            });
+        }
+        // SAFETY: the fake never touches the memory.
+        let keys = unsafe { self.register_memory(iova, length, access) }?;
+        // The registration is the dma-buf one: drop the record of the inner call.
+        self.calls.pop();
+        Ok(keys)
     }
 
     fn take_async_events(&mut self) -> Vec<AsyncEvent> {

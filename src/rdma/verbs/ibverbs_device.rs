@@ -10,6 +10,7 @@
 
 use std::collections::BTreeMap;
 use std::ffi::CStr;
+use std::os::fd::AsRawFd;
 use std::ptr;
 
 use ibverbs_sys as ffi;
@@ -19,6 +20,7 @@ use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 use super::device_select::{self, describe_port, devices_to_open, PortProbe, SkippedDevice};
 use super::gid::Gid;
 use super::gid_rank::{GidEntryInfo, GidKind};
+use super::gpudirect::DmaBuf;
 use super::nic::LocalNic;
 use super::qp_attrs::{QpState, QpTransition};
 
@@ -436,6 +438,71 @@ fn qp_attr(t: &QpTransition) -> (ffi::ibv_qp_attr, u32) {
     (a, mask.0)
 }
 
+/// `ibv_reg_dmabuf_mr`, looked up at run time: it exists from rdma-core v34 (libibverbs
+/// 1.12) on, and linking it directly would stop kvrecv from loading against an older
+/// libibverbs even where no device memory is registered.
+type RegDmabufMr = unsafe extern "C" fn(
+    *mut ffi::ibv_pd,
+    u64,
+    usize,
+    u64,
+    std::os::raw::c_int,
+    std::os::raw::c_int,
+) -> *mut ffi::ibv_mr;
+
+fn reg_dmabuf_mr() -> Option<RegDmabufMr> {
+    // SAFETY: dlsym with a NUL-terminated name; the symbol, when present, has this C signature
+    // (verbs.h).
+    unsafe {
+        let p = libc::dlsym(libc::RTLD_DEFAULT, c"ibv_reg_dmabuf_mr".as_ptr());
+        (!p.is_null()).then(|| std::mem::transmute::<*mut libc::c_void, RegDmabufMr>(p))
+    }
+}
+
+impl IbvDevices {
+    /// One MR per device from `reg(pd)`, kept under `addr`; all or nothing.
+    /// `reg` on every device's PD; the registrations are named by `iova` (what P writes to).
+    fn register_on_every_device(
+        &mut self,
+        op: &'static str,
+        iova: u64,
+        length: u64,
+        reg: impl Fn(*mut ffi::ibv_pd) -> *mut ffi::ibv_mr,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        if length == 0 {
+            return Err(VerbsError::EmptyRegion(iova));
+        }
+        if self.mrs.contains_key(&iova) {
+            return Err(os(op, libc::EEXIST));
+        }
+        let mut mrs = Vec::with_capacity(self.devices.len());
+        for res in &self.devices {
+            let mr = reg(res.pd);
+            if mr.is_null() {
+                let e = os(op, last_errno());
+                for mr in mrs {
+                    // SAFETY: registered just above.
+                    unsafe { ffi::ibv_dereg_mr(mr) };
+                }
+                return Err(e);
+            }
+            mrs.push(mr);
+        }
+        // SAFETY: every `mr` is live.
+        let keys = mrs
+            .iter()
+            .map(|&mr| unsafe {
+                MrKeys {
+                    lkey: (*mr).lkey,
+                    rkey: (*mr).rkey,
+                }
+            })
+            .collect();
+        self.mrs.insert(iova, mrs);
+        Ok(keys)
+    }
+}
+
 impl VerbsBackend for IbvDevices {
     fn nics(&self) -> &[LocalNic] {
         &self.nics
@@ -536,44 +603,14 @@ impl VerbsBackend for IbvDevices {
         iova: u64,
         access: MrAccess,
     ) -> Result<Vec<MrKeys>, VerbsError> {
-        if length == 0 {
-            return Err(VerbsError::EmptyRegion(addr));
-        }
-        if self.mrs.contains_key(&iova) {
-            return Err(os("ibv_reg_mr_iova2", libc::EEXIST));
-        }
         // REMOTE_WRITE requires LOCAL_WRITE (verbs rule); never REMOTE_ATOMIC.
         let bits = access_bits(true, access.remote_read, true, false);
-        let mut mrs = Vec::with_capacity(self.devices.len());
-        for res in &self.devices {
+        self.register_on_every_device("ibv_reg_mr_iova2", iova, length, |pd| {
             // SAFETY: the caller guarantees the range stays mapped while registered.
             // `ibv_reg_mr_iova2` (libibverbs 1.8+) lets the same bytes be registered once per
             // landing window, each at its own IOVA with its own keys.
-            let mr = unsafe {
-                ffi::ibv_reg_mr_iova2(res.pd, addr as *mut _, length as usize, iova, bits)
-            };
-            if mr.is_null() {
-                let e = os("ibv_reg_mr_iova2", last_errno());
-                for mr in mrs {
-                    // SAFETY: registered just above.
-                    unsafe { ffi::ibv_dereg_mr(mr) };
-                }
-                return Err(e);
-            }
-            mrs.push(mr);
-        }
-        // SAFETY: every `mr` is live.
-        let keys = mrs
-            .iter()
-            .map(|&mr| unsafe {
-                MrKeys {
-                    lkey: (*mr).lkey,
-                    rkey: (*mr).rkey,
-                }
-            })
-            .collect();
-        self.mrs.insert(iova, mrs);
-        Ok(keys)
+            unsafe { ffi::ibv_reg_mr_iova2(pd, addr as *mut _, length as usize, iova, bits) }
+        })
     }
 
     fn take_async_events(&mut self) -> Vec<AsyncEvent> {
@@ -669,6 +706,26 @@ impl VerbsBackend for IbvDevices {
             }
         }
         first.map_or(Ok(()), Err)
+    }
+
+    unsafe fn register_dmabuf(
+        &mut self,
+        buf: &DmaBuf,
+        iova: u64,
+        length: u64,
+        access: MrAccess,
+    ) -> Result<Vec<MrKeys>, VerbsError> {
+        let Some(reg) = reg_dmabuf_mr() else {
+            // rdma-core older than v34: no dma-buf registration.
+            return Err(os("ibv_reg_dmabuf_mr", libc::ENOSYS));
+        };
+        let bits = access_bits(true, access.remote_read, true, false);
+        let fd = buf.fd.as_raw_fd();
+        self.register_on_every_device("ibv_reg_dmabuf_mr", iova, length, |pd| {
+            // SAFETY: `fd` is a live dma-buf covering `offset..offset + length` (exporter); the
+            // caller keeps the memory allocated while registered.
+            unsafe { reg(pd, buf.offset, length as usize, iova, fd, bits as i32) }
+        })
     }
 }
 

@@ -1,11 +1,13 @@
 //! Host memory registered for P's one-sided writes. The registry owns the buffers it allocates,
 //! which is what makes registration safe: a buffer cannot be freed while a NIC may write to it.
 //! The host's own regions ([`HostRegion`]) are registered in place: their constructor's contract
-//! keeps them allocated until the target that registered them is dropped (and deregistered).
+//! keeps them allocated until the target that registered them is dropped (and deregistered);
+//! so are the host's device regions ([`DeviceRegion`]), through GPUDirect RDMA.
 
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::descriptor::RegisteredRegion;
-use crate::rdma::memory::HostRegion;
+use super::gpudirect::{register_device_region, DeviceMemoryExport, GpuDirectError, GpuDirectPath};
+use crate::rdma::memory::{DeviceRegion, HostRegion};
 
 /// Registered host buffers, in registration order (descriptor order): kvrecv's own (`Some`
 /// buffer) or the host's (`None`: the host owns the bytes).
@@ -65,6 +67,41 @@ impl MemoryRegistrations {
         };
         self.entries.push((None, region));
         Ok(&self.entries[self.entries.len() - 1].1)
+    }
+
+    /// Register the host's device region `index` in place on every device of `backend`
+    /// through GPUDirect RDMA (dma-buf, else nvidia-peermem; [`super::gpudirect`]): P writes
+    /// straight into GPU memory. `location` is the descriptor buffer name, `cuda:<ordinal>`.
+    pub fn register_device_region<B: VerbsBackend>(
+        &mut self,
+        backend: &mut B,
+        location: impl Into<String>,
+        export: &dyn DeviceMemoryExport,
+        index: usize,
+        region: &DeviceRegion,
+        access: MrAccess,
+    ) -> Result<GpuDirectPath, GpuDirectError> {
+        let (addr, length) = (region.ptr(), region.len());
+        // SAFETY: `DeviceRegion::new`'s contract keeps the memory allocated until the target
+        // holding this registry is dropped, and its Drop deregisters first.
+        let (path, keys) =
+            unsafe { register_device_region(backend, export, index, addr, length, addr, access)? };
+        tracing::info!(
+            region = index,
+            ?path,
+            length,
+            "device memory registered for GPUDirect RDMA"
+        );
+        self.entries.push((
+            None,
+            RegisteredRegion {
+                location: location.into(),
+                addr,
+                length,
+                keys,
+            },
+        ));
+        Ok(path)
     }
 
     /// The regions, for `SegmentDescriptor::build`.

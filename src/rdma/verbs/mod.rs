@@ -17,6 +17,7 @@ pub mod fake;
 pub mod fence;
 pub mod gid;
 pub mod gid_rank;
+pub mod gpudirect;
 #[cfg(feature = "rdma")]
 pub mod ibverbs_device;
 pub mod key_windows;
@@ -41,6 +42,7 @@ pub use endpoint::{Endpoint, EndpointState};
 pub use fake::{FakeVerbs, WriteRefused};
 pub use fence::{RdmaFence, SharedHandshake};
 pub use gid::Gid;
+pub use gpudirect::{DeviceMemoryExport, DmaBuf, GpuDirectError, GpuDirectPath};
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
 pub use memory::MemoryRegistrations;

@@ -22,9 +22,10 @@ use thiserror::Error;
 use super::backend::{MrAccess, VerbsBackend};
 use super::descriptor::{DescriptorError, PublishedDescriptor};
 use super::fence::{RdmaFence, SharedHandshake};
+use super::gpudirect::DeviceMemoryExport;
 use super::key_windows::KeyWindows;
 use super::peer_binding::peer_host;
-use super::window_registrations::{HostSpan, WindowRegistrations};
+use super::window_registrations::{HostSpan, WindowRegisterError, WindowRegistrations};
 use crate::layout::KvLayout;
 use crate::messages::PeerId;
 use crate::rdma::tcp::windows::{WindowError, WindowMap, DEFAULT_BASE};
@@ -35,7 +36,7 @@ use crate::rdma::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Re
 pub const MAX_SLOTS: u32 = 1 << 16;
 
 /// Why the landing cannot be set up.
-#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[derive(Debug, Error)]
 pub enum RdmaLandingError {
     #[error("the KV layout has no region")]
     EmptyLayout,
@@ -55,7 +56,7 @@ pub enum RdmaLandingError {
     #[error("registering landing window {slot}: {error}")]
     Register {
         slot: u32,
-        error: super::backend::VerbsError,
+        error: WindowRegisterError,
     },
     #[error("RDMA descriptor: {0}")]
     Descriptor(#[from] DescriptorError),
@@ -71,7 +72,7 @@ pub enum RdmaLandingError {
 }
 
 /// How the landing registers its windows.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct WindowsConfig {
     /// Windows kept registered (each one registration of the whole layout per NIC). P hosts
     /// beyond this share windows, and a fence of one also fails the others' writes in flight.
@@ -82,6 +83,8 @@ pub struct WindowsConfig {
     /// First IOVA slot. `None`: drawn at random, so that a restarted D does not advertise the
     /// addresses (and rkeys) of its previous life.
     pub first_slot: Option<u32>,
+    /// The memory is the GPU's: registered through GPUDirect RDMA with this export.
+    pub device: Option<Arc<dyn DeviceMemoryExport>>,
 }
 
 impl Default for WindowsConfig {
@@ -91,6 +94,7 @@ impl Default for WindowsConfig {
             location: "cpu:0".into(),
             access: MrAccess::default(),
             first_slot: None,
+            device: None,
         }
     }
 }
@@ -205,6 +209,7 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
             slots,
             cfg.location,
             cfg.access,
+            cfg.device,
         )?;
         let first = cfg.first_slot.unwrap_or_else(rand::random);
         let host = host.into();
@@ -776,7 +781,7 @@ mod tests {
             .map(|_| ())
         };
         let layout = KvLayout::uniform(2, 64, 4); // 256 bytes per region
-        assert_eq!(
+        assert!(matches!(
             new(&layout, vec![(0x1000, 256), (0x9000, 255)]).unwrap_err(),
             RdmaLandingError::TooSmall {
                 region: 1,
@@ -784,18 +789,18 @@ mod tests {
                 needed: 256,
                 have: 255
             }
-        );
-        assert_eq!(
+        ));
+        assert!(matches!(
             new(&layout, vec![(0x1000, 512)]).unwrap_err(),
             RdmaLandingError::RegionCount {
                 regions: 1,
                 layout: 2
             }
-        );
-        assert_eq!(
+        ));
+        assert!(matches!(
             new(&KvLayout::uniform(0, 64, 4), vec![]).unwrap_err(),
             RdmaLandingError::EmptyLayout
-        );
+        ));
         assert!(matches!(
             new(&KvLayout::uniform(1, u64::MAX, 2), vec![(1, 1)]),
             Err(RdmaLandingError::Overflow { .. })

@@ -1,6 +1,7 @@
 //! kvrecv as a Mooncake RDMA target, assembled: the handshake daemon in RDMA mode, host memory
-//! registered for the KV layout, the RDMA segment descriptor, and the [`RdmaLanding`] the core
-//! uses. Generic over the verbs backend, so the whole wiring runs against `FakeVerbs` in tests.
+//! (or the host's GPU memory, through GPUDirect RDMA) registered for the KV layout, the RDMA
+//! segment descriptor, and the [`RdmaLanding`] the core uses. Generic over the verbs backend,
+//! so the whole wiring runs against `FakeVerbs` in tests.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
@@ -13,14 +14,15 @@ use tokio::task::JoinHandle;
 use super::async_events;
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::fence::{RdmaFence, SharedHandshake};
+use super::gpudirect::{DeviceMemoryExport, GpuDirectError};
 use super::passive::{HandshakeConfig, PassiveHandshake};
 use super::peer_binding::PeerBinding;
 use super::rdma_landing::{RdmaLanding, RdmaLandingError, WindowsConfig};
-use super::window_registrations::HostSpan;
+use super::window_registrations::{HostSpan, WindowRegisterError};
 use crate::layout::KvLayout;
 use crate::messages::handshake::SegmentDescriptor;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
-use crate::rdma::memory::HostMemory;
+use crate::rdma::memory::{DeviceMemory, DeviceRegion, HostMemory};
 
 /// How to start an RDMA target.
 #[derive(Debug, Clone)]
@@ -38,6 +40,13 @@ pub struct RdmaTargetConfig {
     /// one descriptor buffer each, and kvrecv allocates no KV memory. `None`: one kvrecv-owned
     /// buffer holding every region back to back.
     pub host_memory: Option<HostMemory>,
+    /// The host's own CUDA device regions (one per layout region, layout order): registered in
+    /// place through GPUDirect RDMA (dma-buf, else nvidia-peermem), one `cuda:<ordinal>`
+    /// descriptor buffer each; P writes straight into GPU memory. Wins over `host_memory`.
+    pub device_memory: Option<DeviceMemory>,
+    /// The GPU side of that registration; `None`: CUDA's (feature `cuda`), which checks the
+    /// regions with the driver and exports dma-bufs. Tests pass a fake.
+    pub device_export: Option<Arc<dyn DeviceMemoryExport>>,
     /// How the fence finds a peer's segments (by host unless told otherwise).
     pub peer_binding: PeerBinding,
     /// Landing windows kept registered (DESIGN.md §5: one per P host while they last).
@@ -57,6 +66,8 @@ impl RdmaTargetConfig {
             location: "cpu:0".into(),
             access: MrAccess::default(),
             host_memory: None,
+            device_memory: None,
+            device_export: None,
             peer_binding: PeerBinding::default(),
             windows: WindowsConfig::default().windows,
             first_slot: None,
@@ -77,6 +88,9 @@ pub enum RdmaTargetError {
     #[error("host regions: {0}")]
     HostRegions(String),
     /// RLIMIT_MEMLOCK too low for the windows' registrations, or another verbs failure.
+    /// Device memory that cannot be registered with the NIC (or fails the driver's checks).
+    #[error("GPUDirect RDMA: {0}")]
+    GpuDirect(#[from] GpuDirectError),
     #[error("memory registration: {0}")]
     Register(#[from] VerbsError),
     #[error("landing: {0}")]
@@ -134,13 +148,19 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             cfg.handshake.clone(),
         )));
         let len = layout_bytes(&cfg.layout).ok_or(RdmaTargetError::LayoutTooLarge)?;
-        if let Some(host) = &cfg.host_memory {
+        let device = match &cfg.device_memory {
+            Some(dev) => Some(device_regions(&cfg, dev)?),
+            None => None,
+        };
+        if let (None, Some(host)) = (&device, &cfg.host_memory) {
             check_host_regions(&cfg.layout, host)?;
         }
         // The kernel charges every registration of the same pages again: one per window.
-        let bytes_per_nic = match &cfg.host_memory {
-            Some(host) => host.regions().iter().map(|r| r.len() as u64).sum(),
-            None => len as u64,
+        // Device memory is pinned by the GPU driver, not charged to RLIMIT_MEMLOCK.
+        let bytes_per_nic = match (&device, &cfg.host_memory) {
+            (Some(_), _) => 0,
+            (None, Some(host)) => host.regions().iter().map(|r| r.len() as u64).sum(),
+            (None, None) => len as u64,
         };
         handshake
             .lock()
@@ -148,17 +168,18 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             .backend_mut()
             .ensure_memlock(bytes_per_nic.saturating_mul(cfg.windows.max(1) as u64))?;
         // kvrecv's own buffer, or nothing when the host gave its regions.
-        let mut owned = match &cfg.host_memory {
-            Some(_) => None,
-            None => Some(vec![0u8; len].into_boxed_slice()),
+        let mut owned = match (&device, &cfg.host_memory) {
+            (None, None) => Some(vec![0u8; len].into_boxed_slice()),
+            _ => None,
         };
-        let spans: Vec<HostSpan> = match (&cfg.host_memory, &mut owned) {
-            (Some(host), _) => host
+        let spans: Vec<HostSpan> = match (&device, &cfg.host_memory, &mut owned) {
+            (Some((regions, _)), _, _) => regions.iter().map(|r| (r.ptr(), r.len())).collect(),
+            (None, Some(host), _) => host
                 .regions()
                 .iter()
                 .map(|r| (r.as_ptr() as u64, r.len() as u64))
                 .collect(),
-            (None, Some(buf)) => {
+            (None, None, Some(buf)) => {
                 let base = buf.as_mut_ptr() as u64;
                 let mut at = 0u64;
                 cfg.layout
@@ -172,22 +193,36 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
                     })
                     .collect()
             }
-            (None, None) => unreachable!("allocated above when the host gave no memory"),
+            (None, None, None) => unreachable!("allocated above when the host gave no memory"),
         };
-        let landing = Arc::new(RdmaLanding::new(
-            cfg.advertise_host.clone(),
-            handshake_addr.port(),
-            &cfg.layout,
-            spans,
-            WindowsConfig {
-                windows: cfg.windows,
-                location: cfg.location.clone(),
-                access: cfg.access,
-                first_slot: cfg.first_slot,
-            },
-            Arc::clone(&handshake),
-            RdmaFence::with_binding(Arc::clone(&handshake), cfg.peer_binding),
-        )?);
+        let landing = Arc::new(
+            RdmaLanding::new(
+                cfg.advertise_host.clone(),
+                handshake_addr.port(),
+                &cfg.layout,
+                spans,
+                WindowsConfig {
+                    windows: cfg.windows,
+                    location: match &device {
+                        Some((regions, _)) => format!("cuda:{}", regions[0].ordinal()),
+                        None => cfg.location.clone(),
+                    },
+                    access: cfg.access,
+                    first_slot: cfg.first_slot,
+                    device: device.as_ref().map(|(_, export)| Arc::clone(export)),
+                },
+                Arc::clone(&handshake),
+                RdmaFence::with_binding(Arc::clone(&handshake), cfg.peer_binding),
+            )
+            .map_err(|e| match e {
+                // Device memory the NIC cannot take: say so as GPUDirect's error, not a window's.
+                RdmaLandingError::Register {
+                    error: WindowRegisterError::GpuDirect(g),
+                    ..
+                } => RdmaTargetError::GpuDirect(g),
+                e => RdmaTargetError::Landing(e),
+            })?,
+        );
         let nics = handshake
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -289,6 +324,71 @@ fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTa
         }
     }
     Ok(())
+}
+
+/// The host's device regions, one per layout region and each large enough, and the GPU side
+/// that registers them (the configured one, else CUDA's, which checks them with the driver).
+fn device_regions<'a>(
+    cfg: &RdmaTargetConfig,
+    dev: &'a DeviceMemory,
+) -> Result<(&'a [DeviceRegion], Arc<dyn DeviceMemoryExport>), RdmaTargetError> {
+    let regions = dev.regions().ok_or_else(|| {
+        GpuDirectError::Regions("a fake device cannot be registered with a NIC".into())
+    })?;
+    let layout = &cfg.layout;
+    if regions.len() != layout.regions.len() {
+        return Err(GpuDirectError::Regions(format!(
+            "{} regions for a layout of {}",
+            regions.len(),
+            layout.regions.len()
+        ))
+        .into());
+    }
+    let mut used = Vec::with_capacity(regions.len());
+    for (i, (d, l)) in regions.iter().zip(&layout.regions).enumerate() {
+        let needed = l.block_len.checked_mul(u64::from(layout.num_blocks));
+        match needed {
+            Some(n) if d.len() >= n => used.push((d.ptr(), n)),
+            _ => {
+                return Err(GpuDirectError::Regions(format!(
+                    "region {i} has {} bytes, the layout needs {needed:?}",
+                    d.len()
+                ))
+                .into())
+            }
+        }
+        if d.ordinal() != regions[0].ordinal() {
+            return Err(GpuDirectError::Regions(format!(
+                "region {i} is on GPU {}, region 0 on GPU {}",
+                d.ordinal(),
+                regions[0].ordinal()
+            ))
+            .into());
+        }
+    }
+    let export = match &cfg.device_export {
+        Some(e) => Arc::clone(e),
+        None => cuda_export(regions[0].ordinal(), &used)?,
+    };
+    Ok((regions, export))
+}
+
+#[cfg(feature = "cuda")]
+fn cuda_export(
+    ordinal: usize,
+    used: &[(u64, u64)],
+) -> Result<Arc<dyn DeviceMemoryExport>, RdmaTargetError> {
+    crate::rdma::cuda_device::CudaExport::new(ordinal, used)
+        .map(|e| Arc::new(e) as Arc<dyn DeviceMemoryExport>)
+        .map_err(|e| GpuDirectError::Regions(e.to_string()).into())
+}
+
+#[cfg(not(feature = "cuda"))]
+fn cuda_export(
+    _ordinal: usize,
+    _used: &[(u64, u64)],
+) -> Result<Arc<dyn DeviceMemoryExport>, RdmaTargetError> {
+    Err(GpuDirectError::CudaNotBuilt.into())
 }
 
 /// Bytes of every layout region, without overflow.

@@ -3,15 +3,29 @@
 //! of its own. The bytes exist once; only keys and advertised addresses differ per window.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use thiserror::Error;
 
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::descriptor::RegisteredRegion;
+use super::gpudirect::{register_device_region, DeviceMemoryExport, GpuDirectError};
 use crate::layout::KvLayout;
 use crate::rdma::tcp::windows::{WindowError, WindowMap};
 use crate::rdma::RegionBases;
 
-/// One layout region's bytes in this process: `(address, length)`.
+/// One layout region's bytes: `(address, length)` in this process, or on the GPU (a device
+/// pointer) when the registrations have a [`DeviceMemoryExport`].
 pub type HostSpan = (u64, u64);
+
+/// Why a window could not be registered.
+#[derive(Debug, Error)]
+pub enum WindowRegisterError {
+    #[error(transparent)]
+    Verbs(#[from] VerbsError),
+    #[error(transparent)]
+    GpuDirect(#[from] GpuDirectError),
+}
 
 /// The registrations of every live window.
 #[derive(Debug)]
@@ -21,6 +35,8 @@ pub struct WindowRegistrations {
     host: Vec<HostSpan>,
     location: String,
     access: MrAccess,
+    /// Device memory: registered through GPUDirect RDMA (dma-buf, else nvidia-peermem).
+    device: Option<Arc<dyn DeviceMemoryExport>>,
     /// Live slot → its regions (addr = IOVA) and its bases (shared with every pull).
     live: BTreeMap<u32, (Vec<RegisteredRegion>, RegionBases)>,
 }
@@ -36,12 +52,14 @@ impl WindowRegistrations {
         slots: u32,
         location: String,
         access: MrAccess,
+        device: Option<Arc<dyn DeviceMemoryExport>>,
     ) -> Result<Self, WindowError> {
         Ok(WindowRegistrations {
             map: WindowMap::new(layout, base, slots.saturating_add(1))?,
             host,
             location,
             access,
+            device,
             live: BTreeMap::new(),
         })
     }
@@ -53,14 +71,28 @@ impl WindowRegistrations {
 
     /// Register every layout region of window `slot` on every device. All or nothing: on an
     /// error, what this call registered is deregistered again.
-    pub fn register<B: VerbsBackend>(&mut self, b: &mut B, slot: u32) -> Result<(), VerbsError> {
+    pub fn register<B: VerbsBackend>(
+        &mut self,
+        b: &mut B,
+        slot: u32,
+    ) -> Result<(), WindowRegisterError> {
         let bases = self.map.region_bases(slot);
         let mut regions = Vec::with_capacity(self.host.len());
-        for (&(addr, length), &iova) in self.host.iter().zip(bases.iter()) {
-            // SAFETY: the spans are memory the target keeps mapped (its own buffer, or the
-            // host's regions under `HostRegion::new`'s contract) until every window is
-            // deregistered (`deregister_all`, run before the memory is released).
-            match unsafe { b.register_memory_iova(addr, length, iova, self.access) } {
+        for (i, (&(addr, length), &iova)) in self.host.iter().zip(bases.iter()).enumerate() {
+            // SAFETY: the spans are memory the target keeps mapped (its own buffer, the host's
+            // regions under `HostRegion::new`'s contract, or device regions under
+            // `DeviceRegion::new`'s) until every window is deregistered (`deregister_all`, run
+            // before the memory is released).
+            let keys = match &self.device {
+                None => unsafe { b.register_memory_iova(addr, length, iova, self.access) }
+                    .map_err(WindowRegisterError::from),
+                Some(export) => unsafe {
+                    register_device_region(b, &**export, i, addr, length, iova, self.access)
+                }
+                .map(|(_, keys)| keys)
+                .map_err(WindowRegisterError::from),
+            };
+            match keys {
                 Ok(keys) => regions.push(RegisteredRegion {
                     location: self.location.clone(),
                     addr: iova,

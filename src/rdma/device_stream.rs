@@ -1,0 +1,320 @@
+//! Ordered copies into device memory. A bounded pool of staging slots, each a page-locked host
+//! buffer of [`STAGING_CHUNK`] bytes and a copy queue of its own on the device (with CUDA: a
+//! stream kvrecv creates with `CU_STREAM_NON_BLOCKING`, so it neither waits behind the host's
+//! work on the legacy default stream nor makes that work wait). A copy is enqueued
+//! asynchronously and then the queue is synchronised: [`DeviceCopy::upload`] returns only once
+//! the device holds the bytes, which is what lets the data server count a write landed
+//! (permit `landed`, the v2 ack, `released`) after it and never before. A driver's
+//! "synchronous" copy from pageable memory may return before its DMA finished; a
+//! synchronisation cannot.
+//!
+//! Every call here blocks its thread (a copy, a stream synchronisation, waiting for a free
+//! slot): the data server makes them on tokio's blocking pool, never on a runtime worker.
+
+use std::sync::{Condvar, Mutex};
+
+use super::memory::{DeviceCopy, MemoryError, STAGING_CHUNK};
+
+/// Staging slots per device destination: copies in flight at once, across all connections
+/// (each slot pins [`STAGING_CHUNK`] bytes of host memory).
+pub const STAGING_SLOTS: usize = 8;
+
+/// One staging slot: a page-locked buffer and the device queue its copies go through.
+/// Implementations: the CUDA stream (feature `cuda`) and a fake whose copies complete only when
+/// synchronised (tests).
+pub(crate) trait DeviceStream: Send {
+    /// The slot's staging bytes ([`STAGING_CHUNK`] long). Never touched by the caller while a
+    /// copy from or into them is enqueued and not yet synchronised.
+    fn staging(&mut self) -> &mut [u8];
+
+    /// Enqueue a copy of `staging()[..len]` to device address `dst`; returns before the copy
+    /// completed.
+    ///
+    /// # Safety
+    /// `dst..dst + len` lies inside device memory kvrecv may write; `len <= STAGING_CHUNK`.
+    unsafe fn enqueue_upload(&mut self, dst: u64, len: usize) -> Result<(), MemoryError>;
+
+    /// Enqueue a copy of `len` device bytes at `src` into `staging()[..len]`.
+    ///
+    /// # Safety
+    /// As [`Self::enqueue_upload`], for reading.
+    unsafe fn enqueue_download(&mut self, src: u64, len: usize) -> Result<(), MemoryError>;
+
+    /// Block until every copy enqueued on this slot completed.
+    fn synchronize(&mut self) -> Result<(), MemoryError>;
+}
+
+/// A device destination reached through staging slots: the layout's regions `(start, device
+/// address, length)`, contiguous in kvrecv's offsets, and the slot pool.
+pub(crate) struct StagedCopier {
+    segs: Vec<(u64, u64, u64)>,
+    pool: Mutex<Pool>,
+    freed: Condvar,
+    /// Whatever keeps the device memory and its context alive (kvrecv's own allocation).
+    _keep: Option<Box<dyn Send + Sync>>,
+}
+
+struct Pool {
+    free: Vec<Box<dyn DeviceStream>>,
+    /// Slots not lost to a failed synchronisation (free or leased).
+    live: usize,
+}
+
+impl StagedCopier {
+    /// `segs`: `(start, device address, length)` per layout region; `slots`: at least one.
+    pub(crate) fn new(
+        segs: Vec<(u64, u64, u64)>,
+        slots: Vec<Box<dyn DeviceStream>>,
+        keep: Option<Box<dyn Send + Sync>>,
+    ) -> Self {
+        StagedCopier {
+            segs,
+            pool: Mutex::new(Pool {
+                live: slots.len(),
+                free: slots,
+            }),
+            freed: Condvar::new(),
+            _keep: keep,
+        }
+    }
+
+    /// The device address of `[offset, offset + len)`, which lies inside one region.
+    fn locate(&self, offset: u64, len: u64) -> Result<u64, MemoryError> {
+        self.segs
+            .iter()
+            .find(|&&(start, _, l)| {
+                offset >= start && offset.checked_add(len).is_some_and(|end| end - start <= l)
+            })
+            .map(|&(start, addr, _)| addr + (offset - start))
+            .ok_or(MemoryError::OutOfBounds {
+                offset,
+                len,
+                size: self.segs.last().map_or(0, |&(s, _, l)| s + l),
+            })
+    }
+
+    /// A free slot, waiting (blocking) while every slot is in use.
+    fn lease(&self) -> Result<Lease<'_>, MemoryError> {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(slot) = pool.free.pop() {
+                return Ok(Lease {
+                    owner: self,
+                    slot: Some(slot),
+                });
+            }
+            if pool.live == 0 {
+                return Err(MemoryError::Cuda(
+                    "every staging slot was lost to failed device copies".into(),
+                ));
+            }
+            pool = self.freed.wait(pool).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    /// On one slot: `enqueue` copies, synchronise, then `done` (which may read the staging
+    /// bytes a download filled). A slot whose synchronisation failed may still have a copy
+    /// reading or writing its staging bytes: it is leaked, never reused.
+    fn on_slot<T>(
+        &self,
+        enqueue: impl FnOnce(&mut dyn DeviceStream) -> Result<(), MemoryError>,
+        done: impl FnOnce(&mut dyn DeviceStream) -> T,
+    ) -> Result<T, MemoryError> {
+        let mut lease = self.lease()?;
+        let slot = lease.slot.as_deref_mut().expect("a lease holds its slot");
+        let queued = enqueue(slot);
+        // Even after a failed enqueue: an earlier piece may be in flight.
+        if let Err(e) = slot.synchronize() {
+            lease.lose();
+            return Err(e);
+        }
+        queued?;
+        Ok(done(slot))
+    }
+}
+
+/// A leased slot, back in the pool on drop.
+struct Lease<'a> {
+    owner: &'a StagedCopier,
+    slot: Option<Box<dyn DeviceStream>>,
+}
+
+impl Lease<'_> {
+    fn lose(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            tracing::error!("device copy failed to synchronise; its staging slot is retired");
+            std::mem::forget(slot);
+            let mut pool = self.owner.pool.lock().unwrap_or_else(|e| e.into_inner());
+            pool.live -= 1;
+            drop(pool);
+            // Waiters re-check `live`.
+            self.owner.freed.notify_all();
+        }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            let mut pool = self.owner.pool.lock().unwrap_or_else(|e| e.into_inner());
+            pool.free.push(slot);
+            drop(pool);
+            self.owner.freed.notify_one();
+        }
+    }
+}
+
+impl DeviceCopy for StagedCopier {
+    fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
+        let dst = self.locate(offset, src.len() as u64)?;
+        let mut pos = 0u64;
+        for chunk in src.chunks(STAGING_CHUNK) {
+            self.on_slot(
+                |s| {
+                    s.staging()[..chunk.len()].copy_from_slice(chunk);
+                    // SAFETY: inside one region (located above); at most STAGING_CHUNK bytes.
+                    unsafe { s.enqueue_upload(dst + pos, chunk.len()) }
+                },
+                |_| (),
+            )?;
+            pos += chunk.len() as u64;
+        }
+        Ok(())
+    }
+
+    fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError> {
+        let size = self.segs.last().map_or(0, |&(s, _, l)| s + l);
+        let oob = MemoryError::OutOfBounds {
+            offset,
+            len: dst.len() as u64,
+            size,
+        };
+        if offset
+            .checked_add(dst.len() as u64)
+            .is_none_or(|end| end > size)
+        {
+            return Err(oob);
+        }
+        // A read may span regions: region by region, a staging chunk at a time.
+        let mut done = 0usize;
+        while done < dst.len() {
+            let at = offset + done as u64;
+            let Some(&(start, _, l)) = self.segs.iter().find(|&&(s, _, l)| at >= s && at - s < l)
+            else {
+                return Err(oob);
+            };
+            let n = ((start + l - at) as usize)
+                .min(dst.len() - done)
+                .min(STAGING_CHUNK);
+            let src = self.locate(at, n as u64)?;
+            let out = &mut dst[done..done + n];
+            self.on_slot(
+                // SAFETY: inside one region (located above); at most STAGING_CHUNK bytes.
+                |s| unsafe { s.enqueue_download(src, n) },
+                |s| out.copy_from_slice(&s.staging()[..n]),
+            )?;
+            done += n;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use super::*;
+    use crate::rdma::fake_device::FakeDevice;
+
+    /// Two regions of 3 staging chunks + 100 bytes each, at device addresses 0 and `GAP` (not
+    /// contiguous on the device, contiguous in kvrecv's offsets).
+    const REGION: u64 = 3 * STAGING_CHUNK as u64 + 100;
+    const GAP: u64 = REGION + 4096;
+
+    fn copier(slots: usize) -> (StagedCopier, Arc<FakeDevice>) {
+        let dev = FakeDevice::new((GAP + REGION) as usize);
+        let c = StagedCopier::new(
+            vec![(0, 0, REGION), (REGION, GAP, REGION)],
+            dev.streams(slots),
+            None,
+        );
+        (c, dev)
+    }
+
+    fn pattern(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+    }
+
+    /// The ordering promise: `upload` returns only once the device holds every byte. The fake's
+    /// copies complete only when their slot is synchronised, so an upload that only enqueued
+    /// (the old `memcpy_htod_sync` from pageable memory may return before its DMA finished)
+    /// leaves the device without the bytes here.
+    #[test]
+    fn upload_returns_only_once_the_device_holds_every_byte() {
+        let (c, dev) = copier(2);
+        let src = pattern(2 * STAGING_CHUNK + 7, 0x5a);
+        c.upload(REGION + 10, &src).unwrap();
+        assert_eq!(dev.snapshot((GAP + 10) as usize, src.len()), src);
+        assert_eq!(dev.uploads.load(Ordering::Relaxed), 3, "one copy per chunk");
+        assert_eq!(
+            dev.largest_upload.load(Ordering::Relaxed),
+            STAGING_CHUNK as u64
+        );
+        // One slot, reused: every chunk's copy completed before the next overwrote the staging.
+        let (c, dev) = copier(1);
+        c.upload(0, &src).unwrap();
+        assert_eq!(dev.snapshot(0, src.len()), src);
+    }
+
+    #[test]
+    fn downloads_span_regions_and_writes_do_not() {
+        let (c, dev) = copier(1);
+        let a = pattern(REGION as usize, 1);
+        let b = pattern(REGION as usize, 2);
+        c.upload(0, &a).unwrap();
+        c.upload(REGION, &b).unwrap();
+        assert!(
+            dev.snapshot(REGION as usize, 4096).iter().all(|&x| x == 0),
+            "the gap"
+        );
+        let mut back = vec![0u8; 2 * STAGING_CHUNK];
+        c.download(REGION - STAGING_CHUNK as u64, &mut back)
+            .unwrap();
+        assert_eq!(back[..STAGING_CHUNK], a[a.len() - STAGING_CHUNK..]);
+        assert_eq!(back[STAGING_CHUNK..], b[..STAGING_CHUNK]);
+        // A write across the regions' boundary, or past the end, is refused before any copy.
+        let before = dev.uploads.load(Ordering::Relaxed);
+        assert!(matches!(
+            c.upload(REGION - 1, &[0; 2]),
+            Err(MemoryError::OutOfBounds { .. })
+        ));
+        assert!(c.upload(2 * REGION - 1, &[0; 2]).is_err());
+        assert!(c.download(2 * REGION - 1, &mut [0; 2]).is_err());
+        assert_eq!(dev.uploads.load(Ordering::Relaxed), before);
+    }
+
+    /// A slot whose synchronisation failed may still be copying from its staging bytes: it is
+    /// never reused, and once every slot is lost a copy fails instead of waiting forever.
+    #[test]
+    fn a_slot_whose_sync_failed_is_retired() {
+        let (c, dev) = copier(1);
+        dev.fail_next_sync.store(true, Ordering::SeqCst);
+        assert!(matches!(c.upload(0, &[1; 8]), Err(MemoryError::Cuda(_))));
+        assert_eq!(
+            dev.snapshot(0, 8),
+            vec![0; 8],
+            "the failed copy never landed"
+        );
+        assert!(matches!(c.upload(0, &[1; 8]), Err(MemoryError::Cuda(_))));
+        let (c, dev) = copier(2);
+        dev.fail_next_sync.store(true, Ordering::SeqCst);
+        assert!(c.upload(0, &[1; 8]).is_err());
+        c.upload(0, &[2; 8]).unwrap();
+        assert_eq!(
+            dev.snapshot(0, 8),
+            vec![2; 8],
+            "the other slot still copies"
+        );
+    }
+}
