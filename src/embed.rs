@@ -114,6 +114,7 @@ pub struct KvRecvBuilder {
     worker_threads: usize,
     rdma: Option<RdmaStarter>,
     rdma_handshake: crate::rdma::verbs::HandshakeConfig,
+    rdma_windows: usize,
     peer_binding: PeerBinding,
 }
 
@@ -180,6 +181,7 @@ impl KvRecvBuilder {
             worker_threads: 2,
             rdma: None,
             rdma_handshake: Default::default(),
+            rdma_windows: crate::rdma::verbs::WindowsConfig::default().windows,
             peer_binding: PeerBinding::default(),
         }
     }
@@ -314,6 +316,14 @@ impl KvRecvBuilder {
         self
     }
 
+    /// RDMA landing windows kept registered (default 4): each is one registration of the whole
+    /// layout per NIC with keys of its own, handed to one P host while they last; the fence
+    /// retires a suspect's window (DESIGN.md §5).
+    pub fn rdma_windows(mut self, windows: usize) -> Self {
+        self.rdma_windows = windows.max(1);
+        self
+    }
+
     /// How the RDMA fence finds the queue pairs of a peer to fence (default: by host).
     pub fn peer_binding(mut self, binding: PeerBinding) -> Self {
         self.peer_binding = binding;
@@ -341,6 +351,7 @@ impl KvRecvBuilder {
             worker_threads,
             rdma,
             rdma_handshake,
+            rdma_windows,
             peer_binding,
         } = self;
         target.layout = config.layout.clone();
@@ -365,6 +376,7 @@ impl KvRecvBuilder {
                             advertise_host: target.advertise_host.clone(),
                             host_memory: target.host_memory.clone(),
                             handshake: rdma_handshake,
+                            windows: rdma_windows,
                             // Registered through GPUDirect RDMA (dma-buf or nvidia-peermem); a
                             // node with neither fails the start with a typed error.
                             device_memory: target.device_memory.clone(),

@@ -240,6 +240,40 @@ async fn an_uncertain_peer_is_fenced_by_host_without_manual_binding() {
     w.kv.shutdown().await;
 }
 
+/// The builder's window count is what the target registers and advertises: that many windows
+/// of every layout region, each at an IOVA of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builder_rdma_windows_sets_the_registered_landing_windows() {
+    for windows in [1usize, 3] {
+        let verbs = SharedVerbs::new();
+        let backend = verbs.clone();
+        let kv = KvRecv::builder(KvRecvConfig {
+            layout: KvLayout::uniform(2, 4096, 16),
+            ..KvRecvConfig::default()
+        })
+        .rdma(move || Ok(backend.clone()))
+        .rdma_windows(windows)
+        .start()
+        .unwrap();
+        let (_, body) = request(
+            kv.handshake_addr().unwrap(),
+            Some(FrameType::Metadata),
+            b"",
+            PATIENCE,
+        )
+        .await
+        .unwrap();
+        let d: SegmentDescriptor = serde_json::from_slice(&body).unwrap();
+        let addrs: std::collections::BTreeSet<u64> = d.buffers.iter().map(|b| b.addr).collect();
+        assert_eq!(addrs.len(), windows * 2, "{windows} windows x 2 regions");
+        assert_eq!(
+            verbs.inner.lock().unwrap().registrations().len(),
+            windows * 2
+        );
+        kv.shutdown().await;
+    }
+}
+
 /// The builder's QP settings reach the handshake: every RTR carries the configured traffic
 /// class and service level.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -117,6 +117,13 @@ pub struct ServeArgs {
     /// Service level of D's queue pairs (`MC_IB_SL`).
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..16))]
     pub rdma_service_level: u8,
+    /// RDMA landing windows kept registered: each is one registration of the whole KV layout
+    /// per NIC with keys of its own, one per P host while they last; a fence retires a
+    /// suspect's window and registers another (DESIGN.md §5). More windows: fewer P hosts share
+    /// one (a fence fails only its own host's writes in flight); each costs NIC translation
+    /// entries and `memlock` (RLIMIT_MEMLOCK is checked for all of them).
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub rdma_windows: u16,
     /// Interface the TE handshake daemon and data server listen on. Nothing authenticates
     /// them (any host that reaches them can write into the advertised windows while a permit is
     /// open): bind the interface the prefill nodes use, never a public one.
@@ -330,6 +337,7 @@ impl ServeArgs {
             gid_index: self.rdma_gid_index,
             traffic_class: self.rdma_traffic_class,
             service_level: self.rdma_service_level,
+            windows: usize::from(self.rdma_windows),
         }
     }
 

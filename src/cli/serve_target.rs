@@ -31,6 +31,8 @@ pub struct RdmaOptions {
     pub gid_index: Option<u8>,
     pub traffic_class: u8,
     pub service_level: u8,
+    /// Landing windows kept registered.
+    pub windows: usize,
 }
 
 impl DataTarget {
@@ -69,6 +71,7 @@ impl DataTarget {
                 service_level: rdma.service_level,
                 ..HandshakeConfig::default()
             },
+            windows: rdma.windows,
             ..RdmaTargetConfig::loopback(tcp.layout.clone())
         };
         RdmaTarget::start(devices, cfg)

@@ -49,5 +49,5 @@ pub use memory::MemoryRegistrations;
 pub use nic::{LinkLayer, LocalNic};
 pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};
 pub use peer_binding::PeerBinding;
-pub use rdma_landing::{RdmaLanding, RdmaLandingError};
+pub use rdma_landing::{RdmaLanding, RdmaLandingError, WindowsConfig};
 pub use rdma_target::{RdmaTarget, RdmaTargetConfig, RdmaTargetError};
