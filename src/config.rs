@@ -129,6 +129,10 @@ pub struct KvRecvConfig {
     /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
     /// coordinators sharing one process and recorder keep their series apart.
     pub engine_id: String,
+    /// vLLM 0.33's layout ids (PROTOCOL.md §2.7): each pull names its landing window's layout
+    /// by an id, and pulls to a P worker that echoed it omit the layout. Off: `layout_id` is
+    /// never sent (0) and every pull carries the layout, as with vLLM 0.32.
+    pub layout_ids: bool,
 }
 
 impl Default for KvRecvConfig {
@@ -149,6 +153,7 @@ impl Default for KvRecvConfig {
             d_rank: DRank::default(),
             layout: KvLayout::default(),
             engine_id: String::new(),
+            layout_ids: true,
         }
     }
 }
