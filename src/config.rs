@@ -261,6 +261,7 @@ struct RawKvRecv {
     pp_size: Option<u32>,
     pp_rank: Option<u32>,
     layout: Option<KvLayout>,
+    layout_ids: Option<bool>,
 }
 
 impl KvRecvConfig {
@@ -326,6 +327,7 @@ impl KvRecvConfig {
             None => Ok(dflt),
         };
         cfg.policy = k.policy.unwrap_or_default();
+        cfg.layout_ids = k.layout_ids.unwrap_or(cfg.layout_ids);
         cfg.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", cfg.pull_timeout)?;
         cfg.abort_grace = ms(k.abort_grace_ms, "abort_grace_ms", cfg.abort_grace)?;
         cfg.quarantine_deadline = ms(

@@ -716,6 +716,65 @@ mod tests {
         );
     }
 
+    fn layout_reply(status: XferStatus, ok: &[&str], layout_id: u64) -> Frames {
+        let mut r = MooncakeXferResponse::new(status);
+        r.ok_reqs = Some(ok.iter().map(|s| s.to_string()).collect());
+        r.layout_id = layout_id;
+        r.err_msg = (status == XferStatus::LayoutMiss).then(|| "not cached".into());
+        vec![r.encode().unwrap()]
+    }
+
+    /// vLLM 0.33: an echo of the pull's own id acks it; LAYOUT_MISS on a pull that omitted
+    /// its layout settles nothing and asks for one resend with it (the pull stays in flight);
+    /// a second miss, or a miss on a pull that carried it, fails the pull.
+    #[test]
+    fn layout_miss_resends_an_omitted_layout_once_and_fails_a_carried_one() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start_pull(pull(1, &["a", "b"]));
+        st.set_layout(
+            1,
+            PullLayout {
+                id: 7,
+                carried: true,
+            },
+        );
+        let fx = st.on_reply(1, layout_reply(XferStatus::Continue, &["a"], 9));
+        assert_eq!(fx.layout_echoed, None, "not this pull's id");
+        let fx = st.on_reply(1, layout_reply(XferStatus::Finish, &["b"], 7));
+        assert_eq!(fx.layout_echoed, Some(7));
+
+        st.start_pull(pull(2, &["c"]));
+        st.set_layout(
+            2,
+            PullLayout {
+                id: 7,
+                carried: false,
+            },
+        );
+        let fx = st.on_reply(2, layout_reply(XferStatus::LayoutMiss, &[], 0));
+        assert!(fx.layout_miss && fx.resend_with_layout);
+        assert!(
+            fx.settles.is_empty() && !fx.pull_done,
+            "nothing reaches the host"
+        );
+        assert_eq!(st.pending_requests(2).len(), 1, "the same request, resent");
+        // The resend carried the layout: another miss breaks the protocol and fails it.
+        let fx = st.on_reply(2, layout_reply(XferStatus::LayoutMiss, &[], 0));
+        assert!(fx.layout_miss && !fx.resend_with_layout && fx.pull_done);
+        let [(id, SettleOutcome::Uncertain { cause, reason })] = &outcomes(&fx)[..] else {
+            panic!("{:?}", outcomes(&fx));
+        };
+        assert_eq!((id.as_str(), *cause), ("c", Cause::PeerWideError));
+        assert!(
+            reason.contains("LAYOUT_MISS") && reason.contains("not cached"),
+            "{reason}"
+        );
+        // A pull without an id (layout ids off) is never resent.
+        st.start_pull(pull(3, &["d"]));
+        let fx = st.on_reply(3, layout_reply(XferStatus::LayoutMiss, &[], 0));
+        assert!(!fx.resend_with_layout && fx.pull_done && fx.settles.len() == 1);
+    }
+
     #[test]
     fn an_aborted_request_p_answered_is_not_settled_again() {
         let mut st = PeerState::new(PeerId::new("tcp://p:1"));

@@ -15,7 +15,8 @@ pub const MAX_PEER_LAYOUTS: usize = 1024;
 /// vLLM's `_peer_layout_key`: (hostname, port, tp rank, pp size, tp size, layout id).
 pub type LayoutKey = (String, u32, u32, u32, u32, u64);
 
-/// The layout lists of one pull, as it carried them.
+/// The layout lists of one pull, as it carried them (the fields of `MooncakeXferMetadata`
+/// of the same names).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CachedLayout {
     pub kv_caches_base_addr: Vec<u64>,

@@ -63,8 +63,9 @@ pub struct LayoutStats {
     pub misses: u64,
     /// Bytes of every pull's metadata received.
     pub metadata_bytes: u64,
-    /// The largest and smallest pull received, in bytes.
+    /// The largest pull received, in bytes.
     pub largest: u64,
+    /// The smallest pull received, in bytes (0 before the first).
     pub smallest: u64,
 }
 
