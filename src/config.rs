@@ -129,6 +129,10 @@ pub struct KvRecvConfig {
     /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
     /// coordinators sharing one process and recorder keep their series apart.
     pub engine_id: String,
+    /// vLLM 0.33's layout ids (PROTOCOL.md §2.7): each pull names its landing window's layout
+    /// by an id, and pulls to a P worker that echoed it omit the layout. Off: `layout_id` is
+    /// never sent (0) and every pull carries the layout, as with vLLM 0.32.
+    pub layout_ids: bool,
 }
 
 impl Default for KvRecvConfig {
@@ -149,6 +153,7 @@ impl Default for KvRecvConfig {
             d_rank: DRank::default(),
             layout: KvLayout::default(),
             engine_id: String::new(),
+            layout_ids: true,
         }
     }
 }
@@ -256,6 +261,7 @@ struct RawKvRecv {
     pp_size: Option<u32>,
     pp_rank: Option<u32>,
     layout: Option<KvLayout>,
+    layout_ids: Option<bool>,
 }
 
 impl KvRecvConfig {
@@ -321,6 +327,7 @@ impl KvRecvConfig {
             None => Ok(dflt),
         };
         cfg.policy = k.policy.unwrap_or_default();
+        cfg.layout_ids = k.layout_ids.unwrap_or(cfg.layout_ids);
         cfg.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", cfg.pull_timeout)?;
         cfg.abort_grace = ms(k.abort_grace_ms, "abort_grace_ms", cfg.abort_grace)?;
         cfg.quarantine_deadline = ms(

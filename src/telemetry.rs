@@ -165,6 +165,10 @@ pub const MALFORMED_REPLIES: &str = "kvrecv_malformed_replies_total";
 pub const DEADLINE_EXPIRIES: &str = "kvrecv_pull_deadline_expiries_total";
 /// Replies that named none of their pull's requests (a stray of an earlier exchange).
 pub const STRAY_REPLIES: &str = "kvrecv_stray_replies_total";
+/// Pulls sent again with their layout after P answered LAYOUT_MISS (vLLM 0.33 layout ids).
+pub const LAYOUT_RESENDS: &str = "kvrecv_layout_resends_total";
+/// Pulls sent without their layout (P echoed the layout id of their window).
+pub const LAYOUT_OMITTED: &str = "kvrecv_layout_omitted_total";
 /// Supervised restarts of a peer actor.
 pub const PEER_RESTARTS: &str = "kvrecv_peer_restarts_total";
 /// Peer actors (one per P worker D pulls from) the Receiver holds now.
@@ -255,6 +259,14 @@ pub fn describe() {
     describe_counter!(
         STRAY_REPLIES,
         "Replies that named none of their pull's requests (ignored; the channel is not reused)"
+    );
+    describe_counter!(
+        LAYOUT_RESENDS,
+        "Pulls sent again with their layout after P answered LAYOUT_MISS"
+    );
+    describe_counter!(
+        LAYOUT_OMITTED,
+        "Pulls sent without their layout: P holds it under the window's layout id"
     );
     describe_counter!(PEER_RESTARTS, "Supervised restarts of a peer actor");
     describe_counter!(FIRST_FAILURES, "Requests whose first failure was reported");

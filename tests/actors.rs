@@ -390,6 +390,7 @@ async fn a_reply_naming_a_million_ids_is_refused_and_the_receiver_keeps_serving(
         ok_reqs: Some(ids),
         err_reqs: None,
         err_msg: None,
+        layout_id: 0,
     };
     let t = std::time::Instant::now();
     a.reply(&hostile);

@@ -64,6 +64,8 @@ struct Outcomes {
     poisoned: u64,
     a_released_fenced: bool,
     c_outcome: Outcome,
+    /// Pulls P got without their layout (vLLM 0.33 layout ids, on by default).
+    omitted_layouts: u64,
 }
 
 async fn next<T>(rx: &mut mpsc::UnboundedReceiver<T>) -> T {
@@ -191,6 +193,7 @@ async fn run(epoch_rule: bool) -> Outcomes {
             .load(std::sync::atomic::Ordering::Relaxed),
         a_released_fenced: fenced,
         c_outcome,
+        omitted_layouts: sim.worker(0, 0).layout_stats().without_layout,
     }
 }
 
@@ -207,6 +210,9 @@ async fn a_late_write_from_an_abandoned_pull_never_lands_through_a_recycled_wind
         "released reports the revocation's fence"
     );
     assert_eq!(o.c_outcome, Outcome::Ok, "c's own write is untouched");
+    // With layout ids on (the default): c reused b's window, whose id P echoed, and went
+    // without its layout; the window, its permit and the poison are per pull all the same.
+    assert_eq!(o.omitted_layouts, 1, "c's pull omitted its layout");
 }
 
 /// The same scenario with the epoch rule off: proof that the test can see the bug.

@@ -347,6 +347,7 @@ impl Kv {
             ok_reqs: list(ok),
             err_reqs: list(err),
             err_msg: msg.map(str::to_owned),
+            layout_id: 0,
         }
         .encode()
         .unwrap()]

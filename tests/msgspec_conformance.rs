@@ -65,6 +65,89 @@ fn rust_vectors() -> Vec<(&'static str, Vec<u8>, bool)> {
         ("metadata", array_form, false),
         ("metadata", nil_port, false),
     ]
+    .into_iter()
+    .chain(vectors_033())
+    .collect()
+}
+
+/// vLLM 0.33.0 (layout ids), checked against its own struct definitions
+/// (`tests/py/mooncake_structs_033.py`): the pulls kvrecv sends with and without the layout,
+/// encoded as the Receiver encodes them (pre-encoded tails), and every response shape.
+fn vectors_033() -> Vec<(&'static str, Vec<u8>, bool)> {
+    use kvrecv::messages::{MetadataRef, MetadataTail, ReqBlocksRef};
+    let id = 0x5a5a_1234_5678_9abd_u64;
+    let blocks = [vec![5u32, 6]];
+    let req_blocks = [("d-1", "t-1", &blocks[..])];
+    let names = ["model.layers.0.self_attn.attn".to_string()];
+    let full = MetadataRef {
+        remote_hostname: "10.0.0.7",
+        remote_port: 15000,
+        remote_tp_size: 1,
+        remote_tp_rank: 0,
+        req_blocks: &ReqBlocksRef(&req_blocks),
+        kv_caches_base_addr: &[0x7e00_0000_0000],
+        block_lens: &[4096],
+        kv_block_lens: &[4096],
+        registered_layer_names: &names,
+        registered_layer_indices: &[0],
+        registered_group_indices: &[0],
+        remote_pp_size: 1,
+        layout_id: id,
+    };
+    let bare = MetadataRef {
+        kv_caches_base_addr: &[],
+        block_lens: &[],
+        kv_block_lens: &[],
+        registered_layer_names: &[],
+        registered_layer_indices: &[],
+        registered_group_indices: &[],
+        ..full.clone()
+    };
+    let with_tail = |md: &MetadataRef<'_>| {
+        let tail = MetadataTail::of(md).unwrap().with_head(md).unwrap();
+        md.encode_with(&tail).unwrap()
+    };
+    let response = |status, ok: &[&str], err: &[&str], msg: Option<&str>, layout_id| {
+        let list = |v: &[&str]| (!v.is_empty()).then(|| v.iter().map(|s| s.to_string()).collect());
+        MooncakeXferResponse {
+            status,
+            ok_reqs: list(ok),
+            err_reqs: list(err),
+            err_msg: msg.map(str::to_owned),
+            layout_id,
+        }
+        .encode()
+        .unwrap()
+    };
+    let mut bad_status = response(XferStatus::Finish, &[], &[], None, 0);
+    *bad_status.last_mut().unwrap() = 4;
+    vec![
+        ("metadata033", with_tail(&full), true),
+        ("metadata033", with_tail(&bare), true),
+        ("metadata033", bare.encode().unwrap(), true),
+        (
+            "response033",
+            response(XferStatus::Continue, &["a"], &[], None, id),
+            true,
+        ),
+        (
+            "response033",
+            response(XferStatus::Finish, &["a"], &["b"], Some("x"), id),
+            true,
+        ),
+        (
+            "response033",
+            response(
+                XferStatus::LayoutMiss,
+                &[],
+                &[],
+                Some("Mooncake KV layout 0x1 from h:1 is not cached."),
+                0,
+            ),
+            true,
+        ),
+        ("response033", bad_status, false),
+    ]
 }
 
 #[test]
@@ -121,9 +204,17 @@ fn rust_and_msgspec_agree_byte_for_byte_both_ways() {
         );
         let bytes = unhex(pv["hex"].as_str().unwrap());
         let reencoded = match kind {
-            "response" => MooncakeXferResponse::decode(&bytes).map(|r| r.encode().unwrap()),
+            "response" | "response033" => {
+                MooncakeXferResponse::decode(&bytes).map(|r| r.encode().unwrap())
+            }
             _ => MooncakeXferMetadata::decode(&bytes).map(|m| m.encode().unwrap()),
         };
+        // 3 is not a 0.32 status, but kvrecv reads replies of both generations: a 0.32 P never
+        // sends it, and for 0.33 it is LAYOUT_MISS (checked against 0.33's own enum below).
+        if kind == "response" && what == "status 3" {
+            assert!(reencoded.is_ok(), "LAYOUT_MISS is read");
+            continue;
+        }
         match (valid, reencoded) {
             (true, Ok(b)) => {
                 // Keys kvrecv does not model (replay checkpoints, unknown keys) are dropped.

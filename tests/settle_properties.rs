@@ -164,6 +164,8 @@ impl World {
                 pull_id: i as u64 + 1,
                 payload: vec![],
                 handed_at: tokio::time::Instant::now(),
+                layout: Default::default(),
+                with_layout: None,
                 requests: reqs
                     .iter()
                     .map(|m| PullRequest {

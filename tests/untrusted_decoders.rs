@@ -141,6 +141,7 @@ fn valid_response() -> impl Strategy<Value = Vec<u8>> {
                 ok_reqs: ok,
                 err_reqs: err,
                 err_msg: msg,
+                layout_id: 0,
             }
             .encode()
             .expect("encodable")

@@ -9,8 +9,8 @@ use std::sync::Arc;
 use crate::config::DRank;
 use crate::layout::KvLayout;
 use crate::messages::{
-    BatchError, Interner, KvRequest, MetadataRef, MooncakeXferMetadata, ReqBlock, ReqBlocksRef,
-    RequestMeta, SharedRequest,
+    BatchError, Interner, KvRequest, MetadataRef, MooncakeXferMetadata, PullLayout, ReqBlock,
+    ReqBlocksRef, RequestMeta, SharedRequest,
 };
 
 use super::rediscovery::EngineKey;
@@ -274,13 +274,33 @@ pub fn req_blocks(group: &[SharedRequest]) -> ReqBlockList<'_> {
 pub type ReqBlockList<'a> = smallvec::SmallVec<[ReqBlock<'a>; 1]>;
 
 /// [`pull_metadata`], borrowed: the same bytes on the wire, no per-request copies.
+/// `layout`: the pull's layout id (0: none) and whether the pull carries the layout; one that
+/// does not (P cached it under that id, vLLM 0.33) has empty lists and no bases.
 pub fn pull_metadata_ref<'a>(
     arrays: &'a LayoutArrays,
     d: DRank,
     (host, port): (&'a str, u32),
     req_blocks: &'a ReqBlocksRef<'a>,
     bases: &'a [u64],
+    layout: PullLayout,
 ) -> MetadataRef<'a> {
+    if !layout.carried {
+        return MetadataRef {
+            remote_hostname: host,
+            remote_port: port,
+            remote_tp_size: d.tp_size,
+            remote_tp_rank: d.tp_rank,
+            req_blocks,
+            kv_caches_base_addr: &[],
+            block_lens: &[],
+            kv_block_lens: &[],
+            registered_layer_names: &[],
+            registered_layer_indices: &[],
+            registered_group_indices: &[],
+            remote_pp_size: d.pp_size,
+            layout_id: layout.id,
+        };
+    }
     MetadataRef {
         remote_hostname: host,
         remote_port: port,
@@ -294,6 +314,7 @@ pub fn pull_metadata_ref<'a>(
         registered_layer_indices: &arrays.indices,
         registered_group_indices: &arrays.groups,
         remote_pp_size: d.pp_size,
+        layout_id: layout.id,
     }
 }
 
@@ -457,7 +478,14 @@ mod tests {
         let arrays = LayoutArrays::new(&l);
         let blocks = req_blocks(&group);
         let blocks = ReqBlocksRef(&blocks);
-        let borrowed = pull_metadata_ref(&arrays, d, ("10.0.0.7", 15000), &blocks, &[0x10, 0x20]);
+        let borrowed = pull_metadata_ref(
+            &arrays,
+            d,
+            ("10.0.0.7", 15000),
+            &blocks,
+            &[0x10, 0x20],
+            PullLayout::default(),
+        );
         assert_eq!(borrowed.encode().unwrap(), md.encode().unwrap());
         assert_eq!(
             (md.remote_hostname.as_str(), md.remote_port),

@@ -16,6 +16,7 @@ pub mod block_manager;
 #[doc(hidden)]
 pub mod block_pool;
 pub mod event_sink;
+pub mod layout_acks;
 #[doc(hidden)]
 pub mod live_set;
 #[doc(hidden)]
@@ -26,6 +27,7 @@ pub mod peer_state;
 #[doc(hidden)]
 pub mod pending_set;
 #[doc(hidden)]
+pub mod pull_encoder;
 pub mod pull_mux;
 pub mod receiver;
 #[doc(hidden)]

@@ -15,12 +15,14 @@ use actix::{
 
 use crate::messages::tick::DeadlinesDue;
 use crate::messages::{
-    AbortAtPeer, Cause, KvEvent, PeerId, Pull, PullId, Retire, Settles, UnsentPull, ABORTED_BY_HOST,
+    AbortAtPeer, Cause, EncodeWithLayout, KvEvent, PeerId, Pull, PullId, Retire, Settles,
+    UnsentPull, ABORTED_BY_HOST,
 };
 use crate::telemetry::{self as m, KeptHandles, Labels};
 
 use super::alarm::Alarm;
 use super::event_sink::EventSink;
+use super::layout_acks::SharedLayoutAcks;
 use super::peer_state::{Effects, PeerState, StaleIds};
 use super::pull_mux::{PullHandle, PullMux, Tagged};
 use super::rediscovery::{clock_now, PeerHealth};
@@ -115,6 +117,8 @@ struct Live {
     /// The host aborted a request of this pull: once the pull owes nothing else, its deadline
     /// is no later than this (the abort's grace).
     abort_deadline: Option<tokio::time::Instant>,
+    /// The pull omitted its layout: how to encode it with it, should P answer `LAYOUT_MISS`.
+    with_layout: Option<EncodeWithLayout>,
 }
 
 /// One actor per prefill peer (ZMQ endpoint): sends pulls, matches replies to pending ids, and
@@ -149,6 +153,9 @@ pub struct Peer {
     labels: Labels,
     /// The per-pull and per-settle metrics, kept after their first use.
     kept: KeptHandles,
+    /// The layout ids each P worker echoed, shared with the Receiver (which omits the layout
+    /// of a pull whose window's id this worker acked).
+    acks: SharedLayoutAcks,
 }
 
 impl Peer {
@@ -180,7 +187,14 @@ impl Peer {
             retiring: false,
             labels: Labels::default(),
             kept: KeptHandles::default(),
+            acks: SharedLayoutAcks::default(),
         }
+    }
+
+    /// Record this worker's layout-id echoes in `acks` (the Receiver's table).
+    pub fn with_layout_acks(mut self, acks: SharedLayoutAcks) -> Self {
+        self.acks = acks;
+        self
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
@@ -199,6 +213,8 @@ impl Peer {
             payload,
             requests,
             handed_at,
+            layout,
+            with_layout,
         } = pull;
         // The pull's requests by id, so a log line inside the pull finds its requests (listed
         // only when the span is enabled).
@@ -208,6 +224,7 @@ impl Peer {
         self.kept.increment(&self.labels, m::PULLS, "", "", 1);
         let carried = requests.len();
         self.state.start(pull_id, requests);
+        self.state.set_layout(pull_id, layout);
         let finish = self.spare_verdicts.pop().unwrap_or_default();
         let replies = self.transport.pull(self.id(), payload, finish.clone());
         let mux = self.mux.get_or_insert_with(|| {
@@ -230,8 +247,54 @@ impl Peer {
                 finish,
                 stray: false,
                 abort_deadline: None,
+                with_layout,
             },
         );
+    }
+
+    /// P lost the layout the pull omitted (`LAYOUT_MISS`): the same pull, with its layout, on
+    /// a new channel (P ended the old exchange). Same id, window and pending requests; the
+    /// deadline restarts with the send. If it cannot be encoded, the pull fails as unsent (P
+    /// wrote nothing for it).
+    fn resend_with_layout(&mut self, pull_id: PullId, ctx: &mut Context<Self>) {
+        let Some(encode) = self
+            .live
+            .get_mut(&pull_id)
+            .and_then(|l| l.with_layout.take())
+        else {
+            return;
+        };
+        self.labels.counter(m::LAYOUT_RESENDS).increment(1);
+        let payload = match encode(&self.state.pending_requests(pull_id)) {
+            Ok(p) => p,
+            Err(e) => {
+                let fx = self
+                    .state
+                    .fail_unsent(pull_id, format!("pull not resent with its layout: {e}"));
+                return self.apply(pull_id, fx);
+            }
+        };
+        let Some(l) = self.live.get_mut(&pull_id) else {
+            return;
+        };
+        l.span
+            .in_scope(|| tracing::info!(peer = %self.state.peer(), "P lost the layout; resending the pull with it"));
+        // The old exchange is over: its channel is not reused (it ended on a miss, not FINISH).
+        let finish = self.spare_verdicts.pop().unwrap_or_default();
+        let old = std::mem::replace(&mut l.finish, finish.clone());
+        drop(old);
+        let replies = self.transport.pull(self.state.peer(), payload, finish);
+        let Some(mux) = self.mux.as_mut() else {
+            return;
+        };
+        let stream = mux.add(pull_id, replies);
+        let old = std::mem::replace(&mut l.stream, stream);
+        old.end();
+        l.idle_restarts = self.state.pending_count();
+        let deadline = self.deadline_from(tokio::time::Instant::now(), ctx);
+        if let Some(l) = self.live.get_mut(&pull_id) {
+            l.deadline = deadline;
+        }
     }
 
     /// A deadline `pull_timeout` after `now`, with the timer armed to fire no later than it.
@@ -365,6 +428,12 @@ impl Peer {
         if !to_aggregate.is_empty() {
             self.aggregator.do_send(Settles(to_aggregate));
         }
+        if let Some(id) = fx.layout_echoed {
+            self.acks.borrow_mut().echoed(self.state.peer(), id);
+        }
+        if fx.layout_miss {
+            self.acks.borrow_mut().forget(self.state.peer());
+        }
         if fx.stray {
             self.labels.counter(m::STRAY_REPLIES).increment(1);
             tracing::warn!(pull_id, "a reply named none of the pull's requests (a stray of an earlier exchange); its channel will not be reused");
@@ -430,6 +499,8 @@ impl Supervised for Peer {
         self.consecutive_failures += 1;
         let reason = format!("peer {} restarted after a channel failure", self.id());
         self.abandon_all(&reason);
+        // P may have restarted too, its layouts lost: the next pulls carry theirs.
+        self.acks.borrow_mut().forget(self.state.peer());
         for (_, l) in self.live.drain() {
             l.stream.end();
         }
@@ -561,7 +632,11 @@ impl StreamHandler<PullEvent> for Peer {
                         l.deadline = new;
                     }
                 }
+                let resend = fx.resend_with_layout;
                 self.apply(pull_id, fx);
+                if resend {
+                    self.resend_with_layout(pull_id, ctx);
+                }
                 self.cap_at_abort_grace(pull_id, ctx);
             }
             // Nothing left D: that pull fails (no writer has it), the peer is not restarted.

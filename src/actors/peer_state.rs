@@ -5,8 +5,8 @@ use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::peer_text::peer_text;
 use crate::messages::{
-    Cause, PeerId, PullId, PullRequests, ReqId, Settle, SettleList, SettleOutcome, UnsentPull,
-    XferReplyRef, XferStatus,
+    Cause, PeerId, PullId, PullLayout, PullRequests, ReqId, Settle, SettleList, SettleOutcome,
+    UnsentPull, XferReplyRef, XferStatus,
 };
 
 use super::pending_set::PendingSet;
@@ -32,6 +32,13 @@ pub struct Effects {
     /// that reached a reused channel (P answered a pull again after its FINISH). Ignored for
     /// this pull (its ids count as stale), and the channel is not reused.
     pub stray: bool,
+    /// The peer echoed the pull's layout id in a CONTINUE or FINISH: it holds that layout.
+    pub layout_echoed: Option<u64>,
+    /// The peer answered `LAYOUT_MISS`: it holds none of D's layouts it was thought to.
+    pub layout_miss: bool,
+    /// Send the pull again, with its layout (it had omitted it and P answered `LAYOUT_MISS`):
+    /// nothing was written, nothing settled; the pull stays in flight on the same window.
+    pub resend_with_layout: bool,
 }
 
 /// Ids a reply named that were not pending (rule 1): one summary per reply, so a reply naming a
@@ -83,6 +90,8 @@ struct InFlight {
     /// Pending requests the host aborted, with the abort's reason: they settle as aborted when
     /// P answers them or the pull ends (see [`PeerState::abort`]).
     aborted: Vec<(ReqId, String)>,
+    /// The pull's layout id and whether its metadata carried the layout.
+    layout: PullLayout,
 }
 
 impl InFlight {
@@ -174,6 +183,7 @@ impl PeerState {
         for (id, p) in pulls {
             id.hash(h);
             p.carried.hash(h);
+            p.layout.hash(h);
             let ids: Vec<&ReqId> = p.pending.iter().map(|r| &r.meta.req_id).collect();
             ids.hash(h);
             let mut aborted: Vec<&ReqId> = p.aborted.iter().map(|(id, _)| id).collect();
@@ -205,8 +215,25 @@ impl PeerState {
                 pending,
                 carried,
                 aborted: Vec::new(),
+                layout: PullLayout::default(),
             },
         );
+    }
+
+    /// The pull's layout id, and whether its metadata omitted the layout (vLLM 0.33). A pull
+    /// is tracked as carrying it until told otherwise.
+    pub fn set_layout(&mut self, pull_id: PullId, layout: PullLayout) {
+        if let Some(p) = self.pulls.get_mut(&pull_id) {
+            p.layout = layout;
+        }
+    }
+
+    /// The requests the pull still owes (what a resend asks for again).
+    pub fn pending_requests(&self, pull_id: PullId) -> PullRequests {
+        self.pulls
+            .get(&pull_id)
+            .map(|p| p.pending.iter().cloned().collect())
+            .unwrap_or_default()
     }
 
     /// A pull that was never sent: settle each of its requests Failed at once. It is never
@@ -283,7 +310,8 @@ impl PeerState {
     /// more than [`max_reply_ids`] ids is refused before they are decoded.
     pub fn on_reply(&mut self, pull_id: PullId, frames: Frames) -> Effects {
         let mut fx = Effects::default();
-        let Some(carried) = self.pulls.get(&pull_id).map(|p| p.carried) else {
+        let Some((carried, layout)) = self.pulls.get(&pull_id).map(|p| (p.carried, p.layout))
+        else {
             return fx; // the pull is over; its channel is being closed
         };
         let decoded = match frames.as_slice() {
@@ -304,6 +332,32 @@ impl PeerState {
                 return fx;
             }
         };
+        if resp.status == XferStatus::LayoutMiss {
+            // P wrote nothing and the pull is over on its side (vLLM 0.33).
+            fx.layout_miss = true;
+            if layout.id != 0 && !layout.carried {
+                // It lost the layout it had echoed: the same pull again, with the layout. Once
+                // only: the resend carries it, so a second miss fails the pull below.
+                if let Some(p) = self.pulls.get_mut(&pull_id) {
+                    p.layout.carried = true;
+                }
+                fx.resend_with_layout = true;
+                return fx;
+            }
+            // A miss for a pull that carried its layout breaks the protocol: P's word that it
+            // wrote nothing is then worth what an ERROR's is.
+            let msg = resp.err_msg.unwrap_or("no message");
+            self.settle_rest(&mut fx, pull_id, || {
+                SettleOutcome::uncertain(
+                    Cause::PeerWideError,
+                    format!(
+                        "peer answered LAYOUT_MISS to a pull that carried its layout: {}",
+                        peer_text(msg)
+                    ),
+                )
+            });
+            return fx;
+        }
         // A reply that names requests, none of them this pull's, does not answer this pull (on
         // a fresh DEALER per pull, as vLLM's D has, it could not arrive here at all): its FINISH
         // must not end the pull, or P's real answer would be dropped as stale.
@@ -345,6 +399,12 @@ impl PeerState {
         for id in resp.ok() {
             self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
         }
+        if resp.layout_id != 0
+            && resp.layout_id == layout.id
+            && matches!(resp.status, XferStatus::Continue | XferStatus::Finish)
+        {
+            fx.layout_echoed = Some(resp.layout_id);
+        }
         match resp.status {
             // More subsets follow; the channel stays open until FINISH, ERROR or the deadline.
             XferStatus::Continue => {}
@@ -354,7 +414,8 @@ impl PeerState {
                     SettleOutcome::failed(Cause::Omitted, OMITTED)
                 });
             }
-            XferStatus::Error => {
+            // (LAYOUT_MISS was answered above.)
+            XferStatus::Error | XferStatus::LayoutMiss => {
                 let msg = resp.err_msg.unwrap_or("no message");
                 self.settle_rest(&mut fx, pull_id, || {
                     SettleOutcome::uncertain(
@@ -446,6 +507,8 @@ mod tests {
             pull_id: id,
             payload: vec![],
             handed_at: tokio::time::Instant::now(),
+            layout: crate::messages::PullLayout::default(),
+            with_layout: None,
             requests: reqs
                 .iter()
                 .map(|r| crate::messages::PullRequest {
@@ -468,6 +531,7 @@ mod tests {
             ok_reqs: Some(ok),
             err_reqs: Some(err),
             err_msg: None,
+            layout_id: 0,
         };
         vec![r.encode().unwrap()]
     }
@@ -528,6 +592,7 @@ mod tests {
             ok_reqs: Some(vec!["x".repeat(1 << 20)]),
             err_reqs: Some(ids.clone()),
             err_msg: Some(format!("line1\nforged\x1b[31m{}", "E".repeat(4 << 20))),
+            layout_id: 0,
         };
         let fx = st.on_reply(1, vec![huge.encode().unwrap()]);
         assert_eq!(fx.settles.len(), 64);
@@ -554,6 +619,7 @@ mod tests {
             ok_reqs: Some(vec![]),
             err_reqs: Some(vec![]),
             err_msg: Some(format!("\r{}", "boom".repeat(1 << 18))),
+            layout_id: 0,
         };
         let fx = st.on_reply(2, vec![error.encode().unwrap()]);
         let reason = fx.settles[0].outcome.reason().unwrap();
@@ -597,6 +663,7 @@ mod tests {
             ok_reqs: Some(vec![]),
             err_reqs: Some(vec!["a".into()]),
             err_msg: Some(format!("{TE_FAILURE} -1")),
+            layout_id: 0,
         };
         let fx = st.on_reply(2, vec![te.encode().unwrap()]);
         assert_eq!(
@@ -647,6 +714,65 @@ mod tests {
             outcomes(&fx),
             vec![("r3".into(), SettleOutcome::failed(Cause::Omitted, OMITTED))]
         );
+    }
+
+    fn layout_reply(status: XferStatus, ok: &[&str], layout_id: u64) -> Frames {
+        let mut r = MooncakeXferResponse::new(status);
+        r.ok_reqs = Some(ok.iter().map(|s| s.to_string()).collect());
+        r.layout_id = layout_id;
+        r.err_msg = (status == XferStatus::LayoutMiss).then(|| "not cached".into());
+        vec![r.encode().unwrap()]
+    }
+
+    /// vLLM 0.33: an echo of the pull's own id acks it; LAYOUT_MISS on a pull that omitted
+    /// its layout settles nothing and asks for one resend with it (the pull stays in flight);
+    /// a second miss, or a miss on a pull that carried it, fails the pull.
+    #[test]
+    fn layout_miss_resends_an_omitted_layout_once_and_fails_a_carried_one() {
+        let mut st = PeerState::new(PeerId::new("tcp://p:1"));
+        st.start_pull(pull(1, &["a", "b"]));
+        st.set_layout(
+            1,
+            PullLayout {
+                id: 7,
+                carried: true,
+            },
+        );
+        let fx = st.on_reply(1, layout_reply(XferStatus::Continue, &["a"], 9));
+        assert_eq!(fx.layout_echoed, None, "not this pull's id");
+        let fx = st.on_reply(1, layout_reply(XferStatus::Finish, &["b"], 7));
+        assert_eq!(fx.layout_echoed, Some(7));
+
+        st.start_pull(pull(2, &["c"]));
+        st.set_layout(
+            2,
+            PullLayout {
+                id: 7,
+                carried: false,
+            },
+        );
+        let fx = st.on_reply(2, layout_reply(XferStatus::LayoutMiss, &[], 0));
+        assert!(fx.layout_miss && fx.resend_with_layout);
+        assert!(
+            fx.settles.is_empty() && !fx.pull_done,
+            "nothing reaches the host"
+        );
+        assert_eq!(st.pending_requests(2).len(), 1, "the same request, resent");
+        // The resend carried the layout: another miss breaks the protocol and fails it.
+        let fx = st.on_reply(2, layout_reply(XferStatus::LayoutMiss, &[], 0));
+        assert!(fx.layout_miss && !fx.resend_with_layout && fx.pull_done);
+        let [(id, SettleOutcome::Uncertain { cause, reason })] = &outcomes(&fx)[..] else {
+            panic!("{:?}", outcomes(&fx));
+        };
+        assert_eq!((id.as_str(), *cause), ("c", Cause::PeerWideError));
+        assert!(
+            reason.contains("LAYOUT_MISS") && reason.contains("not cached"),
+            "{reason}"
+        );
+        // A pull without an id (layout ids off) is never resent.
+        st.start_pull(pull(3, &["d"]));
+        let fx = st.on_reply(3, layout_reply(XferStatus::LayoutMiss, &[], 0));
+        assert!(!fx.resend_with_layout && fx.pull_done && fx.settles.len() == 1);
     }
 
     #[test]

@@ -17,9 +17,8 @@ use crate::config::KvRecvConfig;
 use crate::messages::tick::SweepDue;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
-    LoadKvTo, LoadMetas, MetadataRef, MetadataTail, PeerCount, PeerId, Pull, PullRequest,
-    PullRequests, ReqBlocksRef, ReqId, Retire, SharedRequest, UnsentPull, WireError,
-    ABORTED_BY_HOST,
+    LoadKvTo, LoadMetas, PeerCount, PeerId, Pull, PullLayout, PullRequest, PullRequests,
+    ReqBlocksRef, ReqId, Retire, SharedRequest, UnsentPull, ABORTED_BY_HOST,
 };
 use crate::rdma::{Landing, PullWindow};
 use crate::telemetry::{self as m, Labels};
@@ -31,8 +30,10 @@ use super::alarm::Alarm;
 use super::batch_plan;
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
+use super::layout_acks::SharedLayoutAcks;
 use super::live_set::SharedLiveSet;
 use super::peer::{Peer, PeerConfig};
+use super::pull_encoder::PullEncoder;
 use super::rediscovery::{
     clock_now, EngineKey, PeerHealth, Plan, Rediscovery, RediscoveryConfig, Unreachable,
 };
@@ -74,13 +75,10 @@ pub struct Receiver {
     /// How every request's settles are aggregated: the same for each (one allocation, not one
     /// per batch).
     rules: Arc<AggregationRules>,
-    /// Metadata encoder (a seam so a test can make it fail).
-    encode: fn(&MetadataRef<'_>, Option<&MetadataTail>) -> Result<Vec<u8>, WireError>,
-    /// The layout's arrays every pull's metadata carries.
-    layout_arrays: batch_plan::LayoutArrays,
-    /// Those arrays and D's PP size as every pull's metadata ends, encoded once (`None` if that
-    /// failed: each pull then encodes them itself, and meets the same error).
-    layout_tail: Option<MetadataTail>,
+    /// Encodes each pull's metadata; holds this registration's layout ids.
+    encoder: Arc<PullEncoder>,
+    /// The layout ids each P worker echoed (written by the Peers).
+    acks: SharedLayoutAcks,
     labels: Labels,
     /// The idle-peer sweep's next run.
     sweep: Option<Alarm>,
@@ -101,20 +99,9 @@ impl Receiver {
             base: cfg.topology_retry_base,
             max: cfg.topology_retry_max,
         });
-        let layout_arrays = batch_plan::LayoutArrays::new(&cfg.layout);
-        // Everything but the requests and the bases is the same in every pull.
-        let no_requests = ReqBlocksRef::default();
-        let template = batch_plan::pull_metadata_ref(
-            &layout_arrays,
-            cfg.d_rank,
-            landing.endpoint(),
-            &no_requests,
-            &[],
-        );
-        let layout_tail = MetadataTail::of(&template)
-            .and_then(|t| t.with_head(&template))
-            .inspect_err(|e| tracing::warn!(error = %e, "cannot pre-encode the layout's metadata"))
-            .ok();
+        // Everything but the requests and the bases is the same in every pull. A Receiver is
+        // started per registration of the destination memory: a fresh nonce for its ids.
+        let encoder = Arc::new(PullEncoder::new(&cfg, landing.endpoint()));
         let rules = Arc::new(AggregationRules {
             policy: cfg.policy,
             transport_failures_uncertain: cfg.mooncake_protocol
@@ -139,12 +126,8 @@ impl Receiver {
             interner: Interner::default(),
             derived: FastMap::default(),
             rules,
-            encode: |md, tail| match tail {
-                Some(t) => md.encode_with(t),
-                None => md.encode(),
-            },
-            layout_arrays,
-            layout_tail,
+            encoder,
+            acks: SharedLayoutAcks::default(),
             labels: Labels::default(),
             sweep: None,
         }
@@ -195,8 +178,11 @@ impl Receiver {
         };
         let health = PeerHealth::new(self.rediscovery.clone());
         let labels = self.labels.clone();
+        let acks = self.acks.clone();
         let addr = Supervisor::start(move |_| {
-            Peer::new(pid, transport, cfg, events, aggregator, health).with_labels(labels)
+            Peer::new(pid, transport, cfg, events, aggregator, health)
+                .with_labels(labels)
+                .with_layout_acks(acks)
         });
         self.peers.insert(
             id.clone(),
@@ -236,6 +222,8 @@ impl Receiver {
         }
         for id in &idle {
             if let Some(slot) = self.peers.remove(id) {
+                // A later Peer of the address starts with the layout (P may have gone).
+                self.acks.borrow_mut().forget(id);
                 self.retiring.push(slot.addr.downgrade());
                 slot.addr.do_send(Retire);
             }
@@ -400,14 +388,15 @@ impl Receiver {
                 peer,
                 requests: awaiting,
             });
-            let md = batch_plan::pull_metadata_ref(
-                &self.layout_arrays,
-                self.cfg.d_rank,
-                self.landing.endpoint(),
-                &req_blocks,
-                &bases,
-            );
-            let encoded = (self.encode)(&md, self.layout_tail.as_ref());
+            // The window's layout id; a worker that echoed it already holds the layout.
+            let id = self.encoder.layout_id(&bases);
+            let carried = id == 0 || !self.acks.borrow().is_acked(peer, id);
+            let layout = PullLayout { id, carried };
+            let encoded = self.encoder.encode(&req_blocks, &bases, layout);
+            let with_layout = (!carried).then(|| {
+                self.labels.counter(m::LAYOUT_OMITTED).increment(1);
+                self.encoder.resend(bases.clone(), id)
+            });
             drop(bases);
             match encoded {
                 Ok(payload) => self.hand_peer(
@@ -418,6 +407,8 @@ impl Receiver {
                         payload,
                         requests,
                         handed_at: used,
+                        layout,
+                        with_layout,
                     },
                 ),
                 Err(e) => {
@@ -772,10 +763,10 @@ mod tests {
         } = rig();
         let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
         let mut receiver = rig_receiver(Rc::new(topology), transport, &bm, &live, events);
-        receiver.encode = |_, _| {
-            Err(WireError::Encode(rmp_serde::encode::Error::Syntax(
-                "simulated".into(),
-            )))
+        Arc::get_mut(&mut receiver.encoder).unwrap().encode = |_, _| {
+            Err(crate::messages::WireError::Encode(
+                rmp_serde::encode::Error::Syntax("simulated".into()),
+            ))
         };
         let receiver = receiver.start();
         let reply = receiver

@@ -47,6 +47,7 @@ impl OpenedPull {
             ok_reqs: list(ok),
             err_reqs: list(err),
             err_msg: msg.map(str::to_owned),
+            layout_id: 0,
         });
     }
 

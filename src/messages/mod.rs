@@ -12,6 +12,7 @@ pub mod event;
 pub mod handshake;
 pub mod handshake_desc;
 pub mod ids;
+pub mod layout_id;
 #[doc(hidden)]
 pub mod msgpack_strict;
 pub mod peer_text;
@@ -35,6 +36,7 @@ pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outc
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
+pub use layout_id::{EncodeWithLayout, LayoutIds, PullLayout};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, PullRequests, UnsentPull};
 pub use retire::{CountPeers, PeerCount, Retire};

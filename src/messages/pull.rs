@@ -4,6 +4,7 @@ use actix::Message;
 
 use super::batch::SharedRequest;
 use super::ids::PullId;
+use super::layout_id::{EncodeWithLayout, PullLayout};
 
 /// One request inside a pull.
 #[derive(Clone)]
@@ -33,6 +34,11 @@ pub struct Pull {
     /// When the Receiver handed it over (tokio's clock): its deadline and latency count from
     /// there (one clock read for the batch, not one more per pull).
     pub handed_at: tokio::time::Instant,
+    /// The pull's layout id, and whether `payload` carries the layout.
+    pub layout: PullLayout,
+    /// For a pull that omitted its layout: its payload with the layout, made if P answers
+    /// `LAYOUT_MISS` (`None` when the layout is carried).
+    pub with_layout: Option<EncodeWithLayout>,
 }
 
 /// A pull whose metadata could not be encoded, so nothing was sent: the Peer settles each of
@@ -54,6 +60,7 @@ impl std::fmt::Debug for Pull {
         f.debug_struct("Pull")
             .field("pull_id", &self.pull_id)
             .field("payload_len", &self.payload.len())
+            .field("layout", &self.layout)
             .field(
                 "requests",
                 &self

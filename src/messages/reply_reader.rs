@@ -2,7 +2,8 @@
 //!
 //! It accepts and refuses what the strict check followed by serde did (and what msgspec
 //! decodes on P's side): one msgpack map, no `bin`, `ext` or reserved marker anywhere, nesting
-//! no deeper than the strict check allows, no trailing bytes; `status` an int in {0, 1, 2};
+//! no deeper than the strict check allows, no trailing bytes; `status` an int in {0, 1, 2, 3};
+//! `layout_id` (vLLM 0.33) any int, a negative one read as 0;
 //! `ok_reqs` / `err_reqs` nil or an array of `str`, their lengths together capped at their
 //! headers before anything is read; `err_msg` nil or a `str`; a known key twice is refused,
 //! unknown keys are skipped. One difference, on purpose: a key must be a `str` (serde took an
@@ -20,12 +21,13 @@ const STATUS: &[u8] = b"status";
 const OK_REQS: &[u8] = b"ok_reqs";
 const ERR_REQS: &[u8] = b"err_reqs";
 const ERR_MSG: &[u8] = b"err_msg";
+const LAYOUT_ID: &[u8] = b"layout_id";
 
 /// Read `buf` as a reply naming at most `max_ids` ids in `ok_reqs` and `err_reqs` together.
 pub(crate) fn read_reply(buf: &[u8], max_ids: usize) -> Result<XferReplyRef<'_>, WireError> {
     let mut r = Reader { buf, pos: 0 };
     let n = r.map_header()?;
-    let (mut status, mut ok, mut err, mut msg) = (None, None, None, None);
+    let (mut status, mut ok, mut err, mut msg, mut layout) = (None, None, None, None, None);
     let mut ids = 0usize;
     for _ in 0..n {
         let key = r.key()?;
@@ -47,6 +49,11 @@ pub(crate) fn read_reply(buf: &[u8], max_ids: usize) -> Result<XferReplyRef<'_>,
                 once(&msg, "err_msg")?;
                 msg = Some(r.nil_or(|r| r.str("err_msg"))?);
             }
+            LAYOUT_ID => {
+                once(&layout, "layout_id")?;
+                // No id D draws is negative: a negative echo acks nothing.
+                layout = Some(u64::try_from(r.int("layout_id")?).unwrap_or(0));
+            }
             _ => skip_value(buf, &mut r.pos, 1)?,
         }
     }
@@ -58,6 +65,7 @@ pub(crate) fn read_reply(buf: &[u8], max_ids: usize) -> Result<XferReplyRef<'_>,
         ok_reqs: ok.flatten(),
         err_reqs: err.flatten(),
         err_msg: msg.flatten(),
+        layout_id: layout.unwrap_or(0),
     })
 }
 
@@ -172,8 +180,21 @@ impl<'a> Reader<'a> {
         read(self).map(Some)
     }
 
-    /// `status`: any msgpack int in {0, 1, 2}.
+    /// `status`: any msgpack int in {0, 1, 2, 3}.
     fn status(&mut self) -> Result<XferStatus, WireError> {
+        match self.int("status")? {
+            0 => Ok(XferStatus::Finish),
+            1 => Ok(XferStatus::Continue),
+            2 => Ok(XferStatus::Error),
+            3 => Ok(XferStatus::LayoutMiss),
+            v => Err(syntax(format!(
+                "`status`: invalid value {v}, expected one of 0, 1, 2, 3"
+            ))),
+        }
+    }
+
+    /// Any msgpack int, in any width, as `field`'s value.
+    fn int(&mut self, field: &str) -> Result<i128, WireError> {
         let (m, at) = self.marker()?;
         let mut be = |n: usize| -> Result<u64, StrictError> {
             let start = self.pos;
@@ -193,16 +214,9 @@ impl<'a> Reader<'a> {
             Marker::I16 => i128::from(be(2)? as u16 as i16),
             Marker::I32 => i128::from(be(4)? as u32 as i32),
             Marker::I64 => i128::from(be(8)? as i64),
-            other => return self.wrong_type(other, at, "status", "an int"),
+            other => return self.wrong_type(other, at, field, "an int"),
         };
-        match v {
-            0 => Ok(XferStatus::Finish),
-            1 => Ok(XferStatus::Continue),
-            2 => Ok(XferStatus::Error),
-            v => Err(syntax(format!(
-                "`status`: invalid value {v}, expected one of 0, 1, 2"
-            ))),
-        }
+        Ok(v)
     }
 
     /// `ok_reqs` / `err_reqs`: nil, or an array of `str` whose length, added to `ids`, stays
@@ -313,6 +327,7 @@ mod tests {
             "[a-z0-9-]{0,6}".prop_map(String::into_bytes),
             Just(b"status".to_vec()),
             Just(b"ok_reqs".to_vec()),
+            Just(b"layout_id".to_vec()),
             proptest::collection::vec(any::<u8>(), 0..4),
         ]
     }
@@ -355,8 +370,9 @@ mod tests {
     fn entry() -> impl Strategy<Value = (V, V)> {
         let key = |k: &str| V::Str(k.as_bytes().to_vec());
         prop_oneof![
-            4 => prop_oneof![(0u64..3, 0u8..5).prop_map(|(u, w)| V::Uint(u, w)), scalar()]
+            4 => prop_oneof![(0u64..5, 0u8..5).prop_map(|(u, w)| V::Uint(u, w)), scalar()]
                 .prop_map(move |v| (key("status"), v)),
+            2 => scalar().prop_map(move |v| (key("layout_id"), v)),
             3 => ids().prop_map(move |v| (key("ok_reqs"), v)),
             3 => ids().prop_map(move |v| (key("err_reqs"), v)),
             2 => scalar().prop_map(move |v| (key("err_msg"), v)),
@@ -376,15 +392,17 @@ mod tests {
             ])
         };
         (
-            (0u64..3, 0u8..5),
+            (0u64..4, 0u8..5),
             list(),
             list(),
             proptest::option::of(prop_oneof![Just(V::Nil), text().prop_map(V::Str)]),
             proptest::collection::vec(("[a-z_]{1,8}", value()), 0..2),
             any::<proptest::sample::Index>(),
+            proptest::option::of((any::<u64>(), 0u8..5)),
         )
-            .prop_map(move |((st, w), ok, err, msg, unknown, rot)| {
+            .prop_map(move |((st, w), ok, err, msg, unknown, rot, id)| {
                 let mut e = vec![(key("status"), V::Uint(st, w))];
+                e.extend(id.map(|(u, w)| (key("layout_id"), V::Uint(u, w))));
                 e.extend(ok.map(|v| (key("ok_reqs"), v)));
                 e.extend(err.map(|v| (key("err_reqs"), v)));
                 e.extend(msg.map(|v| (key("err_msg"), v)));

@@ -37,8 +37,18 @@ pub struct MooncakeXferMetadata {
     pub registered_layer_indices: Vec<u32>,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub registered_group_indices: Vec<u32>,
+    /// vLLM 0.33: per region, the KV-cache groups sharing it (kvrecv never sends it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registered_shared_group_ids: Vec<Vec<u32>>,
+    /// vLLM 0.33: per region, its byte offset in the block row, -1 unknown (never sent).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub registered_row_offsets: Vec<i64>,
     #[serde(default = "one", skip_serializing_if = "is_one")]
     pub remote_pp_size: u32,
+    /// vLLM 0.33: the id of the layout this pull lands through (0: none; PROTOCOL.md §2.7).
+    /// With empty layout lists it asks P for the layout it cached under this id.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub layout_id: u64,
 }
 
 /// One pull's metadata borrowed from its batch and layout: encodes to exactly the bytes of the
@@ -64,6 +74,9 @@ pub struct MetadataRef<'a> {
     pub registered_group_indices: &'a [u32],
     #[serde(skip_serializing_if = "is_one")]
     pub remote_pp_size: u32,
+    /// The pull's layout id (0: none, omitted); see [`MooncakeXferMetadata::layout_id`].
+    #[serde(skip_serializing_if = "is_zero")]
+    pub layout_id: u64,
 }
 
 /// One entry of `req_blocks`, borrowed: (request id, transfer id, blocks per group).
@@ -130,6 +143,10 @@ impl MetadataRef<'_> {
     /// what is its own. `tail` must come from a metadata with the same layout and PP size
     /// ([`MetadataTail::of`]); the lists in `self` are not read.
     pub fn encode_with(&self, tail: &MetadataTail) -> Result<Vec<u8>, WireError> {
+        if (self.layout_id != 0) != tail.has_layout_id {
+            // The tail's entry count says whether a `layout_id` follows: not this pull's.
+            return self.encode();
+        }
         let mut buf = Vec::with_capacity(tail.bytes.len() + self.head_len_bound());
         // Written with rmp's own calls, the bytes serde's serializer would write for each
         // (the most compact int, a str, an array of ints), without a serializer per entry.
@@ -147,6 +164,11 @@ impl MetadataRef<'_> {
             write_uint(&mut buf, b).map_err(e)?;
         }
         buf.extend_from_slice(&tail.bytes);
+        if self.layout_id != 0 {
+            // Per pull (one id per landing window), so not part of the pre-encoded tail.
+            write_str(&mut buf, "layout_id").map_err(e)?;
+            write_uint(&mut buf, self.layout_id).map_err(e)?;
+        }
         Ok(buf)
     }
 
@@ -181,7 +203,8 @@ impl MetadataRef<'_> {
                 id.len() + t.len() + 16 + groups.iter().map(|g| 5 + 9 * g.len()).sum::<usize>()
             })
             .sum();
-        128 + self.remote_hostname.len() + 9 * self.kv_caches_base_addr.len() + blocks
+        // (+ `layout_id`: 10 B of key, 9 B of value at most)
+        148 + self.remote_hostname.len() + 9 * self.kv_caches_base_addr.len() + blocks
     }
 }
 
@@ -191,11 +214,17 @@ const HEAD_ENTRIES: u32 = 6;
 /// The entries of a pull's metadata after `kv_caches_base_addr` (the layout's lists and D's PP
 /// size, each omitted as msgspec omits it), encoded: the same in every pull of a coordinator.
 /// A layout of 80 layers repeats 80 layer names in every pull; encoding them once keeps a
-/// pull's cost flat in the number of layers.
+/// pull's cost flat in the number of layers. A pull that omits its layout (vLLM 0.33) has a
+/// tail of its own: empty `block_lens` and `kv_block_lens`, no `registered_*` (made by
+/// [`MetadataTail::of`] from a metadata with empty lists). A `layout_id`, if any, is written
+/// per pull after the tail; the tail only counts it.
 #[derive(Debug, Clone)]
 pub struct MetadataTail {
     bytes: Vec<u8>,
+    /// Entries after `kv_caches_base_addr`, `layout_id` included.
     entries: u32,
+    /// Whether the pulls this tail ends carry a (non-zero) `layout_id`.
+    has_layout_id: bool,
     /// The head before `req_blocks`'s value for one endpoint, encoded (see [`Self::with_head`]).
     head: Option<EncodedHead>,
 }
@@ -224,6 +253,7 @@ impl MetadataTail {
         let mut t = MetadataTail {
             bytes: Vec::new(),
             entries: 0,
+            has_layout_id: md.layout_id != 0,
             head: None,
         };
         // In declaration order, each omitted as `MetadataRef`'s `skip_serializing_if` omits it.
@@ -237,6 +267,8 @@ impl MetadataTail {
         t.put("registered_group_indices", groups, groups.is_empty())?;
         let pp = md.remote_pp_size;
         t.put("remote_pp_size", &pp, is_one(&pp))?;
+        // Counted in the map's header; its value is each pull's own.
+        t.entries += u32::from(t.has_layout_id);
         Ok(t)
     }
 
@@ -286,13 +318,39 @@ fn is_one(v: &u32) -> bool {
     *v == 1
 }
 
-/// Response status (a plain int on the wire; anything outside {0, 1, 2} is refused).
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+/// A `layout_id` as msgspec reads an `int`: any msgpack int. None D draws is negative, so a
+/// negative one (P echoing what D never sent) is read as 0, which acks nothing.
+fn any_int_id<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    struct V;
+    impl serde::de::Visitor<'_> for V {
+        type Value = u64;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("an int")
+        }
+        fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<u64, E> {
+            Ok(v)
+        }
+        fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<u64, E> {
+            Ok(u64::try_from(v).unwrap_or(0))
+        }
+    }
+    d.deserialize_any(V)
+}
+
+/// Response status (a plain int on the wire; anything outside {0, 1, 2, 3} is refused).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize_repr, Deserialize_repr)]
 #[repr(u8)]
 pub enum XferStatus {
     Finish = 0,
     Continue = 1,
     Error = 2,
+    /// vLLM 0.33: P does not hold the layout of the pull's `layout_id` (the pull omitted it);
+    /// it wrote nothing and the pull is over. D resends the pull with its layout.
+    LayoutMiss = 3,
 }
 
 /// P -> D: the outcome of one ready subset (CONTINUE / FINISH) or of the whole pull (ERROR).
@@ -306,6 +364,14 @@ pub struct MooncakeXferResponse {
     pub err_reqs: Option<Vec<String>>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub err_msg: Option<String>,
+    /// vLLM 0.33: the pull's `layout_id`, echoed in its CONTINUE and FINISH once P holds that
+    /// layout (0: omitted; a P of 0.32 or older never sends it).
+    #[serde(
+        default,
+        skip_serializing_if = "is_zero",
+        deserialize_with = "any_int_id"
+    )]
+    pub layout_id: u64,
 }
 
 /// A reply's `ok_reqs` or `err_reqs`, borrowed; inline for one id (a reply at batch 1 allocates
@@ -325,6 +391,9 @@ pub struct XferReplyRef<'a> {
     pub err_reqs: Option<IdList<'a>>,
     #[serde(default, borrow)]
     pub err_msg: Option<&'a str>,
+    /// The echoed `layout_id` (0 when absent).
+    #[serde(default, deserialize_with = "any_int_id")]
+    pub layout_id: u64,
 }
 
 impl<'a> XferReplyRef<'a> {
@@ -371,6 +440,7 @@ impl<'a> XferReplyRef<'a> {
             ok_reqs: owned(&self.ok_reqs),
             err_reqs: owned(&self.err_reqs),
             err_msg: self.err_msg.map(str::to_owned),
+            layout_id: self.layout_id,
         }
     }
 }
@@ -410,7 +480,10 @@ impl MooncakeXferMetadata {
             registered_layer_names: vec![],
             registered_layer_indices: vec![],
             registered_group_indices: vec![],
+            registered_shared_group_ids: vec![],
+            registered_row_offsets: vec![],
             remote_pp_size: 1,
+            layout_id: 0,
         }
     }
 
@@ -431,6 +504,7 @@ impl MooncakeXferResponse {
             ok_reqs: None,
             err_reqs: None,
             err_msg: None,
+            layout_id: 0,
         }
     }
 
@@ -524,8 +598,16 @@ mod tests {
     fn rejections_match_msgspec() {
         // array form of a response
         assert!(MooncakeXferResponse::decode(&hex("91 00")).is_err());
-        // status outside {0,1,2}
-        assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 03")).is_err());
+        // status outside {0,1,2,3}
+        assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 04")).is_err());
+        // LAYOUT_MISS is a status since vLLM 0.33
+        let miss = MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 03")).unwrap();
+        assert_eq!(miss.status, XferStatus::LayoutMiss);
+        // a layout_id that is not an int
+        assert!(MooncakeXferResponse::decode(&hex(
+            "82 a6 73 74 61 74 75 73 00 a9 6c 61 79 6f 75 74 5f 69 64 c0"
+        ))
+        .is_err());
         // nil for the status int
         assert!(MooncakeXferResponse::decode(&hex("81 a6 73 74 61 74 75 73 c0")).is_err());
         // bool for the status int
@@ -605,7 +687,11 @@ mod tests {
             port in proptest::num::u32::ANY,
             tp in (proptest::num::u32::ANY, proptest::num::u32::ANY),
             base in proptest::num::u64::ANY,
+            layout_id in proptest::prop_oneof![proptest::strategy::Just(0u64), proptest::num::u64::ANY],
+            bare in proptest::bool::ANY,
         ) {
+            // A pull that omits its layout (vLLM 0.33): every list empty.
+            let layers = if bare { 0 } else { layers };
             let lens: Vec<u64> = (0..layers as u64).map(|i| 4096 << i).collect();
             let kv_lens: Vec<u64> = lens.iter().map(|l| l / 2).collect();
             let bases: Vec<u64> = (0..layers as u64).map(|i| base.wrapping_add(i << 30) >> (i % 64)).collect();
@@ -635,6 +721,7 @@ mod tests {
                 registered_layer_indices: &indices,
                 registered_group_indices: &group_ids,
                 remote_pp_size: pp,
+                layout_id,
             };
             // The tail of a metadata with another head (as the Receiver builds it).
             let template = MetadataRef {
@@ -659,6 +746,12 @@ mod tests {
                 other.encode_with(&with_head).unwrap(),
                 other.encode().unwrap()
             );
+            // A tail made for another id-ness is not used (its entry count would be wrong).
+            let flipped = MetadataRef { layout_id: if layout_id == 0 { 7 } else { 0 }, ..md.clone() };
+            proptest::prop_assert_eq!(flipped.encode_with(&tail).unwrap(), flipped.encode().unwrap());
+            // The owned struct reads the id back.
+            let owned = MooncakeXferMetadata::decode(&whole).unwrap();
+            proptest::prop_assert_eq!(owned.layout_id, layout_id);
         }
     }
 }

@@ -14,7 +14,7 @@ pub enum Malformed {
     Garbage,
     /// A valid response split over two frames.
     MultiFrame,
-    /// `{"status": 3}`.
+    /// `{"status": 4}` (3 is `LAYOUT_MISS` since vLLM 0.33).
     BadStatus,
     /// A frame of this many bytes (over D's `ZMQ_MAXMSGSIZE` when large enough), at most
     /// [`MAX_OVERSIZED`].
@@ -62,6 +62,11 @@ pub struct Faults {
     pub unknown_ids: bool,
     /// Report every `ok_reqs` id twice, and repeat the previous answer's ids.
     pub duplicate_ids: bool,
+    /// Forget every cached D layout before each `n`-th pull (vLLM 0.33's LRU evicting, or a P
+    /// restart): a pull that omits its layout then gets `LAYOUT_MISS`.
+    pub evict_layouts_every: Option<u32>,
+    /// Behave as vLLM 0.32 and older: ignore `layout_id`, never cache a layout, never echo.
+    pub legacy_0_32: bool,
 }
 
 impl Faults {

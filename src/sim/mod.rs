@@ -6,6 +6,7 @@ pub mod bootstrap_server;
 pub mod engine;
 pub mod faults;
 pub mod initiator;
+pub mod layout_cache;
 pub mod readiness;
 pub mod te_writer;
 pub mod worker;
@@ -15,7 +16,7 @@ pub use bootstrap_server::BootstrapServer;
 pub use engine::{PrefillSim, SimConfig};
 pub use faults::{Faults, Malformed};
 pub use readiness::Readiness;
-pub use worker::{Worker, WorkerConfig, READINESS_TIMEOUT_MSG};
+pub use worker::{LayoutStats, Worker, WorkerConfig, READINESS_TIMEOUT_MSG};
 pub use writer::{KvWriter, NoopWriter, SharedWriter, WorkerRank, WriteJob};
 
 /// Why the simulator could not start or act.

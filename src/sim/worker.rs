@@ -14,6 +14,7 @@ use crate::control::AsyncSocket;
 use crate::messages::{MooncakeXferMetadata, MooncakeXferResponse, XferStatus};
 
 use super::faults::{FaultRng, Faults, Malformed};
+use super::layout_cache::LayoutCache;
 use super::readiness::Readiness;
 use super::writer::{SharedWriter, WorkerRank, WriteJob};
 use super::SimError;
@@ -46,6 +47,26 @@ pub struct WorkerShared {
     /// Routing identities pulls came from: one per D connection (the ROUTER assigns them).
     identities: Mutex<HashSet<Vec<u8>>>,
     ctx: zmq::Context,
+    /// D layouts this worker holds (vLLM 0.33); lost on a restart.
+    layouts: Mutex<LayoutCache>,
+    layout_stats: Mutex<LayoutStats>,
+}
+
+/// What a worker saw of vLLM 0.33's layout ids.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayoutStats {
+    /// Pulls that carried the layout (a non-empty `kv_caches_base_addr`).
+    pub with_layout: u64,
+    /// Pulls with a layout id and no layout.
+    pub without_layout: u64,
+    /// `LAYOUT_MISS` answers.
+    pub misses: u64,
+    /// Bytes of every pull's metadata received.
+    pub metadata_bytes: u64,
+    /// The largest pull received, in bytes.
+    pub largest: u64,
+    /// The smallest pull received, in bytes (0 before the first).
+    pub smallest: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -70,6 +91,8 @@ impl WorkerShared {
             pulls: AtomicUsize::new(0),
             identities: Mutex::new(HashSet::new()),
             ctx,
+            layouts: Mutex::new(LayoutCache::default()),
+            layout_stats: Mutex::new(LayoutStats::default()),
         }
     }
 }
@@ -101,6 +124,8 @@ impl Worker {
     }
 
     async fn spawn(&mut self, bind: &str) -> Result<(), SimError> {
+        // A (re)started P process holds no D layout.
+        lock(&self.shared.layouts).clear();
         let zerr = |e: zmq::Error| SimError::Zmq(e.to_string());
         let router = self.shared.ctx.socket(zmq::ROUTER).map_err(zerr)?;
         router.set_linger(0).map_err(zerr)?;
@@ -145,6 +170,16 @@ impl Worker {
     /// Distinct D connections pulls came over since start (all incarnations).
     pub fn connections_seen(&self) -> usize {
         lock(&self.shared.identities).len()
+    }
+
+    /// What this worker saw of layout ids.
+    pub fn layout_stats(&self) -> LayoutStats {
+        *lock(&self.shared.layout_stats)
+    }
+
+    /// Forget every cached D layout now (as vLLM's LRU or a restart would).
+    pub fn evict_layouts(&self) {
+        lock(&self.shared.layouts).clear();
     }
 
     pub fn set_faults(&self, f: Faults) {
@@ -224,7 +259,12 @@ async fn run(mut router: AsyncSocket, shared: Arc<WorkerShared>, mut stop: onesh
             },
             msg = router.recv_multipart() => match msg {
                 Ok(mut frames) if frames.len() == 2 => {
-                    shared.pulls.fetch_add(1, Ordering::SeqCst);
+                    let n = shared.pulls.fetch_add(1, Ordering::SeqCst) + 1;
+                    let every = lock(&shared.faults).evict_layouts_every;
+                    if every.is_some_and(|e| e > 0 && n % e as usize == 0) {
+                        tracing::info!(?rank, "simulated layout eviction");
+                        lock(&shared.layouts).clear();
+                    }
                     let payload = frames.pop().unwrap_or_default();
                     let identity = frames.pop().unwrap_or_default();
                     lock(&shared.identities).insert(identity.clone());
@@ -261,6 +301,7 @@ fn response(
         ok_reqs: (!ok.is_empty()).then_some(ok),
         err_reqs: (!err.is_empty()).then_some(err),
         err_msg: msg,
+        layout_id: 0,
     }
 }
 
@@ -276,8 +317,8 @@ fn paired(d_tp: u32, d_rank: u32, p_tp: u32, p_rank: u32) -> bool {
     }
 }
 
-/// The pull-wide checks of PROTOCOL.md §2.6 step 1.
-fn validate(cfg: &WorkerConfig, md: &MooncakeXferMetadata) -> Result<(), String> {
+/// The pairing check, P's first (before it looks at the layout).
+fn validate_pairing(cfg: &WorkerConfig, md: &MooncakeXferMetadata) -> Result<(), String> {
     let r = &cfg.rank;
     if !paired(md.remote_tp_size, md.remote_tp_rank, r.tp_size, r.tp_rank) {
         return Err(format!(
@@ -285,6 +326,13 @@ fn validate(cfg: &WorkerConfig, md: &MooncakeXferMetadata) -> Result<(), String>
             md.remote_tp_rank, r.tp_rank
         ));
     }
+    Ok(())
+}
+
+/// The pull-wide checks of PROTOCOL.md §2.6 step 1.
+fn validate(cfg: &WorkerConfig, md: &MooncakeXferMetadata) -> Result<(), String> {
+    validate_pairing(cfg, md)?;
+    let r = &cfg.rank;
     let n = md.kv_caches_base_addr.len();
     let lens = [
         md.block_lens.len(),
@@ -315,8 +363,14 @@ async fn serve_pull(
     out: &mpsc::UnboundedSender<Out>,
 ) {
     let faults = lock(&sh.faults).clone();
+    // vLLM 0.33 echoes the pull's layout id in every CONTINUE and FINISH (set once accepted).
+    let echo = std::sync::atomic::AtomicU64::new(0);
     let send = |r: &MooncakeXferResponse| {
-        let _ = out.send(Out::Send(reply_frames(&faults, &identity, r)));
+        let mut r = r.clone();
+        if matches!(r.status, XferStatus::Continue | XferStatus::Finish) {
+            r.layout_id = echo.load(Ordering::Relaxed);
+        }
+        let _ = out.send(Out::Send(reply_frames(&faults, &identity, &r)));
     };
     if faults.hang {
         std::future::pending::<()>().await;
@@ -329,6 +383,9 @@ async fn serve_pull(
         Ok(md) => md,
         Err(refusal) => return send(&refusal),
     };
+    if !faults.legacy_0_32 {
+        echo.store(md.layout_id, Ordering::Relaxed);
+    }
     let mut pending: Vec<(String, String)> = md
         .req_blocks
         .iter()
@@ -392,7 +449,7 @@ fn reply_frames(faults: &Faults, identity: &[u8], r: &MooncakeXferResponse) -> V
     let body = match &faults.malformed {
         None => r.encode().unwrap_or_default(),
         Some(Malformed::Garbage) => b"\xc1 this is not msgpack".to_vec(),
-        Some(Malformed::BadStatus) => vec![0x81, 0xa6, b's', b't', b'a', b't', b'u', b's', 0x03],
+        Some(Malformed::BadStatus) => vec![0x81, 0xa6, b's', b't', b'a', b't', b'u', b's', 0x04],
         Some(Malformed::Oversized(n)) => vec![0xc0; *n],
         Some(Malformed::MultiFrame) => {
             return vec![
@@ -412,11 +469,53 @@ fn accept_pull(
     payload: &[u8],
 ) -> Result<Arc<MooncakeXferMetadata>, MooncakeXferResponse> {
     let error = |msg: String| response(XferStatus::Error, vec![], vec![], Some(msg));
-    let md = MooncakeXferMetadata::decode(payload).map_err(|e| error(e.to_string()))?;
+    let mut md = MooncakeXferMetadata::decode(payload).map_err(|e| error(e.to_string()))?;
     if let Some(msg) = &faults.reject_pulls {
         return Err(error(msg.clone()));
     }
+    let bare = md.layout_id != 0 && md.kv_caches_base_addr.is_empty();
+    {
+        let mut st = lock(&sh.layout_stats);
+        let n = payload.len() as u64;
+        st.metadata_bytes += n;
+        st.largest = st.largest.max(n);
+        st.smallest = if st.smallest == 0 {
+            n
+        } else {
+            st.smallest.min(n)
+        };
+        if bare {
+            st.without_layout += 1;
+        } else {
+            st.with_layout += 1;
+        }
+    }
+    if faults.legacy_0_32 {
+        // A 0.32 P does not know the field: it reads the (possibly empty) layout as sent.
+        validate(&sh.cfg, &md).map_err(error)?;
+        return Ok(Arc::new(md));
+    }
+    validate_pairing(&sh.cfg, &md).map_err(error)?;
+    if bare {
+        // vLLM 0.33: served from the cached layout, or LAYOUT_MISS (nothing written).
+        let Some(layout) = lock(&sh.layouts).lookup(&md) else {
+            lock(&sh.layout_stats).misses += 1;
+            return Err(response(
+                XferStatus::LayoutMiss,
+                vec![],
+                vec![],
+                Some(format!(
+                    "Mooncake KV layout {:#x} from {}:{} is not cached.",
+                    md.layout_id, md.remote_hostname, md.remote_port
+                )),
+            ));
+        };
+        layout.fill(&mut md);
+        validate(&sh.cfg, &md).map_err(error)?;
+        return Ok(Arc::new(md));
+    }
     validate(&sh.cfg, &md).map_err(error)?;
+    lock(&sh.layouts).remember(&md);
     Ok(Arc::new(md))
 }
 

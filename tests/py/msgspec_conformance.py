@@ -16,7 +16,15 @@ import msgspec
 from mooncake_structs import MooncakeXferMetadata, MooncakeXferResponse
 from mooncake_structs import MooncakeXferResponseStatus as Status
 
-TYPES = {"metadata": MooncakeXferMetadata, "response": MooncakeXferResponse}
+import mooncake_structs_033 as v033
+
+TYPES = {
+    "metadata": MooncakeXferMetadata,
+    "response": MooncakeXferResponse,
+    # vLLM 0.33.0's own definitions (layout ids, LAYOUT_MISS)
+    "metadata033": v033.MooncakeXferMetadata,
+    "response033": v033.MooncakeXferResponse,
+}
 enc = msgspec.msgpack.Encoder()
 raw = msgspec.msgpack.Encoder()  # for hand-built (possibly invalid) documents
 
@@ -73,6 +81,30 @@ def python_vectors():
     bad = dict(good); bad["remote_pp_size"] = None
     add("metadata", raw.encode(bad), False, "nil for remote_pp_size")
     add("metadata", raw.encode(list(good.values())), False, "array form")
+
+    # vLLM 0.33.0
+    R3, M3, S3 = v033.MooncakeXferResponse, v033.MooncakeXferMetadata, v033.MooncakeXferResponseStatus
+    lid = 0x5A5A_1234_5678_9ABD
+    add("response033", enc.encode(R3(status=S3.CONTINUE, ok_reqs=["a"], layout_id=lid)), True, "0.33 continue echoing the id")
+    add("response033", enc.encode(R3(status=S3.FINISH, ok_reqs=["r1"], err_reqs=["r2"], err_msg="Mooncake transfer engine returned -1", layout_id=lid)), True, "0.33 finish echoing the id")
+    add("response033", enc.encode(R3(status=S3.FINISH, err_reqs=["d-1"], err_msg="Timeout waiting for P side ready.", layout_id=lid)), True, "0.33 readiness timeout echoing the id")
+    add("response033", enc.encode(R3(status=S3.LAYOUT_MISS, err_msg=f"Mooncake KV layout {lid:#x} from 10.0.0.7:15000 is not cached.")), True, "0.33 layout miss")
+    add("response033", enc.encode(R3(status=S3.ERROR, err_msg="x")), True, "0.33 error")
+    add("response033", enc.encode(R3(status=S3.FINISH)), True, "0.33 finish, no id")
+    add("response033", raw.encode({"status": 4}), False, "0.33 status 4")
+    add("response033", raw.encode({"status": 0, "layout_id": None}), False, "0.33 nil for layout_id")
+    add("response033", raw.encode({"status": 0, "layout_id": "1"}), False, "0.33 str for layout_id")
+    bare = M3(remote_hostname="10.0.0.7", remote_port=15000, remote_tp_size=1, remote_tp_rank=0,
+              remote_pp_size=1, layout_id=lid, req_blocks={"d-1": ("t-1", [[5, 6]])},
+              kv_caches_base_addr=[], block_lens=[], kv_block_lens=[])
+    add("metadata033", enc.encode(bare), True, "0.33 pull without layout")
+    full = M3(remote_hostname="10.0.0.7", remote_port=15000, remote_tp_size=2, remote_tp_rank=1,
+              remote_pp_size=2, layout_id=lid, req_blocks={"d-1": ("t-1", [[5, 6]])},
+              kv_caches_base_addr=[0x7E0000000000], block_lens=[4096], kv_block_lens=[4096],
+              registered_layer_names=["model.layers.0.self_attn.attn"],
+              registered_layer_indices=[0], registered_group_indices=[0],
+              registered_shared_group_ids=[[0]], registered_row_offsets=[-1])
+    add("metadata033", enc.encode(full), True, "0.33 pull with layout and id")
     return out
 
 

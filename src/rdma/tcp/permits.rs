@@ -410,12 +410,24 @@ struct Inner {
     /// Requests with a pull that got the reserved window (its writes were all refused).
     windowless: FastSet<ReqId>,
     cursor: u32,
+    /// Per peer, the last [`PEER_RING`] windows its pulls got, oldest first: a pull prefers one
+    /// of them (closed and clean) to the cursor's, so the peer's windows, and their layout
+    /// ids, recur and P's layout cache stays warm (DESIGN.md §5.4). A poisoned window leaves
+    /// the ring when met; it comes back only through the cursor.
+    rings: FastMap<PeerId, SmallVec<[u32; PEER_RING]>>,
     /// When a refused pull was last logged, and the refusals since (counted by the metrics
     /// either way): a deployment past its share, or a flood of suspects, refuses every pull,
     /// and an error line per pull flooded the log.
     refusals_logged: Option<Instant>,
     refusals_unlogged: u64,
 }
+
+/// Windows a peer's ring holds: enough for the pulls one P worker usually has in flight, few
+/// enough that its layout ids (one per window) stay far inside P's cache of 1,024 layouts.
+pub const PEER_RING: usize = 8;
+
+/// Peers with a ring at most; past it the rings start over (a cold cache, never a fault).
+const MAX_RINGS: usize = 4096;
 
 /// Refused pulls are logged at most once per this, with the count of those not logged.
 const REFUSAL_LOG_EVERY: std::time::Duration = std::time::Duration::from_secs(10);
@@ -588,6 +600,7 @@ impl PermitTable {
                 next_expiry: inner.next_expiry,
                 windowless: inner.windowless.clone(),
                 cursor: inner.cursor,
+                rings: inner.rings.clone(),
                 refusals_logged: inner.refusals_logged,
                 refusals_unlogged: inner.refusals_unlogged,
             }),
@@ -625,6 +638,12 @@ impl PermitTable {
         poisoned.sort();
         poisoned.hash(h);
         inner.cursor.hash(h);
+        let mut rings: Vec<_> = inner.rings.iter().collect();
+        rings.sort_by(|a, b| a.0.cmp(b.0));
+        for (peer, ring) in rings {
+            peer.hash(h);
+            ring[..].hash(h);
+        }
         let mut wl: Vec<&ReqId> = inner.windowless.iter().collect();
         wl.sort();
         wl.hash(h);
@@ -728,14 +747,30 @@ impl PermitTable {
             }
             return Self::refuse(&mut inner, pull, reserved);
         }
-        let cursor = inner.cursor;
-        let free = (0..reserved).map(|i| (cursor + i) % reserved).find(|&w| {
-            let closed = self.slots[w as usize]
+        let closed = |w: u32| {
+            self.slots[w as usize]
                 .read()
                 .unwrap_or_else(|e| e.into_inner())
                 .permit()
-                .is_none_or(|p| p.is_closed());
-            closed && self.clean(&mut inner, w, now)
+                .is_none_or(|p| p.is_closed())
+        };
+        // The peer's own windows first, oldest first: closed (the previous permit gone) and
+        // clean, the cursor's test, except that a poisoned one leaves the ring even once its
+        // poison expired. Cost: at most PEER_RING slot reads and one hash lookup per pull.
+        let held = &mut *inner;
+        let from_ring = match held.rings.get_mut(pull.peer) {
+            Some(ring) => {
+                let poisoned = &held.poisoned;
+                ring.retain(|w| !poisoned.contains_key(w));
+                ring.iter().copied().find(|&w| closed(w))
+            }
+            None => None,
+        };
+        let free = from_ring.or_else(|| {
+            let cursor = inner.cursor;
+            (0..reserved)
+                .map(|i| (cursor + i) % reserved)
+                .find(|&w| closed(w) && self.clean(&mut inner, w, now))
         });
         let Some(window) = free else {
             self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
@@ -747,7 +782,10 @@ impl PermitTable {
             }
             return Self::refuse(&mut inner, pull, reserved);
         };
-        inner.cursor = (window + 1) % reserved;
+        if from_ring.is_none() {
+            inner.cursor = (window + 1) % reserved;
+        }
+        Self::ring_used(&mut inner, pull.peer, window);
         let groups = pull
             .requests
             .iter()
@@ -823,6 +861,28 @@ impl PermitTable {
         let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
         self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
         window
+    }
+
+    /// `peer`'s pull got `window`: the newest of its ring.
+    fn ring_used(inner: &mut Inner, peer: &PeerId, window: u32) {
+        if !inner.rings.contains_key(peer) && inner.rings.len() >= MAX_RINGS {
+            inner.rings.clear();
+        }
+        let ring = inner.rings.entry(peer.clone()).or_default();
+        ring.retain(|&mut w| w != window);
+        if ring.len() == PEER_RING {
+            ring.remove(0);
+        }
+        ring.push(window);
+    }
+
+    /// The windows in `peer`'s ring, oldest first (tests).
+    pub fn ring_of(&self, peer: &PeerId) -> Vec<u32> {
+        self.lock()
+            .rings
+            .get(peer)
+            .map(|r| r.to_vec())
+            .unwrap_or_default()
     }
 
     /// Give `pull` the reserved window (it admits nothing): its requests' writes are refused
@@ -1274,11 +1334,17 @@ mod tests {
         assert_eq!((r.revocation, r.poisoned), (Revocation::Exact, 1));
         assert!(r.quiesced.is_none(), "nothing was copying");
         assert_eq!(t.poisoned_windows(), 1);
-        // Round robin continues at 2, then skips poisoned 0 for the clean 1.
+        // Round robin continues at 2, then skips poisoned 0 for the clean 1 (pulls of peers
+        // without a ring of windows: the cursor's rotation; the rings are tested below).
+        let q = PeerId::new("q2");
         assert_eq!(open(&t, 3, &q, &b), 2);
-        assert_eq!(open(&t, 4, &q, &req("c")), 1);
+        assert_eq!(open(&t, 4, &PeerId::new("q3"), &req("c")), 1);
         // Every clean window busy, 0 poisoned: fail safe, never reuse it.
-        assert_eq!(open(&t, 5, &q, &req("d")), 3, "the reserved window");
+        assert_eq!(
+            open(&t, 5, &PeerId::new("q4"), &req("d")),
+            3,
+            "the reserved window"
+        );
         assert_eq!(t.epochs().exhausted.load(Ordering::Relaxed), 1);
         // Past the last-resort deadline the window returns.
         let e = req("e");
@@ -1335,10 +1401,11 @@ mod tests {
         let (a, b, c) = (req("a"), req("b"), req("c"));
         assert_eq!(open(&t, 5, &p, &a), 0);
         revoke(&t, &a, &[], Instant::now());
-        let wb = open(&t, 5, &p, &b);
+        // Other peers: the cursor's rotation (p's ring would give it window 0 again).
+        let wb = open(&t, 5, &PeerId::new("p2"), &b);
         assert_eq!(wb, 1, "id 5 again, its old permit being closed");
         assert_eq!(
-            open(&t, 6, &p, &c),
+            open(&t, 6, &PeerId::new("p3"), &c),
             0,
             "window 0 reused: the old permit of id 5 leaves"
         );
@@ -1399,7 +1466,12 @@ mod tests {
             t.pull_bytes(1).is_none(),
             "a closed permit leaves the index"
         );
-        assert_eq!(open(&t, 2, &p, &b), 1, "round robin: window 1 next");
+        // Another peer: the cursor's rotation (p's ring would give it window 0 again).
+        assert_eq!(
+            open(&t, 2, &PeerId::new("p2"), &b),
+            1,
+            "round robin: window 1 next"
+        );
         assert_eq!(
             write_into(&t, 0, 0),
             Err(RejectReason::Revoked),
@@ -1407,7 +1479,11 @@ mod tests {
         );
         revoke(&t, &b, &[], Instant::now());
         let c = req("c");
-        assert_eq!(open(&t, 3, &p, &c), 0, "window 0 comes round again");
+        assert_eq!(
+            open(&t, 3, &PeerId::new("p3"), &c),
+            0,
+            "window 0 comes round again"
+        );
         assert_eq!(write_into(&t, 0, 0), Ok(()), "c's pull admits its block");
         assert_eq!(write_into(&t, 0, 1), Err(RejectReason::NoPermit));
     }
@@ -1420,8 +1496,67 @@ mod tests {
         assert_eq!(open(&t, 1, &p, &a), 0);
         let far = Instant::now() + Duration::from_secs(3600);
         assert_eq!(revoke(&t, &a, std::slice::from_ref(&p), far).poisoned, 0);
-        assert_eq!(open(&t, 2, &p, &req("b")), 1);
-        assert_eq!(open(&t, 3, &p, &req("c")), 0, "reissued");
+        assert_eq!(open(&t, 2, &PeerId::new("p2"), &req("b")), 1);
+        assert_eq!(open(&t, 3, &PeerId::new("p3"), &req("c")), 0, "reissued");
+    }
+
+    /// A peer's pulls reuse the windows of its ring (oldest first) while they are closed and
+    /// clean, instead of the cursor's next: its layout ids recur. A poisoned window leaves the
+    /// ring for good; a window still open is skipped.
+    #[test]
+    fn a_peers_ring_reuses_its_closed_windows_and_never_a_poisoned_one() {
+        let t = table(17); // 16 usable
+        let (p, q) = (PeerId::new("p"), PeerId::new("q"));
+        let (a, b) = (req("a"), req("b"));
+        assert_eq!(open(&t, 1, &p, &a), 0);
+        assert_eq!(open(&t, 2, &p, &b), 1, "0 is open: the cursor's next");
+        assert_eq!(open(&t, 3, &q, &req("x")), 2);
+        revoke(&t, &a, &[], Instant::now());
+        revoke(&t, &b, &[], Instant::now());
+        assert_eq!(t.ring_of(&p), [0, 1]);
+        // Round robin would say 3; p's ring has 0 and 1, closed and clean: the oldest first.
+        for n in 0..20 {
+            let r = req(&format!("r{n}"));
+            let w = open(&t, 10 + n, &p, &r);
+            assert!(w == 0 || w == 1, "pull {n} got window {w}");
+            revoke(&t, &r, &[], Instant::now());
+        }
+        // p's pull made a suspect: its window is poisoned and leaves the ring.
+        let c = req("c");
+        let wc = open(&t, 40, &p, &c);
+        let far = Instant::now() + Duration::from_secs(3600);
+        assert_eq!(revoke(&t, &c, std::slice::from_ref(&p), far).poisoned, 1);
+        for n in 0..20 {
+            let r = req(&format!("s{n}"));
+            let w = open(&t, 50 + n, &p, &r);
+            assert_ne!(w, wc, "never the poisoned window");
+            revoke(&t, &r, &[], Instant::now());
+        }
+        assert!(!t.ring_of(&p).contains(&wc));
+        // Even once its poison expired the ring does not take it back; only the cursor can.
+        let d = req("d");
+        let pull = PullWindow {
+            pull_id: 80,
+            peer: &p,
+            requests: std::slice::from_ref(&d),
+        };
+        assert_ne!(t.open_at(&pull, far), wc);
+        // A ring is bounded, and a peer with every ring window open takes the cursor's.
+        let open_ones: Vec<_> = (0..PEER_RING as u64 + 2)
+            .map(|n| {
+                let r = req(&format!("o{n}"));
+                (open(&t, 100 + n, &q, &r), r)
+            })
+            .collect();
+        let mut got: Vec<u32> = open_ones.iter().map(|(w, _)| *w).collect();
+        got.sort();
+        got.dedup();
+        assert_eq!(
+            got.len(),
+            PEER_RING + 2,
+            "distinct windows while all are open"
+        );
+        assert_eq!(t.ring_of(&q).len(), PEER_RING);
     }
 
     fn req_of(id: &str, engine: &str, bootstrap: &str) -> Arc<RequestMeta> {
