@@ -2,10 +2,12 @@
 """kvrecv's D against a Python D that follows vLLM's MooncakeConnector receive loop, side by side
 in one run, against the same P (`kvrecv prefill-sim`, in its own process).
 
-The Python D (`py-d`, run by the driver as a child process) is what vLLM's D does per step:
-asyncio, one pyzmq DEALER per (batch, P worker) connected for the pull and closed after it, the
-metadata encoded and every reply decoded with msgspec (the connector's structs,
-tests/py/mooncake_structs.py), a request done when every P worker reported it. kvrecv's D runs
+The Python D (`py-d`, run by the driver as a child process) is what vLLM 0.33.0's D does per
+step: asyncio, one pyzmq DEALER per (batch, P worker) connected for the pull and closed after it,
+the metadata encoded and every reply decoded with msgspec (0.33's structs,
+tests/py/mooncake_structs_033.py), a layout id per run and the layout omitted to a worker that
+echoed it (resent on LAYOUT_MISS), a request done when every P worker reported it (0.33 settles
+per peer). `python032` is vLLM 0.32.0's loop (layout in every pull, its structs). kvrecv's D runs
 as a library (`lib`: `kvrecv bench --bootstrap`, its own process, the host loop on the actors'
 thread), through the embedding handle (`embed`: `kvrecv bench --via handle`, `KvRecv` called from
 a multi-thread tokio runtime, the TCP target with permits included) and as `kvrecv serve --events
@@ -22,6 +24,7 @@ reported with the ratios kvrecv / Python.
 
   .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv            # full grid
   .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv --small --json   # CI
+  .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv --layout          # layout ids
 """
 
 import argparse
@@ -86,14 +89,24 @@ def summary(lat_us, cpu, secs, requests, batch, peers, failed):
 
 
 async def py_d(a):
+    import secrets
+
     import msgspec
     import zmq
     import zmq.asyncio
-    from mooncake_structs import (
-        MooncakeXferMetadata,
-        MooncakeXferResponse,
-        MooncakeXferResponseStatus,
-    )
+
+    if a.vllm == "0.32":
+        from mooncake_structs import (
+            MooncakeXferMetadata,
+            MooncakeXferResponse,
+            MooncakeXferResponseStatus,
+        )
+    else:
+        from mooncake_structs_033 import (
+            MooncakeXferMetadata,
+            MooncakeXferResponse,
+            MooncakeXferResponseStatus,
+        )
 
     ctx = zmq.asyncio.Context()
     encoder = msgspec.msgpack.Encoder()
@@ -113,6 +126,20 @@ async def py_d(a):
     lat_us = []
     state = {"outstanding": 0, "done": 0, "failed": 0}
     wake = asyncio.Event()
+    layers = a.layers
+    # vLLM 0.33: a random odd 63-bit id per register_kv_caches; workers that echoed it get
+    # pulls without the layout (`_acked_layout_peers`).
+    layout_id = secrets.randbits(63) | 1 if a.vllm == "0.33" else 0
+    acked = set()
+    layout = dict(
+        kv_caches_base_addr=[(1 << 40) + i * (1 << 30) for i in range(layers)],
+        block_lens=[BLOCK_LEN] * layers,
+        kv_block_lens=[BLOCK_LEN] * layers,
+        registered_layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(layers)],
+        registered_layer_indices=list(range(layers)),
+        registered_group_indices=[0] * layers,
+    )
+    no_layout = dict(kv_caches_base_addr=[], block_lens=[], kv_block_lens=[])
 
     def finish_one(req_id, ok):
         if not ok:
@@ -131,47 +158,63 @@ async def py_d(a):
         state["done"] += 1
         wake.set()
 
+    def metadata(req_blocks, include_layout):
+        extra = {"layout_id": layout_id} if layout_id else {}
+        return MooncakeXferMetadata(
+            remote_hostname="127.0.0.1",
+            remote_port=15000,
+            remote_tp_size=1,
+            remote_tp_rank=0,
+            req_blocks=req_blocks,
+            **(layout if include_layout else no_layout),
+            **extra,
+        )
+
     async def receive_kv(path, req_blocks):
-        # vLLM: make_zmq_socket(DEALER, bind=False, linger=0) per (batch, P worker), closed after.
-        sock = ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(path)
+        # vLLM (0.32 and 0.33): make_zmq_socket(DEALER, bind=False, linger=0) per (batch, P
+        # worker), closed after; 0.33 omits the layout to a worker that echoed the id, and on
+        # LAYOUT_MISS resends the same pull with it on a new socket.
         pending = set(req_blocks)
-        try:
-            meta = MooncakeXferMetadata(
-                remote_hostname="127.0.0.1",
-                remote_port=15000,
-                remote_tp_size=1,
-                remote_tp_rank=0,
-                req_blocks=req_blocks,
-                kv_caches_base_addr=[(1 << 40) + i * (1 << 30) for i in range(LAYERS)],
-                block_lens=[BLOCK_LEN] * LAYERS,
-                kv_block_lens=[BLOCK_LEN] * LAYERS,
-                registered_layer_names=[f"model.layers.{i}.self_attn.attn" for i in range(LAYERS)],
-                registered_layer_indices=list(range(LAYERS)),
-                registered_group_indices=[0] * LAYERS,
-            )
-            await sock.send(encoder.encode(meta))
-            sent["n"] += 1
-            while pending:
-                resp = decoder.decode(await sock.recv())
-                for r in resp.err_reqs or ():
-                    if r in pending:
-                        pending.discard(r)
+        include_layout = not layout_id or path not in acked
+        while True:
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(path)
+            resend = False
+            try:
+                data = encoder.encode(metadata(req_blocks, include_layout))
+                await sock.send(data)
+                sent["n"] += 1
+                sent["bytes"] += len(data)
+                while pending:
+                    resp = decoder.decode(await sock.recv())
+                    if a.vllm == "0.33" and resp.status == MooncakeXferResponseStatus.LAYOUT_MISS:
+                        acked.discard(path)
+                        if not include_layout:
+                            include_layout, resend = True, True
+                        break
+                    if layout_id and getattr(resp, "layout_id", 0) == layout_id:
+                        acked.add(path)
+                    for r in resp.err_reqs or ():
+                        if r in pending:
+                            pending.discard(r)
+                            finish_one(r, False)
+                    for r in resp.ok_reqs or ():
+                        if r in pending:
+                            pending.discard(r)
+                            finish_one(r, True)
+                    if resp.status != MooncakeXferResponseStatus.CONTINUE:
+                        break
+            finally:
+                sock.close()
+                if not resend:
+                    for r in pending:  # ERROR, LAYOUT_MISS or FINISH without them: failed
                         finish_one(r, False)
-                for r in resp.ok_reqs or ():
-                    if r in pending:
-                        pending.discard(r)
-                        finish_one(r, True)
-                if resp.status != MooncakeXferResponseStatus.CONTINUE:
-                    break
-        finally:
-            sock.close()
-            for r in pending:  # ERROR or FINISH without them: failed
-                finish_one(r, False)
+            if not resend:
+                return
 
     tasks = set()
-    sent = {"n": 0}
+    sent = {"n": 0, "bytes": 0}
 
     def submit(first, n):
         now = time.perf_counter()
@@ -215,6 +258,7 @@ async def py_d(a):
         await wake.wait()
     lat_us.clear()
     state.update(done=0, failed=0, drained=0)
+    sent.update(n=0, bytes=0)
     c0, t0 = cpu_s(), time.perf_counter()
     nxt, end = 1, a.requests + 1
     while state["done"] < a.requests:
@@ -226,7 +270,10 @@ async def py_d(a):
         if state["done"] < a.requests:
             await wake.wait()
     secs, cpu = time.perf_counter() - t0, cpu_s() - c0
-    print(json.dumps(summary(lat_us, cpu, secs, a.requests, a.batch, len(workers), state["failed"])))
+    out = summary(lat_us, cpu, secs, a.requests, a.batch, len(workers), state["failed"])
+    out["metadata_bytes_per_pull"] = sent["bytes"] / max(1, sent["n"])
+    out["pulls_sent"] = sent["n"]
+    print(json.dumps(out))
 
 
 # ---------------------------------------------------------------- the driver
@@ -239,13 +286,18 @@ def run(cmd):
         raise RuntimeError(f"{' '.join(cmd)} exited {e.returncode}: {e.stderr[-2000:]}") from None
 
 
-def run_py(a, cfg):
+def run_py(a, cfg, vllm="0.33", layers=LAYERS):
     out = run(
         [sys.executable, os.path.abspath(__file__), "py-d", "--bootstrap", cfg["bootstrap"],
          "--batch", str(cfg["batch"]), "--in-flight", str(cfg["in_flight"]),
-         "--requests", str(cfg["requests"])],
+         "--requests", str(cfg["requests"]), "--vllm", vllm, "--layers", str(layers)],
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def run_py032(a, cfg):
+    """vLLM 0.32.0's loop: the layout in every pull (no layout id)."""
+    return run_py(a, cfg, vllm="0.32")
 
 
 def run_lib(a, cfg, via="actors"):
@@ -516,8 +568,8 @@ def median_of(runs):
 
 
 def main_driver(a):
-    ds = {"python": run_py, "lib": run_lib, "embed": run_embed, "serve": run_serve,
-          "serve_all": run_serve_all}
+    ds = {"python": run_py, "python032": run_py032, "lib": run_lib, "embed": run_embed,
+          "serve": run_serve, "serve_all": run_serve_all}
     ds = {k: v for k, v in ds.items() if k in a.ds.split(",")}
     ints = lambda s: [int(x) for x in s.split(",")]
     rows = []
@@ -570,6 +622,46 @@ def main_driver(a):
         print(json.dumps({"rows": rows, "memory": memory}))
 
 
+def layout_bench(a):
+    """What layout ids save P and the wire: P (`prefill-sim`, its own process, TP1) driven by
+    the Python D with vLLM 0.32's loop (layout in every pull) and 0.33's (layout omitted once P
+    echoed the id), pairs interleaved; P's CPU per pull from the kernel's process clock, and the
+    metadata bytes per pull the D sent."""
+    rows = []
+    for layers in (2, 64):
+        p, ready = start_p(a, 1)
+        try:
+            cfg = {"batch": 1, "in_flight": 1, "requests": a.requests,
+                   "bootstrap": ready["bootstrap"]}
+            runs = {"0.32": [], "0.33": []}
+            for i in range(a.pairs):
+                for v in (["0.32", "0.33"] if i % 2 == 0 else ["0.33", "0.32"]):
+                    pulls0, c0 = p_stats(p), cpu_s(p.pid)
+                    r = run_py(a, cfg, vllm=v, layers=layers)
+                    pulls, cpu = p_stats(p) - pulls0, cpu_s(p.pid) - c0
+                    runs[v].append({"p_cpu_us_per_pull": cpu * 1e6 / max(1, pulls),
+                                    "metadata_bytes_per_pull": r["metadata_bytes_per_pull"],
+                                    "failed": r["failed"]})
+            row = {"layers": layers, "pulls": a.requests, "pairs": a.pairs}
+            for v, rs in runs.items():
+                row[v] = median_of(rs)
+            row["p_cpu_ratio"] = row["0.33"]["p_cpu_us_per_pull"] / row["0.32"]["p_cpu_us_per_pull"]
+            rows.append(row)
+            if not a.json:
+                print(f"{layers:>2} layers: P CPU/pull {row['0.32']['p_cpu_us_per_pull']:.1f} us (layout every pull)"
+                      f" -> {row['0.33']['p_cpu_us_per_pull']:.1f} us (layout ids), {row['p_cpu_ratio']:.2f}x;"
+                      f" metadata {row['0.32']['metadata_bytes_per_pull']:.0f} B -> "
+                      f"{row['0.33']['metadata_bytes_per_pull']:.0f} B per pull;"
+                      f" failed {row['0.32']['failed']}/{row['0.33']['failed']}")
+                sys.stdout.flush()
+        finally:
+            p.stdin.write('{"op":"shutdown"}\n')
+            p.stdin.flush()
+            p.wait(timeout=30)
+    if a.json:
+        print(json.dumps({"layout": rows}))
+
+
 def print_row(row, ds):
     head = f"P TP{row['tp']} D TP1  batch {row['batch']:>2}  in flight {row['in_flight']:>3}"
     print(head)
@@ -595,6 +687,9 @@ def main():
     d.add_argument("--in-flight", type=int, default=1)
     d.add_argument("--requests", type=int, default=2000)
     d.add_argument("--hold", type=int, default=0, help="memory mode (driven by the driver)")
+    d.add_argument("--vllm", choices=["0.32", "0.33"], default="0.33",
+                   help="whose receive loop: 0.33 sends a layout id and omits the layout once P echoed it")
+    d.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--kvrecv", default=os.path.join(HERE, "..", "target", "release", "kvrecv"))
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--batch", default="1,16")
@@ -608,6 +703,8 @@ def main():
     ap.add_argument("--memory-batch", type=int, default=256)
     ap.add_argument("--memory-only", action="store_true", help="skip the throughput grid")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--layout", action="store_true",
+                    help="only the layout-id bench: P CPU and metadata bytes per pull, 2 and 64 layers")
     a = ap.parse_args()
     if a.cmd == "py-d":
         asyncio.run(py_d(a))
@@ -615,6 +712,9 @@ def main():
     if a.small:
         a.tp, a.batch, a.in_flight, a.requests, a.pairs = "2", "1,16", "16", 200, 1
         a.memory = min(a.memory, 2000)
+    if a.layout:
+        layout_bench(a)
+        return
     main_driver(a)
 
 

@@ -199,10 +199,16 @@ async fn real_te_accepts_one_span_of_thousands_of_epochs() {
     assert_eq!(t.descriptor().buffers.len(), 1);
     let span = t.descriptor().buffers[0].length;
     assert!(span >= u64::from(windows) * t.plane().map.span());
-    // Walk the round-robin cursor to the last usable window.
+    // Walk the round-robin cursor to the last usable window: a peer per pull (a peer's own
+    // pulls reuse the windows it used last, which keeps P's layout cache warm).
     for i in 0..u64::from(windows) - 2 {
         let r = req(&format!("w{i}"), &[0]);
-        open(&t, i, std::slice::from_ref(&r));
+        let p = kvrecv::messages::PeerId::new(format!(
+            "tcp://127.0.0.{}:{}",
+            1 + i / 60000,
+            1024 + i % 60000
+        ));
+        common::open_as(&t, &p, i, std::slice::from_ref(&r));
         common::revoke(&t, &r).await;
     }
     let a = req("a", &[3]);

@@ -51,11 +51,16 @@ pub fn peer() -> PeerId {
 
 /// Open a pull for `reqs`; returns the advertised base of every region.
 pub fn open(t: &TcpTarget, pull_id: u64, reqs: &[Arc<RequestMeta>]) -> Vec<u64> {
-    let p = peer();
+    open_as(t, &peer(), pull_id, reqs)
+}
+
+/// [`open`] for the pull of peer `p` (a peer's pulls prefer the windows it used last).
+#[allow(dead_code)] // not every test binary that includes this module uses it
+pub fn open_as(t: &TcpTarget, p: &PeerId, pull_id: u64, reqs: &[Arc<RequestMeta>]) -> Vec<u64> {
     t.landing()
         .open_pull(&PullWindow {
             pull_id,
-            peer: &p,
+            peer: p,
             requests: reqs,
         })
         .to_vec()
