@@ -89,16 +89,11 @@ pub fn build(
     regions: &[RegisteredRegion],
     timestamp: String,
 ) -> Result<SegmentDescriptor, DescriptorError> {
-    if segment_name.is_empty() {
-        return Err(DescriptorError::EmptyName);
-    }
-    if nics.is_empty() {
-        return Err(DescriptorError::NoDevices);
-    }
-    if regions.is_empty() {
+    let d = build_live(segment_name, nics, regions, timestamp)?;
+    if d.buffers.is_empty() {
         return Err(DescriptorError::NoBuffers);
     }
-    build_live(segment_name, nics, regions, timestamp)
+    Ok(d)
 }
 
 /// [`build`] for a running target: the buffer list may be empty (every landing window retired

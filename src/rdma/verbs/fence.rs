@@ -158,23 +158,33 @@ impl<B: VerbsBackend + 'static> RdmaFence<B> {
     /// they run when the future is first polled.
     pub fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
         let this = self.clone();
-        let peers = peers.to_vec();
-        Box::pin(async move {
-            if tokio::runtime::Handle::try_current().is_err() {
-                return this.fence_now(&peers);
-            }
-            let first = peers.first().cloned();
-            tokio::task::spawn_blocking(move || this.fence_now(&peers))
-                .await
-                .unwrap_or_else(|e| match first {
-                    Some(peer) => Err(FenceError::Failed {
-                        peer,
-                        reason: format!("fence task failed: {e}"),
-                    }),
-                    None => Ok(()),
-                })
-        })
+        off_runtime(peers, move |peers| this.fence_now(peers))
     }
+}
+
+/// `fence(peers)` shaped like `Landing::fence`, run on tokio's blocking pool inside a runtime
+/// (firmware calls never block a runtime worker), or when first polled outside one (plain
+/// executors in tests). A task that dies fails the fence of the first peer.
+pub(crate) fn off_runtime(
+    peers: &[PeerId],
+    fence: impl FnOnce(&[PeerId]) -> Result<(), FenceError> + Send + 'static,
+) -> LocalBoxFuture<'static, Result<(), FenceError>> {
+    let peers = peers.to_vec();
+    Box::pin(async move {
+        if tokio::runtime::Handle::try_current().is_err() {
+            return fence(&peers);
+        }
+        let first = peers.first().cloned();
+        tokio::task::spawn_blocking(move || fence(&peers))
+            .await
+            .unwrap_or_else(|e| match first {
+                Some(peer) => Err(FenceError::Failed {
+                    peer,
+                    reason: format!("fence task failed: {e}"),
+                }),
+                None => Ok(()),
+            })
+    })
 }
 
 #[cfg(test)]

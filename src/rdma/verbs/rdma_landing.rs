@@ -342,22 +342,7 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
         // layout) run on the blocking pool, never on the actor's thread; inside no runtime
         // (plain executors in tests) when first polled.
         let core = Arc::clone(&self.core);
-        let peers = peers.to_vec();
-        Box::pin(async move {
-            if tokio::runtime::Handle::try_current().is_err() {
-                return core.fence_now(&peers);
-            }
-            let first = peers.first().cloned();
-            tokio::task::spawn_blocking(move || core.fence_now(&peers))
-                .await
-                .unwrap_or_else(|e| match first {
-                    Some(peer) => Err(FenceError::Failed {
-                        peer,
-                        reason: format!("fence task failed: {e}"),
-                    }),
-                    None => Ok(()),
-                })
-        })
+        super::fence::off_runtime(peers, move |peers| core.fence_now(peers))
     }
 }
 
