@@ -152,6 +152,7 @@ impl Handler<BeginPause> for BlockManager {
             live.set_paused(true);
             live.holders()
         };
+        self.labels.gauge(m::PAUSED).set(1.0);
         let (tx, report) = tokio::sync::oneshot::channel();
         tracing::info!(
             holders = holders.len(),

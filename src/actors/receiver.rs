@@ -527,6 +527,8 @@ impl Handler<crate::messages::NewRegistration> for Receiver {
     /// nonce, which no P has cached (DESIGN.md §5.4, §7).
     fn handle(&mut self, _: crate::messages::NewRegistration, _ctx: &mut Context<Self>) {
         self.encoder = Arc::new(PullEncoder::new(&self.cfg, self.landing.endpoint()));
+        // Sent only by a resume, just before admission reopens.
+        self.labels.gauge(m::PAUSED).set(0.0);
     }
 }
 
