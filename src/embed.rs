@@ -34,6 +34,7 @@ use crate::messages::{
     Abort, AbortReply, BatchError, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv,
     LoadKvReply, LoadKvTo, Queued, ReqId, StepOutput,
 };
+use crate::messages::{BeginPause, NewRegistration, PauseReport};
 use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
 use crate::rdma::tcp::server::DataStats;
@@ -41,7 +42,7 @@ use crate::rdma::tcp::target::TargetError;
 use crate::rdma::verbs::{
     PeerBinding, RdmaTarget, RdmaTargetConfig, RdmaTargetError, VerbsBackend, VerbsError,
 };
-use crate::rdma::{Landing, TargetConfig, TcpLanding, TcpTarget};
+use crate::rdma::{Landing, LandingPauseError, TargetConfig, TcpLanding, TcpTarget};
 
 /// Why a D worker could not start.
 #[derive(Debug, Error)]
@@ -89,6 +90,44 @@ pub enum KvRecvError {
          it can be taken once"
     )]
     NoEvents,
+    /// The worker is paused ([`KvRecv::pause`]): nothing is loaded until [`KvRecv::resume`].
+    #[error("kvrecv is paused (sleep mode): nothing is loaded until resume")]
+    Paused,
+}
+
+/// Why a [`KvRecv::pause`] or [`KvRecv::resume`] failed.
+#[derive(Debug, Error)]
+pub enum PauseError {
+    /// The worker was shut down (or its thread ended).
+    #[error("the kvrecv worker is not running (shut down, or its thread ended)")]
+    Stopped,
+    /// The data plane could not close (pause: some memory may still be writable, do not
+    /// release it; admission stays closed and `pause` may be called again) or reopen (resume:
+    /// still paused; `resume` may be called again).
+    #[error("data plane: {0}")]
+    Landing(#[from] LandingPauseError),
+    /// [`ResumeMemory::Host`]: resuming on other memory than the worker started with is not
+    /// supported yet (the TCP data server's memory and the RDMA registrations' spans are fixed
+    /// at start). Still paused: resume with [`ResumeMemory::Same`], or start a new worker.
+    #[error(
+        "resuming on new memory is not supported: resume with the same memory, or start a new \
+         worker on the new memory"
+    )]
+    NewMemoryUnsupported,
+    /// `resume` on a worker that is not paused.
+    #[error("kvrecv is not paused")]
+    NotPaused,
+}
+
+/// The memory a [`KvRecv::resume`] lands in.
+#[derive(Debug, Clone)]
+pub enum ResumeMemory {
+    /// The memory the worker started with, at the same addresses (vLLM 0.33's
+    /// `restore_kv_caches`: the same base addresses and lengths). It must be valid again
+    /// before `resume` is called.
+    Same,
+    /// Other host memory (refused for now: [`PauseError::NewMemoryUnsupported`]).
+    Host(HostMemory),
 }
 
 /// A message the worker's actors can no longer take: they stopped. The host sees kvrecv's
@@ -598,6 +637,7 @@ where
             queued: Arc::default(),
             done: futures::FutureExt::shared(done_rx),
             thread: Some(thread),
+            sleep: tokio::sync::Mutex::new(()),
         }),
     })
 }
@@ -629,6 +669,8 @@ struct Inner {
     done: futures::future::Shared<oneshot::Receiver<()>>,
     /// kvrecv's thread, joined when the last handle goes.
     thread: Option<std::thread::JoinHandle<()>>,
+    /// Held by a pause or a resume for its whole course: one at a time.
+    sleep: tokio::sync::Mutex<()>,
 }
 
 impl Drop for Inner {
@@ -700,6 +742,8 @@ pub struct DataPlaneStats {
     pub rejected_revoked: u64,
     /// Writes refused because no permit covered them.
     pub rejected_no_permit: u64,
+    /// Writes refused because the worker was paused ([`KvRecv::pause`]).
+    pub rejected_paused: u64,
     /// Writes refused because they fell outside the advertised windows.
     pub rejected_out_of_range: u64,
     /// Mooncake handshakes served (segment metadata requests and RDMA endpoint connections).
@@ -798,6 +842,9 @@ impl KvRecv {
     /// after its first poll, the batch may or may not have been loaded (a loaded request
     /// still completes through [`KvRecv::drain`]); await it to the end.
     pub async fn load_kv(&self, requests: Vec<KvRequest>) -> Result<LoadKvReply, KvRecvError> {
+        if self.inner.coord.is_paused() {
+            return Err(KvRecvError::Paused);
+        }
         self.inner
             .coord
             .load_kv(LoadKv { requests })
@@ -896,6 +943,96 @@ impl KvRecv {
             .map_err(stopped)
     }
 
+    /// Sleep mode (vLLM 0.33's `unregister_kv_caches`; DESIGN.md §7): take kvrecv off the
+    /// destination memory. Admission closes at once (a later `load_kv` fails with
+    /// [`KvRecvError::Paused`], a submitted request is refused as [`BatchError::Paused`]);
+    /// every request holding blocks is aborted ([`KvRecv::abort`]: it settles on P's answer,
+    /// or Uncertain after `abort_grace`) and no request survives: each completes failed
+    /// ("aborted by the host") and reaches [`KvRecv::drain`] as usual. This resolves once every
+    /// block is released (fenced, or at the last-resort deadline, never early), then closes
+    /// the landing: TCP refuses every write (`paused`), RDMA deregisters every landing window
+    /// and publishes an empty descriptor. From its return until [`KvRecv::resume`] nothing
+    /// lands, and the host may release or reuse the memory. The report lists the requests
+    /// it waited for and how each one's blocks came back. Pauses and resumes are serialised.
+    /// Dropped midway, admission stays closed: call it again (it is idempotent).
+    pub async fn pause(&self) -> Result<PauseReport, PauseError> {
+        let _one = self.inner.sleep.lock().await;
+        let started = self
+            .inner
+            .coord
+            .block_manager
+            .send(BeginPause)
+            .await
+            .map_err(|_| PauseError::Stopped)?;
+        tracing::info!(
+            holders = started.holders.len(),
+            "pause: aborting the requests that hold blocks"
+        );
+        for req_id in started.holders {
+            // One that already completed (quarantined) ignores it.
+            self.inner
+                .coord
+                .receiver
+                .send(Abort { req_id })
+                .await
+                .map_err(|_| PauseError::Stopped)?;
+        }
+        let report = started.report.await.map_err(|_| PauseError::Stopped)?;
+        self.on_landing(|l| l.pause()).await?;
+        tracing::info!(
+            abandoned = report.abandoned.len(),
+            "paused: no block held, the landing admits nothing"
+        );
+        Ok(report)
+    }
+
+    /// Wake from [`KvRecv::pause`]: the landing admits again (RDMA: windows registered at
+    /// fresh IOVA slots, with fresh rkeys), pulls carry layout ids of a new nonce (P learns
+    /// the layout again), and admission reopens. Only [`ResumeMemory::Same`] is supported;
+    /// the memory must be valid again before this is called.
+    pub async fn resume(&self, memory: ResumeMemory) -> Result<(), PauseError> {
+        let _one = self.inner.sleep.lock().await;
+        if !self.inner.coord.block_manager.connected() {
+            return Err(PauseError::Stopped);
+        }
+        if !self.inner.coord.is_paused() {
+            return Err(PauseError::NotPaused);
+        }
+        if let ResumeMemory::Host(_) = memory {
+            return Err(PauseError::NewMemoryUnsupported);
+        }
+        self.on_landing(|l| l.resume()).await?;
+        self.inner
+            .coord
+            .receiver
+            .send(NewRegistration)
+            .await
+            .map_err(|_| PauseError::Stopped)?;
+        self.inner.coord.reopen_admission();
+        tracing::info!("resumed: admitting requests again");
+        Ok(())
+    }
+
+    /// Whether the worker is paused (or pausing): admission is closed.
+    pub fn is_paused(&self) -> bool {
+        self.inner.coord.is_paused()
+    }
+
+    /// Close or reopen the landing off the runtime's workers (RDMA's are firmware calls).
+    async fn on_landing(
+        &self,
+        f: fn(&dyn Landing) -> Result<(), LandingPauseError>,
+    ) -> Result<(), PauseError> {
+        let landing = Arc::clone(&self.inner.coord.landing);
+        if tokio::runtime::Handle::try_current().is_err() {
+            return Ok(f(&*landing)?);
+        }
+        tokio::task::spawn_blocking(move || f(&*landing))
+            .await
+            .unwrap_or_else(|e| Err(LandingPauseError::Failed(format!("task failed: {e}"))))?;
+        Ok(())
+    }
+
     /// The event stream. There is one: the first call takes it.
     pub fn events(&self) -> Result<EventStream, KvRecvError> {
         self.inner
@@ -930,6 +1067,7 @@ impl KvRecv {
                     writes_landed: n(&t.stats.writes_landed),
                     rejected_revoked: n(&t.stats.rejected_revoked),
                     rejected_no_permit: n(&t.stats.rejected_no_permit),
+                    rejected_paused: n(&t.stats.rejected_paused),
                     rejected_out_of_range: n(&t.stats.rejected_out_of_range),
                     handshakes,
                     live_permits: t.landing.permits().live(),

@@ -33,11 +33,15 @@ pub mod telemetry;
 
 pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
 pub use embed::{
-    DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, LoadTicket, StartError, Stats,
+    DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, LoadTicket, PauseError,
+    ResumeMemory, StartError, Stats,
 };
 pub use layout::{KvLayout, Region};
 pub use messages::batch::MAX_ID_BYTES;
-pub use messages::{AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, ReqId, StepOutput};
+pub use messages::{
+    AbandonedRequest, AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, PauseReport, ReqId,
+    StepOutput,
+};
 pub use rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError};
 
 /// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.

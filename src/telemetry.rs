@@ -237,6 +237,8 @@ pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total";
 pub const STDIN_PAUSES: &str = "kvrecv_serve_stdin_pauses_total";
 /// Requests aborted by the host, by stage (in_flight, before_dispatch, unknown); label stage.
 pub const ABORTS: &str = "kvrecv_aborts_total";
+/// 1 while the worker is paused (sleep mode: admission closed, the landing closing or closed).
+pub const PAUSED: &str = "kvrecv_paused";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
@@ -248,6 +250,10 @@ pub fn describe() {
     describe_counter!(
         ABORTS,
         "Requests aborted by the host, by stage (in_flight, before_dispatch, unknown)"
+    );
+    describe_gauge!(
+        PAUSED,
+        "1 while the worker is paused (sleep mode): nothing admitted, nothing landing"
     );
     describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
     describe_counter!(

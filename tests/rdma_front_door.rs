@@ -402,6 +402,143 @@ async fn a_peer_not_connected_yet_is_fenced_by_its_windows_keys() {
     w.kv.shutdown().await;
 }
 
+/// Sleep mode on RDMA (DESIGN.md §7): a request P holds (not ready) is in flight when the
+/// host pauses; the pause aborts it, P stays silent, so after `abort_grace` it settles
+/// Uncertain and its blocks are released only once fenced. Then every landing window is
+/// deregistered: the descriptor offers no buffer and a write with any key it ever had is
+/// refused. After resume, windows are registered at fresh addresses with fresh keys, their
+/// writes land, and a new request completes ok.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pause_deregisters_every_window_and_resume_registers_fresh_ones() {
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        pull_timeout: Duration::from_secs(3600),
+        abort_grace: Duration::from_millis(200),
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let verbs = SharedVerbs::new();
+    let backend = verbs.clone();
+    let kv = KvRecv::builder(config)
+        .rdma(move || Ok(backend.clone()))
+        .events(true)
+        .start()
+        .unwrap();
+    let events = kv.events().unwrap();
+    // P gets a's pull and holds its transfer for ever (a stuck write), saying so.
+    let (held_tx, mut held) = tokio::sync::mpsc::unbounded_channel();
+    let sim = PrefillSim::start_with_writer(
+        SimConfig::default(),
+        Arc::new(HoldingWriter {
+            held: "a",
+            jobs: held_tx,
+        }),
+    )
+    .await
+    .unwrap();
+    let mut w = World {
+        kv,
+        events,
+        sim,
+        verbs,
+    };
+    let qps = connect(&w, "127.0.0.1:16001").await;
+    let before = descriptor_keys(&w).await;
+    assert!(!before.is_empty());
+    let reply = w.kv.load_kv(vec![req(&w, "a", &[5])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1, "{reply:?}");
+    tokio::time::timeout(PATIENCE, held.recv())
+        .await
+        .expect("P got a's pull in time")
+        .expect("P runs");
+
+    let report = tokio::time::timeout(PATIENCE, w.kv.pause())
+        .await
+        .expect("the pause resolves once a's blocks came back")
+        .unwrap();
+    assert!(
+        matches!(&report.abandoned[..], [a] if &*a.req_id == "a" && a.fenced && !a.forced),
+        "{report:?}"
+    );
+    assert_eq!(states(&w, &qps), ERR, "a's silent peer was fenced");
+    assert!(
+        descriptor_keys(&w).await.is_empty(),
+        "paused: the descriptor offers no buffer"
+    );
+    assert!(
+        w.verbs.inner.lock().unwrap().registrations().is_empty(),
+        "every window deregistered"
+    );
+    // P's TE reconnects and posts with every key it ever had: nothing lands.
+    let fresh_qps = connect(&w, "127.0.0.1:16001").await;
+    for &(addr, rkey) in &before {
+        let r = w
+            .verbs
+            .inner
+            .lock()
+            .unwrap()
+            .deliver_write(fresh_qps[0], rkey, addr, 8);
+        assert_eq!(r, Err(WriteRefused::RemoteAccess), "{addr:#x}");
+    }
+    assert!(matches!(
+        w.kv.load_kv(vec![req(&w, "b", &[6])]).await,
+        Err(kvrecv::embed::KvRecvError::Paused)
+    ));
+
+    w.kv.resume(kvrecv::embed::ResumeMemory::Same)
+        .await
+        .unwrap();
+    let after = descriptor_keys(&w).await;
+    assert_eq!(after.len(), before.len(), "as many windows as before");
+    for (addr, rkey) in &after {
+        assert!(
+            before.iter().all(|(a, k)| a != addr && k != rkey),
+            "fresh address and key: {addr:#x} {rkey:#x}"
+        );
+        let r = w
+            .verbs
+            .inner
+            .lock()
+            .unwrap()
+            .deliver_write(fresh_qps[0], *rkey, *addr, 8);
+        assert!(
+            r.is_ok(),
+            "a window registered at resume takes writes: {r:?}"
+        );
+    }
+    let reply = w.kv.load_kv(vec![req(&w, "b", &[6])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1, "{reply:?}");
+    let ev = released(&mut w.events, "b").await;
+    assert!(
+        matches!(ev, KvEvent::Released { fenced: false, .. }),
+        "{ev:?}"
+    );
+    let step = w.kv.drain().await.unwrap();
+    assert_eq!(step.invalid_block_ids, vec![5], "only a failed: {step:?}");
+    assert_eq!(step.finished_recving.len(), 2, "a and b: {step:?}");
+    w.kv.shutdown().await;
+}
+
+/// P's writer that writes nothing (RDMA: the test delivers writes itself) and never finishes
+/// the transfer of request `held`, telling the test when it has it.
+struct HoldingWriter {
+    held: &'static str,
+    jobs: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+impl kvrecv::sim::KvWriter for HoldingWriter {
+    fn write(
+        &self,
+        job: kvrecv::sim::WriteJob,
+    ) -> futures::future::BoxFuture<'static, Result<(), String>> {
+        if job.req_ids.iter().any(|r| r == self.held) {
+            let _ = self.jobs.send(());
+            return Box::pin(std::future::pending());
+        }
+        Box::pin(async { Ok(()) })
+    }
+}
+
 /// `mooncake_protocol = "rdma"` with no verbs backend in the build is refused at start, never
 /// served over TCP (P would write over RDMA into nothing).
 #[cfg(not(feature = "rdma"))]

@@ -13,6 +13,7 @@ use crate::messages::{
     Allocate, Completion, CompletionList, Completions, Drain, FirstFailure, Free, GetLedgerStats,
     KvEvent, LedgerStats, ReqId,
 };
+use crate::messages::{BeginPause, PauseStarted};
 use crate::rdma::{Landing, Revocation, RevokeRequest};
 use crate::telemetry::{self as m, Labels};
 
@@ -21,6 +22,7 @@ use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
 use super::live_set::SharedLiveSet;
+use super::pause_watch::PauseWatch;
 use super::rediscovery::clock_now;
 
 /// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
@@ -35,6 +37,8 @@ pub struct BlockManager {
     /// per quarantine in the context (actix polls every context item at every turn, and a
     /// failure burst can hold thousands).
     deadlines: Option<Alarm>,
+    /// A pause waiting for blocks to come back (sleep mode, DESIGN.md §7).
+    pausing: Option<PauseWatch>,
 }
 
 impl BlockManager {
@@ -52,6 +56,7 @@ impl BlockManager {
             events,
             labels: Labels::default(),
             deadlines: None,
+            pausing: None,
         }
     }
 
@@ -104,12 +109,63 @@ impl BlockManager {
         self.labels
             .gauge(m::QUARANTINED_BLOCKS)
             .set(self.ledger.quarantined_blocks() as f64);
+        self.note_release(req_id, || rel.blocks.clone(), fenced, !fenced);
         self.events.emit(KvEvent::Released {
             req_id: req_id.clone(),
             blocks: rel.blocks,
             fenced,
             forced: !fenced,
         });
+    }
+
+    /// Tell a pause waiting for `req_id` that its blocks came back; the pause resolves with
+    /// the last one.
+    fn note_release(
+        &mut self,
+        req_id: &ReqId,
+        blocks: impl FnOnce() -> Vec<u32>,
+        fenced: bool,
+        forced: bool,
+    ) {
+        let Some(watch) = &mut self.pausing else {
+            return;
+        };
+        watch.released(req_id, blocks(), fenced, forced);
+        if watch.done() {
+            if let Some(w) = self.pausing.take() {
+                w.finish();
+            }
+        }
+    }
+}
+
+impl Handler<BeginPause> for BlockManager {
+    type Result = MessageResult<BeginPause>;
+
+    /// Close admission and watch the requests that hold blocks. Both under the live set's
+    /// lock, which every admission and every release takes: no request is admitted after it,
+    /// and none released before it is missed (releases happen on this actor's turn).
+    fn handle(&mut self, _: BeginPause, _ctx: &mut Context<Self>) -> Self::Result {
+        let holders = {
+            let live = self.ledger.live_set();
+            let mut live = live.lock();
+            live.set_paused(true);
+            live.holders()
+        };
+        self.labels.gauge(m::PAUSED).set(1.0);
+        let (tx, report) = tokio::sync::oneshot::channel();
+        tracing::info!(
+            holders = holders.len(),
+            "pause: admission closed, waiting for every block to come back"
+        );
+        let mut watch = self.pausing.take().unwrap_or_default();
+        watch.watch(&holders, tx);
+        if watch.done() {
+            watch.finish();
+        } else {
+            self.pausing = Some(watch);
+        }
+        MessageResult(PauseStarted { holders, report })
     }
 }
 
@@ -213,17 +269,20 @@ impl BlockManager {
             Policy::Naive => vec![],
         };
         let req_id = c.req.req_id.clone();
+        // The exact revocation is what fenced the peers that may still write.
+        let fenced = had_suspects && revocation == Revocation::Exact;
         match self.ledger.on_completion(&c, fence, now) {
-            Disposition::Released if self.events.wants_detail() => {
-                self.events.emit(KvEvent::Released {
-                    req_id,
-                    blocks: c.req.all_blocks().collect(),
-                    // The exact revocation is what fenced the peers that may still write.
-                    fenced: had_suspects && revocation == Revocation::Exact,
-                    forced: false,
-                });
+            Disposition::Released => {
+                self.note_release(&req_id, || c.req.all_blocks().collect(), fenced, false);
+                if self.events.wants_detail() {
+                    self.events.emit(KvEvent::Released {
+                        req_id,
+                        blocks: c.req.all_blocks().collect(),
+                        fenced,
+                        forced: false,
+                    });
+                }
             }
-            Disposition::Released => {}
             Disposition::Quarantined {
                 blocks,
                 peers,

@@ -22,6 +22,8 @@ pub struct LiveSet {
     owners: FastMap<(u32, u32), ReqId>,
     /// Most live requests at once (backpressure).
     max_live: usize,
+    /// Sleep mode (DESIGN.md §7): nothing is admitted, whatever it is.
+    paused: bool,
 }
 
 /// A live set the Receiver, the BlockManager and the host's drain share.
@@ -34,6 +36,7 @@ impl LiveSet {
             live: FastSet::default(),
             owners: FastMap::default(),
             max_live: max_live.max(1),
+            paused: false,
         }
     }
 
@@ -41,6 +44,13 @@ impl LiveSet {
     /// drained), or one of its blocks belongs to another live request whose blocks are not
     /// released yet. A request with no blocks (cleanup pull) never becomes live.
     pub fn admit(&mut self, req: &RequestMeta) -> Result<(), BatchError> {
+        // Paused: the landing is (or is about to be) closed, so no pull may start, not even
+        // an empty one (it would reach P, which may answer after the memory is gone).
+        if self.paused {
+            return Err(BatchError::Paused {
+                req_id: req.req_id.to_string(),
+            });
+        }
         if self.live.contains(&req.req_id) {
             return Err(BatchError::AlreadyLive {
                 req_id: req.req_id.to_string(),
@@ -101,6 +111,23 @@ impl LiveSet {
         }
     }
 
+    /// Close (`true`) or reopen admission (sleep mode). Under the same lock as every
+    /// admission: a batch admitted before the pause is complete, one after it refused whole.
+    pub fn set_paused(&mut self, paused: bool) {
+        self.paused = paused;
+    }
+
+    /// Whether admission is closed (sleep mode).
+    pub fn is_paused(&self) -> bool {
+        self.paused
+    }
+
+    /// The requests that hold blocks (in flight, or completed and quarantined), each once.
+    pub fn holders(&self) -> Vec<ReqId> {
+        let ids: FastSet<&ReqId> = self.owners.values().collect();
+        ids.into_iter().cloned().collect()
+    }
+
     /// Whether `req_id` was admitted and not yet handed over.
     pub fn is_live(&self, req_id: &ReqId) -> bool {
         self.live.contains(req_id)
@@ -125,6 +152,7 @@ impl LiveSet {
         let mut owners: Vec<_> = self.owners.iter().collect();
         owners.sort();
         owners.hash(h);
+        self.paused.hash(h);
     }
 }
 
@@ -166,6 +194,33 @@ mod tests {
         drain.lock().hand_over(&["a".into()]);
         assert_eq!(receiver.lock().admit(&req("a", &[5])), Ok(()));
         assert_eq!(receiver.lock().len(), 2);
+    }
+
+    /// Paused, nothing is admitted (not even a request without blocks), and the holders are
+    /// the requests whose blocks are not released yet; reopened, admission works as before.
+    #[test]
+    fn paused_admits_nothing_and_names_the_holders() {
+        let mut live = LiveSet::new(8);
+        let (a, b) = (req("a", &[1, 2]), req("b", &[3]));
+        live.admit(&a).unwrap();
+        live.admit(&b).unwrap();
+        live.release_blocks(&b);
+        live.set_paused(true);
+        assert!(matches!(
+            live.admit(&req("c", &[5])),
+            Err(BatchError::Paused { req_id }) if req_id == "c"
+        ));
+        assert!(matches!(
+            live.admit(&req("d", &[])),
+            Err(BatchError::Paused { .. })
+        ));
+        assert_eq!(
+            live.holders(),
+            vec![ReqId::from("a")],
+            "b released its blocks"
+        );
+        live.set_paused(false);
+        assert_eq!(live.admit(&req("c", &[5])), Ok(()));
     }
 
     /// A release gives back only the blocks the request owns: a block another request took

@@ -21,6 +21,8 @@ pub mod layout_acks;
 pub mod live_set;
 #[doc(hidden)]
 pub mod outbox;
+#[doc(hidden)]
+pub mod pause_watch;
 pub mod peer;
 #[doc(hidden)]
 pub mod peer_state;

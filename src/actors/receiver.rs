@@ -520,6 +520,18 @@ impl Handler<LoadMetas> for Receiver {
     }
 }
 
+impl Handler<crate::messages::NewRegistration> for Receiver {
+    type Result = ();
+
+    /// The memory was registered again (a resume): pulls from now on carry ids of a fresh
+    /// nonce, which no P has cached (DESIGN.md §5.4, §7).
+    fn handle(&mut self, _: crate::messages::NewRegistration, _ctx: &mut Context<Self>) {
+        self.encoder = Arc::new(PullEncoder::new(&self.cfg, self.landing.endpoint()));
+        // Sent only by a resume, just before admission reopens.
+        self.labels.gauge(m::PAUSED).set(0.0);
+    }
+}
+
 impl Handler<Abort> for Receiver {
     type Result = ResponseActFuture<Self, AbortReply>;
 

@@ -53,6 +53,8 @@ pub struct Coordinator {
     /// The most requests live at once (`KvRecvConfig::max_live_requests`): also the most a
     /// host may have queued with `KvRecv::submit` and not yet taken by the Receiver.
     pub(crate) max_live: usize,
+    /// The data plane, closed and reopened by a pause and a resume (sleep mode).
+    pub(crate) landing: Arc<dyn Landing>,
 }
 
 impl Coordinator {
@@ -77,6 +79,7 @@ impl Coordinator {
         )
         .with_labels(labels.clone())
         .start();
+        let landing = parts.landing.clone();
         let receiver = Receiver::new(
             cfg,
             parts.topology,
@@ -95,7 +98,18 @@ impl Coordinator {
             outbox,
             live,
             max_live,
+            landing,
         }
+    }
+
+    /// Whether admission is closed (sleep mode, DESIGN.md §7).
+    pub fn is_paused(&self) -> bool {
+        self.live.lock().is_paused()
+    }
+
+    /// Reopen admission after a resume.
+    pub(crate) fn reopen_admission(&self) {
+        self.live.lock().set_paused(false);
     }
 
     /// `load_kv`: hand a batch over. Rejected requests come back in the reply.

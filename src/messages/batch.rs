@@ -259,6 +259,13 @@ pub enum BatchError {
         /// The request refused.
         req_id: String,
     },
+    #[error("request {req_id}: kvrecv is paused (sleep mode): nothing is admitted until resume")]
+    /// The worker is paused ([`crate::embed::KvRecv::pause`]): nothing lands, so nothing is
+    /// admitted; load it again after [`crate::embed::KvRecv::resume`].
+    Paused {
+        /// The request refused.
+        req_id: String,
+    },
     #[error(
         "request {req_id}: {live} requests are live (the limit is {limit}); drain, then retry"
     )]
@@ -289,6 +296,7 @@ impl BatchError {
             | BatchError::AlreadyLive { req_id }
             | BatchError::BlockInUse { req_id, .. }
             | BatchError::Unavailable { req_id }
+            | BatchError::Paused { req_id }
             | BatchError::Backpressure { req_id, .. } => req_id,
         }
     }
@@ -307,6 +315,7 @@ impl BatchError {
             BatchError::AlreadyLive { .. } => "already_live",
             BatchError::BlockInUse { .. } => "block_in_use",
             BatchError::Unavailable { .. } => "unavailable",
+            BatchError::Paused { .. } => "paused",
             BatchError::Backpressure { .. } => "backpressure",
         }
     }

@@ -15,6 +15,7 @@ pub mod ids;
 pub mod layout_id;
 #[doc(hidden)]
 pub mod msgpack_strict;
+pub mod pause;
 pub mod peer_text;
 #[doc(hidden)]
 pub mod pool;
@@ -37,6 +38,7 @@ pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
 pub use layout_id::{EncodeWithLayout, LayoutIds, PullLayout};
+pub use pause::{AbandonedRequest, BeginPause, NewRegistration, PauseReport, PauseStarted};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{Pull, PullRequest, PullRequests, UnsentPull};
 pub use retire::{CountPeers, PeerCount, Retire};

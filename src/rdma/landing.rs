@@ -91,6 +91,18 @@ pub enum FenceError {
     },
 }
 
+/// Why a landing could not close or reopen for sleep mode (DESIGN.md §7).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+pub enum LandingPauseError {
+    /// This data plane has no way to stop writes (or to take them again).
+    #[error("this data plane cannot pause: {0}")]
+    Unsupported(String),
+    /// Closing (or reopening) failed part-way: on a close, some memory may still be
+    /// writable, so it must not be released.
+    #[error("{0}")]
+    Failed(String),
+}
+
 /// The base address of every region, as a pull advertises them. Shared: a data plane whose
 /// bases never change hands every pull the same list (no copy per pull).
 pub type RegionBases = std::sync::Arc<[u64]>;
@@ -124,6 +136,24 @@ pub trait Landing: Send + Sync + 'static {
     /// Make sure none of `peers` can land a write any more (RDMA: queue pairs to the error
     /// state). Resolves when done.
     fn fence(&self, peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>>;
+
+    /// Sleep mode: admit no write at all until [`Landing::resume`] (TCP: every write refused,
+    /// `paused`; RDMA: every window deregistered, the descriptor empty). Called once no
+    /// request holds blocks; idempotent. May block on firmware calls (run it off the
+    /// runtime's workers).
+    fn pause(&self) -> Result<(), LandingPauseError> {
+        Err(LandingPauseError::Unsupported(
+            "this landing has no pause".into(),
+        ))
+    }
+
+    /// Admit writes again after [`Landing::pause`], over the same memory (RDMA: windows
+    /// registered at fresh IOVA slots). A landing that is not paused is left as it is.
+    fn resume(&self) -> Result<(), LandingPauseError> {
+        Err(LandingPauseError::Unsupported(
+            "this landing has no pause".into(),
+        ))
+    }
 }
 
 /// No data plane of kvrecv's own (the host's memory is written by someone else): fixed base
@@ -168,5 +198,14 @@ impl Landing for StaticLanding {
 
     fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {
         Box::pin(async { Err(FenceError::Unavailable("no data plane".into())) })
+    }
+
+    /// Nothing of kvrecv's own lands through it: there is nothing to close.
+    fn pause(&self) -> Result<(), LandingPauseError> {
+        Ok(())
+    }
+
+    fn resume(&self) -> Result<(), LandingPauseError> {
+        Ok(())
     }
 }

@@ -22,6 +22,7 @@ pub mod tcp;
 pub mod verbs;
 
 pub use landing::{
-    FenceError, Landing, PullWindow, RegionBases, Revocation, RevokeRequest, Revoked, StaticLanding,
+    FenceError, Landing, LandingPauseError, PullWindow, RegionBases, Revocation, RevokeRequest,
+    Revoked, StaticLanding,
 };
 pub use tcp::{TargetConfig, TcpLanding, TcpTarget};

@@ -50,6 +50,8 @@ pub enum RejectReason {
     /// A late write: the block's request was revoked, or the window's last pull closed (every
     /// request of it revoked), whichever block of the window it targets.
     Revoked,
+    /// The target is paused (sleep mode, DESIGN.md §7): nothing lands, whatever the window.
+    Paused,
 }
 
 impl RejectReason {
@@ -61,6 +63,7 @@ impl RejectReason {
             RejectReason::ReadsOff => "reads_off",
             RejectReason::NoPermit => "no_permit",
             RejectReason::Revoked => "revoked",
+            RejectReason::Paused => "paused",
         }
     }
 }
@@ -517,6 +520,8 @@ pub struct PermitTable {
     live: AtomicU64,
     epochs: EpochStats,
     labels: Labels,
+    /// Sleep mode: every write and read refused before its window is looked at.
+    paused: AtomicBool,
 }
 
 impl std::fmt::Debug for PermitTable {
@@ -542,7 +547,24 @@ impl PermitTable {
             poison: true,
             epochs: EpochStats::default(),
             labels: Labels::default(),
+            paused: AtomicBool::new(false),
         }
+    }
+
+    /// Refuse every access (`true`, sleep mode) or admit by permit again (`false`). Checked
+    /// at every admission, before the window: with permits off too.
+    pub fn set_paused(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
+    }
+
+    /// Whether every access is refused (sleep mode).
+    pub fn is_paused(&self) -> bool {
+        self.paused.load(Ordering::SeqCst)
+    }
+
+    /// The advertised bases of the reserved window, which admits nothing.
+    pub fn reserved_bases(&self) -> crate::rdma::RegionBases {
+        self.map.region_bases(self.map.windows().saturating_sub(1))
     }
 
     /// Record metrics under `labels` (the data plane records under the same ones).
@@ -607,6 +629,7 @@ impl PermitTable {
             live: AtomicU64::new(self.live.load(Ordering::SeqCst)),
             epochs: EpochStats::default(),
             labels: self.labels.clone(),
+            paused: AtomicBool::new(self.is_paused()),
         }
     }
 
@@ -1072,6 +1095,9 @@ impl PermitTable {
     /// write (no acknowledgement) makes its pull's oks checked against the byte count; so does
     /// a write that ends without [`Admitted::landed`].
     pub fn admit(&self, r: &Resolved, size: u64, access: Access) -> Result<Admitted, RejectReason> {
+        if self.paused.load(Ordering::SeqCst) {
+            return Err(RejectReason::Paused);
+        }
         if !self.enabled {
             return Ok(Admitted {
                 permit: None,
@@ -1234,6 +1260,10 @@ impl Landing for TcpLanding {
     }
 
     fn open_pull(&self, window: &PullWindow<'_>) -> crate::rdma::RegionBases {
+        if self.permits.is_paused() {
+            // Admission is closed while paused; a pull that got here anyway lands nothing.
+            return self.permits.reserved_bases();
+        }
         let w = self.permits.open(window);
         self.permits.map().region_bases(w)
     }
@@ -1250,6 +1280,18 @@ impl Landing for TcpLanding {
         self.permits
             .windowless(&req.req_id)
             .then(|| NO_WINDOW.to_owned())
+    }
+
+    /// Every permit is closed already (each request's completion revoked its own before the
+    /// pause was called); from now on the data server refuses every write as `paused`.
+    fn pause(&self) -> Result<(), crate::rdma::LandingPauseError> {
+        self.permits.set_paused(true);
+        Ok(())
+    }
+
+    fn resume(&self) -> Result<(), crate::rdma::LandingPauseError> {
+        self.permits.set_paused(false);
+        Ok(())
     }
 
     fn fence(&self, _peers: &[PeerId]) -> LocalBoxFuture<'static, Result<(), FenceError>> {

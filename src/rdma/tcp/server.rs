@@ -44,6 +44,8 @@ pub struct DataStats {
     pub rejected_no_permit: AtomicU64,
     /// Late writes: refused at the header, or cut off mid-payload, because the request was revoked.
     pub rejected_revoked: AtomicU64,
+    /// Refused because the target was paused (sleep mode).
+    pub rejected_paused: AtomicU64,
     pub idle_timeouts: AtomicU64,
     /// Requests in v1 framing (no status frames: unsafe, but accepted, PROTOCOL.md §5.2).
     pub v1_requests: AtomicU64,
@@ -62,6 +64,7 @@ impl DataStats {
             RejectReason::ReadsOff => &self.rejected_reads_off,
             RejectReason::NoPermit => &self.rejected_no_permit,
             RejectReason::Revoked => &self.rejected_revoked,
+            RejectReason::Paused => &self.rejected_paused,
         }
     }
 
@@ -73,6 +76,7 @@ impl DataStats {
             RejectReason::ReadsOff,
             RejectReason::NoPermit,
             RejectReason::Revoked,
+            RejectReason::Paused,
         ]
         .iter()
         .map(|&r| self.rejected(r).load(Ordering::Relaxed))

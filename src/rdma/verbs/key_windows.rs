@@ -156,6 +156,21 @@ impl KeyWindows {
         newly
     }
 
+    /// Poison every live window (sleep mode): no pull gets any, and the next pass retires
+    /// them all. Returns how many this newly poisoned.
+    pub fn poison_all(&mut self) -> usize {
+        let mut newly = 0;
+        for w in self.live.values_mut() {
+            if !w.poisoned {
+                w.poisoned = true;
+                newly += 1;
+            }
+            w.hosts.clear();
+        }
+        self.by_host.clear();
+        newly
+    }
+
     /// Poisoned windows, which the fence deregisters.
     pub fn to_retire(&self) -> Vec<u32> {
         self.live

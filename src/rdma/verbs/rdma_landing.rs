@@ -105,6 +105,8 @@ struct Windows {
     regs: WindowRegistrations,
     /// The target stopped: nothing registered any more.
     closed: bool,
+    /// Sleep mode: every window retired, none registered until resume.
+    paused: bool,
 }
 
 /// [`Landing`] for the RDMA target. Cheap to share (`Arc`); the fence is shared with whoever
@@ -222,6 +224,7 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
                     keys: KeyWindows::new(slots, want, first),
                     regs,
                     closed: false,
+                    paused: false,
                 }),
                 published: PublishedDescriptor::default(),
             }),
@@ -323,6 +326,46 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
         }
     }
 
+    /// Every window retired (its registrations destroyed on every NIC: any write with any of
+    /// its rkeys gets a remote access error) and the descriptor published with no buffer.
+    /// A deregistration that fails leaves its window poisoned and fails the pause: the memory
+    /// must not be released (a later pause retries it).
+    fn pause(&self) -> Result<(), crate::rdma::LandingPauseError> {
+        {
+            let mut w = lock(&self.core.windows);
+            w.paused = true;
+            w.keys.poison_all();
+        }
+        if let Some(e) = self.core.retire_poisoned() {
+            return Err(crate::rdma::LandingPauseError::Failed(e));
+        }
+        tracing::info!("RDMA landing paused: every window deregistered");
+        Ok(())
+    }
+
+    /// As many windows as before registered again, each at an IOVA slot not advertised since
+    /// the last wrap (fresh rkeys), and published.
+    fn resume(&self) -> Result<(), crate::rdma::LandingPauseError> {
+        {
+            let mut w = lock(&self.core.windows);
+            if !w.paused {
+                return Ok(());
+            }
+            w.paused = false;
+        }
+        if let Some(e) = self.core.retire_poisoned() {
+            return Err(crate::rdma::LandingPauseError::Failed(e));
+        }
+        let missing = lock(&self.core.windows).keys.missing();
+        if missing > 0 {
+            return Err(crate::rdma::LandingPauseError::Failed(format!(
+                "{missing} RDMA landing windows could not be registered again"
+            )));
+        }
+        tracing::info!("RDMA landing resumed at fresh IOVA slots");
+        Ok(())
+    }
+
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
         let poisoned = if r.suspects.is_empty() {
             0
@@ -370,7 +413,7 @@ impl<B: VerbsBackend + 'static> Core<B> {
                 }
             }
         }
-        while !w.closed && w.keys.missing() > 0 {
+        while !w.closed && !w.paused && w.keys.missing() > 0 {
             let Some(slot) = w.keys.fresh_slot() else {
                 break;
             };
@@ -737,6 +780,76 @@ mod tests {
         assert_eq!(revoked.poisoned, 0);
         assert_eq!(open(&l, &p, 2), first);
         assert_eq!(l.endpoint(), ("10.0.0.7", 15000));
+    }
+
+    /// Sleep mode: paused, every window is deregistered (a write with any rkey the descriptor
+    /// had is refused, on any QP) and the descriptor lists no buffer; resumed, as many windows
+    /// are registered at slots never advertised before, and their writes land.
+    #[test]
+    fn pause_deregisters_every_window_and_resume_registers_fresh_ones() {
+        let t = shared();
+        let mut mem = Memory::new();
+        let l = landing_with(&t, &mut mem, 2, PeerBinding::ByHost);
+        let (p, q) = (
+            PeerId::new("tcp://10.0.0.5:1"),
+            PeerId::new("tcp://10.0.0.6:1"),
+        );
+        let qps = handshake(&t, "10.0.0.5:16001@mlx5_0", [1, 2]);
+        let before = l.live_windows();
+        let d: SegmentDescriptor = serde_json::from_slice(&l.published().wire()).unwrap();
+        let old: Vec<(u32, u64)> = d.buffers.iter().map(|b| (b.rkey[0], b.addr)).collect();
+        assert_eq!(old.len(), 2 * 2, "two windows of two regions");
+        let p_bases = open(&l, &p, 1);
+        open(&l, &q, 2);
+
+        l.pause().unwrap();
+        assert!(l.live_windows().is_empty());
+        assert!(t.lock().unwrap().backend().registrations().is_empty());
+        let d: SegmentDescriptor = serde_json::from_slice(&l.published().wire()).unwrap();
+        assert!(d.buffers.is_empty(), "a reloaded descriptor offers nothing");
+        for &(rkey, addr) in &old {
+            assert_eq!(
+                t.lock()
+                    .unwrap()
+                    .backend()
+                    .deliver_write(qps[0], rkey, addr, 8),
+                Err(WriteRefused::RemoteAccess),
+                "rkey {rkey:#x} died with its window"
+            );
+        }
+        let paused_bases = open(&l, &p, 3);
+        assert_eq!(rkey_for(&l.published(), paused_bases[0]), None);
+        l.pause().unwrap(); // idempotent
+
+        l.resume().unwrap();
+        let after = l.live_windows();
+        assert_eq!(after.len(), 2, "as many windows as before");
+        assert!(
+            after.iter().all(|s| !before.contains(s)),
+            "fresh IOVA slots: {before:?} then {after:?}"
+        );
+        let bases = open(&l, &p, 4);
+        assert_ne!(bases[0], p_bases[0]);
+        let rkey = rkey_for(&l.published(), bases[1]).expect("advertised again");
+        assert!(old.iter().all(|&(k, _)| k != rkey), "fresh rkeys");
+        assert_eq!(
+            t.lock()
+                .unwrap()
+                .backend()
+                .deliver_write(qps[0], rkey, bases[1] + BLOCK, 8),
+            Ok(mem.base() + BLOCK * u64::from(BLOCKS) + BLOCK),
+            "the same memory, through a new window"
+        );
+        for &(rkey, addr) in &old {
+            assert!(
+                t.lock()
+                    .unwrap()
+                    .backend()
+                    .deliver_write(qps[0], rkey, addr, 8)
+                    .is_err(),
+                "an old key stays dead after resume"
+            );
+        }
     }
 
     #[test]

@@ -1,0 +1,53 @@
+//! Host -> BlockManager / Receiver: sleep mode (DESIGN.md §7, "pause and resume"). Admission
+//! closes, every request holding blocks is driven to its release, and the pause's report says
+//! how each one's blocks came back.
+
+use actix::Message;
+use tokio::sync::oneshot;
+
+use super::ids::ReqId;
+
+/// Host -> BlockManager: close admission and watch every request that holds blocks until it
+/// is released. Answers which requests it waits for (the host aborts them) and where the
+/// report comes once the last one was released. Idempotent: a second one (a pause dropped
+/// midway, then called again) watches whatever still holds blocks.
+#[derive(Debug, Message)]
+#[rtype(result = "PauseStarted")]
+pub struct BeginPause;
+
+/// What [`BeginPause`] answers.
+#[derive(Debug)]
+pub struct PauseStarted {
+    /// Requests holding blocks when admission closed (in flight, or quarantined).
+    pub holders: Vec<ReqId>,
+    /// The report, sent once every holder was released (at once when there is none).
+    pub report: oneshot::Receiver<PauseReport>,
+}
+
+/// Host -> Receiver: the destination memory is registered again (resume): draw a new
+/// layout-id nonce, so that P learns the layout again instead of trusting what it cached.
+#[derive(Debug, Clone, Copy, Message)]
+#[rtype(result = "()")]
+pub struct NewRegistration;
+
+/// What a pause did to the requests that held blocks.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PauseReport {
+    /// Every request that held blocks when the pause began, in the order they were released:
+    /// each completed (failed, if the pause aborted it in flight) and reaches the host's drain.
+    pub abandoned: Vec<AbandonedRequest>,
+}
+
+/// One request a pause waited for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AbandonedRequest {
+    /// The request.
+    pub req_id: ReqId,
+    /// Its blocks (every KV-cache group's, in order), the host's again.
+    pub blocks: Vec<u32>,
+    /// A peer that may have been writing was fenced before the release (TCP: the
+    /// revocation refused its writes; RDMA: its queue pairs and windows).
+    pub fenced: bool,
+    /// Released by the last-resort deadline, without a fence: a peer may still write.
+    pub forced: bool,
+}
