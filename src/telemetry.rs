@@ -219,6 +219,12 @@ pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
 pub const WINDOWS_REFUSED_SHARE: &str = "kvrecv_windows_refused_share_total";
 /// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
 pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
+/// Idle connections closed to make room for a new one at a listener's cap or at its
+/// per-address cap (data, handshake); label listener.
+pub const CONNECTIONS_EVICTED: &str = "kvrecv_connections_evicted_total";
+/// Connections closed at accept because their peer address held its share of the listener,
+/// every one inside a request (data, handshake); label listener.
+pub const CONNECTIONS_REFUSED_PER_ADDRESS: &str = "kvrecv_connections_refused_per_address_total";
 /// Side-channel failures (local, bad_address, connect, send, recv, closed); label kind.
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total";
 /// Side-channel DEALERs handed to pulls; label how (opened, reused).
@@ -331,6 +337,14 @@ pub fn describe() {
     describe_counter!(
         CONNECTIONS_REFUSED,
         "Connections closed at accept because the listener's cap was reached (data, handshake)"
+    );
+    describe_counter!(
+        CONNECTIONS_EVICTED,
+        "Idle connections closed to make room for a new one at a listener's cap or per-address cap"
+    );
+    describe_counter!(
+        CONNECTIONS_REFUSED_PER_ADDRESS,
+        "Connections closed at accept: their address held its share, every one inside a request"
     );
     describe_counter!(
         TRANSPORT_ERRORS,

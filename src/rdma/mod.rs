@@ -7,6 +7,7 @@
 pub mod accept_cap;
 #[doc(hidden)]
 pub mod audit;
+pub(crate) mod conn_table;
 #[cfg(feature = "cuda")]
 mod cuda_device;
 pub mod device_pointer;
