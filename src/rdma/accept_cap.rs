@@ -1,6 +1,6 @@
 //! Connection caps of the data plane's listeners (data server, handshake daemon, metrics): what
 //! happens at accept when a cap is reached, counted and logged. The data server and the
-//! handshake daemon first evict their idlest connection ([`super::conn_table`]); a connection is
+//! handshake daemon first evict their idlest connection (`conn_table.rs`); a connection is
 //! refused (closed at accept, never queued) only when nothing in its way could be evicted.
 
 use std::net::{IpAddr, SocketAddr};
