@@ -212,11 +212,15 @@ pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
 pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
 /// Landing windows out of rotation until their last-resort deadline.
 pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
-/// Pulls that found no clean landing window (their writes are refused).
+/// Pulls that found no clean landing window: not sent (the Receiver fails their batch first),
+/// or, opened one at a time (`PermitTable::open`), given the window that refuses every write.
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
 /// Pulls refused a landing window because their P deployment held its share of the poisoned
 /// ones.
 pub const WINDOWS_REFUSED_SHARE: &str = "kvrecv_windows_refused_share_total";
+/// Awaited requests failed before any of their batch's pulls was sent, because the pulls could
+/// not all get a clean landing window; label reason (exhausted, deployment_share, invalid_pull).
+pub const REQUESTS_REFUSED_NO_WINDOW: &str = "kvrecv_requests_refused_no_window_total";
 /// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
 pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
 /// Idle connections closed to make room for a new one at a listener's cap or at its
@@ -337,6 +341,10 @@ pub fn describe() {
     describe_counter!(
         CONNECTIONS_REFUSED,
         "Connections closed at accept because the listener's cap was reached (data, handshake)"
+    );
+    describe_counter!(
+        REQUESTS_REFUSED_NO_WINDOW,
+        "Awaited requests failed before any pull was sent: their batch's pulls could not all get a clean landing window"
     );
     describe_counter!(
         CONNECTIONS_EVICTED,

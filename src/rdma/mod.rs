@@ -23,6 +23,7 @@ pub mod tcp;
 pub mod verbs;
 
 pub use landing::{
-    FenceError, Landing, PullWindow, RegionBases, Revocation, RevokeRequest, Revoked, StaticLanding,
+    FenceError, Landing, NoWindow, NoWindowReason, PullWindow, RegionBases, Revocation,
+    RevokeRequest, Revoked, StaticLanding, NO_CLEAN_WINDOW,
 };
 pub use tcp::{TargetConfig, TcpLanding, TcpTarget};
