@@ -640,6 +640,48 @@ mod tests {
         futures::executor::block_on(l.fence(std::slice::from_ref(peer)))
     }
 
+    /// With every window poisoned, a batch's pulls are refused (none is opened) instead of
+    /// being handed the unregistered slot, whose writes would all fail at P.
+    #[test]
+    fn a_batch_with_no_clean_window_is_refused_not_sent() {
+        let t = shared();
+        let mut mem = Memory::new();
+        let l = landing_with(&t, &mut mem, 1, PeerBinding::ByHost);
+        let (p, q) = (
+            PeerId::new("tcp://10.0.0.5:41233"),
+            PeerId::new("tcp://10.0.0.6:41233"),
+        );
+        let reqs = [Arc::new(request("r"))];
+        let batch = |id: u64| {
+            l.open_pulls(&[
+                PullWindow {
+                    pull_id: id,
+                    peer: &p,
+                    requests: &reqs,
+                },
+                PullWindow {
+                    pull_id: id + 1,
+                    peer: &q,
+                    requests: &reqs,
+                },
+            ])
+        };
+        let bases = batch(1).expect("one clean window, shared by both hosts");
+        assert_eq!(bases[0], bases[1]);
+        // p turns suspect: its (the only) window is poisoned until the fence retires it.
+        let r = request("r");
+        l.revoke(&RevokeRequest {
+            req: &r,
+            suspects: std::slice::from_ref(&p),
+            poison_until: std::time::Instant::now(),
+        });
+        let e = batch(3).unwrap_err();
+        assert_eq!((e.needed, e.poisoned, e.usable), (2, 1, 1), "{e}");
+        assert!(e.to_string().starts_with(crate::rdma::NO_CLEAN_WINDOW));
+        // One at a time, a pull still fails safe: the unregistered slot.
+        assert_ne!(open(&l, &q, 5), bases[0]);
+    }
+
     #[test]
     fn a_slice_retried_after_the_fence_and_a_rehandshake_cannot_land() {
         let t = shared();
