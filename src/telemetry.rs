@@ -212,13 +212,23 @@ pub const LIVE_PERMITS: &str = "kvrecv_live_permits";
 pub const WINDOWS_POISONED: &str = "kvrecv_windows_poisoned_total";
 /// Landing windows out of rotation until their last-resort deadline.
 pub const POISONED_WINDOWS: &str = "kvrecv_poisoned_windows";
-/// Pulls that found no clean landing window (their writes are refused).
+/// Pulls that found no clean landing window: not sent (the Receiver fails their batch first),
+/// or, opened one at a time (`PermitTable::open`), given the window that refuses every write.
 pub const WINDOWS_EXHAUSTED: &str = "kvrecv_windows_exhausted_total";
 /// Pulls refused a landing window because their P deployment held its share of the poisoned
 /// ones.
 pub const WINDOWS_REFUSED_SHARE: &str = "kvrecv_windows_refused_share_total";
+/// Awaited requests failed before any of their batch's pulls was sent, because the pulls could
+/// not all get a clean landing window; label reason (exhausted, deployment_share, invalid_pull).
+pub const REQUESTS_REFUSED_NO_WINDOW: &str = "kvrecv_requests_refused_no_window_total";
 /// Connections closed at accept because the listener's cap was reached (data, handshake); label listener.
 pub const CONNECTIONS_REFUSED: &str = "kvrecv_connections_refused_total";
+/// Idle connections closed to make room for a new one at a listener's cap or at its
+/// per-address cap (data, handshake); label listener.
+pub const CONNECTIONS_EVICTED: &str = "kvrecv_connections_evicted_total";
+/// Connections closed at accept because their peer address held its share of the listener,
+/// every one inside a request (data, handshake); label listener.
+pub const CONNECTIONS_REFUSED_PER_ADDRESS: &str = "kvrecv_connections_refused_per_address_total";
 /// Side-channel failures (local, bad_address, connect, send, recv, closed); label kind.
 pub const TRANSPORT_ERRORS: &str = "kvrecv_transport_errors_total";
 /// Side-channel DEALERs handed to pulls; label how (opened, reused).
@@ -337,6 +347,18 @@ pub fn describe() {
     describe_counter!(
         CONNECTIONS_REFUSED,
         "Connections closed at accept because the listener's cap was reached (data, handshake)"
+    );
+    describe_counter!(
+        REQUESTS_REFUSED_NO_WINDOW,
+        "Awaited requests failed before any pull was sent: their batch's pulls could not all get a clean landing window"
+    );
+    describe_counter!(
+        CONNECTIONS_EVICTED,
+        "Idle connections closed to make room for a new one at a listener's cap or per-address cap"
+    );
+    describe_counter!(
+        CONNECTIONS_REFUSED_PER_ADDRESS,
+        "Connections closed at accept: their address held its share, every one inside a request"
     );
     describe_counter!(
         TRANSPORT_ERRORS,

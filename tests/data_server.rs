@@ -315,7 +315,7 @@ async fn served(s: &mut TcpStream, addr: u64) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn connections_over_the_cap_are_closed_at_once_and_counted() {
+async fn at_the_data_cap_the_idlest_connection_is_closed_to_make_room() {
     let mut cfg = TargetConfig::loopback(common::layout());
     cfg.windows = Some(8);
     cfg.max_data_connections = 2;
@@ -323,26 +323,17 @@ async fn connections_over_the_cap_are_closed_at_once_and_counted() {
     let t = TcpTarget::start(cfg).await.unwrap();
     let bases = open(&t, 1, &[req("a", &[3])]);
     let at = bases[0] + 3 * BLOCK;
+    // Two idle connections hold both places.
     let (mut a, mut b) = (raw(&t).await, raw(&t).await);
-    served(&mut a, at).await;
-    served(&mut b, at).await;
-    // Both slots are held: the third connection is closed without being served or queued
-    // (queued, it would still be open when `closed` gives up).
+    // A third is served: the idlest (a, the older) is closed to make room. Before the fix it
+    // was closed at accept, for as long as the idle ones stayed (60 s by default).
     let mut c = raw(&t).await;
-    let _ = c
-        .write_all(&Header::new(false, at, 8, ProtoVersion::V2).encode())
-        .await;
-    closed(&mut c).await;
-    let st = t.stats();
-    assert_eq!(st.refused_over_cap.load(Ordering::Relaxed), 1);
-    assert_eq!(st.connections.load(Ordering::Relaxed), 2);
-    // `a` ends; its slot is free by the time we see the server's close, so a new one is served.
-    a.shutdown().await.unwrap();
+    served(&mut c, at).await;
     closed(&mut a).await;
-    let mut d = raw(&t).await;
-    served(&mut d, at).await;
     served(&mut b, at).await;
-    assert_eq!(st.refused_over_cap.load(Ordering::Relaxed), 1);
+    let st = t.stats();
+    assert_eq!(st.evicted.load(Ordering::Relaxed), 1);
+    assert_eq!(st.refused_over_cap.load(Ordering::Relaxed), 0);
     assert_eq!(st.connections.load(Ordering::Relaxed), 3);
 }
 

@@ -172,40 +172,42 @@ async fn reply_comes_before_eof_then_half_close_and_connections_are_concurrent()
 }
 
 #[tokio::test]
-async fn handshakes_over_the_cap_are_closed_at_once_and_counted() {
+async fn at_the_handshake_cap_the_idlest_connection_is_closed_to_make_room() {
     let mut cfg = kvrecv::rdma::TargetConfig::loopback(common::layout());
     cfg.max_handshakes = 2;
     let t = kvrecv::rdma::TcpTarget::start(cfg).await.unwrap();
     let addr = t.handshake_addr();
     let stats = t.handshake_stats();
-    // Two clients that say nothing hold both slots (the daemon waits 5 s for their frame).
+    // Two clients that say nothing hold both places (the daemon would wait 5 s for a frame).
     let mut a = TcpStream::connect(addr).await.unwrap();
-    let _b = TcpStream::connect(addr).await.unwrap();
-    // A third is closed at once, without a reply: it would otherwise wait for a slot.
-    let mut c = TcpStream::connect(addr).await.unwrap();
-    let mut buf = Vec::new();
-    let r = tokio::time::timeout(T, c.read_to_end(&mut buf))
-        .await
-        .expect("closed before the safety timeout");
-    assert!(r.is_err() || buf.is_empty(), "{buf:?}");
-    let over = || {
-        stats
-            .refused_over_cap
-            .load(std::sync::atomic::Ordering::Relaxed)
-    };
-    assert_eq!(over(), 1);
-    // `a` sends a bad frame; the daemon drops it, and its slot is free before we see the close.
-    a.write_all(&0u64.to_le_bytes()).await.unwrap();
-    let r = tokio::time::timeout(T, a.read_to_end(&mut buf))
-        .await
-        .expect("closed");
-    assert!(r.is_err() || buf.is_empty());
+    let mut b = TcpStream::connect(addr).await.unwrap();
+    // A third is served at once: the idlest of the two (a, the older) makes room for it.
+    // Before the fix it was closed at accept until one of them timed out.
     let (ty, body) = request(addr, Some(FrameType::Probe), b"{}\n", T)
         .await
-        .expect("served again below the cap");
+        .expect("served at the cap");
     assert_eq!(
         (ty, body),
         (Some(3), b"{\"status\":\"success\"}\n".to_vec())
     );
-    assert_eq!(over(), 1);
+    let mut buf = Vec::new();
+    let r = tokio::time::timeout(T, a.read_to_end(&mut buf))
+        .await
+        .expect("a closed before the safety timeout");
+    assert!(r.is_err() || buf.is_empty(), "{buf:?}");
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    assert_eq!(n(&stats.evicted), 1);
+    assert_eq!(n(&stats.refused_over_cap), 0);
+    // b was kept: its request is still answered on the connection it opened first.
+    let body = b"{}\n";
+    let mut frame = ((body.len() + 1) as u64).to_le_bytes().to_vec();
+    frame.push(3);
+    frame.extend_from_slice(body);
+    b.write_all(&frame).await.unwrap();
+    let mut reply = Vec::new();
+    tokio::time::timeout(T, b.read_to_end(&mut reply))
+        .await
+        .expect("b answered")
+        .unwrap();
+    assert!(reply.ends_with(b"{\"status\":\"success\"}\n"), "{reply:?}");
 }

@@ -3,6 +3,7 @@
 //! pull.
 
 use crate::fast_hash::FastMap;
+use smallvec::SmallVec;
 use std::cell::RefCell;
 use std::rc::Rc;
 use std::sync::Arc;
@@ -346,9 +347,42 @@ impl Receiver {
         if let Some(why) = down {
             return self.fail_unreachable(group, why);
         }
-        // The aggregator's table has the requests before any Peer has their pull, so no settle
-        // can arrive before its state exists. The batch's pulls are the next ids, one per peer.
+        // The batch's pulls are the next ids, one per peer.
         let pulls = crate::messages::ids::next_pull_ids(peers.len() as u64);
+        // The windows admit writes for the awaited requests: usually all of them.
+        let some_not_awaited: Vec<SharedRequest>;
+        let awaiting: &[SharedRequest] = if group.iter().all(|r| r.is_awaiting()) {
+            &group
+        } else {
+            some_not_awaited = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+            &some_not_awaited
+        };
+        // Every pull of the batch gets a clean landing window, or none is sent (DESIGN.md
+        // §5.5): P is never handed addresses whose writes would all be refused.
+        let windows: SmallVec<[PullWindow<'_>; 4]> = peers
+            .iter()
+            .zip(pulls.clone())
+            .map(|(peer, pull_id)| PullWindow {
+                pull_id,
+                peer,
+                requests: awaiting,
+            })
+            .collect();
+        let bases = match self.landing.open_pulls(&windows) {
+            Ok(b) => b,
+            Err(e) => {
+                drop(windows);
+                let requests = group.iter().filter(|r| r.is_awaiting()).count();
+                self.labels
+                    .counter_by(m::REQUESTS_REFUSED_NO_WINDOW, "reason", e.why.label())
+                    .increment(requests as u64);
+                tracing::warn!(error = %e, requests, "batch refused: no clean landing window for its pulls; nothing sent");
+                return self.fail_awaiting(group, e.to_string());
+            }
+        };
+        drop(windows);
+        // The aggregator's table has the requests before any Peer has their pull, so no settle
+        // can arrive before its state exists.
         let rules = &self.rules;
         let states = group
             .iter()
@@ -364,30 +398,17 @@ impl Receiver {
                 awaited: req.is_awaiting(),
             })
             .collect();
-        // The windows admit writes for the awaited requests: usually all of them.
-        let some_not_awaited: Vec<SharedRequest>;
-        let awaiting: &[SharedRequest] = if group.iter().all(|r| r.is_awaiting()) {
-            &group
-        } else {
-            some_not_awaited = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
-            &some_not_awaited
-        };
         let used = at;
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);
-        for (k, (peer, pull_id)) in peers.iter().zip(pulls.clone()).enumerate() {
+        for (k, ((peer, pull_id), bases)) in peers.iter().zip(pulls.clone()).zip(bases).enumerate()
+        {
             // Each pull owns its requests; the last one takes the list itself.
             let requests = if k + 1 == peers.len() {
                 std::mem::take(&mut requests)
             } else {
                 requests.clone()
             };
-            // Borrows of the landing end with the encoding, before the pull is handed over.
-            let bases = self.landing.open_pull(&PullWindow {
-                pull_id,
-                peer,
-                requests: awaiting,
-            });
             // The window's layout id; a worker that echoed it already holds the layout.
             let id = self.encoder.layout_id(&bases);
             let carried = id == 0 || !self.acks.borrow().is_acked(peer, id);

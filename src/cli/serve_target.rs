@@ -109,10 +109,14 @@ impl DataTarget {
                              "rejected_no_permit": n(&d.rejected_no_permit),
                              "rejected_revoked": n(&d.rejected_revoked), "idle_timeouts": n(&d.idle_timeouts),
                              "v1_requests": n(&d.v1_requests), "broken": n(&d.broken),
-                             "refused_over_cap": n(&d.refused_over_cap)},
+                             "refused_over_cap": n(&d.refused_over_cap),
+                             "refused_per_address": n(&d.refused_per_address),
+                             "evicted": n(&d.evicted)},
                     "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
                                   "connection": n(&h.connection), "refused": n(&h.refused),
-                                  "refused_over_cap": n(&h.refused_over_cap)},
+                                  "refused_over_cap": n(&h.refused_over_cap),
+                                  "refused_per_address": n(&h.refused_per_address),
+                                  "evicted": n(&h.evicted)},
                     "live_permits": t.landing().permits().live(),
                 })
             }
@@ -122,7 +126,9 @@ impl DataTarget {
                 json!({
                     "handshake": {"metadata": n(&h.metadata), "notify": n(&h.notify), "probe": n(&h.probe),
                                   "connection": n(&h.connection), "refused": n(&h.refused),
-                                  "refused_over_cap": n(&h.refused_over_cap)},
+                                  "refused_over_cap": n(&h.refused_over_cap),
+                                  "refused_per_address": n(&h.refused_per_address),
+                                  "evicted": n(&h.evicted)},
                 })
             }
         }

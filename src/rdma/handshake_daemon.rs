@@ -17,7 +17,9 @@ use std::time::Duration;
 use thiserror::Error;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Semaphore;
+
+use super::accept_cap::Caps;
+use super::conn_table::{ConnGuard, ConnTable, Phase};
 
 use crate::messages::handshake::{HandShakeDesc, NotifyMsg, ProbeReply, SegmentDescriptor};
 
@@ -27,12 +29,17 @@ use super::verbs::{PublishedDescriptor, SharedHandshake, VerbsBackend};
 pub const MAX_FRAME: u64 = 1 << 20;
 /// Receive timeout for the request frame.
 pub const RECV_TIMEOUT: Duration = Duration::from_secs(5);
-/// How long to wait for the client's close after the half-close.
-pub const CLOSE_WAIT: Duration = Duration::from_secs(5);
-/// Default cap on handshakes served at once. P fetches the descriptor once per segment name
-/// and caches it, so even a large P fleet handshakes rarely; a connection may be held for up to
-/// `RECV_TIMEOUT + CLOSE_WAIT`, which is what the cap bounds.
+/// How long to wait for the client's close after the half-close: a finished exchange is the
+/// cheapest connection to hold, so it is closed soonest (and evicted first at a cap).
+pub const CLOSE_WAIT: Duration = Duration::from_secs(1);
+/// Default cap on handshake connections open at once. P fetches the descriptor once per segment
+/// name and caches it, so even a large P fleet handshakes rarely; a connection may be held for
+/// up to `RECV_TIMEOUT + CLOSE_WAIT`. At the cap the idlest connection is closed to make room
+/// (`conn_table`), so idle connections can never lock a P out.
 pub const DEFAULT_MAX_HANDSHAKES: usize = 64;
+/// Default cap on handshake connections from one peer address: a quarter of the default cap,
+/// so one host (a TE leaking connections, a flood) only ever evicts its own.
+pub const DEFAULT_MAX_HANDSHAKES_PER_ADDRESS: usize = 16;
 
 /// Frame types.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -65,8 +72,14 @@ pub struct HandshakeStats {
     pub connection: AtomicU64,
     /// Frames refused (bad length, timeout, I/O error).
     pub refused: AtomicU64,
-    /// Connections closed at accept because `max_concurrent` handshakes were in progress.
+    /// Connections closed at accept because `max_concurrent` connections were open, every one
+    /// of them inside an exchange (none could be evicted).
     pub refused_over_cap: AtomicU64,
+    /// Connections closed at accept because their address held `max_per_address`, every one
+    /// inside an exchange.
+    pub refused_per_address: AtomicU64,
+    /// Idle connections closed to make room for a new one (at either cap).
+    pub evicted: AtomicU64,
 }
 
 /// Why a request frame was refused.
@@ -222,8 +235,12 @@ fn json_line(v: serde_json::Result<Vec<u8>>) -> Vec<u8> {
 pub struct Daemon {
     service: Arc<dyn HandshakeService>,
     pub stats: Arc<HandshakeStats>,
-    /// Handshakes served at once at most; more are closed at accept, never queued.
+    /// Connections open at once at most; at the cap the idlest is evicted for a new one.
     pub max_concurrent: usize,
+    /// Connections from one peer address at most (at most `max_concurrent`).
+    pub max_per_address: usize,
+    /// The open connections (rebuilt by the `with_max_*` builders; `serve` uses it).
+    conns: Arc<ConnTable>,
     /// The coordinator's metric labels.
     pub labels: Labels,
 }
@@ -257,6 +274,8 @@ impl Daemon {
             service,
             stats: Arc::default(),
             max_concurrent: DEFAULT_MAX_HANDSHAKES,
+            max_per_address: DEFAULT_MAX_HANDSHAKES_PER_ADDRESS,
+            conns: ConnTable::new(DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_ADDRESS),
             labels: Labels::default(),
         }
     }
@@ -267,10 +286,24 @@ impl Daemon {
         self
     }
 
-    /// Cap the handshakes served at once (at least one).
+    /// Cap the connections open at once (at least one).
     pub fn with_max_concurrent(mut self, n: usize) -> Self {
         self.max_concurrent = n.max(1);
+        self.max_per_address = self.max_per_address.min(self.max_concurrent);
+        self.conns = ConnTable::new(self.max_concurrent, self.max_per_address);
         self
+    }
+
+    /// Cap the connections from one peer address (1 to `max_concurrent`).
+    pub fn with_max_per_address(mut self, n: usize) -> Self {
+        self.max_per_address = n.clamp(1, self.max_concurrent);
+        self.conns = ConnTable::new(self.max_concurrent, self.max_per_address);
+        self
+    }
+
+    /// Connections open now from `ip` (tests, diagnostics).
+    pub fn open_connections_from(&self, ip: std::net::IpAddr) -> usize {
+        self.conns.open_from(ip)
     }
 
     /// `"tcp"` or `"rdma"`.
@@ -305,11 +338,12 @@ impl Daemon {
         }
     }
 
-    async fn handle(&self, stream: &mut TcpStream) -> Result<(), FrameError> {
+    async fn handle(&self, stream: &mut TcpStream, conn: &ConnGuard) -> Result<(), FrameError> {
         let RequestFrame { typed, ty, body } =
             tokio::time::timeout(RECV_TIMEOUT, read_frame(stream))
                 .await
                 .map_err(|_| FrameError::Timeout)??;
+        conn.set(Phase::Busy);
         let reply = match ty {
             // The RDMA endpoint handshake creates and modifies QPs (firmware commands that can
             // take long on a busy NIC) under a std mutex: off the runtime, so that a slow one
@@ -339,6 +373,7 @@ impl Daemon {
             .await
             .map_err(|_| FrameError::ReplyTimeout)??;
         stream.shutdown().await?;
+        conn.set(Phase::Done);
         // Wait (bounded in time and bytes) for the client to read and close, discarding what it
         // still sends: a client that keeps sending is closed after 64 KiB.
         let _ = tokio::time::timeout(CLOSE_WAIT, async {
@@ -356,9 +391,10 @@ impl Daemon {
     }
 }
 
-/// Serve handshake connections forever, concurrently, at most `max_concurrent` at once.
+/// Serve handshake connections forever, concurrently, at most `max_concurrent` at once and
+/// `max_per_address` from one address; at a cap the idlest connection (a finished exchange
+/// first) is closed to make room, and a new one is refused only if all are inside an exchange.
 pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
-    let slots = Arc::new(Semaphore::new(daemon.max_concurrent));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -368,25 +404,35 @@ pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
+        let caps = Caps {
+            table: &daemon.conns,
+            labels: &daemon.labels,
+            listener: "handshake",
+            cap: daemon.max_concurrent,
+            evicted: &daemon.stats.evicted,
+            refused_per_address: &daemon.stats.refused_per_address,
+            refused_over_cap: &daemon.stats.refused_over_cap,
+        };
+        let Some(conn) = caps.admit(peer) else {
             // The initiator sees the close and fails (then retries) its handshake.
-            super::accept_cap::refuse_over_cap(
-                &daemon.labels,
-                "handshake",
-                daemon.max_concurrent,
-                &daemon.stats.refused_over_cap,
-            );
             drop(stream);
             continue;
         };
         let d = daemon.clone();
         tokio::spawn(async move {
             let mut stream = stream;
-            // Dropped before the stream: the slot is free by the time the client sees the close.
-            let _slot = slot;
-            if let Err(e) = d.handle(&mut stream).await {
-                d.stats.refused.fetch_add(1, Ordering::Relaxed);
-                tracing::debug!(%peer, error = %e, "handshake request refused");
+            // Dropped before the stream: the place is free by the time the client sees the close.
+            let conn = conn;
+            tokio::select! {
+                r = d.handle(&mut stream, &conn) => {
+                    if let Err(e) = r {
+                        d.stats.refused.fetch_add(1, Ordering::Relaxed);
+                        tracing::debug!(%peer, error = %e, "handshake request refused");
+                    }
+                }
+                () = conn.evicted() => {
+                    tracing::debug!(%peer, "idle handshake connection evicted at the cap");
+                }
             }
         });
     }

@@ -103,6 +103,60 @@ pub enum LandingPauseError {
     Failed(String),
 }
 
+/// The start of the reason a request fails with when its batch's pulls could not all get a
+/// clean landing window ([`NoWindow`]): nothing was sent to P; the host may load it again later.
+pub const NO_CLEAN_WINDOW: &str = "no clean landing window";
+
+/// Why a batch's pulls got no landing window: none of them is sent (P is never handed
+/// addresses whose writes would all be refused), and its requests fail with this reason.
+/// Backpressure: windows come back as pulls complete (or, poisoned, at their deadline).
+#[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[error("{NO_CLEAN_WINDOW}: {needed} needed, {in_use} in use, {poisoned} poisoned of {usable} ({why}); nothing was sent, retry later")]
+pub struct NoWindow {
+    /// Windows the batch's pulls needed.
+    pub needed: usize,
+    /// Windows held by open pulls.
+    pub in_use: usize,
+    /// Windows poisoned (an abandoned writer may still write through them).
+    pub poisoned: usize,
+    /// Windows that can be handed out at all.
+    pub usable: usize,
+    /// Which limit was hit.
+    pub why: NoWindowReason,
+}
+
+/// Which limit kept a batch's pulls from their windows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NoWindowReason {
+    /// Every usable window is held by an open pull or poisoned.
+    Exhausted,
+    /// The P deployment holds its share of poisoned windows (DESIGN.md §5).
+    DeploymentShare,
+    /// A pull id already has an open permit, or the pull is too large to index.
+    InvalidPull,
+}
+
+impl std::fmt::Display for NoWindowReason {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            NoWindowReason::Exhausted => "all in use or poisoned",
+            NoWindowReason::DeploymentShare => "the P deployment holds its share of poisoned ones",
+            NoWindowReason::InvalidPull => "a pull id is open already, or the pull is too large",
+        })
+    }
+}
+
+impl NoWindowReason {
+    /// Metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            NoWindowReason::Exhausted => "exhausted",
+            NoWindowReason::DeploymentShare => "deployment_share",
+            NoWindowReason::InvalidPull => "invalid_pull",
+        }
+    }
+}
+
 /// The base address of every region, as a pull advertises them. Shared: a data plane whose
 /// bases never change hands every pull the same list (no copy per pull).
 pub type RegionBases = std::sync::Arc<[u64]>;
@@ -113,7 +167,17 @@ pub trait Landing: Send + Sync + 'static {
     fn endpoint(&self) -> (&str, u32);
 
     /// Open the pull's landing permit; returns the advertised base address of every region.
+    /// A data plane with no clean window returns addresses that admit nothing: callers that
+    /// send pulls use [`Landing::open_pulls`], which refuses instead.
     fn open_pull(&self, window: &PullWindow<'_>) -> RegionBases;
+
+    /// Open the landing permits of one batch's pulls (one per peer), all or none: `Err` when
+    /// any of them would get no clean window, and then none is opened. The Receiver sends a
+    /// batch's pulls only with this (DESIGN.md §5.5). Data planes whose every window is always
+    /// clean open each with [`Landing::open_pull`].
+    fn open_pulls(&self, windows: &[PullWindow<'_>]) -> Result<Vec<RegionBases>, NoWindow> {
+        Ok(windows.iter().map(|w| self.open_pull(w)).collect())
+    }
 
     /// Close every permit covering this request's blocks, and poison the windows of the pulls of
     /// `suspects`. Called once per completion, before the request's blocks are released,

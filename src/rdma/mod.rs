@@ -7,6 +7,7 @@
 pub mod accept_cap;
 #[doc(hidden)]
 pub mod audit;
+pub(crate) mod conn_table;
 #[cfg(feature = "cuda")]
 mod cuda_device;
 pub mod device_pointer;
@@ -22,7 +23,7 @@ pub mod tcp;
 pub mod verbs;
 
 pub use landing::{
-    FenceError, Landing, LandingPauseError, PullWindow, RegionBases, Revocation, RevokeRequest,
-    Revoked, StaticLanding,
+    FenceError, Landing, LandingPauseError, NoWindow, NoWindowReason, PullWindow, RegionBases,
+    Revocation, RevokeRequest, Revoked, StaticLanding, NO_CLEAN_WINDOW,
 };
 pub use tcp::{TargetConfig, TcpLanding, TcpTarget};

@@ -33,7 +33,10 @@ use crate::telemetry as m;
 
 use super::request_pulls::{Pairs, RequestPulls};
 use super::windows::{Resolved, WindowMap};
-use crate::rdma::landing::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
+use crate::rdma::landing::{
+    FenceError, Landing, NoWindow, NoWindowReason, PullWindow, RegionBases, Revocation,
+    RevokeRequest, Revoked,
+};
 
 /// Why a request was refused (the `reason` label of `WRITES_REJECTED`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -718,64 +721,120 @@ impl PermitTable {
     }
 
     /// [`PermitTable::open`] at time `now` (poison deadlines are compared with it): for
-    /// deterministic drivers such as the model checker.
+    /// deterministic drivers such as the model checker. A pull refused a window gets the
+    /// reserved one, which admits nothing; the Receiver uses [`PermitTable::open_all_at`]
+    /// instead, which refuses, so that no such pull is ever sent.
     pub fn open_at(&self, pull: &PullWindow<'_>, now: Instant) -> u32 {
+        match self.open_all_at(std::slice::from_ref(pull), now) {
+            Ok(w) => w[0],
+            Err(_) => Self::refuse(&mut self.lock(), pull, self.reserved()),
+        }
+    }
+
+    /// Open a window for each of one batch's pulls, all or none, under one lock: `Err` (and
+    /// nothing opened) when any pull would get no clean window. A pull with no request to
+    /// admit gets the reserved window (nothing is expected through it).
+    pub fn open_all_at(
+        &self,
+        pulls: &[PullWindow<'_>],
+        now: Instant,
+    ) -> Result<Vec<u32>, NoWindow> {
         if !self.enabled {
-            return 0;
+            return Ok(vec![0; pulls.len()]);
         }
         let reserved = self.reserved();
-        if pull.requests.is_empty() || reserved == 0 {
-            return reserved;
-        }
         let mut inner = self.lock();
+        let mut chosen: SmallVec<[Option<u32>; 4]> = SmallVec::with_capacity(pulls.len());
+        for (i, pull) in pulls.iter().enumerate() {
+            if pull.requests.is_empty() || reserved == 0 {
+                chosen.push(None);
+                continue;
+            }
+            let repeated = pulls[..i].iter().any(|p| p.pull_id == pull.pull_id);
+            match self.select(&mut inner, pull, repeated, &chosen, now) {
+                Ok(w) => chosen.push(Some(w)),
+                Err(why) => {
+                    return Err(NoWindow {
+                        needed: pulls.iter().filter(|p| !p.requests.is_empty()).count(),
+                        in_use: self.live.load(Ordering::Relaxed) as usize,
+                        poisoned: inner.poisoned.len(),
+                        usable: reserved as usize,
+                        why,
+                    })
+                }
+            }
+        }
+        Ok(pulls
+            .iter()
+            .zip(chosen)
+            .map(|(pull, w)| match w {
+                Some(w) => self.install(&mut inner, pull, w),
+                None => reserved,
+            })
+            .collect())
+    }
+
+    /// The clean window `pull` would get, none of `taken`; moves the cursor past it. Refusals
+    /// are counted and logged (rate-limited) here.
+    fn select(
+        &self,
+        inner: &mut Inner,
+        pull: &PullWindow<'_>,
+        repeated: bool,
+        taken: &[Option<u32>],
+        now: Instant,
+    ) -> Result<u32, NoWindowReason> {
+        let reserved = self.reserved();
         // A request's permits are found through their pull ids (`by_req`), so an id must name
         // one open permit at a time. Pull ids are process-unique (`messages::next_pull_ids`); a
-        // caller of this table that repeats one while its permit is open gets the window that
-        // admits nothing, as does a pull of more than u32::MAX requests (the index is a u32; the
-        // live-request cap is far lower). Their writes are refused and the requests fail.
-        let duplicate = inner
-            .by_pull
-            .get(&pull.pull_id)
-            .is_some_and(|p| !p.is_closed());
+        // caller of this table that repeats one while its permit is open gets no window, as
+        // does a pull of more than u32::MAX requests (the index is a u32; the live-request cap
+        // is far lower).
+        let duplicate = repeated
+            || inner
+                .by_pull
+                .get(&pull.pull_id)
+                .is_some_and(|p| !p.is_closed());
         if duplicate || u32::try_from(pull.requests.len()).is_err() {
             tracing::error!(pull_id = pull.pull_id, duplicate, requests = pull.requests.len(),
                 "pull refused a landing window: its id already has an open permit, or it is too large");
-            return Self::refuse(&mut inner, pull, reserved);
+            return Err(NoWindowReason::InvalidPull);
         }
         // One P deployment whose writers keep ending up suspects (one that times out or
         // garbles every pull, whatever its DP ranks) may hold at most its share of the windows
-        // poisoned once half of them are; past it its pulls fail safe, and every other
+        // poisoned once half of them are; past it its pulls get none, and every other
         // deployment keeps its windows.
-        let deployment: Deployment = pull.requests[0].bootstrap_addr.clone();
+        let deployment = &pull.requests[0].bootstrap_addr;
         let cap = self.deployment_poison_cap();
         let over = |inner: &Inner| {
             inner.poisoned.len() >= reserved as usize / 2
                 && inner
                     .poisoned_by_deployment
-                    .get(&deployment)
+                    .get(deployment)
                     .copied()
                     .unwrap_or(0)
                     >= cap
         };
-        if over(&inner) {
-            self.expire(&mut inner, now);
+        if over(inner) {
+            self.expire(inner, now);
         }
-        if over(&inner) {
+        if over(inner) {
             self.labels.counter(m::WINDOWS_REFUSED_SHARE).increment(1);
             if let Some(unlogged) = inner.log_refusal(now) {
                 tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
                     engine = %pull.requests[0].engine_id, bootstrap = %deployment, share = cap,
                     refused_unlogged = unlogged,
-                    "P deployment holds its share of poisoned landing windows; this pull gets the window that admits nothing (further refusals logged at most every 10 s)");
+                    "P deployment holds its share of poisoned landing windows; this pull gets no window (further refusals logged at most every 10 s)");
             }
-            return Self::refuse(&mut inner, pull, reserved);
+            return Err(NoWindowReason::DeploymentShare);
         }
-        let closed = |w: u32| {
-            self.slots[w as usize]
-                .read()
-                .unwrap_or_else(|e| e.into_inner())
-                .permit()
-                .is_none_or(|p| p.is_closed())
+        let free = |w: u32| {
+            !taken.contains(&Some(w))
+                && self.slots[w as usize]
+                    .read()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .permit()
+                    .is_none_or(|p| p.is_closed())
         };
         // The peer's own windows first, oldest first: closed (the previous permit gone) and
         // clean, the cursor's test, except that a poisoned one leaves the ring even once its
@@ -785,30 +844,35 @@ impl PermitTable {
             Some(ring) => {
                 let poisoned = &held.poisoned;
                 ring.retain(|w| !poisoned.contains_key(w));
-                ring.iter().copied().find(|&w| closed(w))
+                ring.iter().copied().find(|&w| free(w))
             }
             None => None,
         };
-        let free = from_ring.or_else(|| {
-            let cursor = inner.cursor;
-            (0..reserved)
-                .map(|i| (cursor + i) % reserved)
-                .find(|&w| closed(w) && self.clean(&mut inner, w, now))
-        });
-        let Some(window) = free else {
+        if let Some(w) = from_ring {
+            return Ok(w);
+        }
+        let cursor = inner.cursor;
+        let Some(window) = (0..reserved)
+            .map(|i| (cursor + i) % reserved)
+            .find(|&w| free(w) && self.clean(inner, w, now))
+        else {
             self.epochs.exhausted.fetch_add(1, Ordering::Relaxed);
             self.labels.counter(m::WINDOWS_EXHAUSTED).increment(1);
             if let Some(unlogged) = inner.log_refusal(now) {
                 tracing::error!(pull_id = pull.pull_id, peer = %pull.peer,
                     poisoned = inner.poisoned.len(), refused_unlogged = unlogged,
-                    "no clean landing window is free; this pull gets the window that admits nothing (further refusals logged at most every 10 s)");
+                    "no clean landing window is free; this pull gets none (further refusals logged at most every 10 s)");
             }
-            return Self::refuse(&mut inner, pull, reserved);
+            return Err(NoWindowReason::Exhausted);
         };
-        if from_ring.is_none() {
-            inner.cursor = (window + 1) % reserved;
-        }
-        Self::ring_used(&mut inner, pull.peer, window);
+        inner.cursor = (window + 1) % reserved;
+        Ok(window)
+    }
+
+    /// Open `pull`'s permit in `window` (chosen by [`PermitTable::select`]).
+    fn install(&self, inner: &mut Inner, pull: &PullWindow<'_>, window: u32) -> u32 {
+        let deployment: Deployment = pull.requests[0].bootstrap_addr.clone();
+        Self::ring_used(inner, pull.peer, window);
         let groups = pull
             .requests
             .iter()
@@ -1268,6 +1332,16 @@ impl Landing for TcpLanding {
         self.permits.map().region_bases(w)
     }
 
+    fn open_pulls(&self, windows: &[PullWindow<'_>]) -> Result<Vec<RegionBases>, NoWindow> {
+        let map = self.permits.map();
+        Ok(self
+            .permits
+            .open_all_at(windows, Instant::now())?
+            .into_iter()
+            .map(|w| map.region_bases(w))
+            .collect())
+    }
+
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
         self.permits.revoke(r)
     }
@@ -1361,6 +1435,48 @@ mod tests {
             suspects,
             poison_until: until,
         })
+    }
+
+    /// A batch's pulls get their windows all or none: one that cannot leaves every window as
+    /// it was (nothing opened, nothing marked windowless) and says how many are held.
+    #[test]
+    fn a_batch_gets_a_window_for_every_pull_or_none_at_all() {
+        let t = table(4); // windows 0..=2 usable, 3 reserved
+        let (p, q) = (PeerId::new("p"), PeerId::new("q"));
+        let (a, b) = (req("a"), req("b"));
+        let batch = |id: PullId, r: &Arc<RequestMeta>| {
+            t.open_all_at(
+                &[
+                    PullWindow {
+                        pull_id: id,
+                        peer: &p,
+                        requests: std::slice::from_ref(r),
+                    },
+                    PullWindow {
+                        pull_id: id + 1,
+                        peer: &q,
+                        requests: std::slice::from_ref(r),
+                    },
+                ],
+                Instant::now(),
+            )
+        };
+        assert_eq!(batch(1, &a), Ok(vec![0, 1]));
+        let e = batch(3, &b).unwrap_err();
+        assert_eq!(
+            (e.needed, e.in_use, e.poisoned, e.usable, e.why),
+            (2, 2, 0, 3, NoWindowReason::Exhausted)
+        );
+        assert!(
+            e.to_string().starts_with(crate::rdma::NO_CLEAN_WINDOW),
+            "{e}"
+        );
+        assert!(!t.windowless(&b.req_id), "nothing was sent for it");
+        // Window 2 was not taken by the refused batch: a single pull still gets it.
+        assert_eq!(open(&t, 5, &PeerId::new("r"), &req("c")), 2);
+        // Once `a` completes, its windows come back and `b`'s batch goes through.
+        revoke(&t, &a, &[], Instant::now());
+        assert_eq!(batch(6, &b), Ok(vec![0, 1]));
     }
 
     #[test]

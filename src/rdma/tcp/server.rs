@@ -16,6 +16,9 @@ use tokio::sync::Semaphore;
 use crate::block_ownership::BlockOwnership;
 use crate::telemetry as m;
 
+use crate::rdma::accept_cap::Caps;
+use crate::rdma::conn_table::{ConnGuard, ConnTable, Phase};
+
 use super::permits::{Access, Admitted, OwnedGateGuard, PermitTable, RejectReason};
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
@@ -29,6 +32,10 @@ pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 /// (`MC_TCP_LANES_PER_PEER`, default 4), an older P one connection per request in flight; 1024
 /// covers dozens of P workers while bounding the tasks and sockets a flood can make us hold.
 pub const DEFAULT_MAX_DATA_CONNECTIONS: usize = 1024;
+/// Default cap on open data connections from one peer address: a quarter of the default cap
+/// (eight TP workers of one P host at 16 lanes each use 128), so one host only ever evicts its
+/// own connections.
+pub const DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS: usize = 256;
 
 /// Counters of the data server, readable while it runs.
 #[derive(Debug, Default)]
@@ -51,8 +58,14 @@ pub struct DataStats {
     pub v1_requests: AtomicU64,
     /// Connections that ended on an I/O error or EOF inside a request.
     pub broken: AtomicU64,
-    /// Connections closed at accept because `max_connections` were open.
+    /// Connections closed at accept because `max_connections` were open, every one of them
+    /// inside a request (none could be evicted).
     pub refused_over_cap: AtomicU64,
+    /// Connections closed at accept because their address held `max_per_address`, every one
+    /// inside a request.
+    pub refused_per_address: AtomicU64,
+    /// Idle connections closed to make room for a new one (at either cap).
+    pub evicted: AtomicU64,
 }
 
 impl DataStats {
@@ -91,8 +104,13 @@ pub struct DataPlane {
     pub memory: Arc<RegisteredMemory>,
     pub stats: Arc<DataStats>,
     pub idle_timeout: Duration,
-    /// Open connections at most; more are closed at accept, never queued.
+    /// Open connections at most; at the cap the idlest is evicted for a new one, and a new one
+    /// is refused (closed at accept, never queued) only if all are inside a request.
     pub max_connections: usize,
+    /// Open connections from one peer address at most (at most `max_connections`).
+    pub max_per_address: usize,
+    /// The open connections (rebuilt by the `with_max_*` builders; `serve` uses it).
+    conns: Arc<ConnTable>,
     /// Answer READ requests (off unless asked: vLLM never reads from D, and anyone who reaches
     /// the data port could read an open pull's blocks).
     pub reads: bool,
@@ -124,6 +142,11 @@ impl DataPlane {
             stats: Arc::default(),
             idle_timeout,
             max_connections: DEFAULT_MAX_DATA_CONNECTIONS,
+            max_per_address: DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS,
+            conns: ConnTable::new(
+                DEFAULT_MAX_DATA_CONNECTIONS,
+                DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS,
+            ),
             reads: false,
             audit: OnceLock::new(),
             copy_slots: Arc::new(Semaphore::new(STAGING_SLOTS)),
@@ -139,7 +162,21 @@ impl DataPlane {
     /// Cap the open connections (at least one).
     pub fn with_max_connections(mut self, n: usize) -> Self {
         self.max_connections = n.max(1);
+        self.max_per_address = self.max_per_address.min(self.max_connections);
+        self.conns = ConnTable::new(self.max_connections, self.max_per_address);
         self
+    }
+
+    /// Cap the open connections from one peer address (1 to `max_connections`).
+    pub fn with_max_per_address(mut self, n: usize) -> Self {
+        self.max_per_address = n.clamp(1, self.max_connections);
+        self.conns = ConnTable::new(self.max_connections, self.max_per_address);
+        self
+    }
+
+    /// Connections open now from `ip` (tests, diagnostics).
+    pub fn open_connections_from(&self, ip: std::net::IpAddr) -> usize {
+        self.conns.open_from(ip)
     }
 
     /// Turn audit mode on against `ownership` (once; later calls return the existing counters).
@@ -170,9 +207,10 @@ enum ConnEnd {
     Memory(#[from] MemoryError),
 }
 
-/// Accept connections forever, each served on its own task; at most `max_connections` at once.
+/// Accept connections forever, each served on its own task; at most `max_connections` at once
+/// and `max_per_address` from one address. At a cap the connection idle longest (between
+/// requests) is closed to make room; a new one is refused only if all are inside a request.
 pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
-    let slots = Arc::new(Semaphore::new(plane.max_connections));
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -183,15 +221,18 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            // Closed before reading anything: P fails that lane's request. Counted first, so a
-            // client that saw the close also sees the counter.
-            crate::rdma::accept_cap::refuse_over_cap(
-                plane.permits.labels(),
-                "data",
-                plane.max_connections,
-                &plane.stats.refused_over_cap,
-            );
+        let caps = Caps {
+            table: &plane.conns,
+            labels: plane.permits.labels(),
+            listener: "data",
+            cap: plane.max_connections,
+            evicted: &plane.stats.evicted,
+            refused_per_address: &plane.stats.refused_per_address,
+            refused_over_cap: &plane.stats.refused_over_cap,
+        };
+        // Counted before the close, so a client that saw the close also sees the counter.
+        let Some(conn) = caps.admit(peer) else {
+            // Closed before reading anything: P fails that lane's request.
             drop(stream);
             continue;
         };
@@ -201,12 +242,20 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
         let plane = plane.clone();
         tokio::spawn(async move {
             let mut stream = stream;
-            // Declared after the stream, so dropped before it: the slot is free again by the
+            // Declared after the stream, so dropped before it: the place is free again by the
             // time the client sees the close.
-            let _slot = slot;
+            let conn = conn;
             // The stream outlives the accounting below, so a client that saw the close also
-            // sees the counters.
-            match connection(&mut stream, &plane).await {
+            // sees the counters. An evicted connection is idle between requests (its phase),
+            // so dropping its future cuts no write short.
+            let served = tokio::select! {
+                r = connection(&mut stream, &plane, &conn) => r,
+                () = conn.evicted() => {
+                    tracing::debug!(%peer, "idle data connection evicted at the cap");
+                    Ok(())
+                }
+            };
+            match served {
                 Ok(()) => {}
                 Err(ConnEnd::Rejected(_)) => {}
                 Err(ConnEnd::Idle) => {
@@ -267,15 +316,21 @@ async fn reject(
     ConnEnd::Rejected(reason)
 }
 
-async fn connection(stream: &mut TcpStream, plane: &DataPlane) -> Result<(), ConnEnd> {
+async fn connection(
+    stream: &mut TcpStream,
+    plane: &DataPlane,
+    conn: &ConnGuard,
+) -> Result<(), ConnEnd> {
     let mut hb = [0u8; HEADER_LEN];
     loop {
+        conn.set(Phase::Idle);
         match tokio::time::timeout(plane.idle_timeout, read_header(stream, &mut hb)).await {
             Err(_) => return Err(ConnEnd::Idle),
             Ok(Ok(false)) => return Ok(()),
             Ok(Ok(true)) => {}
             Ok(Err(e)) => return Err(e),
         }
+        conn.set(Phase::Busy);
         let h = Header::decode(&hb);
         if h.version() == ProtoVersion::V1 {
             plane.stats.v1_requests.fetch_add(1, Ordering::Relaxed);

@@ -17,10 +17,13 @@ use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 use super::permits::{PermitTable, TcpLanding};
 use super::server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
+    DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS,
 };
 use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
 use crate::rdma::audit::AuditCounters;
-use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES};
+use crate::rdma::handshake_daemon::{
+    self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_ADDRESS,
+};
 use crate::rdma::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, RegisteredMemory};
 
 /// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
@@ -62,8 +65,14 @@ pub struct TargetConfig {
     /// Open data connections at most (default [`DEFAULT_MAX_DATA_CONNECTIONS`]); more are
     /// closed at accept and counted (`kvrecv_connections_refused_total`).
     pub max_data_connections: usize,
-    /// Handshakes in progress at most (default [`DEFAULT_MAX_HANDSHAKES`]); same treatment.
+    /// Open data connections from one peer address at most (default
+    /// [`DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS`], clamped to `max_data_connections`).
+    pub max_data_connections_per_address: usize,
+    /// Handshake connections open at most (default [`DEFAULT_MAX_HANDSHAKES`]); same treatment.
     pub max_handshakes: usize,
+    /// Handshake connections from one peer address at most (default
+    /// [`DEFAULT_MAX_HANDSHAKES_PER_ADDRESS`], clamped to `max_handshakes`).
+    pub max_handshakes_per_address: usize,
     /// Labels of the target's metrics: the coordinator's (engine, ranks), so two targets in one
     /// process keep distinct series.
     pub labels: Labels,
@@ -91,7 +100,9 @@ impl TargetConfig {
             host_memory: None,
             device_memory: None,
             max_data_connections: DEFAULT_MAX_DATA_CONNECTIONS,
+            max_data_connections_per_address: DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS,
             max_handshakes: DEFAULT_MAX_HANDSHAKES,
+            max_handshakes_per_address: DEFAULT_MAX_HANDSHAKES_PER_ADDRESS,
             labels: Labels::default(),
             serve_reads: false,
         }
@@ -216,11 +227,13 @@ impl TcpTarget {
         let daemon = Arc::new(
             Daemon::new(&descriptor)
                 .with_max_concurrent(cfg.max_handshakes)
+                .with_max_per_address(cfg.max_handshakes_per_address)
                 .with_labels(cfg.labels.clone()),
         );
         let plane = Arc::new(
             DataPlane::new(permits.clone(), memory, cfg.idle_timeout)
                 .with_max_connections(cfg.max_data_connections)
+                .with_max_per_address(cfg.max_data_connections_per_address)
                 .with_reads(cfg.serve_reads),
         );
         let landing = Arc::new(TcpLanding::new(
@@ -263,6 +276,11 @@ impl TcpTarget {
     /// Handshake daemon counters.
     pub fn handshake_stats(&self) -> &Arc<HandshakeStats> {
         &self.daemon.stats
+    }
+
+    /// The handshake daemon (its caps and open connections).
+    pub fn daemon(&self) -> &Arc<Daemon> {
+        &self.daemon
     }
 
     /// Turn audit mode on.

@@ -105,6 +105,11 @@ impl KeyWindows {
         self.want.saturating_sub(clean)
     }
 
+    /// Whether [`KeyWindows::assign`] would give `host` a window (no state changes).
+    pub fn can_assign(&self, host: &str) -> bool {
+        self.by_host.contains_key(host) || self.live.values().any(|w| !w.poisoned)
+    }
+
     /// The window a pull from `peer` on `host` lands through: the host's window while it is
     /// clean, else the clean window with the fewest hosts. `None` when no window is clean.
     pub fn assign(&mut self, peer: &str, host: &str) -> Option<u32> {

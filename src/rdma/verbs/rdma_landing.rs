@@ -29,7 +29,10 @@ use super::window_registrations::{HostSpan, WindowRegisterError, WindowRegistrat
 use crate::layout::KvLayout;
 use crate::messages::PeerId;
 use crate::rdma::tcp::windows::{WindowError, WindowMap, DEFAULT_BASE};
-use crate::rdma::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
+use crate::rdma::{
+    FenceError, Landing, NoWindow, NoWindowReason, PullWindow, RegionBases, Revocation,
+    RevokeRequest, Revoked,
+};
 
 /// IOVA slots at most (fewer when the layout is large: every slot fits below 2^53). A slot is
 /// reused only after all others were, so this many fences pass before an IOVA returns.
@@ -176,6 +179,23 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+/// The host a pull's peer is on (its window is the host's).
+fn host_of(p: &PullWindow<'_>) -> String {
+    let addr = p.peer.addr();
+    peer_host(addr).unwrap_or_else(|| addr.to_owned())
+}
+
+/// The bases of the clean window `p`'s host lands through (assigned now if it has none);
+/// `None` when no window is clean.
+fn assign(w: &mut Windows, p: &PullWindow<'_>) -> Option<RegionBases> {
+    let slot = w.keys.assign(p.peer.addr(), &host_of(p))?;
+    Some(
+        w.regs
+            .bases(slot)
+            .unwrap_or_else(|| w.regs.unregistered_bases()),
+    )
+}
+
 impl<B: VerbsBackend + 'static> RdmaLanding<B> {
     /// `host`/`port`: where P reaches D's handshake daemon (the segment name). `memory`: where
     /// each layout region's bytes are (one span per region, each at least the region's size;
@@ -310,17 +330,12 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
     fn open_pull(&self, window: &PullWindow<'_>) -> crate::rdma::RegionBases {
         // The peer's host becomes a known one: segments there are its, not orphans.
         self.core.fence.note_peer(window.peer);
-        let addr = window.peer.addr();
-        let host = peer_host(addr).unwrap_or_else(|| addr.to_owned());
         let mut w = lock(&self.core.windows);
-        match w.keys.assign(addr, &host) {
-            Some(slot) => w
-                .regs
-                .bases(slot)
-                .unwrap_or_else(|| w.regs.unregistered_bases()),
+        match assign(&mut w, window) {
+            Some(bases) => bases,
             None => {
                 metrics::counter!("kvrecv_rdma_pulls_without_window_total").increment(1);
-                tracing::warn!(peer = %addr, "no clean RDMA landing window: the pull's writes will be refused");
+                tracing::warn!(peer = %window.peer, "no clean RDMA landing window: the pull's writes will be refused");
                 w.regs.unregistered_bases()
             }
         }
@@ -364,6 +379,30 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
         }
         tracing::info!("RDMA landing resumed at fresh IOVA slots");
         Ok(())
+    }
+
+    fn open_pulls(&self, windows: &[PullWindow<'_>]) -> Result<Vec<RegionBases>, NoWindow> {
+        for p in windows {
+            self.core.fence.note_peer(p.peer);
+        }
+        // Checked and assigned under one lock: all or none.
+        let mut w = lock(&self.core.windows);
+        if windows.iter().all(|p| w.keys.can_assign(&host_of(p))) {
+            return Ok(windows
+                .iter()
+                .map(|p| assign(&mut w, p).unwrap_or_else(|| w.regs.unregistered_bases()))
+                .collect());
+        }
+        metrics::counter!("kvrecv_rdma_pulls_without_window_total").increment(windows.len() as u64);
+        let (usable, poisoned) = (w.keys.live().len(), w.keys.poisoned());
+        Err(NoWindow {
+            needed: windows.len(),
+            // RDMA windows are shared by hosts: every one that is not poisoned is open.
+            in_use: usable.saturating_sub(poisoned),
+            poisoned,
+            usable,
+            why: NoWindowReason::Exhausted,
+        })
     }
 
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
@@ -627,6 +666,48 @@ mod tests {
         });
         assert_eq!(revoked.revocation, Revocation::NotExact);
         futures::executor::block_on(l.fence(std::slice::from_ref(peer)))
+    }
+
+    /// With every window poisoned, a batch's pulls are refused (none is opened) instead of
+    /// being handed the unregistered slot, whose writes would all fail at P.
+    #[test]
+    fn a_batch_with_no_clean_window_is_refused_not_sent() {
+        let t = shared();
+        let mut mem = Memory::new();
+        let l = landing_with(&t, &mut mem, 1, PeerBinding::ByHost);
+        let (p, q) = (
+            PeerId::new("tcp://10.0.0.5:41233"),
+            PeerId::new("tcp://10.0.0.6:41233"),
+        );
+        let reqs = [Arc::new(request("r"))];
+        let batch = |id: u64| {
+            l.open_pulls(&[
+                PullWindow {
+                    pull_id: id,
+                    peer: &p,
+                    requests: &reqs,
+                },
+                PullWindow {
+                    pull_id: id + 1,
+                    peer: &q,
+                    requests: &reqs,
+                },
+            ])
+        };
+        let bases = batch(1).expect("one clean window, shared by both hosts");
+        assert_eq!(bases[0], bases[1]);
+        // p turns suspect: its (the only) window is poisoned until the fence retires it.
+        let r = request("r");
+        l.revoke(&RevokeRequest {
+            req: &r,
+            suspects: std::slice::from_ref(&p),
+            poison_until: std::time::Instant::now(),
+        });
+        let e = batch(3).unwrap_err();
+        assert_eq!((e.needed, e.poisoned, e.usable), (2, 1, 1), "{e}");
+        assert!(e.to_string().starts_with(crate::rdma::NO_CLEAN_WINDOW));
+        // One at a time, a pull still fails safe: the unregistered slot.
+        assert_ne!(open(&l, &q, 5), bases[0]);
     }
 
     #[test]
