@@ -106,14 +106,18 @@ pub enum PauseError {
     /// still paused; `resume` may be called again).
     #[error("data plane: {0}")]
     Landing(#[from] LandingPauseError),
-    /// [`ResumeMemory::Host`]: resuming on other memory than the worker started with is not
-    /// supported yet (the TCP data server's memory and the RDMA registrations' spans are fixed
-    /// at start). Still paused: resume with [`ResumeMemory::Same`], or start a new worker.
+    /// [`ResumeMemory::Host`] on a worker that cannot take new host memory (it lands in
+    /// device memory, runs without landing permits, or its data plane is not kvrecv's).
+    /// Still paused: resume with [`ResumeMemory::Same`], or start a new worker.
     #[error(
-        "resuming on new memory is not supported: resume with the same memory, or start a new \
-         worker on the new memory"
+        "this worker cannot resume on new host memory ({0}): resume with the same memory, or \
+         start a new worker on the new memory"
     )]
-    NewMemoryUnsupported,
+    NewMemoryUnsupported(String),
+    /// [`ResumeMemory::Host`] whose regions cannot hold the layout. Still paused, on the old
+    /// memory (which must stay valid): resume again with memory that fits.
+    #[error("the new host memory does not fit the layout: {0}")]
+    MemoryDoesNotFit(#[from] crate::rdma::memory_fit::MemoryFitError),
     /// `resume` on a worker that is not paused.
     #[error("kvrecv is not paused")]
     NotPaused,
@@ -126,7 +130,13 @@ pub enum ResumeMemory {
     /// `restore_kv_caches`: the same base addresses and lengths). It must be valid again
     /// before `resume` is called.
     Same,
-    /// Other host memory (refused for now: [`PauseError::NewMemoryUnsupported`]).
+    /// Other host memory: the host's own regions, one per layout region (checked like at
+    /// start: [`PauseError::MemoryDoesNotFit`]), under [`HostRegion::new`]'s contract from
+    /// the call on. From `resume`'s return every write lands in it and none in the old
+    /// memory, which the host may then free. A worker on device memory refuses it
+    /// ([`PauseError::NewMemoryUnsupported`]).
+    ///
+    /// [`HostRegion::new`]: crate::rdma::memory::HostRegion::new
     Host(HostMemory),
 }
 
@@ -988,8 +998,11 @@ impl KvRecv {
 
     /// Wake from [`KvRecv::pause`]: the landing admits again (RDMA: windows registered at
     /// fresh IOVA slots, with fresh rkeys), pulls carry layout ids of a new nonce (P learns
-    /// the layout again), and admission reopens. Only [`ResumeMemory::Same`] is supported;
-    /// the memory must be valid again before this is called.
+    /// the layout again), and admission reopens. With [`ResumeMemory::Same`] the memory must
+    /// be valid again before this is called; with [`ResumeMemory::Host`] writes land in the
+    /// new regions from now on (TCP: the data server's memory is swapped; RDMA: windows are
+    /// registered on the new regions) and the old memory may be freed once this returned.
+    /// On an error the worker stays paused.
     pub async fn resume(&self, memory: ResumeMemory) -> Result<(), PauseError> {
         let _one = self.inner.sleep.lock().await;
         if !self.inner.coord.block_manager.connected() {
@@ -998,10 +1011,19 @@ impl KvRecv {
         if !self.inner.coord.is_paused() {
             return Err(PauseError::NotPaused);
         }
-        if let ResumeMemory::Host(_) = memory {
-            return Err(PauseError::NewMemoryUnsupported);
+        match memory {
+            ResumeMemory::Same => self.on_landing(|l| l.resume()).await?,
+            ResumeMemory::Host(host) => self
+                .on_landing(move |l| l.resume_on(&host))
+                .await
+                .map_err(|e| match e {
+                    PauseError::Landing(LandingPauseError::DoesNotFit(e)) => e.into(),
+                    PauseError::Landing(LandingPauseError::Unsupported(why)) => {
+                        PauseError::NewMemoryUnsupported(why)
+                    }
+                    e => e,
+                })?,
         }
-        self.on_landing(|l| l.resume()).await?;
         self.inner
             .coord
             .receiver
@@ -1021,7 +1043,7 @@ impl KvRecv {
     /// Close or reopen the landing off the runtime's workers (RDMA's are firmware calls).
     async fn on_landing(
         &self,
-        f: fn(&dyn Landing) -> Result<(), LandingPauseError>,
+        f: impl FnOnce(&dyn Landing) -> Result<(), LandingPauseError> + Send + 'static,
     ) -> Result<(), PauseError> {
         let landing = Arc::clone(&self.inner.coord.landing);
         if tokio::runtime::Handle::try_current().is_err() {

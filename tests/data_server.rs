@@ -58,7 +58,7 @@ async fn v1_and_v2_writes_on_one_connection_land_and_v2_acks_after_the_bytes() {
     s.write_all(&p2).await.unwrap();
     assert_eq!(status(&mut s).await, STATUS_OK);
     // Requests on a lane are sequential, so the v2 ack proves both landed.
-    let m = &t.plane().memory;
+    let m = t.plane().memory();
     assert_eq!(m.snapshot(mem_off(0, 3), BLOCK).unwrap(), p1);
     assert_eq!(m.snapshot(mem_off(1, 4), BLOCK).unwrap(), p2);
     assert_eq!(
@@ -191,7 +191,7 @@ async fn invalid_requests_get_a_reject_frame_and_a_close_and_land_nothing() {
     assert_eq!(st.rejected_no_permit.load(Ordering::Relaxed), 3);
     assert_eq!(st.rejected_bad_opcode.load(Ordering::Relaxed), 2);
     assert_eq!(st.writes_landed.load(Ordering::Relaxed), 0);
-    let m = &t.plane().memory;
+    let m = t.plane().memory();
     assert!(
         m.snapshot(0, m.len()).unwrap().iter().all(|&b| b == 0),
         "a rejected write landed bytes"
@@ -234,7 +234,7 @@ async fn many_concurrent_lanes_and_initiators_land_every_byte() {
     for task in tasks {
         task.await.unwrap();
     }
-    let m = &t.plane().memory;
+    let m = t.plane().memory();
     for b in 0..common::BLOCKS {
         for r in 0..2usize {
             for half in 0..2u64 {

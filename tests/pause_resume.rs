@@ -14,6 +14,7 @@ use kvrecv::layout::KvLayout;
 use kvrecv::messages::{BatchError, KvEvent, KvRequest, ReqId};
 use kvrecv::rdma::audit::stamp_write;
 use kvrecv::rdma::memory::{HostMemory, HostRegion};
+use kvrecv::rdma::memory_fit::MemoryFitError;
 use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{KvWriter, PrefillSim, SimConfig, WriteJob};
@@ -53,14 +54,26 @@ struct World {
     jobs: mpsc::UnboundedReceiver<WriteJob>,
 }
 
+/// `memory` as the host's regions.
+///
+/// # Safety
+/// Each Vec stays allocated and unresized while the worker may land in it: until its
+/// shutdown, or until a resume onto other memory returned.
+unsafe fn regions(memory: &mut [Vec<u8>]) -> HostMemory {
+    HostMemory::new(
+        memory
+            .iter_mut()
+            // SAFETY: the caller's contract.
+            .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) }.unwrap())
+            .collect(),
+    )
+}
+
 /// A worker landing in `memory` (the host's), P holding `held`.
 async fn world(memory: &mut [Vec<u8>], held: Vec<&'static str>) -> World {
-    let regions = memory
-        .iter_mut()
-        // SAFETY: each Vec outlives the worker (the test shuts it down before reading the
-        // memory while it could be written, and before dropping it) and is never resized.
-        .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) }.unwrap())
-        .collect();
+    // SAFETY: each test shuts the worker down before reading the memory while it could be
+    // written, and before dropping it.
+    let regions = unsafe { regions(memory) };
     let config = KvRecvConfig {
         layout: KvLayout::uniform(REGIONS as u32, BLOCK as u64, BLOCKS as u32),
         // Only the pause's abort (after its grace) settles a held request.
@@ -70,7 +83,7 @@ async fn world(memory: &mut [Vec<u8>], held: Vec<&'static str>) -> World {
         ..KvRecvConfig::default()
     };
     let kv = KvRecv::builder(config)
-        .host_memory(HostMemory::new(regions))
+        .host_memory(regions)
         .events(true)
         .start()
         .unwrap();
@@ -196,11 +209,14 @@ async fn nothing_lands_while_paused_and_everything_lands_after_resume() {
         );
     }
 
-    // New memory is refused (typed), and the worker stays paused.
+    // New memory that does not fit the layout is refused (typed), and the worker stays paused.
     let other = HostMemory::new(vec![]);
     assert!(matches!(
         w.kv.resume(ResumeMemory::Host(other)).await,
-        Err(PauseError::NewMemoryUnsupported)
+        Err(PauseError::MemoryDoesNotFit(MemoryFitError::RegionCount {
+            regions: 0,
+            layout: REGIONS
+        }))
     ));
     assert!(w.kv.is_paused());
 
@@ -277,4 +293,210 @@ async fn after_resume_pulls_carry_a_new_layout_id() {
     let step = w.kv.drain().await.unwrap();
     assert!(step.invalid_block_ids.is_empty(), "{step:?}");
     w.kv.shutdown().await;
+}
+
+/// Load `id` into `blocks`, wait for its release and drain it: it completed ok.
+async fn load_ok(w: &mut World, id: &str, blocks: &[u32]) {
+    let reply = w.kv.load_kv(vec![req(w, id, blocks)]).await.unwrap();
+    assert_eq!(reply.awaiting, 1, "{reply:?}");
+    released(w, id).await;
+    let step = w.kv.drain().await.unwrap();
+    assert_eq!(step.finished_recving, vec![ReqId::from(id)]);
+    assert!(step.invalid_block_ids.is_empty(), "{id} is ok: {step:?}");
+}
+
+/// Pause with `a` in flight (P holds its write): `a` is abandoned, fenced. P's job for it.
+async fn pause_with_a_held(w: &mut World) -> WriteJob {
+    let reply = w.kv.load_kv(vec![req(w, "a", &[3])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1, "{reply:?}");
+    let job_a = next_job(w).await;
+    let report = tokio::time::timeout(PATIENCE, w.kv.pause())
+        .await
+        .expect("the pause resolves once a's blocks came back")
+        .unwrap();
+    assert!(
+        matches!(&report.abandoned[..], [a] if &*a.req_id == "a" && a.fenced),
+        "{report:?}"
+    );
+    let step = w.kv.drain().await.unwrap();
+    assert_eq!(step.invalid_block_ids, vec![3], "a failed: {step:?}");
+    job_a
+}
+
+/// Sleep mode with new host memory: after a pause, the worker resumes on a second buffer
+/// (memory that does not fit the layout is refused first, typed, and it stays paused). A late
+/// write of a pull from before the pause is refused; a new request lands every byte in the
+/// new memory, and not one byte of anything lands in the old.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_on_new_memory_lands_there_and_never_in_the_old() {
+    let mut old = host_memory();
+    let mut new = host_memory();
+    let mut w = world(&mut old, vec!["a"]).await;
+    load_ok(&mut w, "warm", &[5]).await;
+    let warm_landed = w.kv.stats().await.unwrap().data.unwrap().bytes_landed;
+    let job_a = pause_with_a_held(&mut w).await;
+    // The warm-up landed in the old memory: the test sees where writes go.
+    for r in 0..REGIONS {
+        assert_eq!(block(&old, r, 5), &expected_block("t-warm", 5)[..]);
+    }
+
+    let mut short = vec![vec![0u8; BLOCK * BLOCKS]; REGIONS];
+    short[1].truncate(BLOCK * BLOCKS - 1);
+    // SAFETY: refused before anything could land in it; dropped after the worker's shutdown.
+    let short_memory = unsafe { regions(&mut short) };
+    assert!(matches!(
+        w.kv.resume(ResumeMemory::Host(short_memory)).await,
+        Err(PauseError::MemoryDoesNotFit(MemoryFitError::TooSmall {
+            region: 1,
+            ..
+        }))
+    ));
+    assert!(
+        w.kv.is_paused(),
+        "a refused resume leaves the worker paused"
+    );
+
+    // SAFETY: `new` outlives the worker (shut down below, before it is read or dropped).
+    let new_memory = unsafe { regions(&mut new) };
+    w.kv.resume(ResumeMemory::Host(new_memory)).await.unwrap();
+    assert!(!w.kv.is_paused());
+
+    // P finally sends a's write, through a's window of before the pause: refused.
+    let late = TeWriter::new(InitiatorConfig::default()).write(job_a).await;
+    assert!(
+        late.is_err(),
+        "a write of a pull from before the pause must be refused"
+    );
+
+    load_ok(&mut w, "b", &[7, 8]).await;
+    let data = w.kv.stats().await.unwrap().data.unwrap();
+    assert_eq!(
+        data.bytes_landed - warm_landed,
+        (2 * REGIONS * BLOCK) as u64,
+        "only b landed after the warm-up: {data:?}"
+    );
+    w.kv.shutdown().await;
+    for r in 0..REGIONS {
+        for b in [7, 8] {
+            assert_eq!(
+                block(&new, r, b),
+                &expected_block("t-b", b)[..],
+                "new memory, region {r} block {b}: every byte of b"
+            );
+        }
+        for b in (0..BLOCKS as u32).filter(|b| ![7, 8].contains(b)) {
+            assert!(
+                block(&new, r, b).iter().all(|&x| x == FILL),
+                "new memory, region {r} block {b}: nothing but b landed"
+            );
+        }
+        for b in (0..BLOCKS as u32).filter(|&b| b != 5) {
+            assert!(
+                block(&old, r, b).iter().all(|&x| x == FILL),
+                "old memory, region {r} block {b}: nothing landed after the pause"
+            );
+        }
+    }
+}
+
+/// Page-aligned anonymous memory the test unmaps: any access after `unmap` faults (the test
+/// process dies), so an unmapped buffer proves nothing touches it any more.
+struct Mapped {
+    ptr: *mut u8,
+    len: usize,
+}
+
+impl Mapped {
+    fn new(len: usize) -> Self {
+        // SAFETY: a fresh private anonymous mapping; checked below.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        assert_ne!(ptr, libc::MAP_FAILED, "mmap");
+        Mapped {
+            ptr: ptr.cast(),
+            len,
+        }
+    }
+
+    fn unmap(self) {
+        // SAFETY: mapped by `new`, unmapped once.
+        assert_eq!(unsafe { libc::munmap(self.ptr.cast(), self.len) }, 0);
+    }
+}
+
+/// The host frees the old memory right after `resume` returned (here: unmaps it, so a single
+/// byte written or read there kills the test), with a pull from before the pause still held by
+/// P and sent after: every byte of the next request lands in the new memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_old_memory_can_be_freed_right_after_resume() {
+    let old: Vec<Mapped> = (0..REGIONS).map(|_| Mapped::new(BLOCK * BLOCKS)).collect();
+    let mut new = host_memory();
+    // SAFETY: mapped until the resume onto `new` returned (unmapped only after it).
+    let old_memory = HostMemory::new(
+        old.iter()
+            .map(|m| unsafe { HostRegion::new(m.ptr, m.len) }.unwrap())
+            .collect(),
+    );
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(REGIONS as u32, BLOCK as u64, BLOCKS as u32),
+        pull_timeout: Duration::from_secs(3600),
+        abort_grace: Duration::from_millis(200),
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecv::builder(config)
+        .host_memory(old_memory)
+        .events(true)
+        .start()
+        .unwrap();
+    let events = kv.events().unwrap();
+    let (tx, jobs) = mpsc::unbounded_channel();
+    let writer = Arc::new(HoldingWriter {
+        te: TeWriter::new(InitiatorConfig::default()),
+        held: vec!["a"],
+        jobs: tx,
+    });
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), writer)
+        .await
+        .unwrap();
+    let mut w = World {
+        kv,
+        events,
+        sim,
+        jobs,
+    };
+    load_ok(&mut w, "warm", &[5]).await;
+    let job_a = pause_with_a_held(&mut w).await;
+
+    // SAFETY: `new` outlives the worker (shut down below, before it is read or dropped).
+    let new_memory = unsafe { regions(&mut new) };
+    w.kv.resume(ResumeMemory::Host(new_memory)).await.unwrap();
+    for m in old {
+        m.unmap();
+    }
+
+    let late = TeWriter::new(InitiatorConfig::default()).write(job_a).await;
+    assert!(
+        late.is_err(),
+        "a write of a pull from before the pause must be refused"
+    );
+    load_ok(&mut w, "b", &[3, 4]).await;
+    w.kv.shutdown().await;
+    for r in 0..REGIONS {
+        for b in [3, 4] {
+            assert_eq!(
+                block(&new, r, b),
+                &expected_block("t-b", b)[..],
+                "new memory, region {r} block {b}: every byte of b"
+            );
+        }
+    }
 }

@@ -52,8 +52,8 @@ async fn each_pull_gets_its_own_window_and_revocation_rejects_late_writes_exactl
     l.fence(&[common::peer()]).await.unwrap();
     let before = t
         .plane()
-        .memory
-        .snapshot(0, t.plane().memory.len())
+        .memory()
+        .snapshot(0, t.plane().memory().len())
         .unwrap();
     for addr in [p1[0] + BLOCK, p1[1] + 2 * BLOCK, p2[0] + BLOCK] {
         assert!(
@@ -67,8 +67,8 @@ async fn each_pull_gets_its_own_window_and_revocation_rejects_late_writes_exactl
     assert_eq!(t.stats().rejected_revoked.load(Ordering::Relaxed), 3);
     assert_eq!(
         t.plane()
-            .memory
-            .snapshot(0, t.plane().memory.len())
+            .memory()
+            .snapshot(0, t.plane().memory().len())
             .unwrap(),
         before,
         "a late write landed"
@@ -82,7 +82,7 @@ async fn each_pull_gets_its_own_window_and_revocation_rejects_late_writes_exactl
         Err(WriteError::Rejected)
     ));
     assert_eq!(
-        t.plane().memory.snapshot(mem_off(1, 3), 64).unwrap(),
+        t.plane().memory().snapshot(mem_off(1, 3), 64).unwrap(),
         vec![3; 64]
     );
 }
@@ -160,7 +160,10 @@ async fn revocation_during_a_payload_stops_the_rest_from_landing() {
     }
     assert_ne!(u64::from_le_bytes(f), STATUS_OK);
     assert_eq!(
-        t.plane().memory.snapshot(half as u64, half as u64).unwrap(),
+        t.plane()
+            .memory()
+            .snapshot(half as u64, half as u64)
+            .unwrap(),
         vec![0; half]
     );
     assert_eq!(t.stats().writes_landed.load(Ordering::Relaxed), 0);

@@ -556,3 +556,135 @@ fn rdma_protocol_without_the_feature_is_a_typed_start_error() {
         "{err}"
     );
 }
+
+/// Sleep mode with new host memory on RDMA: the worker starts on the host's regions, pauses
+/// (every window deregistered), refuses memory that does not fit the layout (typed, still
+/// paused), and resumes on a second buffer: every window it registers lands its writes inside
+/// the new memory, in the region the address names, and no key of before reaches anything.
+/// The old memory is dropped right after `resume` returned.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_on_new_host_memory_registers_windows_on_it() {
+    use kvrecv::embed::{PauseError, ResumeMemory};
+    use kvrecv::rdma::memory::{HostMemory, HostRegion};
+    use kvrecv::rdma::memory_fit::MemoryFitError;
+
+    const REGION: usize = 4096 * 16;
+    // SAFETY (both): each Vec stays allocated, unresized, while the worker may land in it:
+    // `old` until the resume onto `new` returned, `new` until the shutdown.
+    fn regions(bufs: &mut [Vec<u8>]) -> HostMemory {
+        HostMemory::new(
+            bufs.iter_mut()
+                .map(|b| unsafe { HostRegion::new(b.as_mut_ptr(), b.len()) }.unwrap())
+                .collect(),
+        )
+    }
+    let mut old = vec![vec![0u8; REGION]; 2];
+    let mut new = vec![vec![0u8; REGION]; 2];
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 16),
+        pull_timeout: Duration::from_secs(3600),
+        quarantine_deadline: Duration::from_secs(3600),
+        ..KvRecvConfig::default()
+    };
+    let verbs = SharedVerbs::new();
+    let backend = verbs.clone();
+    let kv = KvRecv::builder(config)
+        .rdma(move || Ok(backend.clone()))
+        .host_memory(regions(&mut old))
+        .events(true)
+        .start()
+        .unwrap();
+    let events = kv.events().unwrap();
+    let sim = PrefillSim::start_with_writer(SimConfig::default(), Arc::new(NoopWriter))
+        .await
+        .unwrap();
+    let mut w = World {
+        kv,
+        events,
+        sim,
+        verbs,
+    };
+    let qps = connect(&w, "127.0.0.1:16001").await;
+    let before = descriptor_keys(&w).await;
+    let inside = |bufs: &[Vec<u8>], at: u64| {
+        bufs.iter()
+            .position(|b| (b.as_ptr() as u64..b.as_ptr() as u64 + b.len() as u64).contains(&at))
+    };
+    for &(addr, rkey) in &before {
+        let at = w
+            .verbs
+            .inner
+            .lock()
+            .unwrap()
+            .deliver_write(qps[0], rkey, addr, 8)
+            .unwrap();
+        assert!(inside(&old, at).is_some(), "started on the old memory");
+    }
+    let report = w.kv.pause().await.unwrap();
+    assert!(report.abandoned.is_empty(), "{report:?}");
+
+    let mut short = vec![vec![0u8; REGION], vec![0u8; REGION - 1]];
+    assert!(matches!(
+        w.kv.resume(ResumeMemory::Host(regions(&mut short))).await,
+        Err(PauseError::MemoryDoesNotFit(MemoryFitError::TooSmall {
+            region: 1,
+            ..
+        }))
+    ));
+    assert!(
+        w.kv.is_paused(),
+        "a refused resume leaves the worker paused"
+    );
+    assert!(
+        w.verbs.inner.lock().unwrap().registrations().is_empty(),
+        "nothing registered on memory that does not fit"
+    );
+
+    w.kv.resume(ResumeMemory::Host(regions(&mut new)))
+        .await
+        .unwrap();
+    let old_spans: Vec<(u64, u64)> = old
+        .iter()
+        .map(|b| (b.as_ptr() as u64, b.len() as u64))
+        .collect();
+    drop(old);
+
+    let after = descriptor_keys(&w).await;
+    assert_eq!(after.len(), before.len(), "as many windows as before");
+    let mut regions_seen = Vec::new();
+    for &(addr, rkey) in &after {
+        assert!(before.iter().all(|&(a, k)| a != addr && k != rkey));
+        let b = w.verbs.inner.lock().unwrap();
+        // The first and the last 8 bytes of the buffer the descriptor advertises.
+        for off in [0, REGION as u64 - 8] {
+            let at = b
+                .deliver_write(qps[0], rkey, addr + off, 8)
+                .expect("a window registered at resume takes writes");
+            let region = inside(&new, at).expect("every write lands in the new memory");
+            assert!(
+                old_spans.iter().all(|&(s, l)| !(s..s + l).contains(&at)),
+                "{at:#x} is in the old memory"
+            );
+            assert_eq!(at, new[region].as_ptr() as u64 + off);
+            regions_seen.push(region);
+        }
+    }
+    regions_seen.sort_unstable();
+    regions_seen.dedup();
+    assert_eq!(regions_seen, [0, 1], "both regions are registered again");
+    for &(addr, rkey) in &before {
+        let r = w
+            .verbs
+            .inner
+            .lock()
+            .unwrap()
+            .deliver_write(qps[0], rkey, addr, 8);
+        assert_eq!(r, Err(WriteRefused::RemoteAccess), "an old key: {addr:#x}");
+    }
+    let reply = w.kv.load_kv(vec![req(&w, "b", &[6])]).await.unwrap();
+    assert_eq!(reply.awaiting, 1, "{reply:?}");
+    released(&mut w.events, "b").await;
+    let step = w.kv.drain().await.unwrap();
+    assert!(step.invalid_block_ids.is_empty(), "b is ok: {step:?}");
+    w.kv.shutdown().await;
+}

@@ -5,7 +5,7 @@
 
 use std::process::Command;
 
-use kvrecv::repro::{run_blocking, Scenario, Variant};
+use kvrecv::repro::{run_blocking, Scenario, Soak, Variant};
 
 #[test]
 fn naive_writes_after_free_settle_none() {
@@ -99,4 +99,42 @@ fn cli_json_has_one_object_per_policy_and_exits_zero() {
         assert!(vs[1].get(key).is_some(), "missing {key}");
     }
     assert_eq!(vs[1]["writes_after_free"], 0);
+}
+
+/// `repro --soak` with P evicting its layout cache (vLLM 0.33's LRU) every few pulls, under
+/// the soak's other faults: pulls that omitted their layout get LAYOUT_MISS and are resent,
+/// and still no write lands after free, nothing leaks and every request completes once.
+#[test]
+fn soak_with_layout_evictions_resends_and_never_writes_after_free() {
+    let scn = Scenario {
+        requests: 150,
+        time_scale: 40.0,
+        variants: vec![Variant::Settle],
+        pull_timeout: std::time::Duration::from_secs(2),
+        soak: Some(Soak {
+            period: std::time::Duration::from_millis(400),
+            fault_for: std::time::Duration::from_millis(200),
+            evict_layouts_every: Some(3),
+        }),
+        ..Scenario::default()
+    };
+    let report = run_blocking(&scn, false).expect("repro runs");
+    eprintln!("{}", report.table());
+    let settle = report.get(Variant::Settle).unwrap();
+    assert!(settle.layout_resends > 0, "no pull was resent: {settle:?}");
+    assert!(
+        settle.audited_writes > 0,
+        "the audit saw nothing: {settle:?}"
+    );
+    assert!(settle.violations().is_empty(), "{:?}", settle.violations());
+    assert_eq!(
+        (
+            settle.writes_after_free,
+            settle.completions_min,
+            settle.completions_max,
+            settle.leaked
+        ),
+        (0, 1, 1, 0),
+        "{settle:?}"
+    );
 }

@@ -58,7 +58,7 @@ async fn te(py: &PathBuf, t: &TcpTarget, cmd: Value, v1: bool) -> Value {
 }
 
 fn all_zero(t: &TcpTarget) -> bool {
-    let m = &t.plane().memory;
+    let m = t.plane().memory();
     m.snapshot(0, m.len()).unwrap().iter().all(|&b| b == 0)
 }
 
@@ -82,7 +82,7 @@ async fn real_te_batch_write_lands_every_byte_and_reads_back() {
     let v = te(&py, &t, cmd, false).await;
     assert_eq!(v["results"], json!([0]), "{v}");
     assert_eq!(v["read_back_ok"], json!(true), "{v}");
-    let m = &t.plane().memory;
+    let m = t.plane().memory();
     assert_eq!(
         m.snapshot(mem_off(0, 1), BLOCK).unwrap(),
         pattern(1, BLOCK as usize)
@@ -175,7 +175,7 @@ async fn real_te_v1_mode_lands_correctly() {
         st.v1_requests.load(Ordering::Relaxed) >= 2,
         "P did not use v1 framing"
     );
-    let m = &t.plane().memory;
+    let m = t.plane().memory();
     assert_eq!(
         m.snapshot(mem_off(0, 0), BLOCK).unwrap(),
         pattern(5, BLOCK as usize)
@@ -224,7 +224,7 @@ async fn real_te_accepts_one_span_of_thousands_of_epochs() {
     let v = te(&py, &t, cmd, false).await;
     assert_eq!(v["results"], json!([0]), "{v}");
     assert_eq!(
-        t.plane().memory.snapshot(mem_off(1, 3), BLOCK).unwrap(),
+        t.plane().memory().snapshot(mem_off(1, 3), BLOCK).unwrap(),
         pattern(7, BLOCK as usize)
     );
 }

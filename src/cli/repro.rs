@@ -69,6 +69,11 @@ pub struct ReproArgs {
     /// unknown and duplicate ids, crashes and restarts, late writes after the deadline.
     #[arg(long)]
     pub soak: bool,
+    /// With `--soak`: every P worker evicts its cached D layouts before every n-th pull
+    /// (vLLM 0.33's LRU), so pulls that omitted their layout get LAYOUT_MISS and are resent
+    /// with it (row `layout resends`). 0: no eviction.
+    #[arg(long, default_value_t = kvrecv::repro::scenario::SOAK_EVICT_LAYOUTS_EVERY)]
+    pub evict_layouts_every: u32,
     /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -114,7 +119,11 @@ impl ReproArgs {
             pull_timeout: Duration::from_millis(self.pull_timeout_ms),
             quarantine_deadline: Duration::from_millis(self.quarantine_deadline_ms),
             windows: self.windows,
-            soak: self.soak.then(Soak::default),
+            soak: self.soak.then(|| Soak {
+                evict_layouts_every: (self.evict_layouts_every > 0)
+                    .then_some(self.evict_layouts_every),
+                ..Soak::default()
+            }),
         }
     }
 }

@@ -101,6 +101,9 @@ pub enum LandingPauseError {
     /// writable, so it must not be released.
     #[error("{0}")]
     Failed(String),
+    /// A resume's new memory cannot hold the layout: still paused, on the old memory.
+    #[error("the new memory does not fit the layout: {0}")]
+    DoesNotFit(#[from] crate::rdma::memory_fit::MemoryFitError),
 }
 
 /// The start of the reason a request fails with when its batch's pulls could not all get a
@@ -216,6 +219,19 @@ pub trait Landing: Send + Sync + 'static {
     fn resume(&self) -> Result<(), LandingPauseError> {
         Err(LandingPauseError::Unsupported(
             "this landing has no pause".into(),
+        ))
+    }
+
+    /// [`Landing::resume`] on `memory`, the host's new regions, checked against the layout
+    /// first ([`LandingPauseError::DoesNotFit`]). Only while paused: every write after it
+    /// lands in `memory`, none in the old memory, which the host may free once this returned.
+    /// On an error the landing is still paused, on the old memory.
+    fn resume_on(
+        &self,
+        _memory: &crate::rdma::memory::HostMemory,
+    ) -> Result<(), LandingPauseError> {
+        Err(LandingPauseError::Unsupported(
+            "this landing cannot resume on new memory".into(),
         ))
     }
 }

@@ -142,7 +142,9 @@ impl HostRegion {
     /// # Safety
     /// The caller guarantees, for as long as any [`crate::embed::KvRecv`] handle (or
     /// [`super::TcpTarget`], or RDMA target, which registers it with the NIC until it is
-    /// dropped) built with this region exists, and until its shutdown completed:
+    /// dropped) built with this region exists, and until its shutdown completed, or until a
+    /// [`crate::embed::KvRecv::resume`] onto other memory returned (one onto this region:
+    /// from the call on):
     /// - `ptr..ptr + len` is valid, writable memory of one allocation, and stays allocated and
     ///   at the same address (pinned: not freed, moved, reallocated or unmapped);
     /// - kvrecv may write any block of it whose request is loaded and not yet released, from

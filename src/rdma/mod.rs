@@ -18,6 +18,7 @@ pub mod fake_device;
 pub mod handshake_daemon;
 pub mod landing;
 pub mod memory;
+pub mod memory_fit;
 pub mod tcp;
 #[doc(hidden)]
 pub mod verbs;

@@ -23,6 +23,9 @@ pub struct VariantReport {
     pub writes_after_realloc: u64,
     /// Late writes the landing permits refused.
     pub late_writes_rejected: u64,
+    /// Pulls P answered `LAYOUT_MISS` (its layout cache evicted, `--soak`) and D resent with
+    /// their layout (a lower bound when the soak restarted a worker).
+    pub layout_resends: u64,
     /// Landing windows poisoned because their pull's writer may still write (the epoch rule).
     pub windows_poisoned: u64,
     /// Pulls that found no clean window and failed safe (their writes refused at P).
@@ -110,6 +113,10 @@ impl Report {
             (
                 "late block writes rejected",
                 Box::new(|r| r.late_writes_rejected.to_string()),
+            ),
+            (
+                "layout resends (LAYOUT_MISS)",
+                Box::new(|r| r.layout_resends.to_string()),
             ),
             (
                 "windows poisoned",

@@ -137,8 +137,13 @@ async fn start_d(
 /// The seed's faults: peer 0 reports failures after writing; the other peer writes late.
 fn base_faults(scn: &Scenario) -> impl Fn(u32) -> Faults + Clone + 'static {
     let (fail_rate, delay_ms, p_tp) = (scn.fail_rate, scn.delay_ms, scn.p_tp);
+    // The soak's layout evictions are on for every worker all along, under every other fault.
+    let evict = scn.soak.as_ref().and_then(|s| s.evict_layouts_every);
     move |tp: u32| {
-        let mut f = Faults::default();
+        let mut f = Faults {
+            evict_layouts_every: evict,
+            ..Faults::default()
+        };
         if tp == 0 {
             f.failure_rate = fail_rate;
         }
@@ -425,6 +430,16 @@ async fn run_variant(
     bar.finish();
     stepper.abort();
     let pulls = sim.lock().await.pulls_received();
+    // Every LAYOUT_MISS P answered is a pull that omitted its layout (a pull that carried it
+    // is cached before the lookup): D resent each with its layout. A worker restarted by the
+    // soak starts counting again, so this is a lower bound.
+    let layout_resends: u64 = sim
+        .lock()
+        .await
+        .workers()
+        .iter()
+        .map(|w| w.layout_stats().misses)
+        .sum();
     let stats = d.coord.block_manager.send(GetLedgerStats).await?;
     let audit = d.audit.snapshot();
     let relaxed = std::sync::atomic::Ordering::Relaxed;
@@ -450,6 +465,7 @@ async fn run_variant(
         writes_after_free: audit.writes_after_free + audit.writes_after_realloc,
         writes_after_realloc: audit.writes_after_realloc,
         late_writes_rejected: late,
+        layout_resends,
         windows_poisoned: epochs.poisoned.load(relaxed),
         pulls_without_window: epochs.exhausted.load(relaxed),
         leaked: counts.iter().filter(|c| **c == 0).count(),

@@ -52,17 +52,26 @@ impl Variant {
 /// Faults beyond the seed's, switched on by `--soak`: every `period`, one peer misbehaves in one
 /// way for a while (hang past the deadline, garbage replies, omissions, crash and restart, peer-
 /// wide ERROR, unknown and duplicate ids, late writes landing after the deadline), then recovers.
+/// Throughout, every P worker evicts its cached D layouts (vLLM 0.33's LRU) before every
+/// `evict_layouts_every`-th pull: pulls that omitted their layout get `LAYOUT_MISS` and D
+/// resends them with it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Soak {
     pub period: Duration,
     pub fault_for: Duration,
+    /// Evict P's layout cache before every n-th pull of each worker (`None`: never).
+    pub evict_layouts_every: Option<u32>,
 }
+
+/// Default of [`Soak::evict_layouts_every`]: often enough that every soak resends.
+pub const SOAK_EVICT_LAYOUTS_EVERY: u32 = 5;
 
 impl Default for Soak {
     fn default() -> Self {
         Soak {
             period: Duration::from_millis(1500),
             fault_for: Duration::from_millis(700),
+            evict_layouts_every: Some(SOAK_EVICT_LAYOUTS_EVERY),
         }
     }
 }

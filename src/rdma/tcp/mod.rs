@@ -2,6 +2,7 @@
 //! that admit a write only for its own pull, the data server and the wire format it speaks, and
 //! the target that starts them with the shared handshake daemon.
 
+pub mod memory_slot;
 #[doc(hidden)]
 pub mod permits;
 mod request_pulls;

@@ -1300,6 +1300,8 @@ pub struct TcpLanding {
     permits: Arc<PermitTable>,
     host: String,
     port: u32,
+    /// The data server's memory, swapped by a resume on new memory (`None`: not swappable).
+    memory: Option<Arc<super::memory_slot::MemorySlot>>,
 }
 
 impl TcpLanding {
@@ -1309,7 +1311,14 @@ impl TcpLanding {
             permits,
             host: host.to_owned(),
             port: u32::from(port),
+            memory: None,
         }
+    }
+
+    /// The data server's memory slot, which [`Landing::resume_on`] swaps.
+    pub fn with_memory(mut self, slot: Arc<super::memory_slot::MemorySlot>) -> Self {
+        self.memory = Some(slot);
+        self
     }
 
     /// The permit table.
@@ -1365,6 +1374,53 @@ impl Landing for TcpLanding {
 
     fn resume(&self) -> Result<(), crate::rdma::LandingPauseError> {
         self.permits.set_paused(false);
+        Ok(())
+    }
+
+    /// The data server's memory swapped while every write is refused and no permit is open
+    /// (each request's completion revoked its own, and quiesced, before the pause): no write
+    /// admitted before the pause passes its gate again, so none touches the old memory, and
+    /// every write admitted after the unpause takes the new one (`MemorySlot`).
+    fn resume_on(
+        &self,
+        memory: &crate::rdma::memory::HostMemory,
+    ) -> Result<(), crate::rdma::LandingPauseError> {
+        use crate::rdma::LandingPauseError as E;
+        let Some(slot) = &self.memory else {
+            return Err(E::Unsupported("no swappable memory".into()));
+        };
+        if !self.permits.is_paused() {
+            return Err(E::Failed(
+                "not paused: the memory is swapped only while paused".into(),
+            ));
+        }
+        if !self.permits.enabled() {
+            // Nothing gates a write in flight: one admitted before the pause may still copy.
+            return Err(E::Unsupported(
+                "landing permits are off: a write in flight cannot be kept out of the old memory"
+                    .into(),
+            ));
+        }
+        if slot.current().is_staged() {
+            return Err(E::Unsupported(
+                "the worker lands in device memory; new host memory is not supported".into(),
+            ));
+        }
+        if self.permits.live() > 0 {
+            return Err(E::Failed(format!(
+                "{} landing permits still open while paused",
+                self.permits.live()
+            )));
+        }
+        let spans = self.permits.map().region_spans();
+        let needed: Vec<u64> = spans.iter().map(|&(_, len)| len).collect();
+        crate::rdma::memory_fit::check_fit(memory, &needed)?;
+        let fresh = crate::rdma::memory::RegisteredMemory::host_owned(memory.clone(), &spans)
+            .map_err(|e| E::Failed(e.to_string()))?;
+        // The old memory goes when the last revoked write holding it ends; none reads it.
+        drop(slot.replace(Arc::new(fresh)));
+        self.permits.set_paused(false);
+        tracing::info!("TCP landing resumed on new memory");
         Ok(())
     }
 

@@ -16,6 +16,7 @@ use tokio::sync::Semaphore;
 use crate::block_ownership::BlockOwnership;
 use crate::telemetry as m;
 
+use super::memory_slot::MemorySlot;
 use crate::rdma::accept_cap::Caps;
 use crate::rdma::conn_table::{ConnGuard, ConnTable, Phase};
 
@@ -101,7 +102,8 @@ impl DataStats {
 pub struct DataPlane {
     pub map: Arc<WindowMap>,
     pub permits: Arc<PermitTable>,
-    pub memory: Arc<RegisteredMemory>,
+    /// Where writes land: swapped only while paused (sleep mode's resume on new memory).
+    memory: Arc<MemorySlot>,
     pub stats: Arc<DataStats>,
     pub idle_timeout: Duration,
     /// Open connections at most; at the cap the idlest is evicted for a new one, and a new one
@@ -124,7 +126,7 @@ impl std::fmt::Debug for DataPlane {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DataPlane")
             .field("permits", &self.permits)
-            .field("memory", &self.memory)
+            .field("memory", &self.memory.current())
             .finish()
     }
 }
@@ -138,7 +140,7 @@ impl DataPlane {
         DataPlane {
             map: permits.map().clone(),
             permits,
-            memory,
+            memory: Arc::new(MemorySlot::new(memory)),
             stats: Arc::default(),
             idle_timeout,
             max_connections: DEFAULT_MAX_DATA_CONNECTIONS,
@@ -184,6 +186,16 @@ impl DataPlane {
         self.audit
             .get_or_init(|| Auditor::new(ownership))
             .counters()
+    }
+
+    /// The destination memory now (a resume on new memory replaces it).
+    pub fn memory(&self) -> Arc<RegisteredMemory> {
+        self.memory.current()
+    }
+
+    /// The slot the destination memory is in (the landing swaps it at a resume).
+    pub fn memory_slot(&self) -> &Arc<MemorySlot> {
+        &self.memory
     }
 
     /// Audit counters, if audit mode is on.
@@ -381,8 +393,11 @@ async fn land(
     admitted: &Admitted,
 ) -> Result<(), ConnEnd> {
     let size = h.size;
-    if plane.memory.is_staged() {
-        land_staged(stream, plane, h, r, admitted).await?;
+    // Taken after the admission: a write admitted after a resume lands in the memory the
+    // resume put in place (the slot's doc).
+    let memory = plane.memory.current();
+    if memory.is_staged() {
+        land_staged(stream, plane, &memory, h, r, admitted).await?;
         landed(plane, admitted, size);
         return Ok(());
     }
@@ -394,16 +409,16 @@ async fn land(
             };
             // SAFETY: `r` was resolved inside one region, so the range is in bounds; the slice
             // lives only for this non-blocking read (DMA-like contract of `RegisteredMemory`).
-            let dst = unsafe { plane.memory.landing_slice(r.mem_offset + pos, size - pos)? };
+            let dst = unsafe { memory.landing_slice(r.mem_offset + pos, size - pos)? };
             match stream.try_read(dst) {
                 Ok(0) => return Err(ConnEnd::Eof),
                 Ok(n) => {
                     pos += n as u64;
                     if pos == size {
-                        plane.memory.commit(r.mem_offset, size)?;
+                        memory.commit(r.mem_offset, size)?;
                         if let Some(a) = plane.audit.get() {
                             // SAFETY: as above; read-only view of what just landed.
-                            let landed = unsafe { plane.memory.landed(r.mem_offset, size)? };
+                            let landed = unsafe { memory.landed(r.mem_offset, size)? };
                             a.check(landed, r.offset, plane.map.block_len(r.region));
                         }
                         break;
@@ -442,6 +457,7 @@ fn landed(plane: &DataPlane, admitted: &Admitted, size: u64) {
 async fn land_staged(
     stream: &mut TcpStream,
     plane: &DataPlane,
+    memory: &Arc<RegisteredMemory>,
     h: &Header,
     r: &Resolved,
     admitted: &Admitted,
@@ -468,7 +484,7 @@ async fn land_staged(
         match done {
             Some(done) if filled == staging.len() || done => {
                 let Some(back) =
-                    upload(plane, admitted, r.mem_offset + pos, staging, filled).await?
+                    upload(plane, memory, admitted, r.mem_offset + pos, staging, filled).await?
                 else {
                     return Err(reject(stream, plane, h, RejectReason::Revoked).await);
                 };
@@ -501,6 +517,7 @@ async fn land_staged(
 /// revoked before its copy began (nothing copied).
 async fn upload(
     plane: &DataPlane,
+    memory: &Arc<RegisteredMemory>,
     admitted: &Admitted,
     at: u64,
     buf: Vec<u8>,
@@ -514,7 +531,7 @@ async fn upload(
     let Some(gate) = admitted.enter_owned() else {
         return Ok(None);
     };
-    let memory = Arc::clone(&plane.memory);
+    let memory = Arc::clone(memory);
     let (buf, copied) = tokio::task::spawn_blocking(move || {
         let copied = memory.upload(at, &buf[..len]);
         drop(gate);
@@ -538,12 +555,12 @@ async fn upload(
 /// Copy `buf.len()` destination bytes at `at` out of staged (device) memory on the blocking
 /// pool, `gate` held until they are out.
 async fn download(
-    plane: &DataPlane,
+    memory: &Arc<RegisteredMemory>,
     gate: OwnedGateGuard,
     at: u64,
     mut buf: Vec<u8>,
 ) -> Result<Vec<u8>, ConnEnd> {
-    let memory = Arc::clone(&plane.memory);
+    let memory = Arc::clone(memory);
     let (buf, copied) = tokio::task::spawn_blocking(move || {
         let copied = memory.read(at, &mut buf);
         drop(gate);
@@ -581,6 +598,8 @@ async fn serve_read(
     // Chunked so a READ costs at most one `MC_TCP_SLICE_SIZE` buffer whatever size the header
     // announces (1 MiB per connection let a 24-byte header pin 1 GiB across the connection cap).
     const CHUNK: u64 = 64 * 1024;
+    // Taken after the admission, as in `land`.
+    let memory = plane.memory.current();
     let mut buf = vec![0u8; h.size.min(CHUNK) as usize];
     let mut pos = 0u64;
     while pos < h.size {
@@ -594,11 +613,11 @@ async fn serve_read(
             let _ = stream.shutdown().await;
             return Err(ConnEnd::Rejected(RejectReason::Revoked));
         };
-        if plane.memory.is_staged() {
+        if memory.is_staged() {
             buf.truncate(n);
-            buf = download(plane, gate, r.mem_offset + pos, buf).await?;
+            buf = download(&memory, gate, r.mem_offset + pos, buf).await?;
         } else {
-            plane.memory.read(r.mem_offset + pos, &mut buf[..n])?;
+            memory.read(r.mem_offset + pos, &mut buf[..n])?;
             drop(gate);
         }
         send(stream, plane, &buf[..n]).await?;

@@ -236,11 +236,10 @@ impl TcpTarget {
                 .with_max_per_address(cfg.max_data_connections_per_address)
                 .with_reads(cfg.serve_reads),
         );
-        let landing = Arc::new(TcpLanding::new(
-            permits,
-            &cfg.advertise_host,
-            handshake_addr.port(),
-        ));
+        let landing = Arc::new(
+            TcpLanding::new(permits, &cfg.advertise_host, handshake_addr.port())
+                .with_memory(Arc::clone(plane.memory_slot())),
+        );
         let tasks = vec![
             tokio::spawn(handshake_daemon::serve(hs, daemon.clone())),
             tokio::spawn(server::serve(data, plane.clone())),

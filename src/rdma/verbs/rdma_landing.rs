@@ -368,17 +368,54 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
             }
             w.paused = false;
         }
-        if let Some(e) = self.core.retire_poisoned() {
-            return Err(crate::rdma::LandingPauseError::Failed(e));
+        self.core.register_again()
+    }
+
+    /// The old memory's windows are all deregistered while paused (a pause that failed to
+    /// deregister one is retried here first, and refuses the swap if it fails again); then
+    /// the registrations take the new spans, and windows are registered on them at fresh IOVA
+    /// slots with fresh rkeys: no key ever reaches the old memory again.
+    fn resume_on(
+        &self,
+        memory: &crate::rdma::memory::HostMemory,
+    ) -> Result<(), crate::rdma::LandingPauseError> {
+        use crate::rdma::LandingPauseError as E;
+        {
+            let w = lock(&self.core.windows);
+            if !w.paused {
+                return Err(E::Failed(
+                    "not paused: the memory is swapped only while paused".into(),
+                ));
+            }
+            if w.regs.is_device() {
+                return Err(E::Unsupported(
+                    "the worker lands in device memory; new host memory is not supported".into(),
+                ));
+            }
+            crate::rdma::memory_fit::check_fit(memory, &w.regs.region_lens())?;
         }
-        let missing = lock(&self.core.windows).keys.missing();
-        if missing > 0 {
-            return Err(crate::rdma::LandingPauseError::Failed(format!(
-                "{missing} RDMA landing windows could not be registered again"
+        if let Some(e) = self.core.retire_poisoned() {
+            return Err(E::Failed(format!(
+                "a window on the old memory is still registered: {e}"
             )));
         }
-        tracing::info!("RDMA landing resumed at fresh IOVA slots");
-        Ok(())
+        {
+            let mut w = lock(&self.core.windows);
+            if w.regs.any_live() {
+                return Err(E::Failed(
+                    "a window on the old memory is still registered".into(),
+                ));
+            }
+            let spans = memory
+                .regions()
+                .iter()
+                .map(|r| (r.as_ptr() as u64, r.len() as u64))
+                .collect();
+            w.regs.replace_memory(spans);
+            w.paused = false;
+        }
+        tracing::info!("RDMA landing resuming on new memory");
+        self.core.register_again()
     }
 
     fn open_pulls(&self, windows: &[PullWindow<'_>]) -> Result<Vec<RegionBases>, NoWindow> {
@@ -429,6 +466,21 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
 }
 
 impl<B: VerbsBackend + 'static> Core<B> {
+    /// After a resume: register as many windows as before at fresh slots, and publish.
+    fn register_again(&self) -> Result<(), crate::rdma::LandingPauseError> {
+        if let Some(e) = self.retire_poisoned() {
+            return Err(crate::rdma::LandingPauseError::Failed(e));
+        }
+        let missing = lock(&self.windows).keys.missing();
+        if missing > 0 {
+            return Err(crate::rdma::LandingPauseError::Failed(format!(
+                "{missing} RDMA landing windows could not be registered again"
+            )));
+        }
+        tracing::info!("RDMA landing resumed at fresh IOVA slots");
+        Ok(())
+    }
+
     /// Retire every poisoned window and register clean ones in their place; then publish the
     /// descriptor. Returns the first deregistration error.
     fn retire_poisoned(&self) -> Option<String> {

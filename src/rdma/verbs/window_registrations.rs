@@ -147,6 +147,28 @@ impl WindowRegistrations {
         first.map_or(Ok(()), Err)
     }
 
+    /// Whether the spans are device memory (registered through GPUDirect).
+    pub fn is_device(&self) -> bool {
+        self.device.is_some()
+    }
+
+    /// Bytes of every layout region, in layout order (what each span must hold).
+    pub fn region_lens(&self) -> Vec<u64> {
+        self.map
+            .region_spans()
+            .iter()
+            .map(|&(_, len)| len)
+            .collect()
+    }
+
+    /// Back every window registered from now on with `host` (one span per layout region,
+    /// each long enough; checked by the caller). Only with no window live: the old spans'
+    /// registrations are all gone, so no key reaches them.
+    pub fn replace_memory(&mut self, host: Vec<HostSpan>) {
+        debug_assert!(self.live.is_empty(), "a window on the old memory is live");
+        self.host = host;
+    }
+
     /// Whether anything is still registered.
     pub fn any_live(&self) -> bool {
         !self.live.is_empty()
