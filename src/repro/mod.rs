@@ -5,6 +5,7 @@
 pub mod bench;
 pub mod counting_writer;
 pub mod error;
+pub mod flood;
 pub mod report;
 pub mod run;
 pub mod scenario;

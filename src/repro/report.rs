@@ -26,6 +26,8 @@ pub struct VariantReport {
     /// Pulls P answered `LAYOUT_MISS` (its layout cache evicted, `--soak`) and D resent with
     /// their layout (a lower bound when the soak restarted a worker).
     pub layout_resends: u64,
+    /// Idle connections the soak's floods held open on D's handshake and data ports.
+    pub idle_connections_flooded: usize,
     /// Landing windows poisoned because their pull's writer may still write (the epoch rule).
     pub windows_poisoned: u64,
     /// Pulls that found no clean window and failed safe (their writes refused at P).
@@ -117,6 +119,10 @@ impl Report {
             (
                 "layout resends (LAYOUT_MISS)",
                 Box::new(|r| r.layout_resends.to_string()),
+            ),
+            (
+                "idle connections flooded",
+                Box::new(|r| r.idle_connections_flooded.to_string()),
             ),
             (
                 "windows poisoned",

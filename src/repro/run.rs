@@ -399,14 +399,19 @@ async fn run_variant(
         failing_peer,
     );
     let stepper = step_host(d.coord.clone());
+    let flooded = Rc::new(std::cell::Cell::new(0usize));
     let soaker = scn.soak.clone().map(|s| {
         actix::spawn(soak(
             s,
             sim.clone(),
-            scn.p_tp,
-            scn.p_pp,
-            scn.seed,
-            scn.pull_timeout,
+            SoakCtx {
+                p_tp: scn.p_tp,
+                p_pp: scn.p_pp,
+                seed: scn.seed,
+                pull_timeout: scn.pull_timeout,
+                flood_to: [d.target.handshake_addr(), d.target.data_addr()],
+                flooded: flooded.clone(),
+            },
             base_faults(scn),
         ))
     });
@@ -466,6 +471,7 @@ async fn run_variant(
         writes_after_realloc: audit.writes_after_realloc,
         late_writes_rejected: late,
         layout_resends,
+        idle_connections_flooded: flooded.get(),
         windows_poisoned: epochs.poisoned.load(relaxed),
         pulls_without_window: epochs.exhausted.load(relaxed),
         leaked: counts.iter().filter(|c| **c == 0).count(),
@@ -496,21 +502,47 @@ fn peer_ranks(scn: &Scenario) -> Vec<(u32, u32)> {
 }
 
 /// Soak: every period one random worker misbehaves one random way for a while, then recovers.
-async fn soak(
-    s: Soak,
-    sim: Rc<tokio::sync::Mutex<PrefillSim>>,
+/// What the soak needs of the run besides P.
+struct SoakCtx {
     p_tp: u32,
     p_pp: u32,
     seed: u64,
     pull_timeout: Duration,
+    /// D's handshake daemon and data server: where idle-connection floods go.
+    flood_to: [std::net::SocketAddr; 2],
+    /// Idle connections the floods opened, for the report.
+    flooded: Rc<std::cell::Cell<usize>>,
+}
+
+/// Idle connections a flood opens per port: past every cap (handshake 64, data 1,024 by
+/// default; 16 and 256 per address), so only eviction keeps the P workers in.
+const FLOOD_PER_PORT: usize = 1100;
+
+async fn soak(
+    s: Soak,
+    sim: Rc<tokio::sync::Mutex<PrefillSim>>,
+    c: SoakCtx,
     base: impl Fn(u32) -> Faults,
 ) {
-    let mut rng = SmallRng::seed_from_u64(seed ^ 0x50a6);
+    let (p_tp, p_pp, pull_timeout) = (c.p_tp, c.p_pp, c.pull_timeout);
+    let mut rng = SmallRng::seed_from_u64(c.seed ^ 0x50a6);
     loop {
         tokio::time::sleep(s.period).await;
         let (tp, pp) = (rng.random_range(0..p_tp), rng.random_range(0..p_pp));
         let mut f = base(tp);
-        let kind = rng.random_range(0..7);
+        let kind = rng.random_range(0..8);
+        if kind == 7 {
+            let opened = crate::repro::flood::hold_idle(
+                c.flood_to.to_vec(),
+                FLOOD_PER_PORT,
+                crate::repro::flood::FLOOD_FROM,
+                s.fault_for,
+            )
+            .await;
+            tracing::info!(opened, "soak: idle-connection flood held");
+            c.flooded.set(c.flooded.get() + opened);
+            continue;
+        }
         if kind == 5 {
             tracing::info!(tp, pp, "soak: crash");
             sim.lock().await.crash_worker(tp, pp).await;
