@@ -77,6 +77,15 @@ pub enum StartError {
     RdmaNotBuilt,
 }
 
+/// Memory the host hands over ([`crate::HostRegion`], [`crate::HostMemory`],
+/// [`crate::DeviceRegion`]) that kvrecv refused: the same error [`KvRecvBuilder::start`]
+/// returns when it checks that memory against the layout, so a host's `?` reads alike.
+impl From<crate::rdma::memory::MemoryError> for StartError {
+    fn from(e: crate::rdma::memory::MemoryError) -> Self {
+        StartError::Target(TargetError::Memory(e))
+    }
+}
+
 /// Why a call on a running handle failed.
 #[derive(Debug, Error)]
 pub enum KvRecvError {

@@ -22,6 +22,7 @@ pub mod layout;
 pub mod messages;
 #[cfg(feature = "cli")]
 pub mod metrics_endpoint;
+pub(crate) mod millis;
 pub mod rdma;
 #[doc(hidden)]
 #[cfg(feature = "cli")]

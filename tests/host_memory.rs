@@ -140,3 +140,24 @@ async fn regions_that_do_not_fit_the_layout_are_refused() {
     // SAFETY: refused before use.
     assert!(unsafe { HostRegion::new(std::ptr::null_mut(), 8) }.is_err());
 }
+
+/// A host's start-up function returns kvrecv's `StartError`; a refused region goes through
+/// `?` as the same error `start` gives for memory, with no detour through the data plane's
+/// types.
+#[test]
+fn a_refused_region_is_a_start_error_through_question_mark() {
+    fn hand_over() -> Result<HostMemory, kvrecv::StartError> {
+        // SAFETY: refused before use.
+        let region = unsafe { HostRegion::new(std::ptr::null_mut(), 8) }?;
+        Ok(HostMemory::new(vec![region]))
+    }
+    let e = hand_over().unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            kvrecv::StartError::Target(TargetError::Memory(MemoryError::HostRegions(m)))
+                if m.contains("null")
+        ),
+        "{e}"
+    );
+}

@@ -434,6 +434,16 @@ impl RegisteredMemory {
                 spans.len()
             )));
         }
+        // Too short first: a region one block short that ends where the next begins would
+        // otherwise read as the two overlapping, which names the wrong mistake.
+        for (i, (r, &(_, len))) in host.regions().iter().zip(spans).enumerate() {
+            if (r.len as u64) < len {
+                return Err(MemoryError::HostRegions(format!(
+                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
+                    r.len
+                )));
+            }
+        }
         let used: Vec<(u64, u64)> = host
             .regions()
             .iter()
@@ -448,12 +458,6 @@ impl RegisteredMemory {
         let mut segments = Vec::with_capacity(spans.len());
         let mut end = 0u64;
         for (i, (r, &(start, len))) in host.regions().iter().zip(spans).enumerate() {
-            if (r.len as u64) < len {
-                return Err(MemoryError::HostRegions(format!(
-                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
-                    r.len
-                )));
-            }
             if start != end {
                 return Err(MemoryError::HostRegions(format!(
                     "layout region {i} starts at {start}, expected {end}"
@@ -491,6 +495,15 @@ impl RegisteredMemory {
                         spans.len()
                     )));
                 }
+                // Too short first, as for host regions.
+                for (i, (r, &(_, need))) in regions.iter().zip(spans).enumerate() {
+                    if r.len < need {
+                        return Err(MemoryError::DeviceRegions(format!(
+                            "region {i} has {} bytes; the layout needs {need}",
+                            r.len
+                        )));
+                    }
+                }
                 let used: Vec<(u64, u64)> = regions
                     .iter()
                     .zip(spans)
@@ -508,12 +521,6 @@ impl RegisteredMemory {
                         return Err(MemoryError::DeviceRegions(format!(
                             "region {i} is on GPU {}, region 0 on GPU {ordinal}",
                             r.ordinal
-                        )));
-                    }
-                    if r.len < need {
-                        return Err(MemoryError::DeviceRegions(format!(
-                            "region {i} has {} bytes; the layout needs {need}",
-                            r.len
                         )));
                     }
                     segs.push((start, r.ptr, need));
@@ -781,6 +788,26 @@ mod tests {
     }
 
     #[test]
+    fn a_region_one_block_short_says_too_short_not_overlap() {
+        // One allocation carved per layer, the first one block (32 bytes) short: its span
+        // (64 bytes) runs into the second region.
+        let mut a = vec![0u8; 256];
+        let p = a.as_mut_ptr();
+        // SAFETY: `a` outlives the regions; nothing is written (the start is refused).
+        let regions = unsafe {
+            vec![
+                HostRegion::new(p, 32).unwrap(),
+                HostRegion::new(p.add(32), 64).unwrap(),
+            ]
+        };
+        let Err(e) = RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)])
+        else {
+            panic!("a short region accepted")
+        };
+        assert!(e.to_string().contains("region 0 has 32 bytes"), "{e}");
+    }
+
+    #[test]
     fn host_device_regions_are_checked_and_need_cuda() {
         // SAFETY: never dereferenced: every start below is refused before any copy.
         let r = |ordinal, ptr, len| unsafe { DeviceRegion::new(ordinal, ptr, len) }.unwrap();
@@ -803,6 +830,9 @@ mod tests {
         ));
         let e = err(vec![r(0, p0, 64), r(0, p0 + 32, 64)]);
         assert!(e.to_string().contains("overlap"), "{e}");
+        // Short, and ending where the next begins: too short is the mistake, not an overlap.
+        let e = err(vec![r(0, p0, 32), r(0, p0 + 32, 64)]);
+        assert!(e.to_string().contains("region 0 has 32 bytes"), "{e}");
         // Fits: the feature and a driver decide.
         let e = err(vec![r(0, p0, 64), r(0, p1, 64)]);
         #[cfg(not(feature = "cuda"))]

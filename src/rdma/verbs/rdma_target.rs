@@ -304,6 +304,11 @@ impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
     }
 }
 
+/// What a region needs, as a reason says it (`None`: more than 2^64 bytes).
+fn needed_bytes(needed: Option<u64>) -> String {
+    needed.map_or_else(|| "more than 2^64 bytes".into(), |n| n.to_string())
+}
+
 /// One host region per layout region, each large enough for its blocks.
 fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTargetError> {
     let regions = host.regions();
@@ -318,8 +323,9 @@ fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTa
         let needed = l.block_len.checked_mul(u64::from(layout.num_blocks));
         if needed.is_none_or(|n| (h.len() as u64) < n) {
             return Err(RdmaTargetError::HostRegions(format!(
-                "region {i} has {} bytes, the layout needs {needed:?}",
-                h.len()
+                "region {i} has {} bytes, the layout needs {} (block_len x num_blocks)",
+                h.len(),
+                needed_bytes(needed)
             )));
         }
     }
@@ -351,8 +357,9 @@ fn device_regions<'a>(
             Some(n) if d.len() >= n => used.push((d.ptr(), n)),
             _ => {
                 return Err(GpuDirectError::Regions(format!(
-                    "region {i} has {} bytes, the layout needs {needed:?}",
-                    d.len()
+                    "region {i} has {} bytes, the layout needs {}",
+                    d.len(),
+                    needed_bytes(needed)
                 ))
                 .into())
             }
