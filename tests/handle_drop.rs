@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::control::{ControlCpu, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
-use kvrecv::{HostMemory, HostRegion, KvRecv, KvRecvBuilder};
+use kvrecv::{HostMemory, KvRecv, KvRecvBuilder};
 
 /// The tests count every kvrecv thread of the process: one at a time.
 static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
@@ -75,18 +75,13 @@ fn settled(actors: usize) -> Vec<Task> {
     }
 }
 
-fn builder(kv_cache: &mut [Vec<u8>]) -> KvRecvBuilder {
-    let regions = kv_cache
-        .iter_mut()
-        // SAFETY: the Vecs outlive the worker: the drop in each test waits for its threads.
-        .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) })
-        .collect::<Result<Vec<_>, _>>()
-        .unwrap();
+/// A worker on memory the host hands over (two layers of 8 blocks).
+fn builder() -> KvRecvBuilder {
     KvRecv::builder(KvRecvConfig {
         layout: KvLayout::uniform(2, 4096, 8),
         ..KvRecvConfig::default()
     })
-    .host_memory(HostMemory::new(regions))
+    .host_memory(HostMemory::owned(vec![vec![0u8; 8 * 4096]; 2]).unwrap())
 }
 
 fn count(threads: &[Task], name: &str) -> usize {
@@ -101,11 +96,9 @@ async fn two_instances_pin_nothing_and_the_last_handle_dropped_leaves_no_kvrecv_
         all.contains(['-', ',']),
         "this test needs a process allowed more than one CPU, got {all}"
     );
-    let mut caches = [vec![vec![0u8; 8 * 4096]; 2], vec![vec![0u8; 8 * 4096]; 2]];
     for round in 0..3 {
-        let [a, b] = &mut caches;
-        let one = builder(a).start().unwrap();
-        let two = builder(b).start().unwrap();
+        let one = builder().start().unwrap();
+        let two = builder().start().unwrap();
         let clone = one.clone();
         let threads = settled(2);
         assert_eq!(
@@ -137,8 +130,7 @@ async fn two_instances_pin_nothing_and_the_last_handle_dropped_leaves_no_kvrecv_
 async fn asked_to_the_control_plane_runs_on_one_cpu() {
     let _alone = ALONE.lock().await;
     let all = cpus("/proc/thread-self/status");
-    let mut cache = vec![vec![0u8; 8 * 4096]; 2];
-    let kv = builder(&mut cache)
+    let kv = builder()
         .zmq(ZmqTransportConfig {
             control_cpu: ControlCpu::Current,
             ..ZmqTransportConfig::default()

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{LoadKv, LoadKvReply, LoadMetas, StepOutput};
+use crate::messages::{LoadKv, LoadKvReply, LoadMetas, ReqId, StepOutput};
 use crate::rdma::Landing;
 
 use super::block_ledger::{take_step, BlockLedger};
@@ -105,6 +105,27 @@ impl Coordinator {
     /// Whether admission is closed (sleep mode, DESIGN.md §7).
     pub fn is_paused(&self) -> bool {
         self.live.lock().is_paused()
+    }
+
+    /// Run `f` while `block` of KV-cache `group` belongs to no request, under the live set's
+    /// lock: no request is admitted (and so no landing permit opened) while `f` runs. The
+    /// request that holds the block instead, if one does.
+    pub(crate) fn with_unheld_block<R>(
+        &self,
+        group: u32,
+        block: u32,
+        f: impl FnOnce() -> R,
+    ) -> Result<R, ReqId> {
+        let live = self.live.lock();
+        match live.owner(group, block) {
+            Some(owner) => Err(owner.clone()),
+            None => Ok(f()),
+        }
+    }
+
+    /// Every request holding blocks now, with its blocks (per group, ascending).
+    pub(crate) fn holdings(&self) -> Vec<(ReqId, Vec<u32>)> {
+        self.live.lock().holdings()
     }
 
     /// Reopen admission after a resume.

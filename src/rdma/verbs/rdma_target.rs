@@ -104,6 +104,11 @@ pub struct RdmaTarget<B: VerbsBackend + 'static> {
     /// kvrecv's own destination memory (`None` with the host's regions). Leaked, never freed,
     /// if a window cannot be deregistered.
     owned: Option<Box<[u8]>>,
+    /// The host's regions, kept while registered: those kvrecv owns ([`HostRegion::owned`])
+    /// are freed only after their deregistration, and leaked like `owned` if it fails.
+    ///
+    /// [`HostRegion::owned`]: crate::rdma::memory::HostRegion::owned
+    host: Option<HostMemory>,
     landing: Arc<RdmaLanding<B>>,
     daemon: Arc<Daemon>,
     segment: String,
@@ -240,6 +245,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         Ok(RdmaTarget {
             handshake,
             owned,
+            host: device.is_none().then(|| cfg.host_memory.clone()).flatten(),
             landing,
             daemon,
             segment: name,
@@ -300,6 +306,7 @@ impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
         if let Err(e) = self.landing.close() {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
             std::mem::forget(self.owned.take());
+            std::mem::forget(self.host.take());
         }
     }
 }
