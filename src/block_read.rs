@@ -44,6 +44,12 @@ pub enum BlockReadError {
         /// The request holding it.
         req_id: ReqId,
     },
+    /// The memory was handed over as pointers ([`crate::HostRegion::new`]) and the worker is
+    /// paused or shut down: the host may have released it (its contract ends there), so
+    /// kvrecv reads none of it. Memory kvrecv owns ([`crate::HostMemory::owned`]) is read
+    /// then too.
+    #[error("host memory given by pointer is not read while the worker is paused or shut down")]
+    NotValid,
     /// A region shorter than the layout says (refused at start, so never seen).
     #[error("{0}")]
     Memory(#[from] MemoryError),

@@ -1189,25 +1189,39 @@ impl KvRecv {
     /// first). Safe and bounds-checked: only a block no request holds is read (one the host
     /// never loaded, or one a drain handed back in `finished_recving`), and no request can
     /// take it while it is copied; a held block is refused ([`BlockReadError::Held`]). Once
-    /// the worker stopped ([`KvRecv::shutdown`]) nothing writes, and any block is read.
+    /// the worker stopped ([`KvRecv::shutdown`]) nothing writes, and any block is read. Memory
+    /// given by pointer ([`crate::HostRegion::new`]) is not read while the worker is paused
+    /// or after it stopped ([`BlockReadError::NotValid`]: the host may have released it).
     pub fn read_block(&self, group: u32, block: u32) -> Result<Vec<Vec<u8>>, BlockReadError> {
         let (memory, layout) = self
             .inner
             .host_blocks
             .as_ref()
             .ok_or(BlockReadError::NoHostMemory)?;
-        if self.ended() {
-            return copy_block(memory, layout, group, block);
-        }
         crate::block_read::check_in_range(layout, group, block)?;
+        let owned = memory
+            .regions()
+            .iter()
+            .all(crate::rdma::memory::HostRegion::is_owned);
+        // Every check under the live set's lock, which a pause takes to close admission and a
+        // shutdown takes before it returns: neither completes (and lets the host release
+        // memory given by pointer) while a copy runs.
         self.inner
             .coord
-            .with_unheld_block(group, block, || copy_block(memory, layout, group, block))
-            .map_err(|req_id| BlockReadError::Held {
-                group,
-                block,
-                req_id,
-            })?
+            .with_block_owner(group, block, |owner, paused| {
+                let ended = self.ended();
+                if !owned && (paused || ended) {
+                    return Err(BlockReadError::NotValid);
+                }
+                match owner {
+                    Some(req_id) if !ended => Err(BlockReadError::Held {
+                        group,
+                        block,
+                        req_id: req_id.clone(),
+                    }),
+                    _ => copy_block(memory, layout, group, block),
+                }
+            })
     }
 }
 

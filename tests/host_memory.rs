@@ -86,7 +86,14 @@ async fn p_writes_land_in_the_hosts_own_vec() {
     }
     let step = kv.drain().await.unwrap();
     assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+    // Released: the handle reads it back from the host's own regions.
+    assert_eq!(kv.read_block(0, 3).unwrap()[1], expected_block("t-r1", 3));
     kv.shutdown().await;
+    // Memory given by pointer may be freed once shutdown returned: kvrecv reads none of it.
+    assert!(matches!(
+        kv.read_block(0, 3),
+        Err(kvrecv::BlockReadError::NotValid)
+    ));
     drop(sim);
     for (r, region) in kv_cache.iter().enumerate() {
         for b in 0..BLOCKS as u32 {

@@ -107,20 +107,17 @@ impl Coordinator {
         self.live.lock().is_paused()
     }
 
-    /// Run `f` while `block` of KV-cache `group` belongs to no request, under the live set's
-    /// lock: no request is admitted (and so no landing permit opened) while `f` runs. The
-    /// request that holds the block instead, if one does.
-    pub(crate) fn with_unheld_block<R>(
+    /// Run `f` with the request that holds `block` of KV-cache `group` (if any) and whether
+    /// admission is closed (a pause), under the live set's lock: no request is admitted (and
+    /// so no landing permit opened), released, or paused while `f` runs.
+    pub(crate) fn with_block_owner<R>(
         &self,
         group: u32,
         block: u32,
-        f: impl FnOnce() -> R,
-    ) -> Result<R, ReqId> {
+        f: impl FnOnce(Option<&ReqId>, bool) -> R,
+    ) -> R {
         let live = self.live.lock();
-        match live.owner(group, block) {
-            Some(owner) => Err(owner.clone()),
-            None => Ok(f()),
-        }
+        f(live.owner(group, block), live.is_paused())
     }
 
     /// Every request holding blocks now, with its blocks (per group, ascending).
