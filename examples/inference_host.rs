@@ -8,6 +8,8 @@
 //! `main` starts a simulated prefill engine (TP2, one rank failing 20% of its requests, the
 //! other slow) so the example runs on its own; a real server points `bootstrap`/`engine_id` at
 //! its router's P. `tests/inference_host.rs` runs the same [`InferenceHost`] with a P restart.
+//! It hands kvrecv memory it owns: no `unsafe` anywhere in it.
+#![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -15,7 +17,7 @@ use std::time::Duration;
 use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::{KvRecv, KvRecvBuilder, LoadTicket};
 use kvrecv::messages::{BatchError, KvRequest};
-use kvrecv::rdma::memory::{HostMemory, HostRegion};
+use kvrecv::HostMemory;
 
 /// A request that needs its prompt's KV from a prefill engine.
 #[derive(Debug, Clone)]
@@ -79,9 +81,6 @@ struct Attempt {
 /// The D side of an inference server: KV memory, allocator, scheduler state and kvrecv.
 pub struct InferenceHost {
     pub kv: KvRecv,
-    /// One Vec per layer: the model runner's KV cache (never resized: kvrecv writes into it).
-    cache: Vec<Vec<u8>>,
-    block_len: usize,
     pub alloc: Allocator,
     queue: VecDeque<(Prefilled, u32)>,
     live: HashMap<String, Attempt>,
@@ -105,24 +104,16 @@ impl InferenceHost {
         max_attempts: u32,
     ) -> Result<Self, kvrecv::embed::StartError> {
         let l = config.layout.clone();
-        let block_len = l.regions[0].block_len as usize;
-        let mut cache: Vec<Vec<u8>> = (0..l.regions.len())
-            .map(|_| vec![0u8; block_len * l.num_blocks as usize])
-            .collect();
-        // SAFETY: each Vec lives in `self.cache` until `shutdown` returned, is never resized,
-        // and a block is read or reused only after kvrecv released it (finished_recving).
-        let regions = cache
-            .iter_mut()
-            .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) })
-            .collect::<Result<_, _>>()
-            .map_err(kvrecv::rdma::tcp::target::TargetError::from)?;
-        let kv = KvRecvBuilder::new(config)
-            .host_memory(HostMemory::new(regions))
-            .start()?;
+        // One buffer per layer: the model runner's KV cache, handed to kvrecv (which owns it
+        // while it is registered; the host reads released blocks through `read_block`).
+        let cache = HostMemory::owned(
+            l.regions
+                .iter()
+                .map(|r| vec![0u8; r.block_len as usize * l.num_blocks as usize]),
+        )?;
+        let kv = KvRecvBuilder::new(config).host_memory(cache).start()?;
         Ok(InferenceHost {
             kv,
-            cache,
-            block_len,
             alloc: Allocator::new(l.num_blocks),
             queue: VecDeque::new(),
             live: HashMap::new(),
@@ -277,27 +268,16 @@ impl InferenceHost {
         }
     }
 
-    /// What the model runner sees in `block` of layer `region` (only meaningful for a block
-    /// this host owns and kvrecv released).
-    pub fn read_block(&self, region: usize, block: u32) -> Vec<u8> {
-        let at = block as usize * self.block_len;
-        // Through the raw pointer: kvrecv may be writing other blocks of this Vec right now.
-        let mut out = vec![0u8; self.block_len];
-        // SAFETY: in bounds of a live Vec; the range is not written concurrently (see above).
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.cache[region].as_ptr().add(at),
-                out.as_mut_ptr(),
-                self.block_len,
-            )
-        };
-        out
+    /// What the model runner sees in `block` of layer `region`: a block this host owns (kvrecv
+    /// released it, or never had it). kvrecv refuses one a request still holds.
+    pub fn read_block(&self, region: usize, block: u32) -> Result<Vec<u8>, kvrecv::BlockReadError> {
+        Ok(self.kv.read_block(0, block)?.swap_remove(region))
     }
 
-    /// Stop kvrecv; only then may the KV cache go.
-    pub async fn shutdown(self) {
-        self.kv.shutdown().await;
-        drop(self.cache);
+    /// Stop kvrecv: the report says which requests it abandoned and whether their blocks are
+    /// safe to reuse now (the KV cache goes with the last handle).
+    pub async fn shutdown(self) -> kvrecv::PauseReport {
+        self.kv.shutdown().await
     }
 }
 

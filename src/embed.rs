@@ -28,13 +28,14 @@ use tokio::sync::oneshot;
 use futures::future::LocalBoxFuture;
 
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::block_read::{copy_block, BlockReadError};
 use crate::config::{ConfigError, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol};
 use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use crate::messages::{AbandonedRequest, BeginPause, NewRegistration, PauseReport};
 use crate::messages::{
     Abort, AbortReply, BatchError, GetLedgerStats, KvEvent, KvRequest, LedgerStats, LoadKv,
     LoadKvReply, LoadKvTo, Queued, ReqId, StepOutput,
 };
-use crate::messages::{BeginPause, NewRegistration, PauseReport};
 use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
 use crate::rdma::tcp::server::DataStats;
@@ -75,6 +76,15 @@ pub enum StartError {
          with --features rdma, or give a verbs backend with KvRecvBuilder::rdma"
     )]
     RdmaNotBuilt,
+}
+
+/// Memory the host hands over ([`crate::HostRegion`], [`crate::HostMemory`],
+/// [`crate::DeviceRegion`]) that kvrecv refused: the same error [`KvRecvBuilder::start`]
+/// returns when it checks that memory against the layout, so a host's `?` reads alike.
+impl From<crate::rdma::memory::MemoryError> for StartError {
+    fn from(e: crate::rdma::memory::MemoryError) -> Self {
+        StartError::Target(TargetError::Memory(e))
+    }
 }
 
 /// Why a call on a running handle failed.
@@ -404,6 +414,11 @@ impl KvRecvBuilder {
             peer_binding,
         } = self;
         target.layout = config.layout.clone();
+        // What `read_block` reads: the host's memory, unless device memory takes its place.
+        let host_blocks = match (&target.device_memory, &target.host_memory) {
+            (None, Some(host)) => Some((host.clone(), config.layout.clone())),
+            _ => None,
+        };
         let rdma = match (config.mooncake_protocol, rdma) {
             (MooncakeProtocol::Tcp, _) => None,
             (MooncakeProtocol::Rdma, Some(r)) => Some(r),
@@ -417,6 +432,7 @@ impl KvRecvBuilder {
             config.load_failure_policy,
             worker_threads,
             rx,
+            host_blocks,
             move || async move {
                 let (landing, data, keep) = match rdma {
                     Some(start_rdma) => {
@@ -559,6 +575,7 @@ fn spawn_worker<D, DFut, T, M>(
     load_failure_policy: LoadFailurePolicy,
     worker_threads: usize,
     events: Option<UnboundedReceiver<KvEvent>>,
+    host_blocks: Option<(HostMemory, crate::layout::KvLayout)>,
     start_data: D,
     make: M,
 ) -> Result<KvRecv, StartError>
@@ -648,6 +665,7 @@ where
             done: futures::FutureExt::shared(done_rx),
             thread: Some(thread),
             sleep: tokio::sync::Mutex::new(()),
+            host_blocks,
         }),
     })
 }
@@ -681,6 +699,9 @@ struct Inner {
     thread: Option<std::thread::JoinHandle<()>>,
     /// Held by a pause or a resume for its whole course: one at a time.
     sleep: tokio::sync::Mutex<()>,
+    /// The host's memory and its layout, for [`KvRecv::read_block`] (`None` without host
+    /// memory).
+    host_blocks: Option<(HostMemory, crate::layout::KvLayout)>,
 }
 
 impl Drop for Inner {
@@ -698,6 +719,15 @@ impl Drop for Inner {
             || current.name().is_some_and(|n| n.starts_with("kvrecv-io"));
         if !ours {
             let _ = thread.join();
+            // Nothing can return a report from here: say it, for an operator.
+            let held = self.coord.holdings();
+            if !held.is_empty() {
+                tracing::warn!(
+                    requests = held.len(),
+                    blocks = held.iter().map(|(_, b)| b.len()).sum::<usize>(),
+                    "kvrecv dropped while requests held blocks (KvRecv::shutdown reports them)"
+                );
+            }
         }
     }
 }
@@ -841,6 +871,7 @@ impl KvRecv {
         spawn_worker(
             LoadFailurePolicy::default(),
             1,
+            None,
             None,
             || async { Ok(((), None, Box::new(()) as Box<dyn std::any::Any>)) },
             move |()| Coordinator::start(make()),
@@ -1135,10 +1166,84 @@ impl KvRecv {
 
     /// Stop the worker (every clone) and wait until its thread has stopped its actors and
     /// listeners. Calls after this fail with [`KvRecvError::Stopped`].
-    pub async fn shutdown(&self) {
+    ///
+    /// The report lists the requests abandoned: each one that still held blocks when the
+    /// worker stopped (in flight, or completed and held for a fence), with its blocks (per
+    /// KV-cache group, ascending). `fenced`: kvrecv's own data plane is closed (TCP: its
+    /// server and connections are gone; RDMA: every window deregistered), so no peer can
+    /// write those blocks any more and they are the host's to reuse now. `forced` instead (a
+    /// handle of [`KvRecv::from_parts`], whose landing is the host's): kvrecv could not close
+    /// it, the host's landing decides when they are safe. Requests that completed and
+    /// were released but not yet drained are not in it (their blocks were released: drain
+    /// before shutting down to learn of them). Every clone gets the same report. A handle
+    /// dropped without `shutdown` cannot report: it logs how many requests it abandoned.
+    pub async fn shutdown(&self) -> PauseReport {
         self.inner.system.stop();
         // Every clone waits for the same end, however many call this.
         let _ = self.inner.done.clone().await;
+        // kvrecv's threads ended: who holds which block no longer changes.
+        let fenced = self.inner.data.is_some();
+        PauseReport {
+            abandoned: self
+                .inner
+                .coord
+                .holdings()
+                .into_iter()
+                .map(|(req_id, blocks)| AbandonedRequest {
+                    req_id,
+                    blocks,
+                    fenced,
+                    forced: !fenced,
+                })
+                .collect(),
+        }
+    }
+
+    /// Whether kvrecv's thread has ended (after [`KvRecv::shutdown`], or a start that failed
+    /// later): nothing of the worker writes any more.
+    fn ended(&self) -> bool {
+        self.inner.done.peek().is_some()
+    }
+
+    /// A copy of `block` of KV-cache `group` from the host's memory
+    /// ([`KvRecvBuilder::host_memory`]): one `Vec` per layout region of the group, in layout
+    /// order, each the block's whole stride (`block_len`; its KV bytes, `kv_block_len`,
+    /// first). Safe and bounds-checked: only a block no request holds is read (one the host
+    /// never loaded, or one a drain handed back in `finished_recving`), and no request can
+    /// take it while it is copied; a held block is refused ([`BlockReadError::Held`]). Once
+    /// the worker stopped ([`KvRecv::shutdown`]) nothing writes, and any block is read. Memory
+    /// given by pointer ([`crate::HostRegion::new`]) is not read while the worker is paused
+    /// or after it stopped ([`BlockReadError::NotValid`]: the host may have released it).
+    pub fn read_block(&self, group: u32, block: u32) -> Result<Vec<Vec<u8>>, BlockReadError> {
+        let (memory, layout) = self
+            .inner
+            .host_blocks
+            .as_ref()
+            .ok_or(BlockReadError::NoHostMemory)?;
+        crate::block_read::check_in_range(layout, group, block)?;
+        let owned = memory
+            .regions()
+            .iter()
+            .all(crate::rdma::memory::HostRegion::is_owned);
+        // Every check under the live set's lock, which a pause takes to close admission and a
+        // shutdown takes before it returns: neither completes (and lets the host release
+        // memory given by pointer) while a copy runs.
+        self.inner
+            .coord
+            .with_block_owner(group, block, |owner, paused| {
+                let ended = self.ended();
+                if !owned && (paused || ended) {
+                    return Err(BlockReadError::NotValid);
+                }
+                match owner {
+                    Some(req_id) if !ended => Err(BlockReadError::Held {
+                        group,
+                        block,
+                        req_id: req_id.clone(),
+                    }),
+                    _ => copy_block(memory, layout, group, block),
+                }
+            })
     }
 }
 

@@ -14,6 +14,7 @@
 
 pub mod actors;
 pub mod block_ownership;
+pub mod block_read;
 pub mod config;
 pub mod control;
 pub mod embed;
@@ -22,6 +23,7 @@ pub mod layout;
 pub mod messages;
 #[cfg(feature = "cli")]
 pub mod metrics_endpoint;
+pub(crate) mod millis;
 pub mod rdma;
 #[doc(hidden)]
 #[cfg(feature = "cli")]
@@ -31,6 +33,7 @@ pub mod repro;
 pub mod sim;
 pub mod telemetry;
 
+pub use block_read::BlockReadError;
 pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
 pub use embed::{
     DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, LoadTicket, PauseError,

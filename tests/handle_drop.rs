@@ -1,19 +1,34 @@
-//! Dropping the last handle waits for kvrecv's threads (its actors' thread and the data
-//! target's runtime) — which run where they should, the actors' thread on one CPU — so that nothing of the worker can write into the host's memory once the
-//! drop returned: a host that leaves early (`?`) frees its KV cache right after. Alone in its
-//! binary: it counts this process's threads by name.
+//! Where kvrecv's threads run, and that dropping the last handle waits for them (its actors'
+//! thread, the data target's runtime and libzmq's threads), so that nothing of the worker can
+//! write into the host's memory once the drop returned: a host that leaves early (`?`) frees
+//! its KV cache right after. By default nothing is pinned (a library leaves its host's thread
+//! placement alone); asked to, the control plane is pinned to one CPU. Alone in its binary: it
+//! counts this process's threads by name (its tests take turns).
+
+use std::time::{Duration, Instant};
 
 use kvrecv::config::KvRecvConfig;
+use kvrecv::control::{ControlCpu, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
-use kvrecv::{HostMemory, HostRegion, KvRecv};
+use kvrecv::{HostMemory, KvRecv, KvRecvBuilder};
+
+/// The tests count every kvrecv thread of the process: one at a time.
+static ALONE: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 /// The kernel's flag of a task inside `exit()`: past its last instruction of user code, and
 /// already joined as far as `pthread_join` is concerned; it stays listed in /proc until the
-/// kernel has released it, which on a busy CPU (the control plane's is pinned) takes a while.
+/// kernel has released it, which on a busy CPU takes a while.
 const PF_EXITING: u64 = 0x4;
 
+/// One thread of this process: its name and the CPUs it may run on.
+#[derive(Debug, Clone)]
+struct Task {
+    name: String,
+    cpus: String,
+}
+
 /// kvrecv's threads still running code: named `kvrecv*` and not exiting.
-fn kvrecv_threads() -> Vec<String> {
+fn kvrecv_threads() -> Vec<Task> {
     std::fs::read_dir("/proc/self/task")
         .expect("procfs")
         .filter_map(|t| {
@@ -26,9 +41,12 @@ fn kvrecv_threads() -> Vec<String> {
                 .nth(6)?
                 .parse()
                 .ok()?;
-            (flags & PF_EXITING == 0).then(|| comm.trim().to_owned())
+            (flags & PF_EXITING == 0).then(|| Task {
+                name: comm.trim().to_owned(),
+                cpus: cpus(dir.join("status")),
+            })
         })
-        .filter(|c| c.starts_with("kvrecv"))
+        .filter(|t| t.name.starts_with("kvrecv"))
         .collect()
 }
 
@@ -42,64 +60,99 @@ fn cpus(status: impl AsRef<std::path::Path>) -> String {
         .to_owned()
 }
 
+/// kvrecv's threads once `actors` threads are named `kvrecv`: a thread the actors' thread
+/// just spawned (the data runtime's) carries its name until it names itself `kvrecv-io`,
+/// which it does first thing. Gives up after 5 s (then the assertions say what is there).
+fn settled(actors: usize) -> Vec<Task> {
+    let t0 = Instant::now();
+    loop {
+        let now = kvrecv_threads();
+        let named = now.iter().filter(|t| t.name == "kvrecv").count();
+        if named == actors || t0.elapsed() > Duration::from_secs(5) {
+            return now;
+        }
+        std::thread::yield_now();
+    }
+}
+
+/// A worker on memory the host hands over (two layers of 8 blocks).
+fn builder() -> KvRecvBuilder {
+    KvRecv::builder(KvRecvConfig {
+        layout: KvLayout::uniform(2, 4096, 8),
+        ..KvRecvConfig::default()
+    })
+    .host_memory(HostMemory::owned(vec![vec![0u8; 8 * 4096]; 2]).unwrap())
+}
+
+fn count(threads: &[Task], name: &str) -> usize {
+    threads.iter().filter(|t| t.name == name).count()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_last_handle_dropped_leaves_no_kvrecv_thread() {
-    let mut kv_cache = vec![vec![0u8; 8 * 4096]; 2];
+async fn two_instances_pin_nothing_and_the_last_handle_dropped_leaves_no_kvrecv_thread() {
+    let _alone = ALONE.lock().await;
+    let all = cpus("/proc/thread-self/status");
+    assert!(
+        all.contains(['-', ',']),
+        "this test needs a process allowed more than one CPU, got {all}"
+    );
     for round in 0..3 {
-        let regions = kv_cache
-            .iter_mut()
-            // SAFETY: the Vecs outlive the worker: the drop below waits for its threads.
-            .map(|v| unsafe { HostRegion::new(v.as_mut_ptr(), v.len()) })
-            .collect::<Result<Vec<_>, _>>()
-            .unwrap();
-        let kv = KvRecv::builder(KvRecvConfig {
-            layout: KvLayout::uniform(2, 4096, 8),
-            ..KvRecvConfig::default()
+        let one = builder().start().unwrap();
+        let two = builder().start().unwrap();
+        let clone = one.clone();
+        let threads = settled(2);
+        assert_eq!(
+            count(&threads, "kvrecv"),
+            2,
+            "one actors' thread each: {threads:?}"
+        );
+        // libzmq's I/O thread and reaper, per instance, under a name of their own.
+        assert!(count(&threads, "kvrecv-zmq") >= 4, "{threads:?}");
+        assert!(count(&threads, "kvrecv-io") >= 2, "{threads:?}");
+        for t in &threads {
+            assert_eq!(t.cpus, all, "{} pinned by default: {threads:?}", t.name);
+        }
+        assert_eq!(
+            cpus("/proc/thread-self/status"),
+            all,
+            "the host's own thread is left as it was"
+        );
+        assert!(clone.drain().await.unwrap().is_empty());
+        drop(one);
+        drop(clone);
+        drop(two);
+        let left: Vec<String> = kvrecv_threads().into_iter().map(|t| t.name).collect();
+        assert_eq!(left, Vec::<String>::new(), "round {round}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn asked_to_the_control_plane_runs_on_one_cpu() {
+    let _alone = ALONE.lock().await;
+    let all = cpus("/proc/thread-self/status");
+    let kv = builder()
+        .zmq(ZmqTransportConfig {
+            control_cpu: ControlCpu::Current,
+            ..ZmqTransportConfig::default()
         })
-        .host_memory(HostMemory::new(regions))
         .start()
         .unwrap();
-        let clone = kv.clone();
-        assert!(!kvrecv_threads().is_empty(), "the worker runs");
-        // Its actors' thread pinned to one CPU (ZmqTransportConfig::control_cpu), its data
-        // runtime's threads and the host's own left with every CPU.
-        let all = cpus("/proc/thread-self/status");
-        let mut actors = 0;
-        for t in std::fs::read_dir("/proc/self/task").unwrap() {
-            let dir = t.unwrap().path();
-            let name = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-            match name.trim() {
-                "kvrecv" => {
-                    let one = cpus(dir.join("status"));
-                    if one.parse::<usize>().is_ok() {
-                        actors += 1;
-                        continue;
-                    }
-                    // A thread the worker's thread just spawned carries its name until it names
-                    // itself (the data runtime's, as `kvrecv-io`): wait for that rename, which
-                    // the thread does first thing; one that keeps the name unpinned is a failure.
-                    let t0 = std::time::Instant::now();
-                    let renamed = loop {
-                        let now = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-                        if now.trim() != "kvrecv" {
-                            break true;
-                        }
-                        if t0.elapsed() > std::time::Duration::from_secs(5) {
-                            break false;
-                        }
-                        std::thread::yield_now();
-                    };
-                    assert!(renamed, "a kvrecv thread on more than one CPU: {one}");
-                }
-                "kvrecv-io" => assert_eq!(cpus(dir.join("status")), all),
-                _ => {}
-            }
-        }
-        // libzmq's threads, once a pull made them, carry their creator's name and CPU.
-        assert!(actors >= 1);
-        assert!(clone.drain().await.unwrap().is_empty());
-        drop(kv);
-        drop(clone);
-        assert_eq!(kvrecv_threads(), Vec::<String>::new(), "round {round}");
+    let threads = settled(1);
+    let actors: Vec<&Task> = threads.iter().filter(|t| t.name == "kvrecv").collect();
+    assert_eq!(actors.len(), 1, "{threads:?}");
+    let cpu = &actors[0].cpus;
+    assert!(cpu.parse::<usize>().is_ok(), "actors on one CPU: {cpu}");
+    // libzmq's I/O thread is placed on it; its reaper inherits the actors' thread's mask.
+    let zmq: Vec<&Task> = threads.iter().filter(|t| t.name == "kvrecv-zmq").collect();
+    assert!(zmq.len() >= 2, "{threads:?}");
+    for t in zmq {
+        assert_eq!(&t.cpus, cpu, "{threads:?}");
     }
+    // The data runtime's threads gave the pinned CPU back.
+    for t in threads.iter().filter(|t| t.name == "kvrecv-io") {
+        assert_eq!(t.cpus, all, "{threads:?}");
+    }
+    assert_eq!(cpus("/proc/thread-self/status"), all, "the host's thread");
+    drop(kv);
+    assert!(kvrecv_threads().is_empty(), "{:?}", kvrecv_threads());
 }

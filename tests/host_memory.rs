@@ -86,7 +86,14 @@ async fn p_writes_land_in_the_hosts_own_vec() {
     }
     let step = kv.drain().await.unwrap();
     assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
+    // Released: the handle reads it back from the host's own regions.
+    assert_eq!(kv.read_block(0, 3).unwrap()[1], expected_block("t-r1", 3));
     kv.shutdown().await;
+    // Memory given by pointer may be freed once shutdown returned: kvrecv reads none of it.
+    assert!(matches!(
+        kv.read_block(0, 3),
+        Err(kvrecv::BlockReadError::NotValid)
+    ));
     drop(sim);
     for (r, region) in kv_cache.iter().enumerate() {
         for b in 0..BLOCKS as u32 {
@@ -139,4 +146,25 @@ async fn regions_that_do_not_fit_the_layout_are_refused() {
     assert!(e.to_string().contains("1 regions registered"), "{e}");
     // SAFETY: refused before use.
     assert!(unsafe { HostRegion::new(std::ptr::null_mut(), 8) }.is_err());
+}
+
+/// A host's start-up function returns kvrecv's `StartError`; a refused region goes through
+/// `?` as the same error `start` gives for memory, with no detour through the data plane's
+/// types.
+#[test]
+fn a_refused_region_is_a_start_error_through_question_mark() {
+    fn hand_over() -> Result<HostMemory, kvrecv::StartError> {
+        // SAFETY: refused before use.
+        let region = unsafe { HostRegion::new(std::ptr::null_mut(), 8) }?;
+        Ok(HostMemory::new(vec![region]))
+    }
+    let e = hand_over().unwrap_err();
+    assert!(
+        matches!(
+            &e,
+            kvrecv::StartError::Target(TargetError::Memory(MemoryError::HostRegions(m)))
+                if m.contains("null")
+        ),
+        "{e}"
+    );
 }

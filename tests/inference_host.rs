@@ -127,7 +127,7 @@ async fn the_example_host_survives_failures_delays_cancels_and_a_p_restart() {
                     let want = expected(transfer_id, b);
                     for layer in 0..LAYERS {
                         assert!(
-                            host.read_block(layer, b) == want,
+                            host.read_block(layer, b).unwrap() == want,
                             "{r:?}: layer {layer} block {b} holds other bytes"
                         );
                     }
@@ -182,5 +182,6 @@ async fn the_example_host_survives_failures_delays_cancels_and_a_p_restart() {
     );
     let data = host.kv.stats().await.unwrap().data.unwrap();
     assert_eq!(data.live_permits, 0);
-    host.shutdown().await;
+    let report = host.shutdown().await;
+    assert_eq!(report.abandoned, vec![], "an idle host abandons nothing");
 }

@@ -128,6 +128,29 @@ impl LiveSet {
         ids.into_iter().cloned().collect()
     }
 
+    /// The request that holds `block` of KV-cache `group`, if any (in flight, or completed and
+    /// not yet released).
+    pub fn owner(&self, group: u32, block: u32) -> Option<&ReqId> {
+        self.owners.get(&(group, block))
+    }
+
+    /// Every request that holds blocks, with them: per group, ascending (group-major).
+    pub fn holdings(&self) -> Vec<(ReqId, Vec<u32>)> {
+        let mut held: Vec<(u32, u32, &ReqId)> =
+            self.owners.iter().map(|(&(g, b), r)| (g, b, r)).collect();
+        held.sort_unstable();
+        let mut out: Vec<(ReqId, Vec<u32>)> = Vec::new();
+        let mut index: FastMap<&ReqId, usize> = FastMap::default();
+        for (_, block, req) in held {
+            let i = *index.entry(req).or_insert_with(|| {
+                out.push((req.clone(), Vec::new()));
+                out.len() - 1
+            });
+            out[i].1.push(block);
+        }
+        out
+    }
+
     /// Whether `req_id` was admitted and not yet handed over.
     pub fn is_live(&self, req_id: &ReqId) -> bool {
         self.live.contains(req_id)

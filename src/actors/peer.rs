@@ -351,7 +351,10 @@ impl Peer {
             let fx = self.state.abandon(
                 pull_id,
                 Cause::Timeout,
-                format!("no reply within the {timeout:?} pull deadline"),
+                format!(
+                    "no reply within the {} pull deadline",
+                    crate::millis::Millis(timeout)
+                ),
             );
             self.apply(pull_id, fx);
             // Nothing is owed once abandoned; the channel goes either way.
@@ -479,8 +482,9 @@ impl Peer {
         let fx = self.state.fail_unsent(
             pull.pull_id,
             format!(
-                "peer {} is down after a channel failure; not retried for {left:?}",
-                self.id()
+                "peer {} is down after a channel failure; not retried for {}",
+                self.id(),
+                crate::millis::Millis(left)
             ),
         );
         self.apply(pull.pull_id, fx);

@@ -66,13 +66,13 @@ impl RediscoveryConfig {
 /// Why a batch was failed without asking anyone.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum Unreachable {
-    #[error("peer {peer} is down ({reason}); not retried for {retry_in:?}")]
+    #[error("peer {peer} is down ({reason}); not retried for {}", crate::millis::Millis::of(.retry_in))]
     PeerDown {
         peer: PeerId,
         reason: String,
         retry_in: Duration,
     },
-    #[error("{last_error}; bootstrap not asked again for {retry_in:?}")]
+    #[error("{last_error}; bootstrap not asked again for {}", crate::millis::Millis::of(.retry_in))]
     LookupBackoff {
         last_error: String,
         retry_in: Duration,
@@ -283,6 +283,27 @@ mod tests {
     use super::*;
 
     const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn reasons_give_the_backoff_in_milliseconds() {
+        let down = Unreachable::PeerDown {
+            peer: PeerId::new("p"),
+            reason: "closed".into(),
+            retry_in: Duration::from_nanos(183_669_025),
+        };
+        assert!(
+            down.to_string().ends_with("not retried for 184 ms"),
+            "{down}"
+        );
+        let lookup = Unreachable::LookupBackoff {
+            last_error: "refused".into(),
+            retry_in: Duration::from_secs(2),
+        };
+        assert_eq!(
+            lookup.to_string(),
+            "refused; bootstrap not asked again for 2000 ms"
+        );
+    }
 
     fn r() -> Rediscovery {
         Rediscovery::new(RediscoveryConfig {

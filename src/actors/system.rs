@@ -7,7 +7,7 @@ use std::sync::Arc;
 use actix::{Actor, Addr};
 
 use crate::config::KvRecvConfig;
-use crate::messages::{LoadKv, LoadKvReply, LoadMetas, StepOutput};
+use crate::messages::{LoadKv, LoadKvReply, LoadMetas, ReqId, StepOutput};
 use crate::rdma::Landing;
 
 use super::block_ledger::{take_step, BlockLedger};
@@ -105,6 +105,24 @@ impl Coordinator {
     /// Whether admission is closed (sleep mode, DESIGN.md §7).
     pub fn is_paused(&self) -> bool {
         self.live.lock().is_paused()
+    }
+
+    /// Run `f` with the request that holds `block` of KV-cache `group` (if any) and whether
+    /// admission is closed (a pause), under the live set's lock: no request is admitted (and
+    /// so no landing permit opened), released, or paused while `f` runs.
+    pub(crate) fn with_block_owner<R>(
+        &self,
+        group: u32,
+        block: u32,
+        f: impl FnOnce(Option<&ReqId>, bool) -> R,
+    ) -> R {
+        let live = self.live.lock();
+        f(live.owner(group, block), live.is_paused())
+    }
+
+    /// Every request holding blocks now, with its blocks (per group, ascending).
+    pub(crate) fn holdings(&self) -> Vec<(ReqId, Vec<u32>)> {
+        self.live.lock().holdings()
     }
 
     /// Reopen admission after a resume.

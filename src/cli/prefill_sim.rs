@@ -1,6 +1,7 @@
 //! `kvrecv prefill-sim`: a simulated vLLM prefill engine (bootstrap server + one ROUTER per
 //! worker) for demos and manual tests. Prints one `ready` JSON line, then reads JSON commands on
-//! stdin: `{"op":"ready","transfer_ids":[..]}`, `{"op":"ready_all"}`,
+//! stdin: `{"op":"ready","transfer_ids":[..]}`, `{"op":"ready_all"}` (sticky: every request is
+//! ready from then on),
 //! `{"op":"faults","tp":0,"pp":0,"faults":{..}}`, `{"op":"crash","tp":0,"pp":0}`,
 //! `{"op":"restart","tp":0,"pp":0}`, `{"op":"stats"}`, `{"op":"shutdown"}`. It runs until
 //! `shutdown` or the end of stdin.
@@ -47,8 +48,20 @@ pub struct PrefillSimArgs {
     /// control-plane P: what `kvrecv bench` and `benches/baseline.py` measure).
     #[arg(long)]
     pub write: bool,
-    /// Faults of every worker, JSON (see `kvrecv::sim::Faults`).
-    #[arg(long)]
+    /// Faults of every worker, JSON: an object of any of these keys (missing ones: healthy).
+    ///
+    /// Rates are probabilities in 0..=1. `failure_rate` (a written request is reported
+    /// failed), `omission_rate` (a ready request is left out of both lists), `write_delay_ms`:
+    /// [min, max] (write duration per subset), `error_after_subsets`: n (answer ERROR after n
+    /// answered subsets), `error_names_subset`: bool (that ERROR names the current subset),
+    /// `reject_pulls`: "why" (refuse every pull with one ERROR), `hang`: bool (never answer),
+    /// `crash_after_subsets`: n (close the ROUTER after n answered subsets), `malformed`:
+    /// "garbage" | "multi_frame" | "bad_status" | {"oversized": bytes}, `unknown_ids`: bool
+    /// (an id D never asked for in every ok list), `duplicate_ids`: bool, `evict_layouts_every`:
+    /// n (forget cached D layouts every n-th pull), `legacy_0_32`: bool (vLLM 0.32: no layout
+    /// ids). Per worker at run time: the stdin op `{"op":"faults","tp":0,"pp":0,"faults":{..}}`.
+    /// Example: `--faults '{"failure_rate":0.2,"write_delay_ms":[0,50]}'`.
+    #[arg(long, verbatim_doc_comment)]
     pub faults: Option<String>,
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

@@ -1,6 +1,10 @@
 //! Where the control plane runs: the thread that drives the coordinator's actors and sockets,
 //! and libzmq's I/O thread.
 //!
+//! A library must not move its host's threads, so nothing is pinned unless asked
+//! ([`ControlCpu::Any`], the default); `kvrecv serve` and `kvrecv bench` ask for
+//! [`ControlCpu::Current`], which is what docs/PERFORMANCE.md measured.
+//!
 //! Every pull is a hand-off between those two threads in each direction (a send wakes the I/O
 //! thread through its mailbox, a reply wakes the actors' thread through the socket's). On two
 //! CPUs each hand-off is a cross-CPU wake-up (an inter-processor interrupt, a VM exit under a
@@ -16,19 +20,21 @@ use std::str::FromStr;
 ///
 /// ```
 /// use kvrecv::control::ControlCpu;
+/// assert_eq!(ControlCpu::default(), ControlCpu::Any);
 /// assert_eq!("current".parse::<ControlCpu>(), Ok(ControlCpu::Current));
 /// assert_eq!("3".parse::<ControlCpu>(), Ok(ControlCpu::Fixed(3)));
 /// assert_eq!(ControlCpu::Any.to_string(), "any");
 /// ```
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum ControlCpu {
-    /// Both threads on the CPU the actors' thread is running on when the transport starts
-    /// (the default): one CPU, no choice to make up front.
-    #[default]
+    /// Both threads on the CPU the actors' thread is running on when the transport starts:
+    /// one CPU, no choice to make up front (`kvrecv serve` and `kvrecv bench`).
     Current,
     /// Both threads on this CPU (numbered as the kernel numbers them).
     Fixed(usize),
-    /// Wherever the scheduler puts them (nothing is pinned).
+    /// Wherever the scheduler puts them: nothing is pinned (the default: a library leaves its
+    /// host's thread placement alone unless asked).
+    #[default]
     Any,
 }
 

@@ -23,7 +23,7 @@ pub enum HttpError {
     Connect { addr: String, reason: String },
     #[error("HTTP exchange failed: {0}")]
     Protocol(String),
-    #[error("no answer within {0:?}")]
+    #[error("no answer within {}", crate::millis::Millis::of(.0))]
     Timeout(Duration),
     #[error("response body over the {cap}-byte cap")]
     TooLarge { cap: usize },

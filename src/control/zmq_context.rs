@@ -98,6 +98,22 @@ impl ZmqContext {
         Ok(true)
     }
 
+    /// Start the context's threads (its I/O thread and its reaper) now, from a short-lived
+    /// thread named `name`: libzmq (as built here) does not name its threads, so they carry
+    /// the name of the thread that created the context's first socket. Their placement and
+    /// policy ([`Self::set_io_thread_cpu`], [`Self::set_io_thread_batch`]) must be set before;
+    /// the creating thread's CPU mask is the calling thread's (inherited), as it would be if
+    /// the caller made the first socket itself.
+    pub fn start_threads(&self, name: &str) -> std::io::Result<()> {
+        let ctx = self.clone();
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || ctx.socket(zmq::PAIR).map(drop))?
+            .join()
+            .map_err(|_| std::io::Error::other("the thread starting libzmq's threads panicked"))?
+            .map_err(std::io::Error::from)
+    }
+
     /// The socket cap in force.
     pub fn max_sockets(&self) -> i32 {
         // SAFETY: a live context.

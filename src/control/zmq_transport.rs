@@ -80,12 +80,14 @@ pub struct ZmqTransportConfig {
     /// (default on; the limit stays raised). Off for a host that keeps a low limit on purpose
     /// (`select()` and `FD_SETSIZE`): pulls then fail once descriptors run out.
     pub raise_nofile_limit: bool,
-    /// Where the control plane runs: the thread that creates the transport (the one that runs
-    /// the coordinator's actors and uses the sockets) and libzmq's I/O thread are pinned to one
-    /// CPU ([`ControlCpu::Current`], the default: the CPU that thread is on then), so that a
-    /// pull's hand-offs between them are not cross-CPU wake-ups. [`ControlCpu::Any`] pins
-    /// nothing. Threads that thread spawns later inherit its CPU (the data plane's runtimes
-    /// give theirs back: [`crate::control::control_cpu::unpin_current_thread`]).
+    /// Where the control plane runs. [`ControlCpu::Any`] (the default) pins nothing. Asked to
+    /// ([`ControlCpu::Current`]: the CPU the creating thread is on then; or
+    /// [`ControlCpu::Fixed`]), the thread that creates the transport (the one that runs the
+    /// coordinator's actors and uses the sockets) and libzmq's I/O thread are pinned to one
+    /// CPU, so that a pull's hand-offs between them are not cross-CPU wake-ups (`kvrecv serve`
+    /// and `kvrecv bench` do, docs/PERFORMANCE.md). Threads that thread spawns later inherit
+    /// its CPU (the data plane's runtimes give theirs back:
+    /// [`crate::control::control_cpu::unpin_current_thread`]).
     pub control_cpu: ControlCpu,
 }
 
@@ -113,6 +115,9 @@ pub struct ZmqTransport {
     labels: Labels,
     cpu: Option<usize>,
 }
+
+/// The name libzmq's threads (its I/O thread and its reaper) carry.
+pub const ZMQ_THREAD_NAME: &str = "kvrecv-zmq";
 
 /// How often the pool looks for DEALERs idle past their timeout.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -310,6 +315,12 @@ impl ZmqTransport {
             if let Err(e) = ctx.set_io_thread_batch() {
                 tracing::warn!(error = %e, "cannot set libzmq's I/O thread's policy");
             }
+        }
+        // libzmq's threads (I/O and reaper) start with the context's first socket and take
+        // the name of the thread that made it: made from a thread of their own, they are
+        // `kvrecv-zmq`, not the creating thread's name (a host's thread, or kvrecv's actors').
+        if let Err(e) = ctx.start_threads(ZMQ_THREAD_NAME) {
+            tracing::warn!(error = %e, "cannot start libzmq's threads up front; the first pull starts them");
         }
         let pool = Rc::new(Pool::new(&cfg));
         ZmqTransport {

@@ -4,13 +4,18 @@ use actix::Message;
 
 use super::ids::ReqId;
 
-/// The reason an aborted request's pending peers settle with (Uncertain: the peer was given
-/// the block addresses and may still be writing).
+/// The reason an aborted request's pending peers settle with.
 pub const ABORTED_BY_HOST: &str = "aborted by the host";
 
-/// Host -> Receiver: stop waiting for `req_id`. Peers still pending for it settle Uncertain
-/// ("aborted by the host"); the failure is published and the blocks are released once fenced,
-/// like any other uncertain settle (DESIGN.md §5).
+/// Host -> Receiver: stop waiting for `req_id`. Each peer still pending for it settles it
+/// ("aborted by the host") on P's answer to its pull, keeping what the answer proves: P's ok
+/// (its writes are done) or its failure settles Failed, with no suspect unless P's failure was
+/// a transfer-engine one; no answer settles Uncertain (the peer is a suspect, fenced before
+/// the blocks are released, DESIGN.md §5). P's answer is waited for up to
+/// [`KvRecvConfig::abort_grace`](crate::config::KvRecvConfig::abort_grace) once the pull owes
+/// nothing but aborted requests; a pull that still owes other requests keeps its
+/// `pull_timeout`, so an aborted request sharing a pull waits for that pull's answer. The
+/// request completes Failed either way.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "AbortReply")]
 pub struct Abort {
@@ -21,16 +26,18 @@ pub struct Abort {
 /// What an abort reached.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
 pub struct AbortReply {
-    /// Peers that still owed the request: each settles it Uncertain, at once or once the
-    /// other pending requests of its pull are settled.
+    /// Peers that still owed the request: each settles it on P's answer to its pull (Failed,
+    /// "aborted by the host", no suspect when P answered ok), or Uncertain (a suspect, fenced)
+    /// when no answer came within the abort's grace ([`Abort`]).
     pub peers_settled: usize,
     /// The request was loaded but not yet sent to any peer (its topology lookup was in
     /// flight): it completed Failed at once and is never sent.
     pub before_dispatch: bool,
 }
 
-/// Receiver -> Peer: settle `req_id` Uncertain if it is still pending in any pull (once the
-/// pull has nothing else pending, `PeerState::abort`); answers how many pulls held it.
+/// Receiver -> Peer: settle `req_id` as aborted if it is still pending in any pull, on P's
+/// answer or Uncertain after the abort's grace (`PeerState::abort`); answers how many pulls
+/// held it.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "usize")]
 pub struct AbortAtPeer {

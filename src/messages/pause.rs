@@ -30,24 +30,31 @@ pub struct PauseStarted {
 #[rtype(result = "()")]
 pub struct NewRegistration;
 
-/// What a pause did to the requests that held blocks.
+/// What a pause (or a shutdown) did to the requests that held blocks: what
+/// [`crate::KvRecv::pause`] and [`crate::KvRecv::shutdown`] return.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PauseReport {
-    /// Every request that held blocks when the pause began, in the order they were released:
-    /// each completed (failed, if the pause aborted it in flight) and reaches the host's drain.
+    /// A pause: every request that held blocks when it began, in the order they were
+    /// released; each completed (failed, if the pause aborted it in flight) and reaches the
+    /// host's drain. A shutdown: every request that held blocks when the worker stopped; none
+    /// reaches a drain any more.
     pub abandoned: Vec<AbandonedRequest>,
 }
 
-/// One request a pause waited for.
+/// One request a pause waited for, or a shutdown abandoned.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AbandonedRequest {
     /// The request.
     pub req_id: ReqId,
     /// Its blocks (every KV-cache group's, in order), the host's again.
     pub blocks: Vec<u32>,
-    /// A peer that may have been writing was fenced before the release (TCP: the
-    /// revocation refused its writes; RDMA: its queue pairs and windows).
+    /// A peer that may have been writing was fenced before the release (TCP: the revocation
+    /// refused its writes; RDMA: its queue pairs and windows; a shutdown: kvrecv's data plane
+    /// closed). Neither fenced nor forced: no peer was left to write (each answered). Either
+    /// way, not `forced` means the blocks are safe to reuse now.
     pub fenced: bool,
-    /// Released by the last-resort deadline, without a fence: a peer may still write.
+    /// Released by the last-resort deadline, without a fence: a peer may still write (a
+    /// shutdown of a [`crate::KvRecv::from_parts`] handle, whose landing is the host's: kvrecv
+    /// could not close it). Reuse these blocks last.
     pub forced: bool,
 }

@@ -116,14 +116,59 @@ pub enum MemoryKind {
     },
 }
 
-/// One KV cache region the host allocated and registers with kvrecv: a (pointer, length).
+/// One KV cache region registered with kvrecv: bytes the host hands over
+/// ([`HostRegion::owned`], safe: kvrecv owns them while they are registered) or a pointer and
+/// length into memory kvrecv cannot own ([`HostRegion::new`], `unsafe`: a foreign allocator).
 pub struct HostRegion {
+    ptr: NonNull<u8>,
+    len: usize,
+    /// The bytes, when kvrecv owns them ([`HostRegion::owned`]).
+    owned: Option<OwnedBytes>,
+}
+
+/// A boxed slice kvrecv owns, held as a raw pointer: the data plane writes through pointers
+/// into it from other threads, which a live `Box` (a unique reference) would not allow.
+struct OwnedBytes {
     ptr: NonNull<u8>,
     len: usize,
 }
 
-// SAFETY: the constructor's contract makes the region plain bytes shared like DMA memory;
-// kvrecv writes them through raw pointers only (module doc).
+impl OwnedBytes {
+    fn new(bytes: Box<[u8]>) -> Self {
+        let len = bytes.len();
+        // SAFETY: Box::into_raw never returns null.
+        let ptr = unsafe { NonNull::new_unchecked(Box::into_raw(bytes).cast::<u8>()) };
+        OwnedBytes { ptr, len }
+    }
+
+    /// The box again (nothing else may reach the bytes any more).
+    fn into_box(self) -> Box<[u8]> {
+        let this = std::mem::ManuallyDrop::new(self);
+        // SAFETY: `ptr` and `len` came from `Box::into_raw` of a `Box<[u8]>`, taken back once
+        // (`self` is not dropped).
+        unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                this.ptr.as_ptr(),
+                this.len,
+            ))
+        }
+    }
+}
+
+impl Drop for OwnedBytes {
+    fn drop(&mut self) {
+        // SAFETY: as in `into_box`; dropped once.
+        drop(unsafe {
+            Box::from_raw(std::ptr::slice_from_raw_parts_mut(
+                self.ptr.as_ptr(),
+                self.len,
+            ))
+        });
+    }
+}
+
+// SAFETY: the constructor's contract (or kvrecv's ownership, `owned`) makes the region plain
+// bytes shared like DMA memory; kvrecv writes them through raw pointers only (module doc).
 unsafe impl Send for HostRegion {}
 unsafe impl Sync for HostRegion {}
 
@@ -132,6 +177,7 @@ impl std::fmt::Debug for HostRegion {
         f.debug_struct("HostRegion")
             .field("ptr", &self.ptr)
             .field("len", &self.len)
+            .field("owned", &self.owned.is_some())
             .finish()
     }
 }
@@ -160,12 +206,63 @@ impl HostRegion {
         if len == 0 {
             return Err(MemoryError::HostRegions("empty region".into()));
         }
-        Ok(HostRegion { ptr, len })
+        Ok(HostRegion {
+            ptr,
+            len,
+            owned: None,
+        })
+    }
+
+    /// Hand `bytes` over as one KV region: kvrecv owns them while they are registered (as
+    /// long as any clone of the [`HostMemory`] holding the region lives: the worker keeps one
+    /// until its thread ended), so no contract is left to the host. Read a block back with
+    /// [`crate::KvRecv::read_block`]; take the memory back with [`HostMemory::take_back`].
+    /// An empty region is refused.
+    pub fn owned(bytes: impl Into<Box<[u8]>>) -> Result<Self, MemoryError> {
+        let bytes = bytes.into();
+        if bytes.is_empty() {
+            return Err(MemoryError::HostRegions("empty region".into()));
+        }
+        let owned = OwnedBytes::new(bytes);
+        Ok(HostRegion {
+            ptr: owned.ptr,
+            len: owned.len,
+            owned: Some(owned),
+        })
+    }
+
+    /// Whether kvrecv owns the bytes ([`HostRegion::owned`]).
+    pub fn is_owned(&self) -> bool {
+        self.owned.is_some()
     }
 
     /// Bytes.
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// Copy `out.len()` bytes from `offset` of the region. Only for bytes no writer can reach
+    /// now (a block no request holds: [`crate::KvRecv::read_block`] checks, under the lock
+    /// every admission takes).
+    pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<(), MemoryError> {
+        let end = offset.checked_add(out.len());
+        if end.is_none_or(|e| e > self.len) {
+            return Err(MemoryError::OutOfBounds {
+                offset: offset as u64,
+                len: out.len() as u64,
+                size: self.len as u64,
+            });
+        }
+        // SAFETY: in bounds (checked); the region is valid for `len` bytes (its constructor's
+        // contract, or owned), and the caller made sure nothing writes this range now.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
     }
 
     /// Start of the region (what a NIC registration covers).
@@ -188,6 +285,42 @@ impl HostMemory {
     /// The regions, in layout order.
     pub fn new(regions: Vec<HostRegion>) -> Self {
         HostMemory(regions.into())
+    }
+
+    /// The host's KV cache handed over whole, one buffer per layout region in layout order
+    /// (vLLM: one tensor per layer): safe, kvrecv owns the buffers while they are registered
+    /// ([`HostRegion::owned`]). `Vec<u8>` and `Box<[u8]>` both fit.
+    ///
+    /// ```
+    /// let memory = kvrecv::HostMemory::owned(vec![vec![0u8; 4096 * 8]; 2])?;
+    /// assert_eq!(memory.regions().len(), 2);
+    /// // ... start a worker on it; once every handle is gone, the buffers are the host's again:
+    /// let buffers = memory.take_back().expect("no other clone");
+    /// assert_eq!(buffers[1].len(), 4096 * 8);
+    /// # Ok::<(), kvrecv::MemoryError>(())
+    /// ```
+    pub fn owned<B: Into<Box<[u8]>>>(
+        regions: impl IntoIterator<Item = B>,
+    ) -> Result<Self, MemoryError> {
+        let regions = regions
+            .into_iter()
+            .map(HostRegion::owned)
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(HostMemory::new(regions))
+    }
+
+    /// The buffers back, once nothing else holds this memory: every other clone dropped
+    /// (the builder's, and the worker's, which go when the last [`crate::KvRecv`] handle was
+    /// dropped and its thread ended) and every region owned ([`HostRegion::owned`]).
+    /// Otherwise the memory comes back unchanged.
+    pub fn take_back(mut self) -> Result<Vec<Box<[u8]>>, HostMemory> {
+        match std::sync::Arc::get_mut(&mut self.0) {
+            Some(regions) if regions.iter().all(HostRegion::is_owned) => Ok(regions
+                .iter_mut()
+                .filter_map(|r| r.owned.take().map(OwnedBytes::into_box))
+                .collect()),
+            _ => Err(self),
+        }
     }
 
     /// The regions.
@@ -436,6 +569,16 @@ impl RegisteredMemory {
                 spans.len()
             )));
         }
+        // Too short first: a region one block short that ends where the next begins would
+        // otherwise read as the two overlapping, which names the wrong mistake.
+        for (i, (r, &(_, len))) in host.regions().iter().zip(spans).enumerate() {
+            if (r.len as u64) < len {
+                return Err(MemoryError::HostRegions(format!(
+                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
+                    r.len
+                )));
+            }
+        }
         let used: Vec<(u64, u64)> = host
             .regions()
             .iter()
@@ -450,12 +593,6 @@ impl RegisteredMemory {
         let mut segments = Vec::with_capacity(spans.len());
         let mut end = 0u64;
         for (i, (r, &(start, len))) in host.regions().iter().zip(spans).enumerate() {
-            if (r.len as u64) < len {
-                return Err(MemoryError::HostRegions(format!(
-                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
-                    r.len
-                )));
-            }
             if start != end {
                 return Err(MemoryError::HostRegions(format!(
                     "layout region {i} starts at {start}, expected {end}"
@@ -493,6 +630,15 @@ impl RegisteredMemory {
                         spans.len()
                     )));
                 }
+                // Too short first, as for host regions.
+                for (i, (r, &(_, need))) in regions.iter().zip(spans).enumerate() {
+                    if r.len < need {
+                        return Err(MemoryError::DeviceRegions(format!(
+                            "region {i} has {} bytes; the layout needs {need}",
+                            r.len
+                        )));
+                    }
+                }
                 let used: Vec<(u64, u64)> = regions
                     .iter()
                     .zip(spans)
@@ -510,12 +656,6 @@ impl RegisteredMemory {
                         return Err(MemoryError::DeviceRegions(format!(
                             "region {i} is on GPU {}, region 0 on GPU {ordinal}",
                             r.ordinal
-                        )));
-                    }
-                    if r.len < need {
-                        return Err(MemoryError::DeviceRegions(format!(
-                            "region {i} has {} bytes; the layout needs {need}",
-                            r.len
                         )));
                     }
                     segs.push((start, r.ptr, need));
@@ -783,6 +923,26 @@ mod tests {
     }
 
     #[test]
+    fn a_region_one_block_short_says_too_short_not_overlap() {
+        // One allocation carved per layer, the first one block (32 bytes) short: its span
+        // (64 bytes) runs into the second region.
+        let mut a = vec![0u8; 256];
+        let p = a.as_mut_ptr();
+        // SAFETY: `a` outlives the regions; nothing is written (the start is refused).
+        let regions = unsafe {
+            vec![
+                HostRegion::new(p, 32).unwrap(),
+                HostRegion::new(p.add(32), 64).unwrap(),
+            ]
+        };
+        let Err(e) = RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)])
+        else {
+            panic!("a short region accepted")
+        };
+        assert!(e.to_string().contains("region 0 has 32 bytes"), "{e}");
+    }
+
+    #[test]
     fn host_device_regions_are_checked_and_need_cuda() {
         // SAFETY: never dereferenced: every start below is refused before any copy.
         let r = |ordinal, ptr, len| unsafe { DeviceRegion::new(ordinal, ptr, len) }.unwrap();
@@ -805,6 +965,9 @@ mod tests {
         ));
         let e = err(vec![r(0, p0, 64), r(0, p0 + 32, 64)]);
         assert!(e.to_string().contains("overlap"), "{e}");
+        // Short, and ending where the next begins: too short is the mistake, not an overlap.
+        let e = err(vec![r(0, p0, 32), r(0, p0 + 32, 64)]);
+        assert!(e.to_string().contains("region 0 has 32 bytes"), "{e}");
         // Fits: the feature and a driver decide.
         let e = err(vec![r(0, p0, 64), r(0, p1, 64)]);
         #[cfg(not(feature = "cuda"))]

@@ -72,7 +72,8 @@ impl Default for BenchConfig {
             bootstrap: None,
             engine_id: None,
             via: Via::Actors,
-            control_cpu: ControlCpu::default(),
+            // Measured so (docs/PERFORMANCE.md): the library's default pins nothing.
+            control_cpu: ControlCpu::Current,
         }
     }
 }

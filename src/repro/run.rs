@@ -114,7 +114,11 @@ async fn start_d(
             expected_p_sizes: Some((scn.p_tp, scn.p_pp)),
             ..BootstrapConfig::default()
         })),
-        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig::default())),
+        // The control plane on one CPU, as `serve` runs it (the library's default pins nothing).
+        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig {
+            control_cpu: crate::control::ControlCpu::Current,
+            ..ZmqTransportConfig::default()
+        })),
         landing: target.landing(),
         events: sink,
         builtin_pool: true,

@@ -104,6 +104,11 @@ pub struct RdmaTarget<B: VerbsBackend + 'static> {
     /// kvrecv's own destination memory (`None` with the host's regions). Leaked, never freed,
     /// if a window cannot be deregistered.
     owned: Option<Box<[u8]>>,
+    /// The host's regions, kept while registered: those kvrecv owns ([`HostRegion::owned`])
+    /// are freed only after their deregistration, and leaked like `owned` if it fails.
+    ///
+    /// [`HostRegion::owned`]: crate::rdma::memory::HostRegion::owned
+    host: Option<HostMemory>,
     landing: Arc<RdmaLanding<B>>,
     daemon: Arc<Daemon>,
     segment: String,
@@ -240,6 +245,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         Ok(RdmaTarget {
             handshake,
             owned,
+            host: device.is_none().then(|| cfg.host_memory.clone()).flatten(),
             landing,
             daemon,
             segment: name,
@@ -300,8 +306,14 @@ impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
         if let Err(e) = self.landing.close() {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
             std::mem::forget(self.owned.take());
+            std::mem::forget(self.host.take());
         }
     }
+}
+
+/// What a region needs, as a reason says it (`None`: more than 2^64 bytes).
+fn needed_bytes(needed: Option<u64>) -> String {
+    needed.map_or_else(|| "more than 2^64 bytes".into(), |n| n.to_string())
 }
 
 /// One host region per layout region, each large enough for its blocks.
@@ -318,8 +330,9 @@ fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTa
         let needed = l.block_len.checked_mul(u64::from(layout.num_blocks));
         if needed.is_none_or(|n| (h.len() as u64) < n) {
             return Err(RdmaTargetError::HostRegions(format!(
-                "region {i} has {} bytes, the layout needs {needed:?}",
-                h.len()
+                "region {i} has {} bytes, the layout needs {} (block_len x num_blocks)",
+                h.len(),
+                needed_bytes(needed)
             )));
         }
     }
@@ -351,8 +364,9 @@ fn device_regions<'a>(
             Some(n) if d.len() >= n => used.push((d.ptr(), n)),
             _ => {
                 return Err(GpuDirectError::Regions(format!(
-                    "region {i} has {} bytes, the layout needs {needed:?}",
-                    d.len()
+                    "region {i} has {} bytes, the layout needs {}",
+                    d.len(),
+                    needed_bytes(needed)
                 ))
                 .into())
             }
