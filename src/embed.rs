@@ -415,9 +415,12 @@ impl KvRecvBuilder {
         } = self;
         target.layout = config.layout.clone();
         // What `read_block` reads: the host's memory, unless device memory takes its place.
-        let host_blocks = match (&target.device_memory, &target.host_memory) {
-            (None, Some(host)) => Some((host.clone(), config.layout.clone())),
-            _ => None,
+        let host_blocks = HostBlocks {
+            memory: match (&target.device_memory, &target.host_memory) {
+                (None, Some(host)) => Some(host.clone()),
+                _ => None,
+            },
+            layout: Some(config.layout.clone()),
         };
         let rdma = match (config.mooncake_protocol, rdma) {
             (MooncakeProtocol::Tcp, _) => None,
@@ -575,7 +578,7 @@ fn spawn_worker<D, DFut, T, M>(
     load_failure_policy: LoadFailurePolicy,
     worker_threads: usize,
     events: Option<UnboundedReceiver<KvEvent>>,
-    host_blocks: Option<(HostMemory, crate::layout::KvLayout)>,
+    host_blocks: HostBlocks,
     start_data: D,
     make: M,
 ) -> Result<KvRecv, StartError>
@@ -665,9 +668,17 @@ where
             done: futures::FutureExt::shared(done_rx),
             thread: Some(thread),
             sleep: tokio::sync::Mutex::new(()),
-            host_blocks,
+            host_blocks: std::sync::RwLock::new(host_blocks),
         }),
     })
+}
+
+/// What [`KvRecv::read_block`] reads: the host's memory (`None`: kvrecv's own, or device
+/// memory) and the layout (`None` on the advanced path, whose landing is the host's).
+#[derive(Default)]
+struct HostBlocks {
+    memory: Option<HostMemory>,
+    layout: Option<crate::layout::KvLayout>,
 }
 
 /// What the handle keeps of the data plane (counters are shared atomics).
@@ -700,8 +711,8 @@ struct Inner {
     /// Held by a pause or a resume for its whole course: one at a time.
     sleep: tokio::sync::Mutex<()>,
     /// The host's memory and its layout, for [`KvRecv::read_block`] (`None` without host
-    /// memory).
-    host_blocks: Option<(HostMemory, crate::layout::KvLayout)>,
+    /// memory). Replaced by a resume on new memory, before the resume returns.
+    host_blocks: std::sync::RwLock<HostBlocks>,
 }
 
 impl Drop for Inner {
@@ -872,7 +883,7 @@ impl KvRecv {
             LoadFailurePolicy::default(),
             1,
             None,
-            None,
+            HostBlocks::default(),
             || async { Ok(((), None, Box::new(()) as Box<dyn std::any::Any>)) },
             move |()| Coordinator::start(make()),
         )
@@ -1044,16 +1055,25 @@ impl KvRecv {
         }
         match memory {
             ResumeMemory::Same => self.on_landing(|l| l.resume()).await?,
-            ResumeMemory::Host(host) => self
-                .on_landing(move |l| l.resume_on(&host))
-                .await
-                .map_err(|e| match e {
-                    PauseError::Landing(LandingPauseError::DoesNotFit(e)) => e.into(),
-                    PauseError::Landing(LandingPauseError::Unsupported(why)) => {
-                        PauseError::NewMemoryUnsupported(why)
-                    }
-                    e => e,
-                })?,
+            ResumeMemory::Host(host) => {
+                let kept = host.clone();
+                self.on_landing(move |l| l.resume_on(&host))
+                    .await
+                    .map_err(|e| match e {
+                        PauseError::Landing(LandingPauseError::DoesNotFit(e)) => e.into(),
+                        PauseError::Landing(LandingPauseError::Unsupported(why)) => {
+                            PauseError::NewMemoryUnsupported(why)
+                        }
+                        e => e,
+                    })?;
+                // `read_block` reads the new memory from now on: the host may free the old
+                // once this returns (the write lock waits for a copy from the old in flight).
+                self.inner
+                    .host_blocks
+                    .write()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .memory = Some(kept);
+            }
         }
         self.inner
             .coord
@@ -1215,11 +1235,14 @@ impl KvRecv {
     /// given by pointer ([`crate::HostRegion::new`]) is not read while the worker is paused
     /// or after it stopped ([`BlockReadError::NotValid`]: the host may have released it).
     pub fn read_block(&self, group: u32, block: u32) -> Result<Vec<Vec<u8>>, BlockReadError> {
-        let (memory, layout) = self
+        let blocks = self
             .inner
             .host_blocks
-            .as_ref()
-            .ok_or(BlockReadError::NoHostMemory)?;
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        let (Some(memory), Some(layout)) = (&blocks.memory, &blocks.layout) else {
+            return Err(BlockReadError::NoHostMemory);
+        };
         crate::block_read::check_in_range(layout, group, block)?;
         let owned = memory
             .regions()

@@ -375,6 +375,11 @@ async fn resume_on_new_memory_lands_there_and_never_in_the_old() {
         (2 * REGIONS * BLOCK) as u64,
         "only b landed after the warm-up: {data:?}"
     );
+    // The host's safe read goes to the new memory too (the old may be freed by now).
+    let read = w.kv.read_block(0, 7).unwrap();
+    for (r, bytes) in read.iter().enumerate() {
+        assert_eq!(bytes[..], block(&new, r, 7)[..], "read_block region {r}");
+    }
     w.kv.shutdown().await;
     for r in 0..REGIONS {
         for b in [7, 8] {
