@@ -138,3 +138,23 @@ fn soak_with_layout_evictions_resends_and_never_writes_after_free() {
         "{settle:?}"
     );
 }
+
+/// `kvrecv bench` through the handle with vLLM 0.33-style peers that lose their layout cache
+/// and idle-connection floods on D's ports all through the run: every request still completes
+/// ok (the floods' sockets are evicted before they keep P out; the misses are resent).
+#[test]
+fn bench_under_floods_and_layout_evictions_completes_every_request() {
+    use kvrecv::repro::bench::{run_bench, BenchConfig, Via};
+    let report = run_bench(BenchConfig {
+        peers: 2,
+        in_flight: 16,
+        batch: 4,
+        requests: 2000,
+        via: Via::Handle,
+        evict_layouts_every: Some(3),
+        flood: true,
+        ..BenchConfig::default()
+    })
+    .expect("the bench runs");
+    assert_eq!(report.failed_completions, 0, "{:?}", report.failure_causes);
+}

@@ -39,6 +39,15 @@ pub struct BenchArgs {
     /// Where kvrecv's control plane runs: `current`, a CPU number or `any` (as `serve`).
     #[arg(long, default_value_t = ControlCpu::Current)]
     pub control_cpu: ControlCpu,
+    /// vLLM 0.33-style P that loses its layout cache: the in-process simulator evicts it
+    /// before every Nth pull of each worker (pulls that omitted their layout get `LAYOUT_MISS`
+    /// and are resent). Faults make the figures a fault run's, not a throughput baseline.
+    #[arg(long)]
+    pub evict_layouts_every: Option<u32>,
+    /// Flood D's handshake and data ports with idle connections (1,100 per port, from another
+    /// loopback address) all through the run; needs `--via handle` (the data target).
+    #[arg(long)]
+    pub flood: bool,
     /// One JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
@@ -67,6 +76,8 @@ pub fn run(a: BenchArgs) -> ExitCode {
             ViaArg::Handle => Via::Handle,
         },
         control_cpu: a.control_cpu,
+        evict_layouts_every: a.evict_layouts_every,
+        flood: a.flood,
     };
     if let Some(n) = a.hold {
         return match kvrecv::repro::bench::run_hold(cfg, n) {

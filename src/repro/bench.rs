@@ -43,6 +43,11 @@ pub struct BenchConfig {
     /// Where kvrecv's control plane runs ([`ZmqTransportConfig::control_cpu`]).
     #[serde(serialize_with = "as_text")]
     pub control_cpu: ControlCpu,
+    /// The in-process P evicts its layout cache before every Nth pull of each worker (vLLM
+    /// 0.33-style peers: `LAYOUT_MISS`, resent with the layout).
+    pub evict_layouts_every: Option<u32>,
+    /// Idle connections flood D's handshake and data ports through the run (`Via::Handle`).
+    pub flood: bool,
 }
 
 fn as_text<S: serde::Serializer>(v: &ControlCpu, s: S) -> Result<S::Ok, S::Error> {
@@ -74,6 +79,8 @@ impl Default for BenchConfig {
             via: Via::Actors,
             // Measured so (docs/PERFORMANCE.md): the library's default pins nothing.
             control_cpu: ControlCpu::Current,
+            evict_layouts_every: None,
+            flood: false,
         }
     }
 }
@@ -303,11 +310,26 @@ pub fn run_bench(cfg: BenchConfig) -> Result<BenchReport, ReproError> {
     };
     let sim = match &sim_rt {
         None => None,
-        Some(rt) => Some(rt.block_on(PrefillSim::start(SimConfig {
-            tp_size: cfg.peers,
-            serving_tasks: 256,
-            ..SimConfig::default()
-        }))?),
+        Some(rt) => {
+            let sim = rt.block_on(PrefillSim::start(SimConfig {
+                tp_size: cfg.peers,
+                serving_tasks: 256,
+                ..SimConfig::default()
+            }))?;
+            if cfg.evict_layouts_every.is_some() {
+                for tp in 0..cfg.peers {
+                    sim.set_faults(
+                        tp,
+                        0,
+                        crate::sim::Faults {
+                            evict_layouts_every: cfg.evict_layouts_every,
+                            ..crate::sim::Faults::default()
+                        },
+                    );
+                }
+            }
+            Some(sim)
+        }
     };
     let (url, engine) = match (&sim, &cfg.bootstrap) {
         (Some(s), _) => (s.bootstrap_url(), s.engine_id().to_owned()),
@@ -469,12 +491,31 @@ async fn phase(
             let events = kv
                 .events()
                 .map_err(|e| ReproError::Scenario(e.to_string()))?;
+            let flood = match (cfg.flood, kv.listen_addrs()) {
+                (true, Some((handshake, data))) => {
+                    Some(tokio::spawn(flood_until_aborted(vec![handshake, data])))
+                }
+                _ => None,
+            };
             let phase = run
                 .drive(&kv, events.map(|ev| (None, Instant::now(), ev)))
                 .await;
+            if let Some(f) = flood {
+                f.abort();
+            }
             kv.shutdown().await;
             phase
         }
+    }
+}
+
+/// Idle-connection floods, one after another, until the task is aborted.
+async fn flood_until_aborted(to: Vec<std::net::SocketAddr>) {
+    use super::flood::{hold_idle, FLOOD_FROM};
+    loop {
+        let n = hold_idle(to.clone(), 1100, FLOOD_FROM, Duration::from_millis(700)).await;
+        tracing::info!(opened = n, "bench: idle-connection flood held");
+        tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
 
