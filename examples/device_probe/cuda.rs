@@ -168,11 +168,15 @@ impl Pinned {
         Ok(Pinned { ptr: p.cast(), len })
     }
 
-    /// The first `n` bytes.
-    pub fn bytes(&self, n: usize) -> &[u8] {
+    /// A copy of the first `n` bytes: a copy, not a view, because [`Stream::read`] writes the
+    /// buffer through `&Pinned`, which a live `&[u8]` over it would not allow.
+    pub fn to_vec(&self, n: usize) -> Vec<u8> {
         assert!(n <= self.len, "read past the pinned buffer");
-        // SAFETY: `n` bytes of our allocation, written only by copies we synchronised with.
-        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+        let mut v = vec![0u8; n];
+        // SAFETY: `n` bytes of our allocation, written only by copies we synchronised with
+        // (`Stream::read` returns after its stream did); a raw copy into a fresh Vec.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr(), n) };
+        v
     }
 }
 
