@@ -161,10 +161,8 @@ impl Pinned {
     pub fn alloc(len: usize) -> Result<Pinned, String> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; freed in `Drop`.
-        ok(
-            unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) },
-            "cuMemAllocHost",
-        )?;
+        let rc = unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) };
+        ok(rc, "cuMemAllocHost")?;
         Ok(Pinned { ptr: p.cast(), len })
     }
 
@@ -195,16 +193,10 @@ pub struct Stream(sys::CUstream);
 impl Stream {
     pub fn non_blocking() -> Result<Stream, String> {
         let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: valid out-pointer; destroyed in `Drop`.
-        ok(
-            unsafe {
-                sys::cuStreamCreate(
-                    &mut s,
-                    sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32,
-                )
-            },
-            "cuStreamCreate",
-        )?;
+        let rc = unsafe { sys::cuStreamCreate(&mut s, flags) };
+        ok(rc, "cuStreamCreate")?;
         Ok(Stream(s))
     }
 

@@ -197,6 +197,7 @@ impl Drop for OwnedBytes {
 // SAFETY: the constructor's contract (or kvrecv's ownership, `owned`) makes the region plain
 // bytes shared like DMA memory; kvrecv writes them through raw pointers only (module doc).
 unsafe impl Send for HostRegion {}
+// SAFETY: as for `Send`: `&HostRegion` reaches the bytes only through raw pointers and copies.
 unsafe impl Sync for HostRegion {}
 
 impl std::fmt::Debug for HostRegion {
@@ -497,6 +498,7 @@ struct HostBuffer {
 // SAFETY: the buffer is plain bytes owned by this struct; concurrent access goes through raw
 // pointers with the DMA-like contract documented at the top of the module.
 unsafe impl Send for HostBuffer {}
+// SAFETY: as for `Send`: `&HostBuffer` reaches the bytes only through raw pointers and copies.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
@@ -541,6 +543,7 @@ pub struct RegisteredMemory {
 // SAFETY: the segments point into `_owned` or into the host's regions, both plain bytes under
 // the DMA-like contract of the module doc.
 unsafe impl Send for RegisteredMemory {}
+// SAFETY: as for `Send`: `&RegisteredMemory` reaches the bytes only through raw pointers and copies.
 unsafe impl Sync for RegisteredMemory {}
 
 impl std::fmt::Debug for RegisteredMemory {
