@@ -10,6 +10,8 @@
 //! that falls into one block: a write starting mid-block (a head slice) has its first stamp at
 //! its first byte; every later block's stamp is at that block's start.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 

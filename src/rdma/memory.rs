@@ -12,7 +12,7 @@
 //! The host bytes are shared like DMA memory: the data server writes them through raw pointers
 //! from many connections at once (the kernel copies socket data straight in with `recv(2)`), so
 //! no reference (`&` or `&mut`) to them is ever made: writes go through raw pointers
-//! ([`RegisteredMemory::landing_ptr`]), reads copy the bytes out ([`RegisteredMemory::read`]).
+//! (`RegisteredMemory::landing_ptr`), reads copy the bytes out ([`RegisteredMemory::read`]).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;

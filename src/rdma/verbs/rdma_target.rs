@@ -3,6 +3,8 @@
 //! segment descriptor, and the [`RdmaLanding`] the core uses. Generic over the verbs backend,
 //! so the whole wiring runs against `FakeVerbs` in tests.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
