@@ -9,6 +9,9 @@
 //! other slow) so the example runs on its own; a real server points `bootstrap`/`engine_id` at
 //! its router's P. `tests/inference_host.rs` runs the same [`InferenceHost`] with a P restart.
 //! It hands kvrecv memory it owns: no `unsafe` anywhere in it.
+
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 #![forbid(unsafe_code)]
 
 use std::collections::{HashMap, VecDeque};

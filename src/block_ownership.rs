@@ -2,6 +2,8 @@
 //! while the block pool writes it. Below both the actors (the pool) and the data plane (the
 //! audit), so neither imports the other for it.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Stable 32-bit tag of a request as the writer knows it (its `transfer_id`), never 0.

@@ -3,6 +3,8 @@
 //! (no writer can reach it: writes need a landing permit, and permits go only to admitted
 //! requests, which the copy holds off).
 
+#![forbid(unsafe_code)]
+
 use thiserror::Error;
 
 use crate::layout::KvLayout;

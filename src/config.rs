@@ -1,6 +1,8 @@
 //! Configuration: vLLM's `kv_transfer_config` JSON plus kvrecv's own keys (under
 //! `kv_connector_extra_config.kvrecv`), so an operator can reuse what they already write.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use serde::Deserialize;

@@ -11,6 +11,8 @@
 //! ([`crate::actors::Coordinator::start`], the advanced path); [`KvRecv::from_parts`] puts
 //! such custom parts (a scripted transport, a static topology) behind the same handle.
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::pin::Pin;
 use std::rc::Rc;

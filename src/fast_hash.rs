@@ -6,6 +6,8 @@
 //! map, so request ids chosen by a host (or names echoed by a hostile peer, which are only
 //! looked up, never inserted) cannot be picked to collide ahead of time.
 
+#![forbid(unsafe_code)]
+
 /// A `HashMap` with foldhash's fast, randomly seeded hasher.
 pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 /// A `HashSet` with foldhash's fast, randomly seeded hasher.

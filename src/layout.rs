@@ -1,6 +1,8 @@
 //! The destination KV layout D advertises: regions (one per layer and KV-cache group), block
 //! stride and bytes per block, number of blocks.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 
 /// Most regions (layers, or K and V caches) a layout may have: real models have a few hundred;

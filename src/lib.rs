@@ -1,4 +1,6 @@
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
 //! kvrecv: the decode-side (D) receive coordinator for prefill/decode-disaggregated LLM serving.
 //!
 //! Prefill peers push KV-cache blocks into D's destination blocks. kvrecv asks every peer for its

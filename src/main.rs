@@ -1,5 +1,8 @@
 //! `kvrecv`: the decode-side KV receive coordinator's command-line tool.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod cli;
 
 // The binary's allocator (why mimalloc, and why not through the `mimalloc` crate: see there).

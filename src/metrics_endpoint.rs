@@ -5,6 +5,8 @@
 //! head for as long as the client likes (3,000 half-sent requests held 66 MB). This one caps
 //! open connections, reads at most 8 KiB of request head within 5 s, answers, and closes.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::sync::atomic::AtomicU64;
 use std::sync::Arc;

@@ -1,6 +1,8 @@
 //! Durations in reasons and errors as an operator reads them: milliseconds ("184 ms"), not
 //! `Duration`'s Debug ("183.669025ms", "1.5s", "250µs").
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 use std::time::Duration;
 

@@ -2,6 +2,8 @@
 //! the per-worker labels, and the exporter. Every counter an operator asks about in DESIGN.md §8
 //! is named here, once. (Named `telemetry` so it does not shadow the `metrics` crate.)
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 
 use crate::fast_hash::FastMap;

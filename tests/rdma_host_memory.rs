@@ -101,7 +101,10 @@ async fn the_host_regions_are_registered_in_place_and_advertised() {
         .collect();
     let expected: Vec<(u64, u64)> = regs.iter().map(|&(_, l, iova)| (iova, l)).collect();
     assert_eq!(advertised, expected);
-    assert!(target.bytes().is_none(), "no kvrecv-owned buffer to read");
+    assert!(
+        target.snapshot().is_none(),
+        "no kvrecv-owned buffer to read"
+    );
 
     // Dropping the target takes the NIC's access away before the host may free its memory.
     drop(target);

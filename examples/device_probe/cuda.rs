@@ -161,18 +161,20 @@ impl Pinned {
     pub fn alloc(len: usize) -> Result<Pinned, String> {
         let mut p: *mut c_void = std::ptr::null_mut();
         // SAFETY: valid out-pointer; freed in `Drop`.
-        ok(
-            unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) },
-            "cuMemAllocHost",
-        )?;
+        let rc = unsafe { sys::cuMemAllocHost_v2(&mut p, len.max(1)) };
+        ok(rc, "cuMemAllocHost")?;
         Ok(Pinned { ptr: p.cast(), len })
     }
 
-    /// The first `n` bytes.
-    pub fn bytes(&self, n: usize) -> &[u8] {
+    /// A copy of the first `n` bytes: a copy, not a view, because [`Stream::read`] writes the
+    /// buffer through `&Pinned`, which a live `&[u8]` over it would not allow.
+    pub fn to_vec(&self, n: usize) -> Vec<u8> {
         assert!(n <= self.len, "read past the pinned buffer");
-        // SAFETY: `n` bytes of our allocation, written only by copies we synchronised with.
-        unsafe { std::slice::from_raw_parts(self.ptr, n) }
+        let mut v = vec![0u8; n];
+        // SAFETY: `n` bytes of our allocation, written only by copies we synchronised with
+        // (`Stream::read` returns after its stream did); a raw copy into a fresh Vec.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr, v.as_mut_ptr(), n) };
+        v
     }
 }
 
@@ -191,16 +193,10 @@ pub struct Stream(sys::CUstream);
 impl Stream {
     pub fn non_blocking() -> Result<Stream, String> {
         let mut s = std::ptr::null_mut();
+        let flags = sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32;
         // SAFETY: valid out-pointer; destroyed in `Drop`.
-        ok(
-            unsafe {
-                sys::cuStreamCreate(
-                    &mut s,
-                    sys::CUstream_flags_enum::CU_STREAM_NON_BLOCKING as u32,
-                )
-            },
-            "cuStreamCreate",
-        )?;
+        let rc = unsafe { sys::cuStreamCreate(&mut s, flags) };
+        ok(rc, "cuStreamCreate")?;
         Ok(Stream(s))
     }
 

@@ -126,7 +126,7 @@ fn verify(
     let mut bad = Vec::new();
     for (layer, buf) in bufs.iter().enumerate() {
         stream.read(pinned, buf.ptr + first * block_len, n)?;
-        let got = pinned.bytes(n);
+        let got = pinned.to_vec(n);
         for b in blocks.clone() {
             let at = (u64::from(b) - first) as usize * block_len as usize;
             let want = expected::block(transfer_id, u64::from(b), block_len, P_TP);
@@ -148,7 +148,7 @@ fn snapshot(
     bufs.iter()
         .map(|b| {
             stream.read(pinned, b.ptr, n)?;
-            Ok(pinned.bytes(n).to_vec())
+            Ok(pinned.to_vec(n))
         })
         .collect()
 }

@@ -11,6 +11,9 @@
 //! runs the first check's pipeline into kvrecv's fake device (both for the dry run).
 //! Built with `--features cuda` (dynamic loading: it compiles and plans without CUDA).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 mod cuda;
 mod expected;
 mod gpu_checks;

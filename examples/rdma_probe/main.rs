@@ -12,6 +12,9 @@
 //! `rehearsal.tcp.*`): the dry run runs it where the TE wheel is installed. `--plan` prints the
 //! checks and exits. Built with `--features rdma` (links libibverbs).
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
 #[path = "../device_probe/loads.rs"]
 mod loads;
 #[path = "../device_probe/report.rs"]

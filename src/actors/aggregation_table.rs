@@ -4,6 +4,8 @@
 //! registering is not a message: no settle can arrive before its state exists, because the
 //! state exists before the pull is sent (DESIGN.md §4 rule 5).
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 use std::ops::Range;
 use std::rc::Rc;

@@ -12,6 +12,8 @@
 //! a late settle of an earlier attempt of the same id (possible under the naive policy, which
 //! completes before every peer settled) is stale.
 
+#![forbid(unsafe_code)]
+
 use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message};

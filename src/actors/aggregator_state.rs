@@ -1,6 +1,8 @@
 //! One request's receive as a tiny state machine (DESIGN.md §4 rules 5, 8, 9): outstanding
 //! peers, the first failure (once), the completion (once), nothing after.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use crate::config::Policy;

@@ -6,6 +6,8 @@
 //! kept one, 1.5% of a request at batch 1, docs/PERFORMANCE.md). An alarm's task is polled
 //! when it is made and when it fires, and the actor hears of it as a message.
 
+#![forbid(unsafe_code)]
+
 use actix::{Message, WeakRecipient};
 
 /// Sends one message at an instant, unless dropped first (dropping it cancels it).

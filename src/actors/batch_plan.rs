@@ -3,6 +3,8 @@
 //! carries (PROTOCOL.md §2.3). The Receiver actor only wires these to the BlockManager's
 //! admission, the topology lookups and the Peers.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastSet;
 use std::sync::Arc;
 

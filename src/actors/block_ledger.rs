@@ -2,6 +2,8 @@
 //! completions only when no peer can write any more, quarantine until a fence or the last-resort
 //! deadline, and the per-step drain a host scheduler calls.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::{FastMap, FastSet};
 use std::time::{Duration, Instant};
 

@@ -2,6 +2,8 @@
 //! every completion, quarantines blocks that uncertain peers may still write until the data
 //! plane fences them (or the last-resort deadline), and serves the host's per-step drain.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Instant;
 

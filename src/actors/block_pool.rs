@@ -1,6 +1,8 @@
 //! kvrecv's built-in destination-block pool, for hosts without their own and for the demo:
 //! allocation, a generation per block, and an ownership table the data plane's audit reads.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastMap;
 use std::sync::Arc;
 

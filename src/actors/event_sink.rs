@@ -1,5 +1,7 @@
 //! Where actors publish [`KvEvent`]s for observers (`kvrecv serve`, the demo, tests).
 
+#![forbid(unsafe_code)]
+
 use std::time::Instant;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};

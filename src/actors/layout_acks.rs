@@ -3,6 +3,8 @@
 //! id, `LAYOUT_MISS` or a restart forgets the worker's acks), read by the Receiver when it
 //! encodes a pull: a pull whose window's id the worker acked omits the layout.
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::rc::Rc;

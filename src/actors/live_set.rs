@@ -4,6 +4,8 @@
 //! batch before it sends any pull, the BlockManager gives blocks back when it releases them,
 //! and the host's drain hands finished requests over.
 
+#![forbid(unsafe_code)]
+
 use std::collections::hash_map::Entry;
 
 use crate::fast_hash::{FastMap, FastSet};

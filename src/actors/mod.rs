@@ -1,6 +1,8 @@
 //! The receive coordinator's actors (DESIGN.md §3). Each actor is thin: the logic lives in a
 //! plain struct it owns (`*_state`, `block_ledger`, `block_pool`, `topology`), tested directly.
 
+#![forbid(unsafe_code)]
+
 #[doc(hidden)]
 pub mod aggregation_table;
 pub mod aggregator;

@@ -2,6 +2,8 @@
 //! BlockManager appends as completions and failures happen, the host takes it all at its drain
 //! without a message round trip (DESIGN.md §7).
 
+#![forbid(unsafe_code)]
+
 use crate::messages::StepOutput;
 
 use super::shared::Shared;

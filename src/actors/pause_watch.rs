@@ -2,6 +2,8 @@
 //! pause began, and how each one's blocks came back. The BlockManager, which releases every
 //! block, feeds it each release; the pause resolves once nothing it waited for holds a block.
 
+#![forbid(unsafe_code)]
+
 use tokio::sync::oneshot;
 
 use crate::fast_hash::FastSet;

@@ -5,6 +5,8 @@
 //! until the restart backoff ends, up after a clean FINISH) goes to the Receiver's
 //! [`super::rediscovery::Rediscovery`] through a [`PeerHealth`] handle.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastMap;
 use std::rc::Rc;
 use std::time::{Duration, Instant};

@@ -1,6 +1,8 @@
 //! The Peer's bookkeeping, without sockets or timers: which requests each in-flight pull still
 //! owes, and how a reply, an error or a deadline settles them (DESIGN.md §4 rules 1-4).
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::{FastMap, FastSet};
 
 use crate::messages::peer_text::peer_text;

@@ -2,6 +2,8 @@
 //! search) and one bit each for "settled". About 16 bytes a request, where a hash map with its
 //! slack cost 64 (docs/PERFORMANCE.md, memory per in-flight request).
 
+#![forbid(unsafe_code)]
+
 use crate::messages::{PullRequest, PullRequests};
 
 /// Pending requests of one pull, each at most once.

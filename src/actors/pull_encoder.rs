@@ -2,6 +2,8 @@
 //! once for pulls that carry the layout and once for pulls that omit it (vLLM 0.33), and the
 //! layout id of the pull's landing window (DESIGN.md §5.4).
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use crate::config::KvRecvConfig;

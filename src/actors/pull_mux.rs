@@ -13,6 +13,8 @@
 //! ([`Tagged::item`] `None`): the Peer's pull is then over without a reply, which it must
 //! learn; one ended through its [`PullHandle`] says nothing.
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 use std::pin::Pin;
 use std::rc::Rc;

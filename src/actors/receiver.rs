@@ -2,6 +2,8 @@
 //! engine, registers every awaited request with the RequestAggregator and hands each Peer its
 //! pull.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastMap;
 use smallvec::SmallVec;
 use std::cell::RefCell;

@@ -20,6 +20,8 @@
 //! - after a failed lookup (bootstrap down, engine not registered yet) batches fail at once
 //!   without asking until the same backoff has passed: a dead bootstrap server is not hammered.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastMap;
 use std::cell::RefCell;
 use std::rc::Rc;

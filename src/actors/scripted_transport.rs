@@ -2,6 +2,8 @@
 //! test answers, in whatever order the scenario needs. For actor tests only; the integration
 //! tests use real ZMQ sockets.
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};

@@ -3,6 +3,8 @@
 //! BlockManager appends, the host's drain takes) and the live set (the Receiver admits, the
 //! BlockManager releases blocks, the drain hands requests over) are the two (DESIGN.md §3).
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A value two parties share. [`Shared::share`] hands out another reference to the same value;

@@ -1,6 +1,8 @@
 //! Wiring: start the BlockManager and the Receiver on the current actix arbiter. Peers are
 //! started lazily by the Receiver, each under its own `Supervisor`.
 
+#![forbid(unsafe_code)]
+
 use std::rc::Rc;
 use std::sync::Arc;
 

@@ -1,6 +1,8 @@
 //! Which prefill workers one D worker pulls from (PROTOCOL.md §3), and where the topology comes
 //! from (the HTTP bootstrap client in `control`, or a fixed table).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

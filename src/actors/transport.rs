@@ -2,6 +2,8 @@
 //! ended with a clean FINISH), send one request, stream the replies. The ZMQ implementation
 //! lives in `control`; tests use `ScriptedTransport` (feature `testing`).
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 

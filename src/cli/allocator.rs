@@ -38,33 +38,46 @@ fn plain(size: usize, align: usize) -> bool {
 unsafe impl GlobalAlloc for MiMalloc {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        if plain(layout.size(), layout.align()) {
-            mi::mi_malloc(layout.size()).cast()
-        } else {
-            mi::mi_malloc_aligned(layout.size(), layout.align()).cast()
+        // SAFETY: mimalloc's allocation calls take any size and (aligned) a power-of-two
+        // alignment, which a `Layout` guarantees; `plain` picks the entry point (impl comment).
+        unsafe {
+            if plain(layout.size(), layout.align()) {
+                mi::mi_malloc(layout.size()).cast()
+            } else {
+                mi::mi_malloc_aligned(layout.size(), layout.align()).cast()
+            }
         }
     }
 
     #[inline]
     unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        if plain(layout.size(), layout.align()) {
-            mi::mi_zalloc(layout.size()).cast()
-        } else {
-            mi::mi_zalloc_aligned(layout.size(), layout.align()).cast()
+        // SAFETY: as in `alloc`.
+        unsafe {
+            if plain(layout.size(), layout.align()) {
+                mi::mi_zalloc(layout.size()).cast()
+            } else {
+                mi::mi_zalloc_aligned(layout.size(), layout.align()).cast()
+            }
         }
     }
 
     #[inline]
     unsafe fn dealloc(&self, ptr: *mut u8, _layout: Layout) {
-        mi::mi_free(ptr.cast::<c_void>());
+        // SAFETY: `ptr` came from this allocator (GlobalAlloc's contract), so from mimalloc,
+        // whose `mi_free` takes blocks of every entry point.
+        unsafe { mi::mi_free(ptr.cast::<c_void>()) };
     }
 
     #[inline]
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        if plain(new_size, layout.align()) {
-            mi::mi_realloc(ptr.cast(), new_size).cast()
-        } else {
-            mi::mi_realloc_aligned(ptr.cast(), new_size, layout.align()).cast()
+        // SAFETY: `ptr` came from this allocator with `layout` (GlobalAlloc's contract); the
+        // new size with the same alignment goes to the entry point `plain` picks, as in `alloc`.
+        unsafe {
+            if plain(new_size, layout.align()) {
+                mi::mi_realloc(ptr.cast(), new_size).cast()
+            } else {
+                mi::mi_realloc_aligned(ptr.cast(), new_size, layout.align()).cast()
+            }
         }
     }
 }
@@ -118,6 +131,8 @@ mod tests {
                 let layout = Layout::from_size_align(size, align).unwrap();
                 // Many blocks per layout: one that happens to be aligned proves nothing.
                 let blocks: Vec<*mut u8> = (0..64)
+                    // SAFETY: a valid layout; each block is read and written only within its
+                    // size, and freed once below.
                     .map(|i| unsafe {
                         let p = if i % 2 == 0 {
                             a.alloc(layout)
@@ -134,6 +149,8 @@ mod tests {
                     })
                     .collect();
                 for p in blocks {
+                    // SAFETY: `p` is a live block of `layout`; each realloc's result is used
+                    // within its new size and freed once with its own layout.
                     unsafe {
                         // Grown, then shrunk: the bytes kept each time are the ones written.
                         let (grown, shrunk) = (size * 3 + 5, (size / 2).max(1));

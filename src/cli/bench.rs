@@ -1,5 +1,7 @@
 //! `kvrecv bench`: control-plane throughput and latency on loopback.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 
 use kvrecv::control::ControlCpu;

@@ -5,6 +5,8 @@
 //! serde. Both give the same bytes (the tests compare them): serde's `flatten` of the outcome
 //! made a completion line a map of unknown length, a third of the cost of printing it.
 
+#![forbid(unsafe_code)]
+
 use kvrecv::messages::{KvEvent, Outcome};
 use serde_json::json;
 

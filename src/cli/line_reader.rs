@@ -2,6 +2,8 @@
 //! than the cap is reported as such (the caller answers it with an `error` line and goes on)
 //! instead of ending the input, and an over-long line is skipped without being kept in memory.
 
+#![forbid(unsafe_code)]
+
 use tokio::io::{AsyncBufRead, AsyncBufReadExt};
 
 /// One input line, without its `\n` (or `\r\n`).

@@ -1,5 +1,7 @@
 //! Tracing to stderr (stdout carries the JSON-lines protocol).
 
+#![forbid(unsafe_code)]
+
 use tracing_subscriber::EnvFilter;
 
 /// `RUST_LOG` wins; otherwise `level` (e.g. `info`, `kvrecv=debug`).

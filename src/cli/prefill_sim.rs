@@ -6,6 +6,8 @@
 //! `{"op":"restart","tp":0,"pp":0}`, `{"op":"stats"}`, `{"op":"shutdown"}`. It runs until
 //! `shutdown` or the end of stdin.
 
+#![forbid(unsafe_code)]
+
 use std::process::ExitCode;
 use std::time::Duration;
 

@@ -1,6 +1,8 @@
 //! `kvrecv repro`: the main job. Replays the trace with injected peer faults under each policy
 //! and prints the table (or JSON). Exit status 1 if the `settle` column breaks an invariant.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;

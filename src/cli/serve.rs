@@ -31,6 +31,8 @@
 //! RDMA target instead ([`DataTarget`]). Nothing authenticates either listener: bind the interface P uses,
 //! never a public one.
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::AsFd;
 use std::process::ExitCode;

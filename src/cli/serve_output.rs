@@ -8,6 +8,8 @@
 //! paused: they are bounded by the requests already admitted (and a pull's `stale` events by
 //! 8). If stdout closes, serve stops.
 
+#![forbid(unsafe_code)]
+
 use std::io::Write;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -2,6 +2,8 @@
 //! `mooncake_protocol = "rdma"`) the RDMA target on this host's devices, peers bound to their
 //! Mooncake segments by host so that an uncertain peer's queue pairs are fenced.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 

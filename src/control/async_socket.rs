@@ -399,6 +399,7 @@ mod tests {
     fn thread_cpu() -> Duration {
         // SAFETY: an all-zero rusage is valid, and getrusage only writes into it.
         let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: `u` is a valid rusage the call writes into.
         assert_eq!(unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut u) }, 0);
         let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
         tv(u.ru_utime) + tv(u.ru_stime)

@@ -8,6 +8,8 @@
 //!   address, registered synchronously in `lookup`, so lookups issued together always join).
 //! - Every request has a timeout and a body cap.
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;

@@ -134,13 +134,14 @@ mod pin {
             Some(b) => *b,
             None => get()?,
         };
-        // SAFETY (CPU_ISSET, CPU_SET): `cpu` is below CPU_SETSIZE, checked first.
+        // SAFETY: `cpu` is below CPU_SETSIZE, checked first (CPU_ISSET indexes the set by it).
         if cpu >= libc::CPU_SETSIZE as usize || !unsafe { libc::CPU_ISSET(cpu, &before) } {
             return Err(format!("CPU {cpu} is not one this thread may run on"));
         }
         let _ = BEFORE.set(before);
         // SAFETY: as in `get`.
         let mut one: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `cpu` is below CPU_SETSIZE (checked above).
         unsafe { libc::CPU_SET(cpu, &mut one) };
         set(&one).map_err(|e| format!("sched_setaffinity to CPU {cpu}: {e}"))
     }
@@ -158,6 +159,7 @@ mod pin {
     pub(super) fn allowed() -> Vec<usize> {
         let s = get().unwrap();
         (0..libc::CPU_SETSIZE as usize)
+            // SAFETY: `c` is below CPU_SETSIZE.
             .filter(|&c| unsafe { libc::CPU_ISSET(c, &s) })
             .collect()
     }

@@ -2,6 +2,8 @@
 //! simulator's workers need. Every call opens a connection, sends one request, reads a capped
 //! body and closes; the whole exchange is under one timeout.
 
+#![forbid(unsafe_code)]
+
 use std::future::Future;
 use std::pin::pin;
 use std::task::Poll;

@@ -25,6 +25,7 @@ impl Drop for Raw {
         // waits for libzmq's reaper to finish closing them (linger 0: at once).
         // SAFETY: the pointer came from zmq_ctx_new and is terminated exactly once.
         while unsafe { zmq_sys::zmq_ctx_term(self.0) } == -1 {
+            // SAFETY: reads the calling thread's errno; no preconditions.
             if zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }) != zmq::Error::EINTR {
                 break;
             }
@@ -44,6 +45,7 @@ impl ZmqContext {
         // SAFETY: plain FFI constructor; null means failure.
         let ptr = unsafe { zmq_sys::zmq_ctx_new() };
         if ptr.is_null() {
+            // SAFETY: reads the calling thread's errno; no preconditions.
             return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
         }
         let raw = Arc::new(Raw(ptr));
@@ -53,6 +55,7 @@ impl ZmqContext {
             zmq_sys::zmq_ctx_set(raw.0, zmq_sys::ZMQ_MAX_SOCKETS as _, max_sockets.max(1))
         };
         if rc == -1 {
+            // SAFETY: reads the calling thread's errno; no preconditions.
             return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
         }
         Ok(ZmqContext { raw })
@@ -67,6 +70,7 @@ impl ZmqContext {
             zmq_sys::zmq_ctx_set(self.raw.0, zmq_sys::ZMQ_THREAD_AFFINITY_CPU_ADD as _, cpu)
         };
         if rc == -1 {
+            // SAFETY: reads the calling thread's errno; no preconditions.
             return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
         }
         Ok(())
@@ -93,6 +97,7 @@ impl ZmqContext {
             )
         };
         if rc == -1 {
+            // SAFETY: reads the calling thread's errno; no preconditions.
             return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
         }
         Ok(true)
@@ -132,6 +137,7 @@ impl ZmqContext {
         // SAFETY: a live context; null means failure (EMFILE when the cap is reached).
         let ptr = unsafe { zmq_sys::zmq_socket(self.raw.0, ty as _) };
         if ptr.is_null() {
+            // SAFETY: reads the calling thread's errno; no preconditions.
             return Err(zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }));
         }
         // SAFETY: `ptr` is a fresh socket nobody else owns, as one from `Socket::into_raw`

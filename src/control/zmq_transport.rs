@@ -34,6 +34,8 @@
 //! Replies that were already queued when the connection dropped are delivered first. A peer that
 //! is alive but never answers is left to the Peer's deadline.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastMap;
 use std::cell::{Cell, RefCell};
 use std::rc::Rc;

@@ -1,5 +1,7 @@
 //! Host -> Receiver -> Peers: the host stopped waiting for a request (its client went away).
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 
 use super::ids::ReqId;

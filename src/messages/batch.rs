@@ -1,6 +1,8 @@
 //! What the host scheduler hands to `load_kv`: one batch of requests whose destination blocks
 //! are allocated and must now be filled by the prefill peers.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::FastSet;
 use std::borrow::Cow;
 use std::sync::Arc;

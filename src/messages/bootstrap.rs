@@ -1,5 +1,7 @@
 //! Bootstrap server JSON (PROTOCOL.md §3): `POST /register` bodies and `GET /query` answers.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -1,6 +1,8 @@
 //! RequestAggregator -> BlockManager: the failure signal (at once) and the completion (once every
 //! peer settled).
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 use serde::Serialize;
 

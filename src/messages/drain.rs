@@ -1,5 +1,7 @@
 //! Host -> BlockManager, once per scheduler step: what finished, what failed.
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 use serde::Serialize;
 

@@ -1,5 +1,7 @@
 //! Observable events (for `kvrecv serve`, the demo and tests). One JSON object each.
 
+#![forbid(unsafe_code)]
+
 use serde::Serialize;
 
 use super::completion::Outcome;

@@ -5,6 +5,8 @@
 //! `serde_json` writes struct fields in declaration order, so every struct below declares its
 //! fields alphabetically.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -4,6 +4,8 @@
 //! the daemon's frames must be compact JSON with alphabetical keys (PROTOCOL.md §5.1, §7.2), as
 //! jsoncpp writes them on the Mooncake side.
 
+#![forbid(unsafe_code)]
+
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 

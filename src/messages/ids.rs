@@ -1,5 +1,7 @@
 //! Identifiers shared by every actor.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 use std::sync::Arc;
 

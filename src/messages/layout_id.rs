@@ -6,6 +6,8 @@
 //! a restart or new host memory draws a new one, so ids never repeat across registrations.
 //! Same window, same id: what P cached under it is exactly what the layout would say again.
 
+#![forbid(unsafe_code)]
+
 use std::hash::BuildHasher;
 use std::sync::Arc;
 

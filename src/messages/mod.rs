@@ -1,6 +1,8 @@
 //! Every message that crosses a boundary: control-plane wire structs (msgpack, msgspec-compatible),
 //! bootstrap JSON, and the actix messages between actors. Plain data, no I/O.
 
+#![forbid(unsafe_code)]
+
 pub mod abort;
 pub mod batch;
 #[doc(hidden)]

@@ -4,6 +4,8 @@
 //! where a `str` is expected. kvrecv applies the same rules to what it decodes, and bounds every
 //! container by the bytes actually present so a forged length cannot make a decoder allocate.
 
+#![forbid(unsafe_code)]
+
 use rmp::Marker;
 use thiserror::Error;
 

@@ -2,6 +2,8 @@
 //! closes, every request holding blocks is driven to its release, and the pause's report says
 //! how each one's blocks came back.
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 use tokio::sync::oneshot;
 

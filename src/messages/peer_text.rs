@@ -5,6 +5,8 @@
 //! requests once became a gigabyte of output; and a raw newline or escape sequence in it forged
 //! lines in serve's log and drove the operator's terminal.
 
+#![forbid(unsafe_code)]
+
 use std::borrow::Cow;
 
 /// The most bytes of a peer's text kept (P's own messages are one short line).

@@ -1,5 +1,7 @@
 //! Host -> BlockManager requests about the built-in block pool and the ledger.
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 
 use thiserror::Error;

@@ -1,5 +1,7 @@
 //! Receiver -> Peer: ask one prefill worker for its share of a batch.
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 
 use super::batch::SharedRequest;

@@ -11,6 +11,8 @@
 //! The strict check and serde walked a reply twice; a reply is read on every pull, so this is
 //! on the receive path's hot side (docs/PERFORMANCE.md, tenth round).
 
+#![forbid(unsafe_code)]
+
 use rmp::Marker;
 
 use super::msgpack_strict::{be_len, skip_value, take, StrictError};

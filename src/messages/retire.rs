@@ -3,6 +3,8 @@
 //! a bootstrap server listing workers that never answer) do not accumulate for the life of
 //! the process.
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 
 /// Stop once nothing is in flight. The Receiver has already forgotten the Peer: a later pull

@@ -1,5 +1,7 @@
 //! Peer -> RequestAggregator: one peer's final word on one request.
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 use serde::Serialize;
 

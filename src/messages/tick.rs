@@ -1,5 +1,7 @@
 //! An actor's own timers firing, sent to it by its [`Alarm`](crate::actors::alarm::Alarm).
 
+#![forbid(unsafe_code)]
+
 use actix::Message;
 
 /// Peer: a pull deadline may have passed; abandon the overdue pulls.

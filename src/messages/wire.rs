@@ -1,6 +1,8 @@
 //! The two control-plane structs of vLLM's MooncakeConnector, byte-compatible with msgspec
 //! (`omit_defaults=True`, map form, declaration order; PROTOCOL.md §2.3–§2.5).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};

@@ -3,6 +3,8 @@
 //! handshake daemon first evict their idlest connection (`conn_table.rs`); a connection is
 //! refused (closed at accept, never queued) only when nothing in its way could be evicted.
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -10,6 +10,8 @@
 //! that falls into one block: a write starting mid-block (a head slice) has its first stamp at
 //! its first byte; every later block's stamp is at that block's start.
 
+#![forbid(unsafe_code)]
+
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -179,14 +181,39 @@ impl Auditor {
     }
 
     /// Check the stamps of a write that just landed: `landed` are its bytes as they are in
-    /// destination memory, written at byte `offset` of a region with stride `block_len`.
+    /// destination memory (a copy: see [`Self::check_with`]), written at byte `offset` of a
+    /// region with stride `block_len`.
     pub fn check(&self, landed: &[u8], offset: u64, block_len: u64) {
+        self.check_with(landed.len() as u64, offset, block_len, |at, stamp| {
+            landed
+                .get(at as usize..at as usize + STAMP_LEN)
+                .map(|b| stamp.copy_from_slice(b))
+                .is_some()
+        });
+    }
+
+    /// [`Self::check`] for a write of `len` bytes that is read through `read_stamp(at, buf)`:
+    /// copy the [`STAMP_LEN`] bytes at `at` (inside the write) into `buf`, `false` if they
+    /// cannot be read (counted as unstamped). The data server copies only the stamps out of
+    /// destination memory this way: other connections may write those bytes at any time, so
+    /// no `&[u8]` view of them may exist.
+    pub fn check_with(
+        &self,
+        len: u64,
+        offset: u64,
+        block_len: u64,
+        mut read_stamp: impl FnMut(u64, &mut [u8; STAMP_LEN]) -> bool,
+    ) {
         let c = &self.counters;
-        for (at, block, len) in block_slices(offset, landed.len() as u64, block_len) {
+        let mut buf = [0u8; STAMP_LEN];
+        for (at, block, len) in block_slices(offset, len, block_len) {
             if len < STAMP_LEN as u64 {
                 continue;
             }
-            let Some(stamp) = Stamp::decode(&landed[at as usize..]) else {
+            let stamp = read_stamp(at, &mut buf)
+                .then(|| Stamp::decode(&buf))
+                .flatten();
+            let Some(stamp) = stamp else {
                 c.unstamped.fetch_add(1, Ordering::Relaxed);
                 continue;
             };

@@ -5,6 +5,8 @@
 //! connection in its way is inside a request. Two caps: the listener's, and a lower one per
 //! peer address, so one host (a TE that leaks connections, a flood) only ever evicts its own.
 
+#![forbid(unsafe_code)]
+
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};

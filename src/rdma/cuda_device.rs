@@ -35,6 +35,7 @@ struct CopyCtx {
 
 // SAFETY: a CUcontext may be made current on any thread; this only carries the handle.
 unsafe impl Send for CopyCtx {}
+// SAFETY: `&CopyCtx` only binds the context (cuCtxSetCurrent), which is thread safe.
 unsafe impl Sync for CopyCtx {}
 
 impl CopyCtx {

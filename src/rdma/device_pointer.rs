@@ -11,6 +11,8 @@
 //! Memory mapped through the virtual memory management API (`cuMemMap`) reports no context:
 //! kvrecv copies into it from the device's primary context.
 
+#![forbid(unsafe_code)]
+
 use super::memory::MemoryError;
 
 /// The attributes of one region's start pointer, as the driver reports them.

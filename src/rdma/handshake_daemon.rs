@@ -8,6 +8,8 @@
 //! (TCP descriptor, Connection refused) or [`RdmaService`] (RDMA descriptor, Connection handed to
 //! the passive endpoint handshake, PROTOCOL.md §6).
 
+#![forbid(unsafe_code)]
+
 use crate::telemetry::Labels;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,6 +2,8 @@
 //! permit), revocation of a request's permits before its blocks are released, and a fence for
 //! peers whose writes cannot be refused per request (DESIGN.md §5).
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Instant;
 

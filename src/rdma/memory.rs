@@ -10,8 +10,9 @@
 //! returns once the device holds the bytes, before the write counts as landed.
 //!
 //! The host bytes are shared like DMA memory: the data server writes them through raw pointers
-//! from many connections at once (the kernel copies socket data straight in), so they are never
-//! handed out as `&mut` outside this module except for the span of one socket read.
+//! from many connections at once (the kernel copies socket data straight in with `recv(2)`), so
+//! no reference (`&` or `&mut`) to them is ever made: writes go through raw pointers
+//! (`RegisteredMemory::landing_ptr`), reads copy the bytes out ([`RegisteredMemory::read`]).
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
@@ -126,14 +127,40 @@ pub struct HostRegion {
     owned: Option<OwnedBytes>,
 }
 
-/// A boxed slice kvrecv owns, held as a raw pointer: the data plane writes through pointers
-/// into it from other threads, which a live `Box` (a unique reference) would not allow.
-struct OwnedBytes {
+/// A boxed slice kvrecv owns, held as a raw pointer: the data plane (or a NIC) writes through
+/// pointers into it from other threads, which a live `Box` (a unique reference) would not
+/// allow. Its bytes are reached only through [`Self::as_ptr`] and copies ([`Self::to_vec`]).
+pub(crate) struct OwnedBytes {
     ptr: NonNull<u8>,
     len: usize,
 }
 
+// SAFETY: plain bytes owned by this struct, reached only through raw pointers (struct doc).
+unsafe impl Send for OwnedBytes {}
+// SAFETY: as for `Send`: `&OwnedBytes` hands out only a pointer and copies.
+unsafe impl Sync for OwnedBytes {}
+
 impl OwnedBytes {
+    /// `len` zeroed bytes.
+    pub(crate) fn zeroed(len: usize) -> Self {
+        Self::new(vec![0u8; len].into_boxed_slice())
+    }
+
+    /// Start of the bytes (what a NIC registration covers).
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// A copy of the bytes as they are now. Writers (the NIC, the data server) may change
+    /// them meanwhile: a copy taken while a write is under way may hold part of it.
+    pub(crate) fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0u8; self.len];
+        // SAFETY: `ptr` is valid for `len` bytes (owned); a raw copy into a fresh Vec, so no
+        // reference to the shared bytes exists.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.as_ptr(), v.as_mut_ptr(), self.len) };
+        v
+    }
+
     fn new(bytes: Box<[u8]>) -> Self {
         let len = bytes.len();
         // SAFETY: Box::into_raw never returns null.
@@ -170,6 +197,7 @@ impl Drop for OwnedBytes {
 // SAFETY: the constructor's contract (or kvrecv's ownership, `owned`) makes the region plain
 // bytes shared like DMA memory; kvrecv writes them through raw pointers only (module doc).
 unsafe impl Send for HostRegion {}
+// SAFETY: as for `Send`: `&HostRegion` reaches the bytes only through raw pointers and copies.
 unsafe impl Sync for HostRegion {}
 
 impl std::fmt::Debug for HostRegion {
@@ -470,6 +498,7 @@ struct HostBuffer {
 // SAFETY: the buffer is plain bytes owned by this struct; concurrent access goes through raw
 // pointers with the DMA-like contract documented at the top of the module.
 unsafe impl Send for HostBuffer {}
+// SAFETY: as for `Send`: `&HostBuffer` reaches the bytes only through raw pointers and copies.
 unsafe impl Sync for HostBuffer {}
 
 impl HostBuffer {
@@ -514,6 +543,7 @@ pub struct RegisteredMemory {
 // SAFETY: the segments point into `_owned` or into the host's regions, both plain bytes under
 // the DMA-like contract of the module doc.
 unsafe impl Send for RegisteredMemory {}
+// SAFETY: as for `Send`: `&RegisteredMemory` reaches the bytes only through raw pointers and copies.
 unsafe impl Sync for RegisteredMemory {}
 
 impl std::fmt::Debug for RegisteredMemory {
@@ -759,32 +789,17 @@ impl RegisteredMemory {
         }
     }
 
-    /// The host bytes where a write of `[offset, offset + len)` lands, for the duration of one
-    /// socket read (host memory only: device memory is refused).
+    /// The address where a write of `[offset, offset + len)` lands (host memory only: device
+    /// memory is refused), bounds-checked to lie inside one segment.
     ///
-    /// # Safety
-    /// The caller must not keep the slice across an `.await` of another writer of the same
-    /// range and must not read it as a consistent snapshot: other connections may write the
-    /// same bytes concurrently (like DMA). The range must be in bounds (checked, `Err` if not).
-    #[allow(clippy::mut_from_ref)]
-    pub(crate) unsafe fn landing_slice(
-        &self,
-        offset: u64,
-        len: u64,
-    ) -> Result<&mut [u8], MemoryError> {
-        let p = self.locate(offset, len)?;
-        // SAFETY: in bounds of one segment; aliasing contract above.
-        Ok(unsafe { std::slice::from_raw_parts_mut(p, len as usize) })
-    }
-
-    /// The host bytes of a landed range, for the audit (host memory only).
-    ///
-    /// # Safety
-    /// Same DMA-like contract as [`Self::landing_slice`].
-    pub(crate) unsafe fn landed(&self, offset: u64, len: u64) -> Result<&[u8], MemoryError> {
-        let p = self.locate(offset, len)?;
-        // SAFETY: in bounds of one segment; aliasing contract above.
-        Ok(unsafe { std::slice::from_raw_parts(p, len as usize) })
+    /// Invariant of the landing path: these bytes are shared like DMA memory (other
+    /// connections' socket reads, the NIC, the host once released may write them at any time),
+    /// so no `&`/`&mut` reference to them may ever exist. Write through this pointer only with
+    /// raw-pointer I/O (`recv(2)` into it: [`super::tcp::raw_recv::try_recv_into`], or
+    /// `ptr::copy_nonoverlapping`), and read landed bytes only by copying them out
+    /// ([`Self::read`]).
+    pub(crate) fn landing_ptr(&self, offset: u64, len: u64) -> Result<*mut u8, MemoryError> {
+        self.locate(offset, len)
     }
 
     /// Make a landed range visible in destination memory (bounds-checked). Nothing is left to
@@ -828,9 +843,11 @@ impl RegisteredMemory {
         if self.staged.is_some() {
             return self.upload(offset, src);
         }
-        // SAFETY: in bounds (checked); DMA-like contract.
-        let dst = unsafe { self.landing_slice(offset, src.len() as u64)? };
-        dst.copy_from_slice(src);
+        let dst = self.landing_ptr(offset, src.len() as u64)?;
+        // SAFETY: `dst` is valid for `src.len()` bytes (bounds-checked inside one segment); a
+        // raw copy, so no reference to the shared bytes exists (`landing_ptr`); `src` is the
+        // caller's and cannot overlap registered memory it does not hold a reference to.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) };
         self.commit(offset, src.len() as u64)
     }
 }
@@ -995,8 +1012,8 @@ mod tests {
         m.write(120, &[1; 16]).unwrap();
         assert_eq!(view.snapshot(120, 16), vec![1; 16]);
         assert_eq!(m.snapshot(118, 4).unwrap(), vec![0, 0, 1, 1]);
-        // SAFETY: refused: the memory is not host-addressable.
-        assert!(unsafe { m.landing_slice(0, 8) }.is_err());
+        // Refused: the memory is not host-addressable.
+        assert!(m.landing_ptr(0, 8).is_err());
         assert!(m.upload(250, &[0; 8]).is_err());
     }
 

@@ -1,6 +1,8 @@
 //! Wraps the simulator's writer to record which P rank wrote which request, and how many writes
 //! are in progress.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

@@ -1,5 +1,7 @@
 //! Why a repro or bench run could not finish.
 
+#![forbid(unsafe_code)]
+
 use thiserror::Error;
 
 use crate::rdma::tcp::target::TargetError;

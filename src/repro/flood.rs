@@ -2,6 +2,8 @@
 //! daemon and data server and never speaks, as a TE leaking connections (or anyone on the
 //! network) would. D's caps must close such connections before they keep a P out (DESIGN.md §6).
 
+#![forbid(unsafe_code)]
+
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 

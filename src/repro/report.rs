@@ -1,5 +1,7 @@
 //! The table `kvrecv repro` prints, one column per variant, and its JSON form.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Write as _;
 
 use serde::Serialize;

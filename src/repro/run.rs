@@ -3,6 +3,8 @@
 //! drives a host loop that allocates blocks from the bounded pool, calls `load_kv` and drains
 //! once per step.
 
+#![forbid(unsafe_code)]
+
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::rc::Rc;

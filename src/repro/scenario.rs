@@ -1,5 +1,7 @@
 //! What one `kvrecv repro` run does: the workload, the fault injection and the variants compared.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::time::Duration;
 

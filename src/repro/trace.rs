@@ -1,6 +1,8 @@
 //! The request trace the demo replays (Mooncake FAST'25 conversation trace, Apache-2.0; see
 //! `data/README.md`).
 
+#![forbid(unsafe_code)]
+
 use std::path::Path;
 
 use serde::Deserialize;

@@ -1,6 +1,8 @@
 //! The bootstrap server of a simulated P engine group (PROTOCOL.md §3): `POST /register` and
 //! `GET /query`, with vLLM's status codes (the idempotent-re-registration revision).
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;

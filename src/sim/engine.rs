@@ -1,6 +1,8 @@
 //! A simulated vLLM prefill engine (one DP rank): a bootstrap server, `tp x pp` workers that
 //! register through `POST /register` like P's, shared readiness, per-worker faults.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

@@ -1,5 +1,7 @@
 //! Per-worker fault knobs of the prefill simulator, and its seedable randomness.
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use rand::rngs::SmallRng;

@@ -3,6 +3,8 @@
 //! `tcp_data_host:tcp_data_port`, and sends one header + payload per request, awaiting the v2
 //! status frame (v1: none). Used by the prefill-peer simulator and the tests to write real bytes.
 
+#![forbid(unsafe_code)]
+
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Mutex;

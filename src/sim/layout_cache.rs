@@ -3,6 +3,8 @@
 //! layout id), in an LRU of at most [`MAX_PEER_LAYOUTS`] across every D the worker serves; a
 //! later pull with that id and no layout is served from it.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::sync::Arc;
 

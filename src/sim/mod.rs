@@ -2,6 +2,8 @@
 //! reply semantics of PROTOCOL.md §2.6, fault knobs), used by tests, the benchmark and
 //! `kvrecv prefill-sim`. Runs on any tokio runtime.
 
+#![forbid(unsafe_code)]
+
 pub mod bootstrap_server;
 pub mod engine;
 pub mod faults;

@@ -2,6 +2,8 @@
 //! (PROTOCOL.md §2.6 step 2). Tests and drivers mark transfer ids ready, or make everything ready
 //! at once.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashSet;
 use std::sync::Mutex;
 

@@ -3,6 +3,8 @@
 //! §2.3): D region base + block id x D `block_len`, plus this P rank's head-slice offset when
 //! several P TP ranks fill one D block.
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -2,6 +2,8 @@
 //! bounded like P's serving pool (PROTOCOL.md §2.2: a pull holds its task for its whole life;
 //! beyond the pool, pulls wait in the queue without any reply).
 
+#![forbid(unsafe_code)]
+
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

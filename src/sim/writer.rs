@@ -1,6 +1,8 @@
 //! The simulator's write step, behind a trait so the data plane can plug in a real writer (a
 //! Mooncake TE initiator writing into D's TCP target). The default writes nothing.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
 use futures::future::BoxFuture;

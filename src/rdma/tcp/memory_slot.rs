@@ -5,6 +5,8 @@
 //! can never pass its gate again and never touches the memory it took, and every write
 //! admitted after the resume took the new memory.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, RwLock};
 
 use crate::rdma::memory::RegisteredMemory;

@@ -5,6 +5,7 @@
 pub mod memory_slot;
 #[doc(hidden)]
 pub mod permits;
+pub(crate) mod raw_recv;
 mod request_pulls;
 #[doc(hidden)]
 pub mod server;

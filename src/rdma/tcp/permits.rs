@@ -17,6 +17,8 @@
 //! With permits off (upstream behaviour) every pull shares window 0, every in-range write is
 //! admitted, and `revoke` proves nothing.
 
+#![forbid(unsafe_code)]
+
 use crate::fast_hash::{FastMap, FastSet};
 use crate::telemetry::Labels;
 

@@ -9,6 +9,8 @@
 //! Anything else (a pull out of sequence, another index) moves the request to a plain list, so
 //! no caller is held to that pattern.
 
+#![forbid(unsafe_code)]
+
 use smallvec::SmallVec;
 
 use crate::fast_hash::FastMap;

@@ -21,6 +21,7 @@ use crate::rdma::accept_cap::Caps;
 use crate::rdma::conn_table::{ConnGuard, ConnTable, Phase};
 
 use super::permits::{Access, Admitted, OwnedGateGuard, PermitTable, RejectReason};
+use super::raw_recv::try_recv_into;
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
 use crate::rdma::audit::{AuditCounters, Auditor};
@@ -407,19 +408,25 @@ async fn land(
             let Some(_gate) = admitted.enter() else {
                 return Err(reject(stream, plane, h, RejectReason::Revoked).await);
             };
-            // SAFETY: `r` was resolved inside one region, so the range is in bounds; the slice
-            // lives only for this non-blocking read (DMA-like contract of `RegisteredMemory`).
-            let dst = unsafe { memory.landing_slice(r.mem_offset + pos, size - pos)? };
-            match stream.try_read(dst) {
+            // `r` was resolved inside one region, so the range is in bounds.
+            let dst = memory.landing_ptr(r.mem_offset + pos, size - pos)?;
+            // SAFETY: `dst` is valid for `size - pos` bytes of writes (bounds-checked; the
+            // memory is kept alive by `memory`); the landing bytes are only ever reached through
+            // raw pointers (`RegisteredMemory::landing_ptr`), so no reference to them exists.
+            match unsafe { try_recv_into(stream, dst, (size - pos) as usize) } {
                 Ok(0) => return Err(ConnEnd::Eof),
                 Ok(n) => {
                     pos += n as u64;
                     if pos == size {
                         memory.commit(r.mem_offset, size)?;
                         if let Some(a) = plane.audit.get() {
-                            // SAFETY: as above; read-only view of what just landed.
-                            let landed = unsafe { memory.landed(r.mem_offset, size)? };
-                            a.check(landed, r.offset, plane.map.block_len(r.region));
+                            // Copies of the stamps, never a view of the shared bytes.
+                            a.check_with(
+                                size,
+                                r.offset,
+                                plane.map.block_len(r.region),
+                                |at, stamp| memory.read(r.mem_offset + at, stamp).is_ok(),
+                            );
                         }
                         break;
                     }

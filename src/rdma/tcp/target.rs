@@ -1,6 +1,8 @@
 //! kvrecv as a Mooncake TE target: registered memory, the advertised windows, landing permits,
 //! the handshake daemon and the TCP data server, started together on a tokio runtime.
 
+#![forbid(unsafe_code)]
+
 use crate::telemetry::Labels;
 use std::net::SocketAddr;
 use std::sync::Arc;

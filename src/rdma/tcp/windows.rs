@@ -4,6 +4,8 @@
 //! itself exists once: every window aliases the same bytes, so the window is only the epoch
 //! that tells the data server which pull a write belongs to.
 
+#![forbid(unsafe_code)]
+
 use thiserror::Error;
 
 use crate::layout::KvLayout;

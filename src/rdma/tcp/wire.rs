@@ -1,6 +1,8 @@
 //! The Mooncake TE TCP data-plane framing (PROTOCOL.md §5.2), shared by the server and the
 //! initiator: the 24-byte request header and the v2 status frames.
 
+#![forbid(unsafe_code)]
+
 /// Bytes of a request header (a C struct with 7 bytes of tail padding).
 pub const HEADER_LEN: usize = 24;
 /// Opcode low bits: READ.

@@ -4,6 +4,8 @@
 //! is compact JSON with alphabetical keys, like the TCP descriptor and like jsoncpp on the
 //! Mooncake side.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 

@@ -7,6 +7,8 @@
 //! Pure: the libibverbs backend probes each device and feeds the results in, so every rule is
 //! tested without hardware.
 
+#![forbid(unsafe_code)]
+
 use super::backend::VerbsError;
 use super::gid_rank::{select_gid, GidEntryInfo};
 use super::nic::{LinkLayer, LocalNic};

@@ -6,6 +6,8 @@
 //! peer's NIC path. P picks one of D's NICs per slice, so one P NIC holds endpoints to several
 //! D NICs at once; a handshake to one of them must leave the others' QPs alone.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use super::async_events::{AsyncEvent, AsyncEventKind};

@@ -9,6 +9,8 @@
 //! quarantined until the last-resort deadline, the safe answer when D cannot tell which queue
 //! pairs are its.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex, MutexGuard};
 

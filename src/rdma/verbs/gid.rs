@@ -2,6 +2,8 @@
 //! (PROTOCOL.md §6). The same text appears in the segment descriptor's `devices[].gid` and in a
 //! HandShakeDesc's `local_gid`.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 use std::str::FromStr;
 

@@ -14,6 +14,8 @@
 //! fe80:: by construction) are routable. RoCE v1 entries only make the fallback, so RoCE v2
 //! wins over v1 on an Ethernet port.
 
+#![forbid(unsafe_code)]
+
 use super::gid::Gid;
 
 /// GID type of a GID table entry (`enum ibv_gid_type`).

@@ -541,11 +541,9 @@ impl VerbsBackend for IbvDevices {
                 }
                 return Err(e);
             }
-            // SAFETY: `qp` is live.
-            let id = QpId {
-                nic,
-                qp_num: unsafe { (*qp).qp_num },
-            };
+            // SAFETY: `qp` is live (non-null, just created).
+            let qp_num = unsafe { (*qp).qp_num };
+            let id = QpId { nic, qp_num };
             self.qps.insert(id, qp);
             created.push(id);
         }

@@ -19,6 +19,8 @@
 //! spares. With more hosts than windows, hosts share the least-loaded window, and retiring it
 //! also fails the other hosts' writes in flight (they complete failed, never land late).
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 
 /// One live window.

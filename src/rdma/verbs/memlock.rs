@@ -5,6 +5,8 @@
 //! with a bare ENOMEM. Checked up front instead: the soft limit is raised to the hard limit when
 //! that is enough, otherwise the start fails saying what to raise and by how much.
 
+#![forbid(unsafe_code)]
+
 /// `RLIM_INFINITY`.
 pub const UNLIMITED: u64 = u64::MAX;
 

@@ -1,5 +1,7 @@
 //! What D knows about one of its RDMA NICs after discovery.
 
+#![forbid(unsafe_code)]
+
 use super::gid::Gid;
 use super::qp_attrs::{LocalPort, Mtu};
 

@@ -1,6 +1,8 @@
 //! Mooncake NIC paths: `"<segment name or rdma_server_name>@<nic name>"` (PROTOCOL.md §6).
 //! P's path is the key of its endpoint on D; the path P asks for names one of D's NICs.
 
+#![forbid(unsafe_code)]
+
 use std::fmt;
 
 use thiserror::Error;

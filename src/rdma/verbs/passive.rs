@@ -2,6 +2,8 @@
 //! plain struct the handshake daemon calls: validate what P sent, connect the endpoint, build the
 //! reply. No I/O here besides the verbs calls behind [`VerbsBackend`].
 
+#![forbid(unsafe_code)]
+
 use thiserror::Error;
 
 use super::async_events::{AsyncEventKind, ASYNC_EVENTS};

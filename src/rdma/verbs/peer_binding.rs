@@ -14,6 +14,8 @@
 //! can be the peer's, the fence fails: the peer may still connect and write (it has D's
 //! addresses), so its blocks wait for the last-resort deadline rather than be released.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeSet;
 use std::net::IpAddr;
 

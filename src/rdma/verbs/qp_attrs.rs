@@ -2,6 +2,8 @@
 //! §6 (Mooncake's `RdmaEndPoint::doSetupConnection`). The verbs backend executes them; tests
 //! assert them. Keeping them as data is what lets the handshake be checked without a NIC.
 
+#![forbid(unsafe_code)]
+
 use super::gid::Gid;
 
 /// `hop_limit` of the RTR address vector (Mooncake's `MAX_HOP_LIMIT`).

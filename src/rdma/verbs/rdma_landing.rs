@@ -14,6 +14,8 @@
 //!   registered in its place at a slot not advertised before. The fence holds once none of a
 //!   peer's windows is registered, whether or not its queue pairs could be found.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use futures::future::LocalBoxFuture;

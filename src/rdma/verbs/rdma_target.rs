@@ -3,6 +3,8 @@
 //! segment descriptor, and the [`RdmaLanding`] the core uses. Generic over the verbs backend,
 //! so the whole wiring runs against `FakeVerbs` in tests.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
@@ -22,7 +24,7 @@ use super::window_registrations::{HostSpan, WindowRegisterError};
 use crate::layout::KvLayout;
 use crate::messages::handshake::SegmentDescriptor;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
-use crate::rdma::memory::{DeviceMemory, DeviceRegion, HostMemory};
+use crate::rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, OwnedBytes};
 
 /// How to start an RDMA target.
 #[derive(Debug, Clone)]
@@ -102,8 +104,9 @@ pub enum RdmaTargetError {
 pub struct RdmaTarget<B: VerbsBackend + 'static> {
     handshake: SharedHandshake<B>,
     /// kvrecv's own destination memory (`None` with the host's regions). Leaked, never freed,
-    /// if a window cannot be deregistered.
-    owned: Option<Box<[u8]>>,
+    /// if a window cannot be deregistered. Held as a raw pointer, never a `Box`: the NIC
+    /// writes it while the target runs.
+    owned: Option<OwnedBytes>,
     /// The host's regions, kept while registered: those kvrecv owns ([`HostRegion::owned`])
     /// are freed only after their deregistration, and leaked like `owned` if it fails.
     ///
@@ -173,11 +176,11 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             .backend_mut()
             .ensure_memlock(bytes_per_nic.saturating_mul(cfg.windows.max(1) as u64))?;
         // kvrecv's own buffer, or nothing when the host gave its regions.
-        let mut owned = match (&device, &cfg.host_memory) {
-            (None, None) => Some(vec![0u8; len].into_boxed_slice()),
+        let owned = match (&device, &cfg.host_memory) {
+            (None, None) => Some(OwnedBytes::zeroed(len)),
             _ => None,
         };
-        let spans: Vec<HostSpan> = match (&device, &cfg.host_memory, &mut owned) {
+        let spans: Vec<HostSpan> = match (&device, &cfg.host_memory, &owned) {
             (Some((regions, _)), _, _) => regions.iter().map(|r| (r.ptr(), r.len())).collect(),
             (None, Some(host), _) => host
                 .regions()
@@ -185,7 +188,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
                 .map(|r| (r.as_ptr() as u64, r.len() as u64))
                 .collect(),
             (None, None, Some(buf)) => {
-                let base = buf.as_mut_ptr() as u64;
+                let base = buf.as_ptr() as u64;
                 let mut at = 0u64;
                 cfg.layout
                     .regions
@@ -292,10 +295,12 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         &self.daemon.stats
     }
 
-    /// What P wrote into kvrecv's own buffer, every layout region back to back (`None` with
-    /// `host_memory`: the host reads its own regions).
-    pub fn bytes(&self) -> Option<&[u8]> {
-        self.owned.as_deref()
+    /// A copy of what P wrote into kvrecv's own buffer, every layout region back to back
+    /// (`None` with `host_memory`: the host reads its own regions). A copy, never a view: the
+    /// NIC may write the buffer at any time while the target runs, so a block still being
+    /// written may come back half old, half new.
+    pub fn snapshot(&self) -> Option<Vec<u8>> {
+        self.owned.as_ref().map(OwnedBytes::to_vec)
     }
 }
 

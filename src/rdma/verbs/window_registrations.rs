@@ -79,13 +79,15 @@ impl WindowRegistrations {
         let bases = self.map.region_bases(slot);
         let mut regions = Vec::with_capacity(self.host.len());
         for (i, (&(addr, length), &iova)) in self.host.iter().zip(bases.iter()).enumerate() {
-            // SAFETY: the spans are memory the target keeps mapped (its own buffer, the host's
-            // regions under `HostRegion::new`'s contract, or device regions under
-            // `DeviceRegion::new`'s) until every window is deregistered (`deregister_all`, run
-            // before the memory is released).
+            // The spans are memory the target keeps mapped (its own buffer, the host's regions
+            // under `HostRegion::new`'s contract, or device regions under `DeviceRegion::new`'s)
+            // until every window is deregistered (`deregister_all`, run before the memory is
+            // released).
             let keys = match &self.device {
+                // SAFETY: a span kept mapped until deregistered (above).
                 None => unsafe { b.register_memory_iova(addr, length, iova, self.access) }
                     .map_err(WindowRegisterError::from),
+                // SAFETY: as above, device memory.
                 Some(export) => unsafe {
                     register_device_region(b, &**export, i, addr, length, iova, self.access)
                 }
