@@ -8,9 +8,11 @@
 //!
 //! The floor (`raw`) is the least a receiver can do for the same bytes: it answers the
 //! handshake with kvrecv's daemon (off the timed path) so that both writers connect to it
-//! unchanged, then one blocking thread per connection reads each 24-byte header, `read_exact`s
-//! the payload straight into one region at the header's offset (a bounds check, nothing else:
-//! no permits, windows, audit, counters or async runtime) and answers the v2 status frame.
+//! unchanged, then, on one thread (a current-thread tokio runtime, a task per connection), reads
+//! each 24-byte header, `read_exact`s the payload straight into one region at the header's
+//! offset (a bounds check, nothing else: no permits, windows, audit or counters) and answers the
+//! v2 status frame. `KVRECV_FLOOR=threads` runs a blocking thread per connection instead
+//! (`recv` with `MSG_WAITALL`), which measured more CPU per GiB than kvrecv's target here.
 //!
 //! ```text
 //! cargo run --release --example dataplane_bench -- [MiB per run, default 256] [rounds, default 5]
@@ -198,6 +200,36 @@ async fn serve_target(size: u64) {
     let _ = tokio::io::stdin().read_to_end(&mut sink).await;
 }
 
+/// Fill `dst` from `s` with `recv(MSG_WAITALL)`: the kernel copies each arrival into `dst`
+/// without returning to user space in between (one syscall per payload in the common case;
+/// plain `read_exact` measured more floor CPU than kvrecv's target with the TE wheel).
+fn recv_all(s: &std::net::TcpStream, dst: &mut [u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut done = 0;
+    while done < dst.len() {
+        // SAFETY: `dst[done..]` is valid writable memory of the length passed.
+        let n = unsafe {
+            libc::recv(
+                s.as_raw_fd(),
+                dst[done..].as_mut_ptr().cast(),
+                dst.len() - done,
+                libc::MSG_WAITALL,
+            )
+        };
+        match n {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => done += n as usize,
+        }
+    }
+    Ok(())
+}
+
 /// One raw lane: header, payload straight into the region, v2 status; closes on anything that
 /// is not an in-bounds WRITE. Returns on EOF or error.
 fn raw_lane(mut s: std::net::TcpStream, base: u64, region_ptr: usize) {
@@ -224,10 +256,42 @@ fn raw_lane(mut s: std::net::TcpStream, base: u64, region_ptr: usize) {
                 h.size as usize,
             )
         };
-        if s.read_exact(dst).is_err() {
+        if recv_all(&s, dst).is_err() {
             return;
         }
         if h.version() == ProtoVersion::V2 && s.write_all(&STATUS_OK.to_le_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// [`raw_lane`] on a tokio socket: `read_exact` straight into the region.
+async fn raw_lane_async(mut s: tokio::net::TcpStream, base: u64, region_ptr: usize) {
+    use tokio::io::AsyncWriteExt;
+    let _ = s.set_nodelay(true);
+    let mut h = [0u8; HEADER_LEN];
+    loop {
+        if s.read_exact(&mut h).await.is_err() {
+            return;
+        }
+        let h = Header::decode(&h);
+        let Some(off) = h.addr.checked_sub(base) else {
+            return;
+        };
+        if h.op() != OP_WRITE || off.saturating_add(h.size) > REGION {
+            return;
+        }
+        // SAFETY: as in `raw_lane`.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                (region_ptr as *mut u8).add(off as usize),
+                h.size as usize,
+            )
+        };
+        if s.read_exact(dst).await.is_err() {
+            return;
+        }
+        if h.version() == ProtoVersion::V2 && s.write_all(&STATUS_OK.to_le_bytes()).await.is_err() {
             return;
         }
     }
@@ -267,11 +331,29 @@ async fn raw_sink() {
         hs,
         Arc::new(Daemon::new(&descriptor)),
     ));
-    std::thread::spawn(move || {
-        for s in data.incoming().flatten() {
-            std::thread::spawn(move || raw_lane(s, base, addr));
-        }
-    });
+    if std::env::var("KVRECV_FLOOR").as_deref() == Ok("threads") {
+        std::thread::spawn(move || {
+            for s in data.incoming().flatten() {
+                std::thread::spawn(move || raw_lane(s, base, addr));
+            }
+        });
+    } else {
+        // One thread for every lane (a current-thread runtime): with 4 lanes on 2 cores a
+        // blocking thread per lane measured more CPU per GiB than kvrecv's target.
+        data.set_nonblocking(true).expect("nonblocking listener");
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .build()
+                .expect("raw runtime");
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(data).expect("tokio listener");
+                while let Ok((s, _)) = l.accept().await {
+                    tokio::spawn(raw_lane_async(s, base, addr));
+                }
+            });
+        });
+    }
     println!("{}", serde_json::json!({"segment": name, "addr": base}));
     let mut sink = Vec::new();
     let _ = tokio::io::stdin().read_to_end(&mut sink).await;
