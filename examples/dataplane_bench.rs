@@ -1,24 +1,40 @@
-//! Loopback data plane: kvrecv's TE target against the real Mooncake TE target, each in its own
-//! process, written by the real TE (the PyPI wheel) and by kvrecv's Rust initiator, each in its
-//! own process. Reports throughput and the **target's** CPU seconds per GiB landed (user+sys
-//! from /proc/<pid>/stat over the write), medians of interleaved pairs. Not a test; the figures
-//! go in docs/PERFORMANCE.md.
+//! Loopback data plane: kvrecv's TE target against the real Mooncake TE target and a raw floor,
+//! each in its own process, written by the real TE (the PyPI wheel) and by kvrecv's Rust
+//! initiator, each in its own process. Reports throughput and the **target's** CPU seconds per
+//! GiB landed (user+sys from /proc/<pid>/stat over the write): medians over interleaved rounds
+//! (one run into each target per round, the order rotating), and each target's ratio to the
+//! floor as the median of its per-round ratios (with their range, to show the noise). Not a
+//! test; the figures go in docs/PERFORMANCE.md.
+//!
+//! The floor (`raw`) is the least a receiver can do for the same bytes: it answers the
+//! handshake with kvrecv's daemon (off the timed path) so that both writers connect to it
+//! unchanged, then, on one thread (a current-thread tokio runtime, a task per connection), reads
+//! each 24-byte header, `read_exact`s the payload straight into one region at the header's
+//! offset (a bounds check, nothing else: no permits, windows, audit or counters) and answers the
+//! v2 status frame. `KVRECV_FLOOR=threads` runs a blocking thread per connection instead
+//! (`recv` with `MSG_WAITALL`), which measured more CPU per GiB than kvrecv's target here.
 //!
 //! ```text
-//! cargo run --release --example dataplane_bench -- [MiB per run, default 256] [pairs, default 5]
+//! cargo run --release --example dataplane_bench -- [MiB per run, default 256] [rounds, default 5]
 //! ```
 //! Needs the Python venv (`KVRECV_PYTHON`, default `.venv/bin/python`) with
 //! `mooncake-transfer-engine-non-cuda`. The example re-runs itself for its own roles:
-//! `target <write size>` (kvrecv's target, one open pull over the region) and
-//! `write <handshake addr> <base> <write size> <total>` (the Rust writer).
+//! `target <write size>` (kvrecv's target, one open pull over the region), `raw` (the floor)
+//! and `write <handshake addr> <base> <write size> <total>` (the Rust writer).
 
 use std::path::PathBuf;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Instant;
 
+use std::io::{Read, Write};
+use std::net::TcpListener;
+
 use kvrecv::layout::KvLayout;
+use kvrecv::messages::handshake::{BufferDesc, SegmentDescriptor};
 use kvrecv::messages::{PeerId, RequestMeta};
+use kvrecv::rdma::handshake_daemon::{self, Daemon};
+use kvrecv::rdma::tcp::wire::{Header, ProtoVersion, HEADER_LEN, OP_WRITE, STATUS_OK};
 use kvrecv::rdma::{Landing, PullWindow, TargetConfig, TcpTarget};
 use kvrecv::sim::initiator::{InitiatorConfig, TeInitiator};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, BufReader};
@@ -64,15 +80,36 @@ async fn read_json(child: &mut Child) -> serde_json::Value {
     serde_json::from_str(&line).unwrap_or_else(|e| panic!("target JSON {line:?}: {e}"))
 }
 
-async fn start_target(kvrecv: bool, size: u64) -> Target {
-    let mut cmd = if kvrecv {
-        let mut c = Command::new(std::env::current_exe().expect("own path"));
-        c.args(["target", &size.to_string()]);
-        c
-    } else {
-        let mut c = Command::new(python());
-        c.arg(script()).args(["target", &REGION.to_string()]);
-        c
+/// The receivers compared, in table order.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// The raw floor (`raw` role).
+    Floor,
+    /// The real Mooncake TE target (the wheel).
+    Te,
+    /// kvrecv's TCP target.
+    Kvrecv,
+}
+
+const KINDS: [Kind; 3] = [Kind::Floor, Kind::Te, Kind::Kvrecv];
+
+async fn start_target(kind: Kind, size: u64) -> Target {
+    let mut cmd = match kind {
+        Kind::Kvrecv => {
+            let mut c = Command::new(std::env::current_exe().expect("own path"));
+            c.args(["target", &size.to_string()]);
+            c
+        }
+        Kind::Floor => {
+            let mut c = Command::new(std::env::current_exe().expect("own path"));
+            c.arg("raw");
+            c
+        }
+        Kind::Te => {
+            let mut c = Command::new(python());
+            c.arg(script()).args(["target", &REGION.to_string()]);
+            c
+        }
     };
     let mut child = cmd
         .env("MC_LOG_LEVEL", "WARNING")
@@ -163,6 +200,165 @@ async fn serve_target(size: u64) {
     let _ = tokio::io::stdin().read_to_end(&mut sink).await;
 }
 
+/// Fill `dst` from `s` with `recv(MSG_WAITALL)`: the kernel copies each arrival into `dst`
+/// without returning to user space in between (one syscall per payload in the common case;
+/// plain `read_exact` measured more floor CPU than kvrecv's target with the TE wheel).
+fn recv_all(s: &std::net::TcpStream, dst: &mut [u8]) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let mut done = 0;
+    while done < dst.len() {
+        // SAFETY: `dst[done..]` is valid writable memory of the length passed.
+        let n = unsafe {
+            libc::recv(
+                s.as_raw_fd(),
+                dst[done..].as_mut_ptr().cast(),
+                dst.len() - done,
+                libc::MSG_WAITALL,
+            )
+        };
+        match n {
+            0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            n if n < 0 => {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+            n => done += n as usize,
+        }
+    }
+    Ok(())
+}
+
+/// One raw lane: header, payload straight into the region, v2 status; closes on anything that
+/// is not an in-bounds WRITE. Returns on EOF or error.
+fn raw_lane(mut s: std::net::TcpStream, base: u64, region_ptr: usize) {
+    let _ = s.set_nodelay(true);
+    let mut h = [0u8; HEADER_LEN];
+    loop {
+        if s.read_exact(&mut h).is_err() {
+            return;
+        }
+        let h = Header::decode(&h);
+        let Some(off) = h.addr.checked_sub(base) else {
+            return;
+        };
+        if h.op() != OP_WRITE || off.saturating_add(h.size) > REGION {
+            return;
+        }
+        // SAFETY: `region_ptr` points at REGION live bytes that are never freed (leaked below) and
+        // [off, off + size) is inside them. Writers never write one slot from two lanes at once
+        // (their lanes take distinct slots), so no two `&mut` overlap in practice; the bytes
+        // are never read, so even a racing write could not be observed.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                (region_ptr as *mut u8).add(off as usize),
+                h.size as usize,
+            )
+        };
+        if recv_all(&s, dst).is_err() {
+            return;
+        }
+        if h.version() == ProtoVersion::V2 && s.write_all(&STATUS_OK.to_le_bytes()).is_err() {
+            return;
+        }
+    }
+}
+
+/// [`raw_lane`] on a tokio socket: `read_exact` straight into the region.
+async fn raw_lane_async(mut s: tokio::net::TcpStream, base: u64, region_ptr: usize) {
+    use tokio::io::AsyncWriteExt;
+    let _ = s.set_nodelay(true);
+    let mut h = [0u8; HEADER_LEN];
+    loop {
+        if s.read_exact(&mut h).await.is_err() {
+            return;
+        }
+        let h = Header::decode(&h);
+        let Some(off) = h.addr.checked_sub(base) else {
+            return;
+        };
+        if h.op() != OP_WRITE || off.saturating_add(h.size) > REGION {
+            return;
+        }
+        // SAFETY: as in `raw_lane`.
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                (region_ptr as *mut u8).add(off as usize),
+                h.size as usize,
+            )
+        };
+        if s.read_exact(dst).await.is_err() {
+            return;
+        }
+        if h.version() == ProtoVersion::V2 && s.write_all(&STATUS_OK.to_le_bytes()).await.is_err() {
+            return;
+        }
+    }
+}
+
+/// Role `raw`: the floor. A REGION of touched memory, kvrecv's handshake daemon serving a
+/// descriptor that advertises the region's real address, and a blocking thread per data
+/// connection; until stdin closes.
+async fn raw_sink() {
+    // Touched (non-zero fill), like the TE target's zeroed ctypes buffer: no page faults timed.
+    let region: &'static mut [u8] = vec![1u8; REGION as usize].leak();
+    let base = region.as_mut_ptr() as u64;
+    let addr = region.as_mut_ptr() as usize;
+    let data = TcpListener::bind("127.0.0.1:0").expect("raw data listener");
+    let hs = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("raw handshake listener");
+    let name = format!("127.0.0.1:{}", hs.local_addr().expect("addr").port());
+    let descriptor = SegmentDescriptor {
+        buffers: vec![BufferDesc {
+            addr: base,
+            length: REGION,
+            name: name.clone(),
+            ..BufferDesc::default()
+        }],
+        devices: vec![],
+        priority_matrix: Default::default(),
+        name: name.clone(),
+        protocol: "tcp".into(),
+        rdma_server_name: String::new(),
+        tcp_data_host: Some("127.0.0.1".into()),
+        tcp_data_port: data.local_addr().expect("addr").port(),
+        tcp_proto_version: 2,
+        timestamp: String::new(),
+    };
+    tokio::spawn(handshake_daemon::serve(
+        hs,
+        Arc::new(Daemon::new(&descriptor)),
+    ));
+    if std::env::var("KVRECV_FLOOR").as_deref() == Ok("threads") {
+        std::thread::spawn(move || {
+            for s in data.incoming().flatten() {
+                std::thread::spawn(move || raw_lane(s, base, addr));
+            }
+        });
+    } else {
+        // One thread for every lane (a current-thread runtime): with 4 lanes on 2 cores a
+        // blocking thread per lane measured more CPU per GiB than kvrecv's target.
+        data.set_nonblocking(true).expect("nonblocking listener");
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_io()
+                .build()
+                .expect("raw runtime");
+            rt.block_on(async move {
+                let l = tokio::net::TcpListener::from_std(data).expect("tokio listener");
+                while let Ok((s, _)) = l.accept().await {
+                    tokio::spawn(raw_lane_async(s, base, addr));
+                }
+            });
+        });
+    }
+    println!("{}", serde_json::json!({"segment": name, "addr": base}));
+    let mut sink = Vec::new();
+    let _ = tokio::io::stdin().read_to_end(&mut sink).await;
+}
+
 /// Role `write`: the Rust initiator, `LANES` lanes, `total` bytes in `size` writes.
 async fn rust_write(segment: &str, base: u64, size: u64, total: u64) {
     let hs: std::net::SocketAddr = segment.parse().expect("segment is ip:port");
@@ -215,59 +411,61 @@ async fn main() {
     let num = |i: usize| -> u64 { args[i].parse().expect("a number") };
     match args.get(1).map(String::as_str) {
         Some("target") => return serve_target(num(2)).await,
+        Some("raw") => return raw_sink().await,
         Some("write") => return rust_write(&args[2], num(3), num(4), num(5)).await,
         _ => {}
     }
     let total: u64 = args.get(1).and_then(|a| a.parse().ok()).unwrap_or(256) << 20;
-    let pairs: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(5);
+    let rounds: usize = args.get(2).and_then(|a| a.parse().ok()).unwrap_or(5);
     println!(
-        "loopback, {LANES} lanes, {} MiB per run, medians of {pairs} interleaved pairs, every party its own process",
+        "loopback, {LANES} lanes (Rust writer; the TE wheel: its own), {} MiB per run, {rounds} interleaved rounds (one run per target, order rotating), every party its own process",
         total >> 20
     );
-    println!("| write size | writer | TE target GB/s | kvrecv GB/s | kvrecv/TE | TE target CPU s/GiB | kvrecv CPU s/GiB | kvrecv/TE CPU |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!(
+        "median per target; ratios: median of per-round target/floor ratios [min-max over rounds]"
+    );
+    println!("| write size | writer | floor GB/s | TE GB/s | kvrecv GB/s | TE/floor GB/s | kvrecv/floor GB/s | floor CPU s/GiB | TE CPU s/GiB | kvrecv CPU s/GiB | TE/floor CPU | kvrecv/floor CPU | kvrecv/TE CPU |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for size in [256u64 << 10, 1 << 20] {
-        let te_t = start_target(false, size).await;
-        let kv_t = start_target(true, size).await;
+        let mut targets = Vec::new();
+        for kind in KINDS {
+            targets.push(start_target(kind, size).await);
+        }
         for (te_writer, name) in [(true, "TE wheel"), (false, "Rust")] {
-            let (mut te_bw, mut kv_bw, mut te_cpu, mut kv_cpu) = (vec![], vec![], vec![], vec![]);
-            for i in 0..pairs {
-                // Interleaved, the order alternating.
-                let order: [bool; 2] = if i % 2 == 0 {
-                    [false, true]
-                } else {
-                    [true, false]
-                };
-                for kvrecv in order {
-                    let t = if kvrecv { &kv_t } else { &te_t };
-                    let (bw, cpu) = write_run(te_writer, t, size, total).await;
-                    if kvrecv {
-                        kv_bw.push(bw);
-                        kv_cpu.push(cpu);
-                    } else {
-                        te_bw.push(bw);
-                        te_cpu.push(cpu);
-                    }
+            // bw[k][round], cpu[k][round], k in KINDS order.
+            let mut bw = vec![vec![0f64; rounds]; 3];
+            let mut cpu = vec![vec![0f64; rounds]; 3];
+            for r in 0..rounds {
+                for j in 0..3 {
+                    let k = (r + j) % 3;
+                    let (b, c) = write_run(te_writer, &targets[k], size, total).await;
+                    bw[k][r] = b;
+                    cpu[k][r] = c;
                 }
             }
-            let (tb, kb, tc, kc) = (
-                median(&mut te_bw),
-                median(&mut kv_bw),
-                median(&mut te_cpu),
-                median(&mut kv_cpu),
-            );
+            let ratio = |v: &[Vec<f64>], k: usize, d: usize| -> String {
+                let mut r: Vec<f64> = (0..rounds).map(|i| v[k][i] / v[d][i]).collect();
+                let m = median(&mut r);
+                format!("{m:.2}x [{:.2}-{:.2}]", r[0], r[rounds - 1])
+            };
+            let med = |v: &[Vec<f64>], k: usize| median(&mut v[k].clone());
             println!(
-                "| {} KiB | {name} | {:.2} | {:.2} | {:.2}x | {:.3} | {:.3} | {:.2}x |",
+                "| {} KiB | {name} | {:.2} | {:.2} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} |",
                 size >> 10,
-                tb / 1e9,
-                kb / 1e9,
-                kb / tb,
-                tc,
-                kc,
-                kc / tc
+                med(&bw, 0) / 1e9,
+                med(&bw, 1) / 1e9,
+                med(&bw, 2) / 1e9,
+                ratio(&bw, 1, 0),
+                ratio(&bw, 2, 0),
+                med(&cpu, 0),
+                med(&cpu, 1),
+                med(&cpu, 2),
+                ratio(&cpu, 1, 0),
+                ratio(&cpu, 2, 0),
+                ratio(&cpu, 2, 1),
             );
         }
-        for mut t in [te_t, kv_t] {
+        for mut t in targets {
             drop(t.child.stdin.take());
             let _ = t.child.wait().await;
         }
