@@ -143,7 +143,11 @@ async fn regions_that_do_not_fit_the_layout_are_refused() {
         .host_memory(HostMemory::new(one))
         .start()
         .unwrap_err();
-    assert!(e.to_string().contains("1 regions registered"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("1 memory regions for 2 layout regions"),
+        "{e}"
+    );
     // SAFETY: refused before use.
     assert!(unsafe { HostRegion::new(std::ptr::null_mut(), 8) }.is_err());
 }

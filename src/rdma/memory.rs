@@ -592,34 +592,9 @@ impl RegisteredMemory {
     /// per region ([`super::tcp::windows::WindowMap::region_spans`]); region `i` of `host` backs span
     /// `i` and must be at least as long. Nothing is allocated or zeroed.
     pub fn host_owned(host: HostMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
-        if host.regions().len() != spans.len() {
-            return Err(MemoryError::HostRegions(format!(
-                "{} regions registered, the layout has {}",
-                host.regions().len(),
-                spans.len()
-            )));
-        }
-        // Too short first: a region one block short that ends where the next begins would
-        // otherwise read as the two overlapping, which names the wrong mistake.
-        for (i, (r, &(_, len))) in host.regions().iter().zip(spans).enumerate() {
-            if (r.len as u64) < len {
-                return Err(MemoryError::HostRegions(format!(
-                    "region {i} has {} bytes; the layout needs {len} (block_len x num_blocks)",
-                    r.len
-                )));
-            }
-        }
-        let used: Vec<(u64, u64)> = host
-            .regions()
-            .iter()
-            .zip(spans)
-            .map(|(r, &(_, len))| (r.ptr.as_ptr() as u64, len))
-            .collect();
-        if let Some((a, b)) = first_overlap(&used) {
-            return Err(MemoryError::HostRegions(format!(
-                "regions {a} and {b} overlap: two layers would land in the same bytes"
-            )));
-        }
+        let needed: Vec<u64> = spans.iter().map(|&(_, len)| len).collect();
+        super::memory_fit::check_fit(&host, &needed)
+            .map_err(|e| MemoryError::HostRegions(e.to_string()))?;
         let mut segments = Vec::with_capacity(spans.len());
         let mut end = 0u64;
         for (i, (r, &(start, len))) in host.regions().iter().zip(spans).enumerate() {
@@ -653,32 +628,10 @@ impl RegisteredMemory {
         let len = spans.last().map_or(0, |(s, l)| s + l);
         let staged: Arc<dyn DeviceCopy> = match &*dev.0 {
             DeviceInner::Regions(regions) => {
-                if regions.len() != spans.len() {
-                    return Err(MemoryError::DeviceRegions(format!(
-                        "{} regions registered, the layout has {}",
-                        regions.len(),
-                        spans.len()
-                    )));
-                }
-                // Too short first, as for host regions.
-                for (i, (r, &(_, need))) in regions.iter().zip(spans).enumerate() {
-                    if r.len < need {
-                        return Err(MemoryError::DeviceRegions(format!(
-                            "region {i} has {} bytes; the layout needs {need}",
-                            r.len
-                        )));
-                    }
-                }
-                let used: Vec<(u64, u64)> = regions
-                    .iter()
-                    .zip(spans)
-                    .map(|(r, &(_, need))| (r.ptr, need))
-                    .collect();
-                if let Some((a, b)) = first_overlap(&used) {
-                    return Err(MemoryError::DeviceRegions(format!(
-                        "regions {a} and {b} overlap: two layers would land in the same bytes"
-                    )));
-                }
+                let have: Vec<(u64, u64)> = regions.iter().map(|r| (r.ptr, r.len)).collect();
+                let needed: Vec<u64> = spans.iter().map(|&(_, len)| len).collect();
+                super::memory_fit::check_spans(&have, &needed)
+                    .map_err(|e| MemoryError::DeviceRegions(e.to_string()))?;
                 let ordinal = regions.first().map_or(0, |r| r.ordinal);
                 let mut segs = Vec::with_capacity(spans.len());
                 for (i, (r, &(start, need))) in regions.iter().zip(spans).enumerate() {
@@ -852,16 +805,6 @@ impl RegisteredMemory {
     }
 }
 
-/// The first two of `ranges` (start, length) whose bytes overlap, by index, lower first.
-fn first_overlap(ranges: &[(u64, u64)]) -> Option<(usize, usize)> {
-    let mut order: Vec<usize> = (0..ranges.len()).collect();
-    order.sort_by_key(|&i| ranges[i].0);
-    order.windows(2).find_map(|w| {
-        let (a, b) = (ranges[w[0]], ranges[w[1]]);
-        (a.0.saturating_add(a.1) > b.0).then(|| (w[0].min(w[1]), w[0].max(w[1])))
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -935,8 +878,6 @@ mod tests {
         // overlap the next region: only the layout's bytes are written).
         assert!(host([0, 64]).is_ok());
         assert!(host([128, 0]).is_ok());
-        assert_eq!(first_overlap(&[(10, 5), (0, 10), (15, 1)]), None);
-        assert_eq!(first_overlap(&[(10, 5), (0, 11)]), Some((0, 1)));
     }
 
     #[test]

@@ -1,7 +1,8 @@
 //! Whether the host's regions can hold the layout: one region per layout region, each at
-//! least as long as the layout needs, no two overlapping. Checked where new host memory comes
-//! in after start (sleep mode's resume on new memory, DESIGN.md §7), before anything of the
-//! old memory is let go, so a refusal leaves the worker paused on its old memory.
+//! least as long as the layout needs, no two overlapping. The one check for every place host or
+//! device regions come in: the TCP target's and the RDMA target's start, and sleep mode's
+//! resume on new memory (DESIGN.md §7, checked before anything of the old memory is let go, so
+//! a refusal leaves the worker paused on its old memory).
 
 use thiserror::Error;
 
@@ -42,44 +43,63 @@ pub enum MemoryFitError {
 
 /// Check `host` against `needed`, the bytes of every layout region in layout order.
 pub fn check_fit(host: &HostMemory, needed: &[u64]) -> Result<(), MemoryFitError> {
-    let regions = host.regions();
-    if regions.len() != needed.len() {
+    let have: Vec<(u64, u64)> = host
+        .regions()
+        .iter()
+        .map(|r| (r.as_ptr() as u64, r.len() as u64))
+        .collect();
+    check_spans(&have, needed)
+}
+
+/// The same check for regions given as `(address, length)` (host or device pointers): the
+/// count, then each length, then overlaps — in that order, so a region one block short that
+/// ends where the next begins is named too short, not overlapping.
+pub fn check_spans(have: &[(u64, u64)], needed: &[u64]) -> Result<(), MemoryFitError> {
+    if have.len() != needed.len() {
         return Err(MemoryFitError::RegionCount {
-            regions: regions.len(),
+            regions: have.len(),
             layout: needed.len(),
         });
     }
-    for (i, (r, &n)) in regions.iter().zip(needed).enumerate() {
-        if (r.len() as u64) < n {
+    for (i, (&(_, len), &n)) in have.iter().zip(needed).enumerate() {
+        if len < n {
             return Err(MemoryFitError::TooSmall {
                 region: i,
-                have: r.len() as u64,
+                have: len,
                 needed: n,
             });
         }
     }
-    let mut order: Vec<(u64, u64, usize)> = regions
+    let used: Vec<(u64, u64)> = have
         .iter()
         .zip(needed)
-        .enumerate()
-        .map(|(i, (r, &n))| (r.as_ptr() as u64, n, i))
+        .map(|(&(a, _), &n)| (a, n))
         .collect();
-    order.sort_unstable();
-    for w in order.windows(2) {
-        let ((a, a_len, i), (b, _, j)) = (w[0], w[1]);
-        if a.saturating_add(a_len) > b {
-            return Err(MemoryFitError::Overlap {
-                first: i.min(j),
-                second: i.max(j),
-            });
-        }
+    match first_overlap(&used) {
+        Some((first, second)) => Err(MemoryFitError::Overlap { first, second }),
+        None => Ok(()),
     }
-    Ok(())
+}
+
+/// The first two of `ranges` (`(start, length)`) that share bytes, lower index first.
+fn first_overlap(ranges: &[(u64, u64)]) -> Option<(usize, usize)> {
+    let mut order: Vec<usize> = (0..ranges.len()).collect();
+    order.sort_by_key(|&i| ranges[i].0);
+    order.windows(2).find_map(|w| {
+        let (a, b) = (ranges[w[0]], ranges[w[1]]);
+        (a.0.saturating_add(a.1) > b.0).then(|| (w[0].min(w[1]), w[0].max(w[1])))
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn overlaps_are_found_whatever_the_order_and_adjacent_ranges_are_not() {
+        assert_eq!(first_overlap(&[(10, 5), (0, 10), (15, 1)]), None);
+        assert_eq!(first_overlap(&[(10, 5), (0, 11)]), Some((0, 1)));
+    }
     use crate::rdma::memory::HostRegion;
 
     fn host(bufs: &mut [Vec<u8>]) -> HostMemory {

@@ -321,27 +321,16 @@ fn needed_bytes(needed: Option<u64>) -> String {
     needed.map_or_else(|| "more than 2^64 bytes".into(), |n| n.to_string())
 }
 
-/// One host region per layout region, each large enough for its blocks.
+/// One host region per layout region, each large enough for its blocks, none overlapping.
 fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTargetError> {
-    let regions = host.regions();
-    if regions.len() != layout.regions.len() {
-        return Err(RdmaTargetError::HostRegions(format!(
-            "{} regions for a layout of {}",
-            regions.len(),
-            layout.regions.len()
-        )));
-    }
-    for (i, (h, l)) in regions.iter().zip(&layout.regions).enumerate() {
-        let needed = l.block_len.checked_mul(u64::from(layout.num_blocks));
-        if needed.is_none_or(|n| (h.len() as u64) < n) {
-            return Err(RdmaTargetError::HostRegions(format!(
-                "region {i} has {} bytes, the layout needs {} (block_len x num_blocks)",
-                h.len(),
-                needed_bytes(needed)
-            )));
-        }
-    }
-    Ok(())
+    let needed: Option<Vec<u64>> = layout
+        .regions
+        .iter()
+        .map(|l| l.block_len.checked_mul(u64::from(layout.num_blocks)))
+        .collect();
+    let needed = needed.ok_or(RdmaTargetError::LayoutTooLarge)?;
+    crate::rdma::memory_fit::check_fit(host, &needed)
+        .map_err(|e| RdmaTargetError::HostRegions(e.to_string()))
 }
 
 /// The host's device regions, one per layout region and each large enough, and the GPU side
