@@ -25,6 +25,7 @@ reported with the ratios kvrecv / Python.
   .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv            # full grid
   .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv --small --json   # CI
   .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv --layout          # layout ids
+  .venv/bin/python benches/baseline.py --kvrecv target/release/kvrecv --before /tmp/old/kvrecv  # A/B
 """
 
 import argparse
@@ -546,7 +547,9 @@ def held_rss(a, p, ready, d):
 def memory_phase(a, ds):
     p, ready = start_p(a, 2, wait_ready=True)
     try:
-        out = {d: held_rss(a, p, ready, d) for d in ds}
+        out = {d: held_rss(with_binary(a, a.before) if d.endswith("@before") else a, p, ready,
+                           d.split("@")[0])
+               for d in ds}
     finally:
         p.stdin.write('{"op":"shutdown"}\n')
         p.stdin.flush()
@@ -567,10 +570,25 @@ def median_of(runs):
     }
 
 
+KVRECV_DS = ("lib", "embed", "serve", "serve_all")
+
+
+def with_binary(a, binary):
+    """`a` with another kvrecv binary as D (P stays the same process for both)."""
+    b = argparse.Namespace(**vars(a))
+    b.kvrecv = binary
+    return b
+
+
 def main_driver(a):
     ds = {"python": run_py, "python032": run_py032, "lib": run_lib, "embed": run_embed,
           "serve": run_serve, "serve_all": run_serve_all}
     ds = {k: v for k, v in ds.items() if k in a.ds.split(",")}
+    if a.before:
+        # A/B in one invocation: each kvrecv D again with the `--before` binary, interleaved in
+        # the same pairs against the same P.
+        for k in [k for k in ds if k in KVRECV_DS]:
+            ds[k + "@before"] = (lambda f: lambda a, cfg: f(with_binary(a, a.before), cfg))(ds[k])
     ints = lambda s: [int(x) for x in s.split(",")]
     rows = []
     for tp in ints(a.tp) if not a.memory_only else []:
@@ -612,12 +630,12 @@ def main_driver(a):
     memory = None
     if a.memory:
         # The handle holds what the library holds (the same coordinator on its own thread).
-        memory = memory_phase(a, [d for d in ds if d not in ("embed", "serve_all")])
+        memory = memory_phase(a, [d for d in ds if d.split("@")[0] not in ("embed", "serve_all")])
         if not a.json:
             print(f"RSS per in-flight request, {a.memory} requests in batches of {a.memory_batch}, P TP2:")
             for d, r in memory.items():
                 ratio = f"  {r['ratio']:.2f}x" if "ratio" in r else ""
-                print(f"  {d:<7} {r['bytes_per_request']:8.0f} B{ratio}")
+                print(f"  {d:<13} {r['bytes_per_request']:8.0f} B{ratio}")
     if a.json:
         print(json.dumps({"rows": rows, "memory": memory}))
 
@@ -673,7 +691,7 @@ def print_row(row, ds):
             ratio = f"  CPU {cpu}  pulls/s {r['pulls_ratio']:.2f}x"
         after = (f"  after last settle p99 {r['after_settle_p99_us']} us"
                  f" (observed {r['after_settle_observed_p99_us']} us)") if "after_settle_p99_us" in r else ""
-        print(f"  {k:<9} CPU/req {r['cpu_us_per_request']:8.2f} us  pulls/s {r['pulls_per_s']:9.0f}"
+        print(f"  {k:<13} CPU/req {r['cpu_us_per_request']:8.2f} us  pulls/s {r['pulls_per_s']:9.0f}"
               f"  p50 {r['p50_us']:8.0f} us  p99 {r['p99_us']:8.0f} us  failed {r['failed']}{ratio}{after}")
     sys.stdout.flush()
 
@@ -691,6 +709,8 @@ def main():
                    help="whose receive loop: 0.33 sends a layout id and omits the layout once P echoed it")
     d.add_argument("--layers", type=int, default=LAYERS)
     ap.add_argument("--kvrecv", default=os.path.join(HERE, "..", "target", "release", "kvrecv"))
+    ap.add_argument("--before", help="a second kvrecv binary (e.g. main before a change): its Ds run "
+                    "interleaved with --kvrecv's in the same pairs, as `lib@before` etc.")
     ap.add_argument("--tp", default="1,2")
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--in-flight", default="1,16,64,256")
