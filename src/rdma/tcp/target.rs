@@ -16,11 +16,12 @@ use crate::block_ownership::BlockOwnership;
 use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
-use super::permits::{PermitTable, TcpLanding};
+use super::permits::PermitTable;
 use super::server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
     DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS,
 };
+use super::tcp_landing::TcpLanding;
 use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
 use crate::rdma::audit::AuditCounters;
 use crate::rdma::handshake_daemon::{
