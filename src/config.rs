@@ -137,6 +137,10 @@ pub struct KvRecvConfig {
     pub layout_ids: bool,
 }
 
+/// Default cap on live requests: far above any real scheduler's in-flight count, low enough
+/// that a host that never drains is told before memory runs away.
+pub const DEFAULT_MAX_LIVE: usize = 1 << 17;
+
 impl Default for KvRecvConfig {
     fn default() -> Self {
         KvRecvConfig {
@@ -149,7 +153,7 @@ impl Default for KvRecvConfig {
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
             peer_retire_after: Duration::from_secs(60),
-            max_live_requests: crate::actors::block_ledger::DEFAULT_MAX_LIVE,
+            max_live_requests: DEFAULT_MAX_LIVE,
             topology_retry_base: Duration::from_millis(100),
             topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
