@@ -146,6 +146,17 @@ impl Effects {
     }
 }
 
+/// A reply's one frame decoded, refusing more ids than a pull carrying `carried` requests
+/// may name ([`max_reply_ids`]), or why it is malformed.
+fn decode_reply(frames: &Frames, carried: usize) -> Result<XferReplyRef<'_>, String> {
+    match frames.as_slice() {
+        [one] => {
+            XferReplyRef::decode_bounded(one, max_reply_ids(carried)).map_err(|e| e.to_string())
+        }
+        _ => Err(format!("{}-frame reply", frames.len())),
+    }
+}
+
 /// A settle to send.
 fn settle_of(peer: &PeerId, pull_id: PullId, req_id: &ReqId, outcome: SettleOutcome) -> Settle {
     Settle {
@@ -316,13 +327,7 @@ impl PeerState {
         else {
             return fx; // the pull is over; its channel is being closed
         };
-        let decoded = match frames.as_slice() {
-            [one] => {
-                XferReplyRef::decode_bounded(one, max_reply_ids(carried)).map_err(|e| e.to_string())
-            }
-            _ => Err(format!("{}-frame reply", frames.len())),
-        };
-        let resp = match decoded {
+        let resp = match decode_reply(&frames, carried) {
             Ok(r) => r,
             Err(e) => {
                 // A decoder's complaint may quote the reply (a string where a number belongs).
@@ -335,50 +340,76 @@ impl PeerState {
             }
         };
         if resp.status == XferStatus::LayoutMiss {
-            // P wrote nothing and the pull is over on its side (vLLM 0.33).
-            fx.layout_miss = true;
-            if layout.id != 0 && !layout.carried {
-                // It lost the layout it had echoed: the same pull again, with the layout. Once
-                // only: the resend carries it, so a second miss fails the pull below.
-                if let Some(p) = self.pulls.get_mut(&pull_id) {
-                    p.layout.carried = true;
-                }
-                fx.resend_with_layout = true;
-                return fx;
-            }
-            // A miss for a pull that carried its layout breaks the protocol: P's word that it
-            // wrote nothing is then worth what an ERROR's is.
-            let msg = resp.err_msg.unwrap_or("no message");
-            self.settle_rest(&mut fx, pull_id, || {
-                SettleOutcome::uncertain(
-                    Cause::PeerWideError,
-                    format!(
-                        "peer answered LAYOUT_MISS to a pull that carried its layout: {}",
-                        peer_text(msg)
-                    ),
-                )
-            });
+            self.on_layout_miss(&mut fx, pull_id, layout, &resp);
             return fx;
         }
-        // A reply that names requests, none of them this pull's, does not answer this pull (on
-        // a fresh DEALER per pull, as vLLM's D has, it could not arrive here at all): its FINISH
-        // must not end the pull, or P's real answer would be dropped as stale.
-        let names_any = !(resp.ok().is_empty() && resp.err().is_empty());
-        if names_any
-            && self.pulls.get(&pull_id).is_some_and(|p| {
-                resp.err()
-                    .iter()
-                    .chain(resp.ok())
-                    .all(|id| !p.pending.carries(id))
-            })
-        {
+        if self.is_stray(pull_id, &resp) {
             for id in resp.err().iter().chain(resp.ok()) {
                 fx.stale.note(id);
             }
             fx.stray = true;
             return fx;
         }
-        // err_reqs first: an id in both lists is a failure (its ok entry is then stale).
+        self.settle_named(&mut fx, pull_id, &resp);
+        if resp.layout_id != 0
+            && resp.layout_id == layout.id
+            && matches!(resp.status, XferStatus::Continue | XferStatus::Finish)
+        {
+            fx.layout_echoed = Some(resp.layout_id);
+        }
+        self.on_status(&mut fx, pull_id, &resp);
+        fx
+    }
+
+    /// P answered `LAYOUT_MISS`: it wrote nothing and the pull is over on its side (vLLM 0.33).
+    fn on_layout_miss(
+        &mut self,
+        fx: &mut Effects,
+        pull_id: PullId,
+        layout: PullLayout,
+        resp: &XferReplyRef<'_>,
+    ) {
+        fx.layout_miss = true;
+        if layout.id != 0 && !layout.carried {
+            // It lost the layout it had echoed: the same pull again, with the layout. Once
+            // only: the resend carries it, so a second miss fails the pull below.
+            if let Some(p) = self.pulls.get_mut(&pull_id) {
+                p.layout.carried = true;
+            }
+            fx.resend_with_layout = true;
+            return;
+        }
+        // A miss for a pull that carried its layout breaks the protocol: P's word that it
+        // wrote nothing is then worth what an ERROR's is.
+        let msg = resp.err_msg.unwrap_or("no message");
+        self.settle_rest(fx, pull_id, || {
+            SettleOutcome::uncertain(
+                Cause::PeerWideError,
+                format!(
+                    "peer answered LAYOUT_MISS to a pull that carried its layout: {}",
+                    peer_text(msg)
+                ),
+            )
+        });
+    }
+
+    /// Whether a reply names requests, none of them this pull's. It does not answer this pull
+    /// (on a fresh DEALER per pull, as vLLM's D has, it could not arrive here at all): its
+    /// FINISH must not end the pull, or P's real answer would be dropped as stale.
+    fn is_stray(&self, pull_id: PullId, resp: &XferReplyRef<'_>) -> bool {
+        let names_any = !(resp.ok().is_empty() && resp.err().is_empty());
+        names_any
+            && self.pulls.get(&pull_id).is_some_and(|p| {
+                resp.err()
+                    .iter()
+                    .chain(resp.ok())
+                    .all(|id| !p.pending.carries(id))
+            })
+    }
+
+    /// Settle the requests a reply names: `err_reqs` first, so an id in both lists is a failure
+    /// (its ok entry is then stale).
+    fn settle_named(&mut self, fx: &mut Effects, pull_id: PullId, resp: &XferReplyRef<'_>) {
         if !resp.err().is_empty() {
             let err_msg = resp.err_msg.unwrap_or("peer reported failure");
             // Repeated for every request it fails: bounded and escaped first.
@@ -391,7 +422,7 @@ impl PeerState {
             };
             for id in resp.err() {
                 self.settle(
-                    &mut fx,
+                    fx,
                     pull_id,
                     id,
                     SettleOutcome::failed(err_cause, err_reason.clone()),
@@ -399,27 +430,25 @@ impl PeerState {
             }
         }
         for id in resp.ok() {
-            self.settle(&mut fx, pull_id, id, SettleOutcome::Ok);
+            self.settle(fx, pull_id, id, SettleOutcome::Ok);
         }
-        if resp.layout_id != 0
-            && resp.layout_id == layout.id
-            && matches!(resp.status, XferStatus::Continue | XferStatus::Finish)
-        {
-            fx.layout_echoed = Some(resp.layout_id);
-        }
+    }
+
+    /// What the reply's status says of the requests it did not name.
+    fn on_status(&mut self, fx: &mut Effects, pull_id: PullId, resp: &XferReplyRef<'_>) {
         match resp.status {
             // More subsets follow; the channel stays open until FINISH, ERROR or the deadline.
             XferStatus::Continue => {}
             XferStatus::Finish => {
                 fx.finished_cleanly = true;
-                self.settle_rest(&mut fx, pull_id, || {
+                self.settle_rest(fx, pull_id, || {
                     SettleOutcome::failed(Cause::Omitted, OMITTED)
                 });
             }
-            // (LAYOUT_MISS was answered above.)
+            // (LAYOUT_MISS was answered before.)
             XferStatus::Error | XferStatus::LayoutMiss => {
                 let msg = resp.err_msg.unwrap_or("no message");
-                self.settle_rest(&mut fx, pull_id, || {
+                self.settle_rest(fx, pull_id, || {
                     SettleOutcome::uncertain(
                         Cause::PeerWideError,
                         format!("peer ERROR: {}", peer_text(msg)),
@@ -427,7 +456,6 @@ impl PeerState {
                 });
             }
         }
-        fx
     }
 
     /// The pull ended without FINISH/ERROR: channel error, channel closed, deadline (rule 4).
