@@ -1,6 +1,8 @@
-//! Telemetry: metric names (Prometheus text exposition through `metrics-exporter-prometheus`),
-//! the per-worker labels, and the exporter. Every counter an operator asks about in DESIGN.md §8
-//! is named here, once. (Named `telemetry` so it does not shadow the `metrics` crate.)
+//! Telemetry: metric names, their descriptions, the per-worker labels and the handles actors
+//! keep. Every counter an operator asks about in DESIGN.md §8 is named here, once. The exporter
+//! (Prometheus text exposition through `metrics-exporter-prometheus`, `GET /metrics`, feature
+//! `cli`) is `metrics_endpoint.rs`. (Named `telemetry` so it does not shadow the `metrics`
+//! crate.)
 
 #![forbid(unsafe_code)]
 
