@@ -6,13 +6,16 @@
 
 use thiserror::Error;
 
-use super::async_events::{AsyncEventKind, ASYNC_EVENTS};
-use super::backend::{VerbsBackend, VerbsError};
+use super::backend::{AsyncEventKind, VerbsBackend, VerbsError};
 use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
 use super::gid::{Gid, GidParseError};
 use super::nic_path::NicPath;
 use super::qp_attrs::{Mtu, PathAttrs};
 use crate::messages::handshake_desc::HandShakeDesc;
+
+/// Metric: async events read, by event (`qp_fatal`, `qp_req_err`, `qp_access_err`,
+/// `path_mig_err`, `port_err`, `device_fatal`, `other`); label `event`.
+pub const ASYNC_EVENTS: &str = "kvrecv_rdma_async_events_total";
 
 /// Mooncake's defaults: `MC_NUM_QP_PER_EP` and `MC_MTU`.
 #[derive(Debug, Clone, PartialEq, Eq)]
