@@ -19,7 +19,7 @@ impl DeviceRegion {
     /// Register `len` bytes of device memory at `ptr` (a `CUdeviceptr`) on GPU `ordinal`.
     ///
     /// # Safety
-    /// The same contract as [`HostRegion::new`], for device memory: valid, allocated and not
+    /// The same contract as [`HostRegion::new`](super::host_memory::HostRegion::new), for device memory: valid, allocated and not
     /// moved until the handle's shutdown returned (so is its CUDA context); kvrecv copies into
     /// any block whose request is loaded and not yet released, from its own threads and
     /// streams, in the context the memory belongs to (the primary context of `ordinal`, or the

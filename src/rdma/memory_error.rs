@@ -54,7 +54,7 @@ pub enum MemoryError {
     OtherDevice {
         /// The region, in layout order.
         region: usize,
-        /// The ordinal given to [`DeviceRegion::new`].
+        /// The ordinal given to [`DeviceRegion::new`](super::device_memory::DeviceRegion::new).
         named: usize,
         /// The driver's.
         actual: usize,
