@@ -137,6 +137,10 @@ pub struct KvRecvConfig {
     pub layout_ids: bool,
 }
 
+/// Default cap on live requests: far above any real scheduler's in-flight count, low enough
+/// that a host that never drains is told before memory runs away.
+pub const DEFAULT_MAX_LIVE: usize = 1 << 17;
+
 impl Default for KvRecvConfig {
     fn default() -> Self {
         KvRecvConfig {
@@ -149,7 +153,7 @@ impl Default for KvRecvConfig {
             peer_backoff_base: Duration::from_millis(100),
             peer_backoff_max: Duration::from_secs(10),
             peer_retire_after: Duration::from_secs(60),
-            max_live_requests: crate::actors::block_ledger::DEFAULT_MAX_LIVE,
+            max_live_requests: DEFAULT_MAX_LIVE,
             topology_retry_base: Duration::from_millis(100),
             topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
@@ -266,6 +270,16 @@ struct RawKvRecv {
     layout_ids: Option<bool>,
 }
 
+/// Top-level keys neither kvrecv nor vLLM knows. vLLM's own keys configure vLLM itself: they
+/// are accepted silently; anything else is named.
+fn ignored_keys(raw: &RawKvTransfer) -> Vec<String> {
+    raw.unknown
+        .keys()
+        .filter(|k| !VLLM_KEYS.contains(&k.as_str()))
+        .cloned()
+        .collect()
+}
+
 impl KvRecvConfig {
     /// Parse vLLM's `--kv-transfer-config` JSON.
     ///
@@ -292,13 +306,7 @@ impl KvRecvConfig {
     /// Parse without requiring a layout; logs one warning naming every ignored key.
     pub fn parse_kv_transfer_config(json: &str) -> Result<ParsedKvTransfer, ConfigError> {
         let raw: RawKvTransfer = serde_json::from_str(json)?;
-        // vLLM's own keys configure vLLM itself: accepted silently; anything else is named.
-        let ignored_keys: Vec<String> = raw
-            .unknown
-            .keys()
-            .filter(|k| !VLLM_KEYS.contains(&k.as_str()))
-            .cloned()
-            .collect();
+        let ignored_keys = ignored_keys(&raw);
         if !ignored_keys.is_empty() {
             tracing::warn!(keys = ?ignored_keys, "kv_transfer_config keys kvrecv does not know; ignored");
         }
@@ -323,53 +331,9 @@ impl KvRecvConfig {
             };
         }
         let k = raw.kv_connector_extra_config.kvrecv;
-        let ms = |v: Option<u64>, key: &'static str, dflt: Duration| match v {
-            Some(0) => Err(ConfigError::Zero { key }),
-            Some(v) => Ok(Duration::from_millis(v)),
-            None => Ok(dflt),
-        };
         cfg.policy = k.policy.unwrap_or_default();
         cfg.layout_ids = k.layout_ids.unwrap_or(cfg.layout_ids);
-        cfg.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", cfg.pull_timeout)?;
-        cfg.abort_grace = ms(k.abort_grace_ms, "abort_grace_ms", cfg.abort_grace)?;
-        cfg.quarantine_deadline = ms(
-            k.quarantine_deadline_ms,
-            "quarantine_deadline_ms",
-            cfg.quarantine_deadline,
-        )?;
-        cfg.peer_retire_after = ms(
-            k.peer_retire_after_ms,
-            "peer_retire_after_ms",
-            cfg.peer_retire_after,
-        )?;
-        cfg.peer_backoff_base = ms(
-            k.peer_backoff_base_ms,
-            "peer_backoff_base_ms",
-            cfg.peer_backoff_base,
-        )?;
-        cfg.peer_backoff_max = ms(
-            k.peer_backoff_max_ms,
-            "peer_backoff_max_ms",
-            cfg.peer_backoff_max,
-        )?;
-        if let Some(n) = k.max_live_requests {
-            if n == 0 {
-                return Err(ConfigError::Zero {
-                    key: "max_live_requests",
-                });
-            }
-            cfg.max_live_requests = n;
-        }
-        cfg.topology_retry_base = ms(
-            k.topology_retry_base_ms,
-            "topology_retry_base_ms",
-            cfg.topology_retry_base,
-        )?;
-        cfg.topology_retry_max = ms(
-            k.topology_retry_max_ms,
-            "topology_retry_max_ms",
-            cfg.topology_retry_max,
-        )?;
+        cfg.apply_limits(&k)?;
         cfg.d_rank = DRank {
             tp_size: k.tp_size.unwrap_or(1),
             tp_rank: k.tp_rank.unwrap_or(0),
@@ -391,6 +355,57 @@ impl KvRecvConfig {
             layout_given,
             ignored_keys,
         })
+    }
+
+    /// The `kvrecv` section's durations (`*_ms`) and live-request cap over the defaults, none
+    /// of them 0.
+    fn apply_limits(&mut self, k: &RawKvRecv) -> Result<(), ConfigError> {
+        let ms = |v: Option<u64>, key: &'static str, dflt: Duration| match v {
+            Some(0) => Err(ConfigError::Zero { key }),
+            Some(v) => Ok(Duration::from_millis(v)),
+            None => Ok(dflt),
+        };
+        self.pull_timeout = ms(k.pull_timeout_ms, "pull_timeout_ms", self.pull_timeout)?;
+        self.abort_grace = ms(k.abort_grace_ms, "abort_grace_ms", self.abort_grace)?;
+        self.quarantine_deadline = ms(
+            k.quarantine_deadline_ms,
+            "quarantine_deadline_ms",
+            self.quarantine_deadline,
+        )?;
+        self.peer_retire_after = ms(
+            k.peer_retire_after_ms,
+            "peer_retire_after_ms",
+            self.peer_retire_after,
+        )?;
+        self.peer_backoff_base = ms(
+            k.peer_backoff_base_ms,
+            "peer_backoff_base_ms",
+            self.peer_backoff_base,
+        )?;
+        self.peer_backoff_max = ms(
+            k.peer_backoff_max_ms,
+            "peer_backoff_max_ms",
+            self.peer_backoff_max,
+        )?;
+        if let Some(n) = k.max_live_requests {
+            if n == 0 {
+                return Err(ConfigError::Zero {
+                    key: "max_live_requests",
+                });
+            }
+            self.max_live_requests = n;
+        }
+        self.topology_retry_base = ms(
+            k.topology_retry_base_ms,
+            "topology_retry_base_ms",
+            self.topology_retry_base,
+        )?;
+        self.topology_retry_max = ms(
+            k.topology_retry_max_ms,
+            "topology_retry_max_ms",
+            self.topology_retry_max,
+        )?;
+        Ok(())
     }
 
     /// Internal consistency of the layout.

@@ -1,6 +1,8 @@
-//! Telemetry: metric names (Prometheus text exposition through `metrics-exporter-prometheus`),
-//! the per-worker labels, and the exporter. Every counter an operator asks about in DESIGN.md §8
-//! is named here, once. (Named `telemetry` so it does not shadow the `metrics` crate.)
+//! Telemetry: metric names, their descriptions, the per-worker labels and the handles actors
+//! keep. Every counter an operator asks about in DESIGN.md §8 is named here, once. The exporter
+//! (Prometheus text exposition through `metrics-exporter-prometheus`, `GET /metrics`, feature
+//! `cli`) is `metrics_endpoint.rs`. (Named `telemetry` so it does not shadow the `metrics`
+//! crate.)
 
 #![forbid(unsafe_code)]
 
@@ -254,10 +256,22 @@ pub const PAUSED: &str = "kvrecv_paused";
 
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
-    describe_counter!(PULLS, "Pulls sent to prefill peers");
+    describe_requests();
+    describe_pulls();
+    describe_quarantine();
+    describe_landing();
+    describe_discovery();
+}
+
+/// Requests at the host boundary: admission, aborts, pause, completion.
+fn describe_requests() {
     describe_counter!(
-        STDIN_PAUSES,
-        "kvrecv serve: stdin left unread because the host was not reading stdout"
+        LOAD_KV_REJECTED,
+        "Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use)"
+    );
+    describe_counter!(
+        REQUESTS_REFUSED_NO_WINDOW,
+        "Awaited requests failed before any pull was sent: their batch's pulls could not all get a clean landing window"
     );
     describe_counter!(
         ABORTS,
@@ -266,6 +280,26 @@ pub fn describe() {
     describe_gauge!(
         PAUSED,
         "1 while the worker is paused (sleep mode): nothing admitted, nothing landing"
+    );
+    describe_counter!(
+        STDIN_PAUSES,
+        "kvrecv serve: stdin left unread because the host was not reading stdout"
+    );
+    describe_counter!(FIRST_FAILURES, "Requests whose first failure was reported");
+    describe_counter!(COMPLETIONS, "Completions, by outcome");
+    describe_histogram!(COMPLETION_LATENCY, Unit::Seconds, "load_kv to completion");
+}
+
+/// Pulls and their replies (the Peers).
+fn describe_pulls() {
+    describe_counter!(PULLS, "Pulls sent to prefill peers");
+    describe_counter!(
+        UNSENT_PULLS,
+        "Pulls not sent because their metadata could not be encoded (settled Failed)"
+    );
+    describe_counter!(
+        UNREACHABLE_BATCHES,
+        "Pulls failed at once without being sent: peer down, or bootstrap in backoff (by reason)"
     );
     describe_counter!(SETTLES, "Per-peer settles of a request, by outcome");
     describe_counter!(
@@ -287,20 +321,11 @@ pub fn describe() {
         "Pulls sent without their layout: P holds it under the window's layout id"
     );
     describe_counter!(PEER_RESTARTS, "Supervised restarts of a peer actor");
-    describe_counter!(FIRST_FAILURES, "Requests whose first failure was reported");
-    describe_counter!(COMPLETIONS, "Completions, by outcome");
-    describe_counter!(
-        TOPOLOGY_FAILURES,
-        "Batches failed because the P topology was unavailable"
-    );
-    describe_counter!(
-        TOPOLOGY_REFRESHES,
-        "Cached topologies dropped and asked again because a peer they name failed"
-    );
-    describe_counter!(
-        UNREACHABLE_BATCHES,
-        "Pulls failed at once without being sent: peer down, or bootstrap in backoff (by reason)"
-    );
+    describe_histogram!(PULL_LATENCY, Unit::Seconds, "Pull sent to its last reply");
+}
+
+/// Blocks held until a fence.
+fn describe_quarantine() {
     describe_gauge!(QUARANTINED_BLOCKS, "Destination blocks held until a fence");
     describe_counter!(
         QUARANTINE_FORCED,
@@ -311,8 +336,10 @@ pub fn describe() {
         Unit::Seconds,
         "Completion to fence confirmation"
     );
-    describe_histogram!(PULL_LATENCY, Unit::Seconds, "Pull sent to its last reply");
-    describe_histogram!(COMPLETION_LATENCY, Unit::Seconds, "load_kv to completion");
+}
+
+/// The data plane: bytes landed, permits, windows, connections.
+fn describe_landing() {
     describe_counter!(
         BYTES_LANDED,
         Unit::Bytes,
@@ -351,10 +378,6 @@ pub fn describe() {
         "Connections closed at accept because the listener's cap was reached (data, handshake)"
     );
     describe_counter!(
-        REQUESTS_REFUSED_NO_WINDOW,
-        "Awaited requests failed before any pull was sent: their batch's pulls could not all get a clean landing window"
-    );
-    describe_counter!(
         CONNECTIONS_EVICTED,
         "Idle connections closed to make room for a new one at a listener's cap or per-address cap"
     );
@@ -362,13 +385,17 @@ pub fn describe() {
         CONNECTIONS_REFUSED_PER_ADDRESS,
         "Connections closed at accept: their address held its share, every one inside a request"
     );
+}
+
+/// Finding P: the bootstrap lookups and the ZMQ side channels.
+fn describe_discovery() {
     describe_counter!(
-        TRANSPORT_ERRORS,
-        "Side-channel failures (local, bad_address, connect, send, recv, closed)"
+        TOPOLOGY_FAILURES,
+        "Batches failed because the P topology was unavailable"
     );
     describe_counter!(
-        SIDE_CHANNELS,
-        "Pulls by how their DEALER was obtained: opened (new connection) or reused (pooled)"
+        TOPOLOGY_REFRESHES,
+        "Cached topologies dropped and asked again because a peer they name failed"
     );
     describe_counter!(
         BOOTSTRAP_LOOKUPS,
@@ -380,12 +407,12 @@ pub fn describe() {
     );
     describe_histogram!(BOOTSTRAP_LATENCY, Unit::Seconds, "GET /query round trip");
     describe_counter!(
-        UNSENT_PULLS,
-        "Pulls not sent because their metadata could not be encoded (settled Failed)"
+        TRANSPORT_ERRORS,
+        "Side-channel failures (local, bad_address, connect, send, recv, closed)"
     );
     describe_counter!(
-        LOAD_KV_REJECTED,
-        "Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use)"
+        SIDE_CHANNELS,
+        "Pulls by how their DEALER was obtained: opened (new connection) or reused (pooled)"
     );
 }
 

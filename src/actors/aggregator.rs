@@ -199,16 +199,6 @@ impl Handler<Settles> for RequestAggregator {
     }
 }
 
-impl Handler<Settle> for RequestAggregator {
-    type Result = ();
-
-    fn handle(&mut self, s: Settle, _ctx: &mut Context<Self>) {
-        let mut out = Outbox::default();
-        self.settle(s, &mut out);
-        self.flush(out);
-    }
-}
-
 impl RequestAggregator {
     fn settle(&mut self, s: Settle, out: &mut Outbox) {
         // Everything logged while handling a settle names the request and the peer it came from.
@@ -279,9 +269,14 @@ mod tests {
         table
             .borrow_mut()
             .register(7..8, [state].into_iter(), Instant::now());
-        agg.send(settle(3)).await.unwrap(); // an earlier attempt's pull
+        // As a Peer sends them: one `Settles` per reply.
+        agg.send(Settles([settle(3)].into_iter().collect()))
+            .await
+            .unwrap(); // an earlier attempt's pull
         assert!(rx.try_recv().is_err(), "the stale settle published nothing");
-        agg.send(settle(7)).await.unwrap();
+        agg.send(Settles([settle(7)].into_iter().collect()))
+            .await
+            .unwrap();
         let ev = rx.recv().await.unwrap();
         assert!(
             matches!(ev, KvEvent::Completion { ref req_id, .. } if &**req_id == "r"),

@@ -391,6 +391,15 @@ mod tests {
     use super::*;
     use crate::messages::RequestMeta;
 
+    /// The sizes the type docs claim: a request in flight keeps one state of 72 bytes, whose
+    /// settled bits are two words (the first 64 peers inline, the rest behind one pointer).
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn a_state_is_as_small_as_its_doc_says() {
+        assert_eq!(std::mem::size_of::<AggregatorState>(), 72);
+        assert_eq!(std::mem::size_of::<PeerBits>(), 16);
+    }
+
     fn req() -> SharedRequest {
         Arc::new(RequestMeta {
             req_id: "r".into(),

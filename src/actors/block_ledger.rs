@@ -60,9 +60,8 @@ pub struct BlockLedger {
     live: SharedLiveSet,
 }
 
-/// Default cap on live requests: far above any real scheduler's in-flight count, low enough
-/// that a host that never drains is told before memory runs away.
-pub const DEFAULT_MAX_LIVE: usize = 1 << 17;
+/// The default cap on live requests (a [`KvRecvConfig`](crate::config::KvRecvConfig) default).
+pub use crate::config::DEFAULT_MAX_LIVE;
 
 impl BlockLedger {
     pub fn new(quarantine_deadline: Duration, pool: Option<BlockPool>) -> Self {

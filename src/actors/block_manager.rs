@@ -12,8 +12,8 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, Handler, MessageResult
 use crate::config::Policy;
 use crate::messages::tick::QuarantinesDue;
 use crate::messages::{
-    Allocate, Completion, CompletionList, Completions, Drain, FirstFailure, Free, GetLedgerStats,
-    KvEvent, LedgerStats, ReqId,
+    Allocate, Completion, Completions, Drain, FirstFailure, Free, GetLedgerStats, KvEvent,
+    LedgerStats, ReqId,
 };
 use crate::messages::{BeginPause, PauseStarted};
 use crate::rdma::{Landing, Revocation, RevokeRequest};
@@ -196,15 +196,6 @@ impl Handler<FirstFailure> for BlockManager {
 
     fn handle(&mut self, ff: FirstFailure, _ctx: &mut Context<Self>) {
         self.ledger.on_first_failure(&ff);
-    }
-}
-
-impl Handler<Completion> for BlockManager {
-    type Result = ();
-
-    fn handle(&mut self, c: Completion, ctx: &mut Context<Self>) {
-        let one: CompletionList = smallvec::smallvec![c];
-        self.complete_in_order(one.into_iter(), Instant::now(), ctx);
     }
 }
 

@@ -1,5 +1,26 @@
-//! The receive coordinator's actors (DESIGN.md §3). Each actor is thin: the logic lives in a
-//! plain struct it owns (`*_state`, `block_ledger`, `block_pool`, `topology`), tested directly.
+//! The receive coordinator's actors (DESIGN.md §3) and the plain structs that hold their logic.
+//!
+//! Files here are of three kinds, and the name says which:
+//! - **Actor shells**, named for their role: `receiver`, `peer`, `aggregator`, `block_manager`
+//!   (the four actors) and `system` (their wiring). Only these use actix; they own the I/O:
+//!   mailboxes, the Peer's channels and streams, timers, the calls into the landing (open,
+//!   revoke, quiesce, fence) and sending effects on.
+//! - **Sans-IO cores**: `<role>_state` for an actor's state machine (`peer_state`,
+//!   `aggregator_state`), `block_ledger` for the BlockManager's, and the plain structs they
+//!   and the shells use (`aggregation_table`, `batch_plan`, `block_pool`, `layout_acks`,
+//!   `live_set`, `outbox`, `pending_set`, `pull_encoder`, `rediscovery`, `shared`,
+//!   `topology`). No actix, no socket; time is passed in. Tested directly, and the settle,
+//!   permit and epoch cores are driven by the model check (`tests/model_check.rs`).
+//! - **Ports and helpers of the shells**: `transport` (the Peer's channel trait), `pull_mux`
+//!   (its reply streams merged), `alarm` (a timer task), `pause_watch`, `event_sink`, and the
+//!   test double `scripted_transport`.
+//!
+//! How thin each shell is: the Peer keeps its bookkeeping in `peer_state` and the
+//! RequestAggregator its per-request machine in `aggregator_state`; the BlockManager's ledger
+//! (`block_ledger`) decides holds and releases, while the order of revoke, quiesce and release
+//! is carried out in the actor (`block_manager::dispose`); the Receiver uses `batch_plan` for
+//! validation, grouping and metadata but still makes admission, pull planning and rediscovery
+//! decisions itself (`receiver.rs`).
 
 #![forbid(unsafe_code)]
 

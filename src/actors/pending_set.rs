@@ -106,6 +106,13 @@ mod tests {
     use super::*;
     use crate::messages::RequestMeta;
 
+    /// "About 16 bytes a request" (module doc): one `PullRequest` and one bit.
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn a_pending_request_is_16_bytes_and_a_bit() {
+        assert_eq!(std::mem::size_of::<PullRequest>(), 16);
+    }
+
     fn req(id: &str) -> PullRequest {
         PullRequest {
             meta: Arc::new(RequestMeta {

@@ -1,7 +1,11 @@
-//! State two parties of one D worker reach without a message: a value behind a mutex, held
-//! only to read or change it, never across an await or a send. The ledger's outbox (the
-//! BlockManager appends, the host's drain takes) and the live set (the Receiver admits, the
-//! BlockManager releases blocks, the drain hands requests over) are the two (DESIGN.md §3).
+//! State parties of one D worker reach without a message: a value behind a mutex, held only to
+//! read or change it, never across an await or a send. Two tables are shared this way, because
+//! the host's drain reaches them from its own thread: the ledger's outbox (the BlockManager
+//! appends, the drain takes) and the live set (the Receiver admits, the BlockManager releases
+//! blocks, the drain hands requests over) (DESIGN.md §3). Two more are shared between actors of
+//! the worker's one thread, as `Rc<RefCell<_>>` rather than through this type: the aggregation
+//! table (`aggregation_table`: the Receiver registers, the RequestAggregator settles) and the
+//! layout acks (`layout_acks`: the Peers write, the Receiver reads). Four in all.
 
 #![forbid(unsafe_code)]
 

@@ -111,28 +111,7 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
         }
     };
     rt.block_on(async move {
-        let cfg = SimConfig {
-            engine_id: args.engine_id.clone(),
-            tp_size: args.tp,
-            pp_size: args.pp,
-            host: args.host.clone(),
-            bootstrap_port: args.bootstrap_port,
-            serving_tasks: args.serving_tasks,
-            readiness_timeout: Duration::from_millis(args.readiness_timeout_ms),
-            ready_immediately: !args.wait_ready,
-            faults,
-            seed: args.seed,
-            ..SimConfig::default()
-        };
-        let started = if args.write {
-            let writer = kvrecv::sim::te_writer::TeWriter::new(
-                kvrecv::sim::initiator::InitiatorConfig::default(),
-            );
-            PrefillSim::start_with_writer(cfg, std::sync::Arc::new(writer)).await
-        } else {
-            PrefillSim::start(cfg).await
-        };
-        let mut sim = match started {
+        let mut sim = match start_sim(&args, faults).await {
             Ok(s) => s,
             Err(e) => {
                 say(json!({"event": "error", "error": e.to_string()}));
@@ -147,60 +126,109 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
         if !say(json!({"event": "ready", "engine_id": sim.engine_id(), "bootstrap": sim.bootstrap_url(), "workers": workers})) {
             return ExitCode::from(1);
         }
-        let in_range = |s: &PrefillSim, tp: u32, pp: u32| tp < s.config().tp_size && pp < s.config().pp_size;
-        // Capped, and a line that is not UTF-8 is answered, not taken for the end of input.
-        let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), MAX_LINE);
-        while let Ok(Some(line)) = lines.next_line().await {
-            let line = match line {
-                Line::Text(t) => t,
-                Line::NotUtf8 { valid_up_to } => {
-                    say(json!({"event": "error", "error": format!("not UTF-8 (byte {valid_up_to})")}));
-                    continue;
-                }
-                Line::TooLong { len } => {
-                    say(json!({"event": "error", "error": format!("line of {len} bytes, over {MAX_LINE}")}));
-                    continue;
-                }
-            };
-            if line.trim().is_empty() {
+        serve_ops(&mut sim).await
+    })
+}
+
+/// The simulator the arguments describe, started (with the TE writer under `--write`).
+async fn start_sim(
+    args: &PrefillSimArgs,
+    faults: Faults,
+) -> Result<PrefillSim, kvrecv::sim::SimError> {
+    let cfg = SimConfig {
+        engine_id: args.engine_id.clone(),
+        tp_size: args.tp,
+        pp_size: args.pp,
+        host: args.host.clone(),
+        bootstrap_port: args.bootstrap_port,
+        serving_tasks: args.serving_tasks,
+        readiness_timeout: Duration::from_millis(args.readiness_timeout_ms),
+        ready_immediately: !args.wait_ready,
+        faults,
+        seed: args.seed,
+        ..SimConfig::default()
+    };
+    if args.write {
+        let writer = kvrecv::sim::te_writer::TeWriter::new(
+            kvrecv::sim::initiator::InitiatorConfig::default(),
+        );
+        PrefillSim::start_with_writer(cfg, std::sync::Arc::new(writer)).await
+    } else {
+        PrefillSim::start(cfg).await
+    }
+}
+
+/// Answer stdin's ops one line each until `shutdown`, EOF or a closed stdout.
+async fn serve_ops(sim: &mut PrefillSim) -> ExitCode {
+    // Capped, and a line that is not UTF-8 is answered, not taken for the end of input.
+    let mut lines = LineReader::new(BufReader::new(tokio::io::stdin()), MAX_LINE);
+    while let Ok(Some(line)) = lines.next_line().await {
+        let line = match line {
+            Line::Text(t) => t,
+            Line::NotUtf8 { valid_up_to } => {
+                say(json!({"event": "error", "error": format!("not UTF-8 (byte {valid_up_to})")}));
                 continue;
             }
-            let reply = match serde_json::from_str::<Op>(&line) {
-                Err(e) => json!({"event": "error", "error": e.to_string()}),
-                Ok(Op::Shutdown) => break,
-                Ok(Op::Ready { transfer_ids }) => {
-                    transfer_ids.iter().for_each(|t| sim.mark_ready(t));
-                    json!({"event": "ok"})
-                }
-                Ok(Op::ReadyAll) => {
-                    sim.readiness().set_all(true);
-                    json!({"event": "ok"})
-                }
-                Ok(Op::Stats) => json!({"event": "stats", "pulls_received": sim.pulls_received(),
-                                         "bootstrap_queries": sim.bootstrap().query_count()}),
-                Ok(Op::Faults { tp, pp, .. } | Op::Crash { tp, pp } | Op::Restart { tp, pp }) if !in_range(&sim, tp, pp) => {
-                    json!({"event": "error", "error": format!("no worker tp={tp} pp={pp}")})
-                }
-                Ok(Op::Faults { tp, pp, faults }) => {
-                    sim.set_faults(tp, pp, faults);
-                    json!({"event": "ok"})
-                }
-                Ok(Op::Crash { tp, pp }) => {
-                    sim.crash_worker(tp, pp).await;
-                    json!({"event": "ok"})
-                }
-                Ok(Op::Restart { tp, pp }) => match sim.restart_worker(tp, pp).await {
-                    Ok(()) => json!({"event": "ok"}),
-                    Err(e) => json!({"event": "error", "error": e.to_string()}),
-                },
-            };
-            if !say(reply) {
-                // The driver closed our stdout: it hears nothing more, so stop as at EOF.
-                eprintln!("prefill-sim: stdout closed; shutting down");
-                return ExitCode::from(1);
+            Line::TooLong { len } => {
+                say(
+                    json!({"event": "error", "error": format!("line of {len} bytes, over {MAX_LINE}")}),
+                );
+                continue;
             }
+        };
+        if line.trim().is_empty() {
+            continue;
         }
-        say(json!({"event": "shutdown"}));
-        ExitCode::SUCCESS
-    })
+        let reply = match serde_json::from_str::<Op>(&line) {
+            Err(e) => json!({"event": "error", "error": e.to_string()}),
+            Ok(op) => match apply(sim, op).await {
+                Some(reply) => reply,
+                None => break,
+            },
+        };
+        if !say(reply) {
+            // The driver closed our stdout: it hears nothing more, so stop as at EOF.
+            eprintln!("prefill-sim: stdout closed; shutting down");
+            return ExitCode::from(1);
+        }
+    }
+    say(json!({"event": "shutdown"}));
+    ExitCode::SUCCESS
+}
+
+/// Carry out one op and the line that answers it; `None` for `shutdown`.
+async fn apply(sim: &mut PrefillSim, op: Op) -> Option<serde_json::Value> {
+    let in_range =
+        |s: &PrefillSim, tp: u32, pp: u32| tp < s.config().tp_size && pp < s.config().pp_size;
+    let reply = match op {
+        Op::Shutdown => return None,
+        Op::Ready { transfer_ids } => {
+            transfer_ids.iter().for_each(|t| sim.mark_ready(t));
+            json!({"event": "ok"})
+        }
+        Op::ReadyAll => {
+            sim.readiness().set_all(true);
+            json!({"event": "ok"})
+        }
+        Op::Stats => json!({"event": "stats", "pulls_received": sim.pulls_received(),
+                             "bootstrap_queries": sim.bootstrap().query_count()}),
+        Op::Faults { tp, pp, .. } | Op::Crash { tp, pp } | Op::Restart { tp, pp }
+            if !in_range(sim, tp, pp) =>
+        {
+            json!({"event": "error", "error": format!("no worker tp={tp} pp={pp}")})
+        }
+        Op::Faults { tp, pp, faults } => {
+            sim.set_faults(tp, pp, faults);
+            json!({"event": "ok"})
+        }
+        Op::Crash { tp, pp } => {
+            sim.crash_worker(tp, pp).await;
+            json!({"event": "ok"})
+        }
+        Op::Restart { tp, pp } => match sim.restart_worker(tp, pp).await {
+            Ok(()) => json!({"event": "ok"}),
+            Err(e) => json!({"event": "error", "error": e.to_string()}),
+        },
+    };
+    Some(reply)
 }

@@ -4,6 +4,7 @@
 pub mod async_socket;
 pub mod bootstrap_client;
 pub mod control_cpu;
+mod fd_exhaustion;
 #[doc(hidden)]
 pub mod http;
 #[doc(hidden)]

@@ -44,10 +44,10 @@ impl Outcome {
     }
 }
 
-/// The single message that ends a request's receive. Its blocks may be reused once the landing
-/// permits are revoked and, for `uncertain_peers`, the data plane fenced them (DESIGN.md §5).
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "()")]
+/// What ends a request's receive, once per request; it reaches the BlockManager inside a
+/// [`Completions`] message. Its blocks may be reused once the landing permits are revoked and,
+/// for `uncertain_peers`, the data plane fenced them (DESIGN.md §5).
+#[derive(Debug, Clone)]
 pub struct Completion {
     /// The request.
     pub req: SharedRequest,

@@ -9,10 +9,6 @@
 #![forbid(unsafe_code)]
 
 use std::hash::BuildHasher;
-use std::sync::Arc;
-
-use super::pull::PullRequests;
-use super::wire::WireError;
 
 /// The layout ids of one registration of the destination memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -56,27 +52,3 @@ impl LayoutIds {
         (h | 1) & ID_BITS
     }
 }
-
-/// A pull's layout id and whether the pull carries the layout.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct PullLayout {
-    /// 0: no id (layout ids off); the layout is then always carried.
-    pub id: u64,
-    /// Whether the metadata carries the layout (bases, block lengths, layer lists).
-    pub carried: bool,
-}
-
-impl Default for PullLayout {
-    /// No id, layout carried: a pull as vLLM 0.32 sends it.
-    fn default() -> Self {
-        PullLayout {
-            id: 0,
-            carried: true,
-        }
-    }
-}
-
-/// Encodes a pull that omitted its layout again, with it, for the same requests and window:
-/// what D sends after P answered `LAYOUT_MISS`. Made by the Receiver (which holds the layout
-/// and the window's bases); run by the Peer, rarely.
-pub type EncodeWithLayout = Arc<dyn Fn(&PullRequests) -> Result<Vec<u8>, WireError> + Send + Sync>;

@@ -39,10 +39,10 @@ pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outc
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
 pub use ids::{PeerId, PullId, ReqId};
-pub use layout_id::{EncodeWithLayout, LayoutIds, PullLayout};
+pub use layout_id::LayoutIds;
 pub use pause::{AbandonedRequest, BeginPause, NewRegistration, PauseReport, PauseStarted};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
-pub use pull::{Pull, PullRequest, PullRequests, UnsentPull};
+pub use pull::{EncodeWithLayout, Pull, PullLayout, PullRequest, PullRequests, UnsentPull};
 pub use retire::{CountPeers, PeerCount, Retire};
 pub use settle::{Cause, Settle, SettleList, SettleOutcome, Settles};
 pub use wire::{

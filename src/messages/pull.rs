@@ -6,7 +6,8 @@ use actix::Message;
 
 use super::batch::SharedRequest;
 use super::ids::PullId;
-use super::layout_id::{EncodeWithLayout, PullLayout};
+use super::wire::WireError;
+use std::sync::Arc;
 
 /// One request inside a pull.
 #[derive(Clone)]
@@ -17,6 +18,30 @@ pub struct PullRequest {
     /// sent and settled, but its settle goes nowhere.
     pub awaited: bool,
 }
+
+/// A pull's layout id and whether the pull carries the layout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PullLayout {
+    /// 0: no id (layout ids off); the layout is then always carried.
+    pub id: u64,
+    /// Whether the metadata carries the layout (bases, block lengths, layer lists).
+    pub carried: bool,
+}
+
+impl Default for PullLayout {
+    /// No id, layout carried: a pull as vLLM 0.32 sends it.
+    fn default() -> Self {
+        PullLayout {
+            id: 0,
+            carried: true,
+        }
+    }
+}
+
+/// Encodes a pull that omitted its layout again, with it, for the same requests and window:
+/// what D sends after P answered `LAYOUT_MISS`. Made by the Receiver (which holds the layout
+/// and the window's bases); run by the Peer, rarely.
+pub type EncodeWithLayout = Arc<dyn Fn(&PullRequests) -> Result<Vec<u8>, WireError> + Send + Sync>;
 
 /// A pull's requests, inline for one: a batch of one allocates no list for its pull (the list
 /// lives as long as the pull, in the Peer's pending set).

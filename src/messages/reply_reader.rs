@@ -25,8 +25,19 @@ const ERR_REQS: &[u8] = b"err_reqs";
 const ERR_MSG: &[u8] = b"err_msg";
 const LAYOUT_ID: &[u8] = b"layout_id";
 
+impl<'a> XferReplyRef<'a> {
+    /// Decode a reply that came off a socket, refusing one whose `ok_reqs` and `err_reqs` name
+    /// more than `max_ids` ids together. The count is read from the list headers before
+    /// anything is decoded, so a hostile reply (a million ids under the frame cap) is cheap to
+    /// refuse. Never panics. (Here, beside its reader, so that `wire` does not import back the
+    /// module that reads its types.)
+    pub fn decode_bounded(buf: &'a [u8], max_ids: usize) -> Result<Self, WireError> {
+        read_reply(buf, max_ids)
+    }
+}
+
 /// Read `buf` as a reply naming at most `max_ids` ids in `ok_reqs` and `err_reqs` together.
-pub(crate) fn read_reply(buf: &[u8], max_ids: usize) -> Result<XferReplyRef<'_>, WireError> {
+fn read_reply(buf: &[u8], max_ids: usize) -> Result<XferReplyRef<'_>, WireError> {
     let mut r = Reader { buf, pos: 0 };
     let n = r.map_header()?;
     let (mut status, mut ok, mut err, mut msg, mut layout) = (None, None, None, None, None);

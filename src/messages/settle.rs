@@ -121,9 +121,9 @@ pub struct Settles(pub SettleList);
 /// Settles in order, inline for one (a reply at batch 1 allocates no list).
 pub type SettleList = smallvec::SmallVec<[Settle; 1]>;
 
-/// Exactly one per (peer, request) of a pull (DESIGN.md §4 rule 1).
-#[derive(Debug, Clone, Message)]
-#[rtype(result = "()")]
+/// Exactly one per (peer, request) of a pull (DESIGN.md §4 rule 1); it reaches the
+/// RequestAggregator inside a [`Settles`] message.
+#[derive(Debug, Clone)]
 pub struct Settle {
     /// The settling peer.
     pub peer: PeerId,

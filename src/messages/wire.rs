@@ -399,14 +399,6 @@ pub struct XferReplyRef<'a> {
 }
 
 impl<'a> XferReplyRef<'a> {
-    /// Decode a reply that came off a socket, refusing one whose `ok_reqs` and `err_reqs` name
-    /// more than `max_ids` ids together. The count is read from the list headers before
-    /// anything is decoded, so a hostile reply (a million ids under the frame cap) is cheap to
-    /// refuse. Never panics.
-    pub fn decode_bounded(buf: &'a [u8], max_ids: usize) -> Result<Self, WireError> {
-        super::reply_reader::read_reply(buf, max_ids)
-    }
-
     /// What [`Self::decode_bounded`] did before it read a reply in one pass: the strict check,
     /// then serde. Kept as the reference it is tested against.
     #[doc(hidden)]

@@ -9,8 +9,9 @@ use std::sync::Arc;
 use cudarc::driver::{result, sys, CudaContext, CudaSlice};
 
 use super::device_pointer::{check_regions, CopyContext, PointerAttributes};
+use super::device_stream::STAGING_CHUNK;
 use super::device_stream::{DeviceStream, StagedCopier, STAGING_SLOTS};
-use super::memory::{MemoryError, STAGING_CHUNK};
+use super::memory_error::MemoryError;
 
 fn cuda(op: &'static str) -> impl FnOnce(result::DriverError) -> MemoryError {
     move |e| MemoryError::Cuda(format!("{op}: {e:?}"))

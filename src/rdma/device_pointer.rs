@@ -13,7 +13,7 @@
 
 #![forbid(unsafe_code)]
 
-use super::memory::MemoryError;
+use super::memory_error::MemoryError;
 
 /// The attributes of one region's start pointer, as the driver reports them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -20,7 +20,22 @@
 
 use std::sync::{Condvar, Mutex};
 
-use super::memory::{DeviceCopy, MemoryError, STAGING_CHUNK};
+use super::memory_error::MemoryError;
+
+/// Copies into and out of memory the data server cannot address directly (device memory). TCP
+/// payloads reach it through a bounded staging buffer ([`STAGING_CHUNK`]), each copy inside the
+/// write's permit gate. Both calls block their thread: callers on the async runtime make them
+/// on its blocking pool.
+pub(crate) trait DeviceCopy: Send + Sync {
+    /// Host -> device: returns once the device holds the bytes (the copy's stream was
+    /// synchronised), never merely once the copy was queued.
+    fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError>;
+    /// Device -> host, likewise complete on return.
+    fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError>;
+}
+
+/// Largest staging buffer one write uses on its way to device memory.
+pub const STAGING_CHUNK: usize = 1 << 20;
 
 /// Staging slots per device destination: copies in flight at once, across all connections
 /// (each slot pins [`STAGING_CHUNK`] bytes of host memory).

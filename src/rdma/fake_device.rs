@@ -7,7 +7,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::device_stream::DeviceStream;
-use super::memory::{MemoryError, STAGING_CHUNK};
+use super::device_stream::STAGING_CHUNK;
+use super::memory_error::MemoryError;
 
 /// See [`super::memory::DeviceMemory::fake`].
 #[derive(Debug)]

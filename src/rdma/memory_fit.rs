@@ -6,7 +6,7 @@
 
 use thiserror::Error;
 
-use super::memory::HostMemory;
+use super::host_memory::HostMemory;
 
 /// Why the host's regions cannot hold the layout.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]

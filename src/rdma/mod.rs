@@ -10,14 +10,17 @@ pub mod audit;
 pub(crate) mod conn_table;
 #[cfg(feature = "cuda")]
 mod cuda_device;
+mod device_memory;
 pub mod device_pointer;
 pub(crate) mod device_stream;
 #[cfg(any(test, feature = "testing"))]
 pub mod fake_device;
 #[doc(hidden)]
 pub mod handshake_daemon;
+mod host_memory;
 pub mod landing;
 pub mod memory;
+mod memory_error;
 pub mod memory_fit;
 pub mod tcp;
 #[doc(hidden)]

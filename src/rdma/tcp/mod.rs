@@ -10,10 +10,11 @@ mod request_pulls;
 #[doc(hidden)]
 pub mod server;
 pub mod target;
+mod tcp_landing;
 #[doc(hidden)]
 pub mod windows;
 #[doc(hidden)]
 pub mod wire;
 
-pub use permits::TcpLanding;
 pub use target::{TargetConfig, TcpTarget};
+pub use tcp_landing::TcpLanding;

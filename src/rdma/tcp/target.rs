@@ -16,11 +16,12 @@ use crate::block_ownership::BlockOwnership;
 use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
-use super::permits::{PermitTable, TcpLanding};
+use super::permits::PermitTable;
 use super::server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
     DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS,
 };
+use super::tcp_landing::TcpLanding;
 use super::windows::{WindowError, WindowMap, DEFAULT_BASE};
 use crate::rdma::audit::AuditCounters;
 use crate::rdma::handshake_daemon::{
@@ -155,16 +156,69 @@ impl std::fmt::Debug for TcpTarget {
     }
 }
 
+/// How many windows the target advertises: one with permits off, else as configured (at least
+/// 2: the last is reserved), else [`DEFAULT_WINDOWS`] or as many as fit.
+fn window_count(cfg: &TargetConfig) -> Result<u32, TargetError> {
+    Ok(match (cfg.permits, cfg.windows) {
+        (false, _) => 1,
+        (true, Some(n)) => n.max(2),
+        (true, None) => {
+            DEFAULT_WINDOWS.min(WindowMap::max_windows(&cfg.layout, cfg.base_addr)?.max(2))
+        }
+    })
+}
+
+/// A listener for `what` bound at `addr`.
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, TargetError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| TargetError::Bind { what, addr, source })
+}
+
+/// The segment descriptor the handshake daemon serves: one buffer spanning every window, the
+/// data server's address; refused if it would not fit in one handshake frame.
+fn tcp_descriptor(
+    cfg: &TargetConfig,
+    map: &WindowMap,
+    handshake_port: u16,
+    data_port: u16,
+) -> Result<SegmentDescriptor, TargetError> {
+    let name = format!("{}:{}", cfg.advertise_host, handshake_port);
+    let (addr, length) = map.advertised_span();
+    let descriptor = SegmentDescriptor {
+        buffers: vec![BufferDesc {
+            addr,
+            length,
+            name: name.clone(),
+            ..BufferDesc::default()
+        }],
+        devices: vec![],
+        priority_matrix: Default::default(),
+        name,
+        protocol: "tcp".into(),
+        rdma_server_name: String::new(),
+        tcp_data_host: Some(cfg.advertise_host.clone()),
+        tcp_data_port: data_port,
+        tcp_proto_version: 2,
+        timestamp: format!(
+            "{:.6}",
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs_f64()
+        ),
+    };
+    let wire_len = descriptor.to_wire().len();
+    if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
+        return Err(TargetError::DescriptorTooLarge(wire_len));
+    }
+    Ok(descriptor)
+}
+
 impl TcpTarget {
     /// Allocate memory (unless the host registered its own), bind both listeners and start serving (needs a tokio runtime).
     pub async fn start(cfg: TargetConfig) -> Result<Self, TargetError> {
-        let windows = match (cfg.permits, cfg.windows) {
-            (false, _) => 1,
-            (true, Some(n)) => n.max(2),
-            (true, None) => {
-                DEFAULT_WINDOWS.min(WindowMap::max_windows(&cfg.layout, cfg.base_addr)?.max(2))
-            }
-        };
+        let windows = window_count(&cfg)?;
         let map = Arc::new(WindowMap::new(&cfg.layout, cfg.base_addr, windows)?);
         let memory = Arc::new(match (&cfg.device_memory, &cfg.host_memory) {
             (Some(d), _) => RegisteredMemory::device_owned(d.clone(), &map.region_spans())?,
@@ -176,20 +230,8 @@ impl TcpTarget {
             table = table.without_epoch_rule();
         }
         let permits = Arc::new(table);
-        let hs = TcpListener::bind(cfg.handshake_bind)
-            .await
-            .map_err(|source| TargetError::Bind {
-                what: "handshake daemon",
-                addr: cfg.handshake_bind,
-                source,
-            })?;
-        let data = TcpListener::bind(cfg.data_bind)
-            .await
-            .map_err(|source| TargetError::Bind {
-                what: "data server",
-                addr: cfg.data_bind,
-                source,
-            })?;
+        let hs = bind("handshake daemon", cfg.handshake_bind).await?;
+        let data = bind("data server", cfg.data_bind).await?;
         let bind_err = |what, addr| move |source| TargetError::Bind { what, addr, source };
         let handshake_addr = hs
             .local_addr()
@@ -197,35 +239,7 @@ impl TcpTarget {
         let data_addr = data
             .local_addr()
             .map_err(bind_err("data server", cfg.data_bind))?;
-        let name = format!("{}:{}", cfg.advertise_host, handshake_addr.port());
-        let (addr, length) = map.advertised_span();
-        let descriptor = SegmentDescriptor {
-            buffers: vec![BufferDesc {
-                addr,
-                length,
-                name: name.clone(),
-                ..BufferDesc::default()
-            }],
-            devices: vec![],
-            priority_matrix: Default::default(),
-            name,
-            protocol: "tcp".into(),
-            rdma_server_name: String::new(),
-            tcp_data_host: Some(cfg.advertise_host.clone()),
-            tcp_data_port: data_addr.port(),
-            tcp_proto_version: 2,
-            timestamp: format!(
-                "{:.6}",
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .unwrap_or_default()
-                    .as_secs_f64()
-            ),
-        };
-        let wire_len = descriptor.to_wire().len();
-        if wire_len as u64 + 1 > handshake_daemon::MAX_FRAME {
-            return Err(TargetError::DescriptorTooLarge(wire_len));
-        }
+        let descriptor = tcp_descriptor(&cfg, &map, handshake_addr.port(), data_addr.port())?;
         let daemon = Arc::new(
             Daemon::new(&descriptor)
                 .with_max_concurrent(cfg.max_handshakes)

@@ -12,63 +12,8 @@ use tokio::io::Interest;
 use tokio::sync::watch;
 
 use super::backend::VerbsBackend;
+pub use super::backend::{AsyncEvent, AsyncEventKind};
 use super::fence::SharedHandshake;
-
-/// Metric: async events read, by event (`qp_fatal`, `qp_req_err`, `qp_access_err`,
-/// `path_mig_err`, `port_err`, `device_fatal`, `other`); label `event`.
-pub const ASYNC_EVENTS: &str = "kvrecv_rdma_async_events_total";
-
-/// One async event of device `nic` (index into `VerbsBackend::nics`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AsyncEvent {
-    pub nic: usize,
-    pub kind: AsyncEventKind,
-}
-
-/// What happened (`ibv_event_type`), with the QP number or port it names.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AsyncEventKind {
-    /// `IBV_EVENT_QP_FATAL`: the QP is in ERR.
-    QpFatal { qp_num: u32 },
-    /// `IBV_EVENT_QP_REQ_ERR`: invalid request; the QP is in ERR.
-    QpReqErr { qp_num: u32 },
-    /// `IBV_EVENT_QP_ACCESS_ERR`: an access violation (e.g. a bad rkey); the QP is in ERR.
-    QpAccessErr { qp_num: u32 },
-    /// `IBV_EVENT_PATH_MIG_ERR`.
-    PathMigErr { qp_num: u32 },
-    /// `IBV_EVENT_PORT_ERR`: the port went down.
-    PortErr { port: u8 },
-    /// `IBV_EVENT_DEVICE_FATAL`: the device is unusable.
-    DeviceFatal,
-    /// Anything else (`COMM_EST`, `PORT_ACTIVE`, `LID_CHANGE`, `GID_CHANGE`, ...): logged only.
-    Other { code: u32 },
-}
-
-impl AsyncEventKind {
-    /// The metric label.
-    pub fn label(&self) -> &'static str {
-        match self {
-            AsyncEventKind::QpFatal { .. } => "qp_fatal",
-            AsyncEventKind::QpReqErr { .. } => "qp_req_err",
-            AsyncEventKind::QpAccessErr { .. } => "qp_access_err",
-            AsyncEventKind::PathMigErr { .. } => "path_mig_err",
-            AsyncEventKind::PortErr { .. } => "port_err",
-            AsyncEventKind::DeviceFatal => "device_fatal",
-            AsyncEventKind::Other { .. } => "other",
-        }
-    }
-
-    /// The QP this event says failed, if it is one.
-    pub fn failed_qp(&self) -> Option<u32> {
-        match *self {
-            AsyncEventKind::QpFatal { qp_num }
-            | AsyncEventKind::QpReqErr { qp_num }
-            | AsyncEventKind::QpAccessErr { qp_num }
-            | AsyncEventKind::PathMigErr { qp_num } => Some(qp_num),
-            _ => None,
-        }
-    }
-}
 
 /// A device file descriptor the task polls; the backend owns it (the task keeps the backend
 /// alive through the shared handshake).

@@ -1,9 +1,10 @@
 //! The narrow trait every verbs call goes through. The handshake and fence logic only ever talk
 //! to this trait, so they are tested with `FakeVerbs` and run with `IbvDevices` (feature `rdma`).
 
+use std::os::fd::OwnedFd;
+
 use thiserror::Error;
 
-use super::gpudirect::DmaBuf;
 use super::nic::LocalNic;
 use super::qp_attrs::{QpState, QpTransition};
 
@@ -53,8 +54,8 @@ pub enum VerbsError {
     },
     /// Every device was skipped (port down, no usable GID, not present, open failed); each
     /// entry says why.
-    #[error("no usable RDMA device: {}", super::device_select::describe_skipped(.0))]
-    NoUsableDevice(Vec<super::device_select::SkippedDevice>),
+    #[error("no usable RDMA device: {}", describe_skipped(.0))]
+    NoUsableDevice(Vec<SkippedDevice>),
     /// `RLIMIT_MEMLOCK` (even raised to the hard limit) is below what registering needs.
     #[error(
         "memory registration needs {need} bytes locked ({nics} NIC(s), plus {pinned} bytes \
@@ -146,7 +147,7 @@ pub trait VerbsBackend: Send {
 
     /// The async events pending now, without blocking (libibverbs: `ibv_get_async_event` on
     /// each device's non-blocking async fd until EAGAIN, each acknowledged). Default: none.
-    fn take_async_events(&mut self) -> Vec<super::async_events::AsyncEvent> {
+    fn take_async_events(&mut self) -> Vec<AsyncEvent> {
         Vec::new()
     }
 
@@ -178,5 +179,98 @@ pub trait VerbsBackend: Send {
             op: "ibv_reg_dmabuf_mr",
             errno: libc::EOPNOTSUPP,
         })
+    }
+}
+
+// The vocabulary of the trait's calls and errors, here so that the modules using the backend
+// (device selection, GPUDirect, async events) import it and it imports none of them.
+
+/// A device left out, and why (a [`VerbsError`] naming it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SkippedDevice {
+    pub name: String,
+    pub reason: VerbsError,
+}
+
+impl SkippedDevice {
+    /// The metric label of the reason.
+    pub fn reason_label(&self) -> &'static str {
+        match self.reason {
+            VerbsError::UnknownDevice(_) => "not_present",
+            VerbsError::PortNotActive { .. } => "port_not_active",
+            VerbsError::NoGid { .. } => "no_gid",
+            _ => "open_failed",
+        }
+    }
+}
+
+/// `name: reason; name: reason` (the `NoUsableDevice` message).
+pub fn describe_skipped(skipped: &[SkippedDevice]) -> String {
+    skipped
+        .iter()
+        .map(|s| format!("{}: {}", s.name, s.reason))
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// A dma-buf exported for a device region: `fd` covers the allocation holding it, the region
+/// starts `offset` bytes into it.
+#[derive(Debug)]
+pub struct DmaBuf {
+    /// The dma-buf; closed once registered (the registration holds its own reference).
+    pub fd: OwnedFd,
+    /// Where the region starts inside the dma-buf.
+    pub offset: u64,
+}
+
+/// One async event of device `nic` (index into `VerbsBackend::nics`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AsyncEvent {
+    pub nic: usize,
+    pub kind: AsyncEventKind,
+}
+
+/// What happened (`ibv_event_type`), with the QP number or port it names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AsyncEventKind {
+    /// `IBV_EVENT_QP_FATAL`: the QP is in ERR.
+    QpFatal { qp_num: u32 },
+    /// `IBV_EVENT_QP_REQ_ERR`: invalid request; the QP is in ERR.
+    QpReqErr { qp_num: u32 },
+    /// `IBV_EVENT_QP_ACCESS_ERR`: an access violation (e.g. a bad rkey); the QP is in ERR.
+    QpAccessErr { qp_num: u32 },
+    /// `IBV_EVENT_PATH_MIG_ERR`.
+    PathMigErr { qp_num: u32 },
+    /// `IBV_EVENT_PORT_ERR`: the port went down.
+    PortErr { port: u8 },
+    /// `IBV_EVENT_DEVICE_FATAL`: the device is unusable.
+    DeviceFatal,
+    /// Anything else (`COMM_EST`, `PORT_ACTIVE`, `LID_CHANGE`, `GID_CHANGE`, ...): logged only.
+    Other { code: u32 },
+}
+
+impl AsyncEventKind {
+    /// The metric label.
+    pub fn label(&self) -> &'static str {
+        match self {
+            AsyncEventKind::QpFatal { .. } => "qp_fatal",
+            AsyncEventKind::QpReqErr { .. } => "qp_req_err",
+            AsyncEventKind::QpAccessErr { .. } => "qp_access_err",
+            AsyncEventKind::PathMigErr { .. } => "path_mig_err",
+            AsyncEventKind::PortErr { .. } => "port_err",
+            AsyncEventKind::DeviceFatal => "device_fatal",
+            AsyncEventKind::Other { .. } => "other",
+        }
+    }
+
+    /// The QP this event says failed, if it is one.
+    pub fn failed_qp(&self) -> Option<u32> {
+        match *self {
+            AsyncEventKind::QpFatal { qp_num }
+            | AsyncEventKind::QpReqErr { qp_num }
+            | AsyncEventKind::QpAccessErr { qp_num }
+            | AsyncEventKind::PathMigErr { qp_num } => Some(qp_num),
+            _ => None,
+        }
     }
 }

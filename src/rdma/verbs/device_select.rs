@@ -10,6 +10,7 @@
 #![forbid(unsafe_code)]
 
 use super::backend::VerbsError;
+pub use super::backend::{describe_skipped, SkippedDevice};
 use super::gid_rank::{select_gid, GidEntryInfo};
 use super::nic::{LinkLayer, LocalNic};
 use super::qp_attrs::Mtu;
@@ -35,34 +36,6 @@ pub struct PortProbe {
     pub gids: Vec<GidEntryInfo>,
     /// sysfs `numa_node` (`None` for -1 or unreadable).
     pub numa_node: Option<u32>,
-}
-
-/// A device left out, and why (a [`VerbsError`] naming it).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct SkippedDevice {
-    pub name: String,
-    pub reason: VerbsError,
-}
-
-impl SkippedDevice {
-    /// The metric label of the reason.
-    pub fn reason_label(&self) -> &'static str {
-        match self.reason {
-            VerbsError::UnknownDevice(_) => "not_present",
-            VerbsError::PortNotActive { .. } => "port_not_active",
-            VerbsError::NoGid { .. } => "no_gid",
-            _ => "open_failed",
-        }
-    }
-}
-
-/// `name: reason; name: reason` (the `NoUsableDevice` message).
-pub fn describe_skipped(skipped: &[SkippedDevice]) -> String {
-    skipped
-        .iter()
-        .map(|s| format!("{}: {}", s.name, s.reason))
-        .collect::<Vec<_>>()
-        .join("; ")
 }
 
 /// The devices to open, in order: every present one, or the configured names (Mooncake's

@@ -10,8 +10,7 @@
 
 use std::collections::BTreeMap;
 
-use super::async_events::{AsyncEvent, AsyncEventKind};
-use super::backend::{QpId, VerbsBackend, VerbsError};
+use super::backend::{AsyncEvent, AsyncEventKind, QpId, VerbsBackend, VerbsError};
 use super::nic_path::NicPath;
 use super::qp_attrs::{connect_sequence_with, Mtu, PathAttrs, QpState, QpTransition, RemoteQp};
 

@@ -13,21 +13,10 @@
 //! that region. The choice is made per region by [`register_device_region`], a function of the
 //! backend and of a [`DeviceMemoryExport`] (the GPU side), so it is tested with fakes of both.
 
-use std::os::fd::OwnedFd;
-
 use thiserror::Error;
 
+pub use super::backend::DmaBuf;
 use super::backend::{MrAccess, MrKeys, VerbsBackend, VerbsError};
-
-/// A dma-buf exported for a device region: `fd` covers the allocation holding it, the region
-/// starts `offset` bytes into it.
-#[derive(Debug)]
-pub struct DmaBuf {
-    /// The dma-buf; closed once registered (the registration holds its own reference).
-    pub fd: OwnedFd,
-    /// Where the region starts inside the dma-buf.
-    pub offset: u64,
-}
 
 /// The GPU side of a GPUDirect registration.
 pub trait DeviceMemoryExport: Send + Sync + std::fmt::Debug {

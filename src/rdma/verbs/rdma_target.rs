@@ -137,18 +137,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
     /// `host_memory`) or else one kvrecv-owned buffer holding every layout region back to back,
     /// build the descriptor and start serving (needs a tokio runtime).
     pub async fn start(backend: B, cfg: RdmaTargetConfig) -> Result<Self, RdmaTargetError> {
-        let listener = TcpListener::bind(cfg.handshake_bind)
-            .await
-            .map_err(|source| RdmaTargetError::Bind {
-                addr: cfg.handshake_bind,
-                source,
-            })?;
-        let handshake_addr = listener
-            .local_addr()
-            .map_err(|source| RdmaTargetError::Bind {
-                addr: cfg.handshake_bind,
-                source,
-            })?;
+        let (listener, handshake_addr) = bind_handshake(&cfg).await?;
         let name = format!("{}:{}", cfg.advertise_host, handshake_addr.port());
         let handshake: SharedHandshake<B> = Arc::new(Mutex::new(PassiveHandshake::new(
             backend,
@@ -180,57 +169,14 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             (None, None) => Some(OwnedBytes::zeroed(len)),
             _ => None,
         };
-        let spans: Vec<HostSpan> = match (&device, &cfg.host_memory, &owned) {
-            (Some((regions, _)), _, _) => regions.iter().map(|r| (r.ptr(), r.len())).collect(),
-            (None, Some(host), _) => host
-                .regions()
-                .iter()
-                .map(|r| (r.as_ptr() as u64, r.len() as u64))
-                .collect(),
-            (None, None, Some(buf)) => {
-                let base = buf.as_ptr() as u64;
-                let mut at = 0u64;
-                cfg.layout
-                    .regions
-                    .iter()
-                    .map(|r| {
-                        let n = r.block_len * u64::from(cfg.layout.num_blocks);
-                        let span = (base + at, n);
-                        at += n;
-                        span
-                    })
-                    .collect()
-            }
-            (None, None, None) => unreachable!("allocated above when the host gave no memory"),
-        };
-        let landing = Arc::new(
-            RdmaLanding::new(
-                cfg.advertise_host.clone(),
-                handshake_addr.port(),
-                &cfg.layout,
-                spans,
-                WindowsConfig {
-                    windows: cfg.windows,
-                    location: match &device {
-                        Some((regions, _)) => format!("cuda:{}", regions[0].ordinal()),
-                        None => cfg.location.clone(),
-                    },
-                    access: cfg.access,
-                    first_slot: cfg.first_slot,
-                    device: device.as_ref().map(|(_, export)| Arc::clone(export)),
-                },
-                Arc::clone(&handshake),
-                RdmaFence::with_binding(Arc::clone(&handshake), cfg.peer_binding),
-            )
-            .map_err(|e| match e {
-                // Device memory the NIC cannot take: say so as GPUDirect's error, not a window's.
-                RdmaLandingError::Register {
-                    error: WindowRegisterError::GpuDirect(g),
-                    ..
-                } => RdmaTargetError::GpuDirect(g),
-                e => RdmaTargetError::Landing(e),
-            })?,
-        );
+        let spans = destination_spans(&cfg, device.as_ref().map(|d| d.0), owned.as_ref());
+        let landing = Arc::new(open_landing(
+            &cfg,
+            handshake_addr.port(),
+            spans,
+            device.as_ref(),
+            &handshake,
+        )?);
         let nics = handshake
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -322,6 +268,89 @@ fn needed_bytes(needed: Option<u64>) -> String {
 }
 
 /// One host region per layout region, each large enough for its blocks, none overlapping.
+/// The handshake daemon's listener, bound, and the address it got.
+async fn bind_handshake(
+    cfg: &RdmaTargetConfig,
+) -> Result<(TcpListener, SocketAddr), RdmaTargetError> {
+    let bind_error = |source| RdmaTargetError::Bind {
+        addr: cfg.handshake_bind,
+        source,
+    };
+    let listener = TcpListener::bind(cfg.handshake_bind)
+        .await
+        .map_err(bind_error)?;
+    let addr = listener.local_addr().map_err(bind_error)?;
+    Ok((listener, addr))
+}
+
+/// The destination bytes, one span per layout region: the host's device regions, else the
+/// host's regions, else kvrecv's own buffer cut in layout order.
+fn destination_spans(
+    cfg: &RdmaTargetConfig,
+    device: Option<&[DeviceRegion]>,
+    owned: Option<&OwnedBytes>,
+) -> Vec<HostSpan> {
+    match (device, &cfg.host_memory, owned) {
+        (Some(regions), _, _) => regions.iter().map(|r| (r.ptr(), r.len())).collect(),
+        (None, Some(host), _) => host
+            .regions()
+            .iter()
+            .map(|r| (r.as_ptr() as u64, r.len() as u64))
+            .collect(),
+        (None, None, Some(buf)) => {
+            let base = buf.as_ptr() as u64;
+            let mut at = 0u64;
+            cfg.layout
+                .regions
+                .iter()
+                .map(|r| {
+                    let n = r.block_len * u64::from(cfg.layout.num_blocks);
+                    let span = (base + at, n);
+                    at += n;
+                    span
+                })
+                .collect()
+        }
+        (None, None, None) => unreachable!("allocated when the host gave no memory"),
+    }
+}
+
+/// Register `spans` in every window on every device and build the landing over them.
+fn open_landing<B: VerbsBackend + 'static>(
+    cfg: &RdmaTargetConfig,
+    handshake_port: u16,
+    spans: Vec<HostSpan>,
+    device: Option<&(&[DeviceRegion], Arc<dyn DeviceMemoryExport>)>,
+    handshake: &SharedHandshake<B>,
+) -> Result<RdmaLanding<B>, RdmaTargetError> {
+    RdmaLanding::new(
+        cfg.advertise_host.clone(),
+        handshake_port,
+        &cfg.layout,
+        spans,
+        WindowsConfig {
+            windows: cfg.windows,
+            location: match device {
+                Some((regions, _)) => format!("cuda:{}", regions[0].ordinal()),
+                None => cfg.location.clone(),
+            },
+            access: cfg.access,
+            first_slot: cfg.first_slot,
+            device: device.map(|(_, export)| Arc::clone(export)),
+        },
+        Arc::clone(handshake),
+        RdmaFence::with_binding(Arc::clone(handshake), cfg.peer_binding),
+    )
+    .map_err(|e| match e {
+        // Device memory the NIC cannot take: say so as GPUDirect's error, not a window's.
+        RdmaLandingError::Register {
+            error: WindowRegisterError::GpuDirect(g),
+            ..
+        } => RdmaTargetError::GpuDirect(g),
+        e => RdmaTargetError::Landing(e),
+    })
+}
+
 fn check_host_regions(layout: &KvLayout, host: &HostMemory) -> Result<(), RdmaTargetError> {
     let needed: Option<Vec<u64>> = layout
         .regions
