@@ -4,7 +4,9 @@
 //! batch 16, 64 in flight): every pull, settle and completion looks up a request id or pull id
 //! several times. foldhash is several times faster on short keys and stays randomly seeded per
 //! map, so request ids chosen by a host (or names echoed by a hostile peer, which are only
-//! looked up, never inserted) cannot be picked to collide ahead of time.
+//! looked up, never inserted) cannot be picked to collide ahead of time. Speed only: std's
+//! hasher costs 16.0% more instructions per request at batch 1 (`scripts/callgrind-core`;
+//! DESIGN.md §10).
 
 #![forbid(unsafe_code)]
 

@@ -96,9 +96,6 @@ impl ChannelEvent {
     }
 }
 
-/// Verdicts a Peer keeps for reuse: as many as pulls usually end between two starts.
-const SPARE_VERDICTS: usize = 8;
-
 struct Live {
     /// Ends the pull's reply stream (dropping its channel).
     stream: PullHandle<Result<Frames, TransportError>>,
@@ -137,9 +134,6 @@ pub struct Peer {
     /// The live pulls' reply streams, merged into one stream of the actor's (added on the
     /// first pull; a restart drops the actor's streams, and this with them).
     mux: Option<PullMux<Result<Frames, TransportError>>>,
-    /// Verdicts of ended pulls that nobody holds any more, for the next pulls (at most
-    /// [`SPARE_VERDICTS`]): a pull at batch 1 allocates no flag of its own.
-    spare_verdicts: Vec<CleanFinish>,
     /// One timer for the deadlines of all live pulls, armed for the earliest and never
     /// cancelled when a pull ends: when it fires, overdue pulls are abandoned and it is armed
     /// again for the earliest deadline left. A timer per pull cost a timer-wheel registration,
@@ -180,7 +174,6 @@ impl Peer {
             health,
             live: FastMap::default(),
             mux: None,
-            spare_verdicts: Vec::new(),
             timer: None,
             restarts: 0,
             consecutive_failures: 0,
@@ -227,7 +220,7 @@ impl Peer {
         let carried = requests.len();
         self.state.start(pull_id, requests);
         self.state.set_layout(pull_id, layout);
-        let finish = self.spare_verdicts.pop().unwrap_or_default();
+        let finish = CleanFinish::default();
         let replies = self.transport.pull(self.id(), payload, finish.clone());
         let mux = self.mux.get_or_insert_with(|| {
             let (mux, merged) = PullMux::new();
@@ -282,7 +275,7 @@ impl Peer {
         l.span
             .in_scope(|| tracing::info!(peer = %self.state.peer(), "P lost the layout; resending the pull with it"));
         // The old exchange is over: its channel is not reused (it ended on a miss, not FINISH).
-        let finish = self.spare_verdicts.pop().unwrap_or_default();
+        let finish = CleanFinish::default();
         let old = std::mem::replace(&mut l.finish, finish.clone());
         drop(old);
         let replies = self.transport.pull(self.state.peer(), payload, finish);
@@ -462,9 +455,6 @@ impl Peer {
     fn close(&mut self, pull_id: PullId) {
         if let Some(l) = self.live.remove(&pull_id) {
             l.stream.end(); // drops the channel: back to the pool, or closed with linger 0
-            if self.spare_verdicts.len() < SPARE_VERDICTS {
-                self.spare_verdicts.extend(l.finish.reuse());
-            }
             let took = l.started.elapsed().as_secs_f64();
             self.kept.record(&self.labels, m::PULL_LATENCY, took);
         }

@@ -6,9 +6,9 @@
 //! (at 64 pulls in flight, 64 futile receives per reply), and a burst of replies kept the
 //! thread in one Peer for long enough to delay every settle behind it. Merged here, only the
 //! pulls whose sockets woke are polled (the merge keeps a waker per stream), and the Peer has
-//! one item however many pulls are live. The merge is `futures_buffered`'s: its streams sit in
-//! reusable slots, where `futures`' `SelectAll` allocates a task node for every stream and
-//! again for every item it yields (two allocations of a request's 28 at batch 1). Each item
+//! one item however many pulls are live. The merge is `futures`' `SelectAll` (`futures_buffered`'s
+//! reused slots saved 2.3% of the instructions per request at batch 1, `scripts/callgrind-core`:
+//! under the complexity budget, DESIGN.md §10). Each item
 //! comes tagged with its pull, and a stream that ends by itself says so once
 //! ([`Tagged::item`] `None`): the Peer's pull is then over without a reply, which it must
 //! learn; one ended through its [`PullHandle`] says nothing.
@@ -21,8 +21,8 @@ use std::rc::Rc;
 use std::task::{Context, Poll, Waker};
 
 use futures::stream::LocalBoxStream;
+use futures::stream::SelectAll;
 use futures::{Stream, StreamExt};
-use futures_buffered::MergeUnbounded;
 
 use crate::messages::PullId;
 
@@ -124,7 +124,7 @@ impl<T> Stream for Slotted<T> {
 }
 
 struct Inner<T> {
-    streams: MergeUnbounded<Slotted<T>>,
+    streams: SelectAll<Slotted<T>>,
     slots: Slots<T>,
 }
 
@@ -150,7 +150,7 @@ impl<T> PullMux<T> {
     /// A mux and the stream that yields the items of everything added to it.
     pub fn new() -> (Self, MergedPulls<T>) {
         let inner = Rc::new(RefCell::new(Inner {
-            streams: MergeUnbounded::new(),
+            streams: SelectAll::new(),
             slots: Rc::default(),
         }));
         (

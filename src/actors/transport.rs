@@ -93,15 +93,6 @@ impl CleanFinish {
     pub fn is_set(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
-
-    /// This verdict, unset, for another pull: `None` while anyone else still holds it (the
-    /// transport reads it until its stream is dropped). A Peer keeps a few, so that a pull
-    /// allocates none.
-    pub fn reuse(mut self) -> Option<Self> {
-        let flag = Arc::get_mut(&mut self.0)?;
-        *flag.get_mut() = false;
-        Some(self)
-    }
 }
 
 /// Gives each pull a channel of its own (PROTOCOL.md §2.1: never multiplex pulls on one socket).
@@ -110,22 +101,4 @@ pub trait PeerTransport: 'static {
     /// is the Peer's verdict on the pull, read when the stream is dropped: a channel is reused
     /// only when it is set.
     fn pull(&self, peer: &PeerId, request: Vec<u8>, finish: CleanFinish) -> ReplyStream;
-}
-
-#[cfg(test)]
-mod tests {
-    use super::CleanFinish;
-
-    #[test]
-    fn a_verdict_is_reused_only_once_nobody_else_reads_it_and_then_unset() {
-        let peers = CleanFinish::default();
-        let transports = peers.clone();
-        peers.set();
-        // The transport's stream still holds it: not taken, and its verdict stays.
-        assert!(peers.reuse().is_none());
-        assert!(transports.is_set());
-        // Dropped by everyone else: taken, unset for the next pull.
-        let next = transports.reuse().expect("nobody else holds it");
-        assert!(!next.is_set());
-    }
 }

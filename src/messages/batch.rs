@@ -408,11 +408,6 @@ pub struct Interner {
     seen: FastSet<Arc<str>>,
     /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
     bootstraps: FastSet<Arc<str>>,
-    /// The last values returned, looked at before the sets: a host's requests mostly name one
-    /// engine and one bootstrap address, so most lookups are a comparison, not a hash.
-    recent: [Option<Arc<str>>; 2],
-    /// The last address found in `bootstraps`.
-    recent_bootstrap: Option<Arc<str>>,
 }
 
 impl Interner {
@@ -420,23 +415,13 @@ impl Interner {
 
     /// Whether `addr` already passed [`check_bootstrap_addr`].
     fn checked_bootstrap(&mut self, addr: &str) -> bool {
-        if self.recent_bootstrap.as_deref() == Some(addr) {
-            return true;
-        }
-        match self.bootstraps.get(addr) {
-            Some(a) => {
-                self.recent_bootstrap = Some(a.clone());
-                true
-            }
-            None => false,
-        }
+        self.bootstraps.contains(addr)
     }
 
     /// Remember that `addr` passed [`check_bootstrap_addr`].
     fn bootstrap_ok(&mut self, addr: &str) {
         if self.bootstraps.len() >= Self::CAP {
             self.bootstraps.clear();
-            self.recent_bootstrap = None;
         }
         let a = self.intern(addr);
         self.bootstraps.insert(a);
@@ -444,10 +429,7 @@ impl Interner {
 
     /// The shared copy of `s`.
     pub fn intern(&mut self, s: &str) -> Arc<str> {
-        if let Some(a) = self.recent.iter().flatten().find(|a| ***a == *s) {
-            return a.clone();
-        }
-        let a = match self.seen.get(s) {
+        match self.seen.get(s) {
             Some(a) => a.clone(),
             None => {
                 if self.seen.len() >= Self::CAP {
@@ -457,11 +439,7 @@ impl Interner {
                 self.seen.insert(a.clone());
                 a
             }
-        };
-        // The older of the two makes way.
-        self.recent.swap(0, 1);
-        self.recent[0] = Some(a.clone());
-        a
+        }
     }
 }
 

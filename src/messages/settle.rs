@@ -119,6 +119,8 @@ impl SettleOutcome {
 pub struct Settles(pub SettleList);
 
 /// Settles in order, inline for one (a reply at batch 1 allocates no list).
+/// Speed only: the seven lists inline for one save 5.0% of the instructions per request at batch 1
+/// (`scripts/callgrind-core`; DESIGN.md §10).
 pub type SettleList = smallvec::SmallVec<[Settle; 1]>;
 
 /// Exactly one per (peer, request) of a pull (DESIGN.md §4 rule 1); it reaches the
