@@ -687,14 +687,17 @@ async fn successive_quarantines_are_each_released_at_their_deadline() {
     assert_forced_release(&mut h, "r2", "at t=151 (due at t=150)").await;
 }
 
-/// §5: a clean completion (no uncertain peer) is released at once, permits revoked first.
+/// §5: a clean completion (no uncertain peer) is released at once, permits revoked first
+/// (the landing finds the blocks still the request's when it revokes, and the harness finds no
+/// live permit when the release is announced).
 #[actix::test]
 async fn ok_completion_revokes_then_releases() {
     let mut h = Harness::start(Setup {
         landing: ManualLanding::default(),
         ..Setup::default()
     });
-    h.load(vec![req("r1", &[1])]).await;
+    let blocks = h.allocate("r1", 2).await;
+    h.load(vec![req("r1", &blocks)]).await;
     for p in h.pulls(2).await {
         p.respond(Finish, &["r1"], &[], None);
     }
