@@ -425,11 +425,11 @@ async fn connection_refused_fails_as_never_sent_and_restarts_the_peer() {
     })
     .await
     .unwrap();
-    // Register an address nobody listens on (a port just released).
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("tcp://{}", l.local_addr().unwrap())
-    };
+    // Register an address nobody listens on: a port this test holds bound, not listening, for
+    // its whole life (a released one could be taken by another test meanwhile).
+    let held = tokio::net::TcpSocket::new_v4().unwrap();
+    held.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let dead = format!("tcp://{}", held.local_addr().unwrap());
     s.register(s.worker(0, 0).rank(), &dead).await.unwrap();
     let mut h = Harness::start(config(LONG));
     h.load(vec![req(
