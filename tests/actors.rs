@@ -51,6 +51,25 @@ async fn settle_down(h: &mut Harness) {
     h.soak_events();
 }
 
+/// No completion of `id` so far, neither drained nor announced. The drain is a round trip
+/// through the BlockManager: everything the peers and the aggregator had to handle when it was
+/// sent (single-threaded system, FIFO wake-ups) was handled and published first, so a
+/// premature completion is in the drain or among the events soaked after it. Returns the drain.
+async fn assert_no_completion(
+    h: &mut Harness,
+    id: &str,
+    why: &str,
+) -> kvrecv::messages::StepOutput {
+    let step = h.coord.drain().await.unwrap();
+    assert!(
+        !step.finished_recving.iter().any(|r| &**r == id),
+        "{id} drained {why}"
+    );
+    h.soak_events();
+    assert_eq!(h.count(is_completion(id)), 0, "{id} completed {why}");
+    step
+}
+
 /// Rule 4+5: A ERROR while B is pending publishes the failure at once and nothing else; B's
 /// FINISH then completes the request exactly once.
 #[actix::test]
@@ -60,11 +79,7 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
     let [a, b]: [_; 2] = h.pulls(2).await.try_into().ok().unwrap();
     a.respond(Error, &[], &[], Some("boom"));
     h.wait_for("first failure", is_first_failure("r1")).await;
-    let step = h.coord.drain().await.unwrap();
-    assert!(
-        step.finished_recving.is_empty(),
-        "no completion while B may still write"
-    );
+    let step = assert_no_completion(&mut h, "r1", "while B may still write").await;
     assert_eq!(
         step.invalid_block_ids,
         vec![1, 2],
@@ -113,7 +128,7 @@ async fn peer_timing_out_is_uncertain_and_completion_waits_for_the_other() {
     );
     assert!(!a.is_open(), "the abandoned pull's channel is closed");
     assert!(b.is_open(), "B's reply moved its deadline");
-    assert_eq!(h.count(is_completion("r1")), 0);
+    assert_no_completion(&mut h, "r1", "while B may still write").await;
     b.respond(Finish, &["r1"], &[], None);
     h.wait_for("completion", is_completion("r1")).await;
 }
@@ -569,32 +584,75 @@ async fn quarantine_is_held_until_the_fence_is_confirmed() {
     );
 }
 
-/// §5: a quarantine nobody can fence is released at the last-resort deadline, flagged forced.
+/// Whether `id` is released, as the host sees it: drained, and announced by a `Released`
+/// event (returned). Two round trips through the BlockManager: an alarm the last clock move
+/// fired was woken before the first drain was sent, so what it tells the BlockManager is
+/// queued before the second.
+async fn released_now(h: &mut Harness, id: &str) -> (bool, Option<KvEvent>) {
+    let mut drained = false;
+    for _ in 0..2 {
+        let step = h.coord.drain().await.unwrap();
+        drained |= step.finished_recving.iter().any(|r| &**r == id);
+    }
+    h.soak_events();
+    let ev = h.seen.borrow().iter().find(|e| is_released(id)(e)).cloned();
+    (drained, ev)
+}
+
+/// `id` is still quarantined: neither drained nor released.
+async fn assert_still_held(h: &mut Harness, id: &str, when: &str) {
+    let (drained, ev) = released_now(h, id).await;
+    assert!(!drained && ev.is_none(), "{id} released {when}: {ev:?}");
+}
+
+/// `id` was released by its deadline, forced (no fence), and drained.
+async fn assert_forced_release(h: &mut Harness, id: &str, when: &str) {
+    let (drained, ev) = released_now(h, id).await;
+    assert!(drained, "{id} not drained {when}");
+    assert!(
+        matches!(
+            ev,
+            Some(KvEvent::Released {
+                fenced: false,
+                forced: true,
+                ..
+            })
+        ),
+        "{id} not released forced {when}: {ev:?}"
+    );
+}
+
+/// A request whose one peer fails it (an uncertain peer) on a landing that cannot revoke
+/// exactly: quarantined now, at the paused clock's current instant.
+async fn quarantine_now(h: &mut Harness, id: &str, block: u32) {
+    h.load(vec![req(id, &[block])]).await;
+    h.next_pull().await.respond(Error, &[], &[], None);
+    h.wait_for(
+        "quarantine",
+        |e| matches!(e, KvEvent::Quarantined { req_id, .. } if &**req_id == id),
+    )
+    .await;
+}
+
+/// §5: a quarantine nobody can fence is held until its last-resort deadline, not a moment
+/// less, and released then, flagged forced. Tokio's clock is paused and moved by hand
+/// (`advance`: exact, and the runtime never moves it on its own while the test looks), so
+/// the deadline is exact; the alarm's timer may round up to the next millisecond tick.
 #[actix::test]
 async fn quarantine_without_fence_is_released_at_the_deadline() {
+    let ms = Duration::from_millis;
+    tokio::time::pause();
     let mut h = Harness::start(Setup {
         landing: ManualLanding::default(),
         p_tp: 1,
-        quarantine_deadline: Duration::from_millis(100),
+        quarantine_deadline: ms(100),
         ..Setup::default()
     });
-    h.load(vec![req("r1", &[7])]).await;
-    h.next_pull().await.respond(Error, &[], &[], None);
-    h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. }))
-        .await;
-    let rel = h.wait_for("forced release", is_released("r1")).await;
-    assert!(matches!(
-        rel,
-        KvEvent::Released {
-            fenced: false,
-            forced: true,
-            ..
-        }
-    ));
-    assert_eq!(
-        h.coord.drain().await.unwrap().finished_recving,
-        vec![ReqId::from("r1")]
-    );
+    quarantine_now(&mut h, "r1", 7).await; // t=0
+    tokio::time::advance(ms(99)).await;
+    assert_still_held(&mut h, "r1", "at t=99 (due at t=100)").await;
+    tokio::time::advance(ms(2)).await;
+    assert_forced_release(&mut h, "r1", "at t=101 (due at t=100)").await;
     assert_eq!(
         h.landing.confirm_fences(),
         1,
@@ -602,39 +660,44 @@ async fn quarantine_without_fence_is_released_at_the_deadline() {
     );
 }
 
-/// Quarantines taken one after another are each released at their own deadline: the
-/// BlockManager's one alarm, armed for the earliest, is armed again for the next.
+/// Quarantines taken one after another are each held until their own deadline and released
+/// then: the BlockManager's one alarm, armed for the earliest, is armed again for the next.
+/// (Tokio's clock is paused and moved by hand: the deadlines are exact.)
 #[actix::test]
 async fn successive_quarantines_are_each_released_at_their_deadline() {
+    let ms = Duration::from_millis;
+    tokio::time::pause();
     let mut h = Harness::start(Setup {
         landing: ManualLanding::default(),
         p_tp: 1,
-        quarantine_deadline: Duration::from_millis(100),
+        quarantine_deadline: ms(100),
         ..Setup::default()
     });
-    for (id, block) in [("r1", 7), ("r2", 8)] {
-        h.load(vec![req(id, &[block])]).await;
-        h.next_pull().await.respond(Error, &[], &[], None);
-        h.wait_for("quarantine", |e| matches!(e, KvEvent::Quarantined { .. }))
-            .await;
-        // The scenario, not a wait for anything: r2's deadline comes half a deadline after
-        // r1's, so the alarm that releases r1 finds r2 still held.
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    for id in ["r1", "r2"] {
-        let rel = h.wait_for("forced release", is_released(id)).await;
-        assert!(matches!(rel, KvEvent::Released { forced: true, .. }));
-    }
+    quarantine_now(&mut h, "r1", 7).await; // t=0: due at t=100
+    tokio::time::advance(ms(50)).await;
+    quarantine_now(&mut h, "r2", 8).await; // t=50: due at t=150
+    tokio::time::advance(ms(49)).await;
+    assert_still_held(&mut h, "r1", "at t=99 (due at t=100)").await;
+    tokio::time::advance(ms(2)).await;
+    assert_forced_release(&mut h, "r1", "at t=101 (due at t=100)").await;
+    assert_still_held(&mut h, "r2", "at t=101 (due at t=150)").await;
+    tokio::time::advance(ms(48)).await;
+    assert_still_held(&mut h, "r2", "at t=149 (due at t=150)").await;
+    tokio::time::advance(ms(2)).await;
+    assert_forced_release(&mut h, "r2", "at t=151 (due at t=150)").await;
 }
 
-/// §5: a clean completion (no uncertain peer) is released at once, permits revoked first.
+/// §5: a clean completion (no uncertain peer) is released at once, permits revoked first
+/// (the landing finds the blocks still the request's when it revokes, and the harness finds no
+/// live permit when the release is announced).
 #[actix::test]
 async fn ok_completion_revokes_then_releases() {
     let mut h = Harness::start(Setup {
         landing: ManualLanding::default(),
         ..Setup::default()
     });
-    h.load(vec![req("r1", &[1])]).await;
+    let blocks = h.allocate("r1", 2).await;
+    h.load(vec![req("r1", &blocks)]).await;
     for p in h.pulls(2).await {
         p.respond(Finish, &["r1"], &[], None);
     }

@@ -129,23 +129,18 @@ async fn missing_rank_zero_is_refused() {
 
 #[tokio::test]
 async fn unreachable_bootstrap_fails_and_is_asked_again() {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let url = format!("http://127.0.0.1:{port}");
+    // The port is this test's for its whole life: bound, not listening, a connection to it is
+    // refused (no number is released and taken again, which another test could take between).
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind("127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = format!("http://{}", socket.local_addr().unwrap());
     let t = HttpTopology::new(BootstrapConfig::default());
     let e = t.lookup(&url, "e").await.unwrap_err();
     assert!(matches!(e, TopologyError::Bootstrap { .. }), "{e:?}");
-    // The server comes up on that port: the next lookup asks again and succeeds.
-    let s = PrefillSim::start(SimConfig {
-        bootstrap_port: port,
-        ..SimConfig::default()
-    })
-    .await
-    .unwrap();
-    assert!(t.lookup(&url, s.engine_id()).await.is_ok());
+    // The server comes up on that port (the same socket listens): the next lookup asks again
+    // and succeeds.
+    query_server_on(socket.listen(16).unwrap(), query_addrs(1));
+    assert!(t.lookup(&url, "e").await.is_ok());
     assert!(matches!(
         t.lookup("https://x:1", "e").await,
         Err(TopologyError::Bootstrap { .. })
@@ -160,24 +155,45 @@ where
 {
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
+    serve_on(l, f);
+    url
+}
+
+/// Accept on `l` and do `f` with each connection.
+fn serve_on<F, Fut>(l: tokio::net::TcpListener, f: F)
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     tokio::spawn(async move {
         while let Ok((s, _)) = l.accept().await {
             f(s).await;
         }
     });
-    url
+}
+
+/// Worker addresses of `tp` TP ranks (never dialled: a lookup only lists them).
+fn query_addrs(tp: u32) -> Vec<String> {
+    (0..tp)
+        .map(|r| format!("tcp://127.0.0.1:{}", 20000 + r))
+        .collect()
 }
 
 /// A `/query` answer listing `tp` TP ranks of one PP stage each, for engine "e".
 async fn query_server(tp: u32) -> String {
-    let addrs: Vec<String> = (0..tp)
-        .map(|r| format!("tcp://127.0.0.1:{}", 20000 + r))
-        .collect();
-    query_server_of(addrs).await
+    query_server_of(query_addrs(tp)).await
 }
 
 /// A `/query` answer listing one worker per TP rank at `addrs`, for engine "e".
 async fn query_server_of(addrs: Vec<String>) -> String {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    query_server_on(l, addrs);
+    url
+}
+
+/// Answer `/query` on `l`, listing one worker per TP rank at `addrs`, for engine "e".
+fn query_server_on(l: tokio::net::TcpListener, addrs: Vec<String>) {
     let ranks: Vec<String> = addrs
         .iter()
         .enumerate()
@@ -187,7 +203,7 @@ async fn query_server_of(addrs: Vec<String>) -> String {
         "{{\"0\":{{\"engine_id\":\"e\",\"worker_addr\":{{{}}}}}}}",
         ranks.join(",")
     );
-    raw_server(move |mut s| {
+    serve_on(l, move |mut s| {
         let body = body.clone();
         async move {
             let mut buf = [0u8; 4096];
@@ -198,8 +214,7 @@ async fn query_server_of(addrs: Vec<String>) -> String {
             );
             let _ = s.write_all(resp.as_bytes()).await;
         }
-    })
-    .await
+    });
 }
 
 /// A `/query` listing thousands of workers (hostile or broken) is refused before any socket is

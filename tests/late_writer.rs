@@ -3,7 +3,9 @@
 //! TCP target in audit mode, and the Rust TE initiator as the late writer.
 //!
 //! P never answers request `a` (its write is queued, as a real TE re-sends queued writes after a
-//! reconnect); D's deadline settles `a` Uncertain, its permit is revoked and its block released.
+//! reconnect); the host aborts `a` and P stays silent past the abort's grace (zero here: no
+//! clock is raced, every pull's own deadline is an hour), so `a` settles Uncertain, its permit is
+//! revoked and its block released.
 //! `b` and then `c` reuse that block (the pool is LIFO); with only two usable windows, `c`'s pull
 //! is the one that would get `a`'s window back. While `c` is being written, `a`'s queued write
 //! arrives. With the epoch rule `a`'s window is poisoned: `c` gets the other one and the late
@@ -20,7 +22,7 @@ use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
 use kvrecv::config::KvRecvConfig;
 use kvrecv::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{Allocate, KvEvent, KvRequest, LoadKv, Outcome};
+use kvrecv::messages::{Abort, Allocate, KvEvent, KvRequest, LoadKv, Outcome};
 use kvrecv::rdma::audit::AuditSnapshot;
 use kvrecv::rdma::{TargetConfig, TcpTarget};
 use kvrecv::sim::initiator::InitiatorConfig;
@@ -97,7 +99,8 @@ async fn run(epoch_rule: bool) -> Outcomes {
     let (sink, mut events) = EventSink::channel();
     let coord = Coordinator::start(CoordinatorParts {
         config: KvRecvConfig {
-            pull_timeout: Duration::from_millis(300),
+            pull_timeout: Duration::from_secs(3600),
+            abort_grace: Duration::ZERO,
             quarantine_deadline: Duration::from_secs(3600),
             layout,
             ..KvRecvConfig::default()
@@ -157,7 +160,14 @@ async fn run(epoch_rule: bool) -> Outcomes {
 
     let block_a = load("a").await;
     let job_a = next(&mut jobs).await;
-    // P never answers: the deadline settles `a` Uncertain; the exact revocation fences it.
+    // P has a's pull and never answers: aborted, `a` settles Uncertain at once (no grace); the
+    // exact revocation fences it.
+    let abort = coord
+        .receiver
+        .send(Abort { req_id: "a".into() })
+        .await
+        .unwrap();
+    assert_eq!(abort.peers_settled, 1, "{abort:?}");
     let rel_a = until(&mut events, released("a")).await;
     let KvEvent::Released { fenced, .. } = rel_a else {
         unreachable!()

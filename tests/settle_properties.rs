@@ -2,6 +2,12 @@
 //! (DESIGN.md §9). It drives the same plain structs the actors own (PeerState ->
 //! AggregatorState -> BlockLedger), one event at a time, and checks the invariants after every
 //! step, so a failing case shrinks to a short, readable sequence.
+//!
+//! What each peer said about each request, which peers may therefore still write, which
+//! completions must be held and until when, is kept by an [`Oracle`] of the test's own, from
+//! the events alone (DESIGN.md §4-§5 read plainly): the code under test is checked against it,
+//! never against itself. Time moves in random steps, so quarantines start at different times
+//! and each is checked against its own deadline.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
@@ -15,7 +21,7 @@ use kvrecv::actors::block_pool::BlockPool;
 use kvrecv::actors::peer_state::{Effects, PeerState};
 use kvrecv::config::Policy;
 use kvrecv::messages::{
-    MooncakeXferResponse, PeerId, Pull, PullRequest, ReqId, RequestMeta, XferStatus,
+    MooncakeXferResponse, PeerId, Pull, PullRequest, ReqId, RequestMeta, SettleOutcome, XferStatus,
 };
 use kvrecv::rdma::Revocation;
 
@@ -48,8 +54,10 @@ enum Ev {
     Fence {
         pick: usize,
     },
-    /// Time passes beyond the quarantine deadline.
-    QuarantineDeadline,
+    /// Time passes (`secs` seconds; a quarantine's deadline is 60 s after it started).
+    Tick {
+        secs: u64,
+    },
     Drain,
 }
 
@@ -65,7 +73,7 @@ fn ev(n_peers: usize, n_reqs: usize) -> impl Strategy<Value = Ev> {
         1 => p.clone().prop_map(|peer| Ev::Garbage { peer }),
         1 => p.prop_map(|peer| Ev::Unknown { peer }),
         1 => (0..8usize).prop_map(|pick| Ev::Fence { pick }),
-        1 => Just(Ev::QuarantineDeadline),
+        1 => (1..45u64).prop_map(|secs| Ev::Tick { secs }),
         1 => Just(Ev::Drain),
     ]
 }
@@ -98,6 +106,93 @@ fn case() -> impl Strategy<Value = Case> {
         })
 }
 
+/// The quarantine's last-resort deadline in these cases.
+const QUARANTINE: Duration = Duration::from_secs(60);
+
+/// What a peer has said about a request (DESIGN.md §4).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Said {
+    /// Nothing yet: the peer may be writing.
+    Pending,
+    /// Done (`ok_reqs`).
+    Ok,
+    /// An answer that it failed (`err_reqs`, or left out of a FINISH): it does not write.
+    Failed,
+    /// The pull ended without an answer (ERROR, malformed reply, deadline, restart): D does
+    /// not know whether it still writes.
+    Uncertain,
+}
+
+/// The test's own account, kept from the events alone: what each peer said about each request,
+/// and which requests must be held (and since when).
+struct Oracle {
+    /// `[peer][request]`.
+    said: Vec<Vec<Said>>,
+    /// Whether the peer's pull is still open (an ended pull's replies change nothing).
+    open: Vec<bool>,
+    /// Requests whose blocks must not go back yet, with when their quarantine started.
+    held: BTreeMap<ReqId, Instant>,
+}
+
+impl Oracle {
+    fn new(n_peers: usize, n_reqs: usize) -> Self {
+        Oracle {
+            said: vec![vec![Said::Pending; n_reqs]; n_peers],
+            open: vec![true; n_peers],
+            held: BTreeMap::new(),
+        }
+    }
+
+    /// A reply naming requests `ok` and `err` (index `n_reqs`: an id never sent).
+    fn reply(&mut self, peer: usize, status: XferStatus, ok: &[usize], err: &[usize]) {
+        if !self.open[peer] {
+            return;
+        }
+        let n_reqs = self.said[peer].len();
+        let named = ok.iter().chain(err);
+        // Naming ids, none of them this pull's: not an answer to this pull at all.
+        if ok.len() + err.len() > 0 && named.clone().all(|&i| i >= n_reqs) {
+            return;
+        }
+        // An id in both lists is a failure.
+        for &i in err.iter().filter(|&&i| i < n_reqs) {
+            if self.said[peer][i] == Said::Pending {
+                self.said[peer][i] = Said::Failed;
+            }
+        }
+        for &i in ok.iter().filter(|&&i| i < n_reqs) {
+            if self.said[peer][i] == Said::Pending {
+                self.said[peer][i] = Said::Ok;
+            }
+        }
+        match status {
+            XferStatus::Continue => {}
+            XferStatus::Finish => self.end(peer, Said::Failed),
+            _ => self.end(peer, Said::Uncertain),
+        }
+    }
+
+    /// The peer's pull ends; what it had not answered becomes `rest`.
+    fn end(&mut self, peer: usize, rest: Said) {
+        if !std::mem::replace(&mut self.open[peer], false) {
+            return;
+        }
+        for s in &mut self.said[peer] {
+            if *s == Said::Pending {
+                *s = rest;
+            }
+        }
+    }
+
+    /// Peers that may still write into request `r`'s blocks: not answered yet, or ended
+    /// without an answer.
+    fn may_write(&self, r: usize) -> Vec<usize> {
+        (0..self.said.len())
+            .filter(|&p| matches!(self.said[p][r], Said::Pending | Said::Uncertain))
+            .collect()
+    }
+}
+
 struct World {
     policy: Policy,
     exact: bool,
@@ -113,7 +208,10 @@ struct World {
     completions: BTreeMap<ReqId, usize>,
     uncertain_at_completion: BTreeMap<ReqId, Vec<PeerId>>,
     fenced: BTreeSet<ReqId>,
-    deadline_passed: bool,
+    oracle: Oracle,
+    peer_ids: Vec<PeerId>,
+    /// When each request that was ever quarantined went in.
+    quarantined_at: BTreeMap<ReqId, Instant>,
     drained_finished: Vec<ReqId>,
     drained_failed_reqs: BTreeSet<ReqId>,
     drained_invalid_blocks: BTreeSet<u32>,
@@ -195,14 +293,16 @@ impl World {
             pull_of,
             reqs,
             aggs,
-            ledger: BlockLedger::new(Duration::from_secs(60), Some(pool)),
+            ledger: BlockLedger::new(QUARANTINE, Some(pool)),
             now: Instant::now(),
             settled: BTreeMap::new(),
             first_failures: BTreeMap::new(),
             completions: BTreeMap::new(),
             uncertain_at_completion: BTreeMap::new(),
             fenced: BTreeSet::new(),
-            deadline_passed: false,
+            oracle: Oracle::new(c.n_peers, c.blocks.len()),
+            peer_ids: peer_ids.clone(),
+            quarantined_at: BTreeMap::new(),
             drained_finished: vec![],
             drained_failed_reqs: BTreeSet::new(),
             drained_invalid_blocks: BTreeSet::new(),
@@ -215,6 +315,18 @@ impl World {
 
     fn route(&mut self, peer: usize, fx: Effects) {
         for s in fx.settles {
+            let r = self.index(&s.req_id);
+            let said = self.oracle.said[peer][r];
+            let agrees = match &s.outcome {
+                SettleOutcome::Ok => said == Said::Ok,
+                SettleOutcome::Failed { .. } => said == Said::Failed,
+                SettleOutcome::Uncertain { .. } => said == Said::Uncertain,
+            };
+            assert!(
+                agrees,
+                "peer {peer} settled {} {:?}; it said {said:?}",
+                s.req_id, s.outcome
+            );
             *self.settled.entry((peer, s.req_id.clone())).or_default() += 1;
             assert_eq!(
                 self.settled[&(peer, s.req_id.clone())],
@@ -253,15 +365,46 @@ impl World {
                 } else {
                     Revocation::NotExact
                 };
+                // The BlockManager's glue, as it is: the peers it asks the ledger to wait for.
                 let fence = if self.policy == Policy::Settle {
                     peers_to_fence(&c, rev)
                 } else {
                     vec![]
                 };
-                self.uncertain_at_completion.insert(id, fence.clone());
+                // What must be waited for: every peer that may still write, unless the
+                // revocation stopped them all (exact permits) or the policy does not wait.
+                let r = self.index(&id);
+                let may_write = self.oracle.may_write(r);
+                if self.policy == Policy::Settle {
+                    assert!(
+                        may_write
+                            .iter()
+                            .all(|&p| self.oracle.said[p][r] == Said::Uncertain),
+                        "{id} completed while a peer had not answered"
+                    );
+                }
+                let expected: Vec<PeerId> = if self.policy == Policy::Settle && !self.exact {
+                    may_write
+                        .iter()
+                        .map(|&p| self.peer_ids[p].clone())
+                        .collect()
+                } else {
+                    vec![]
+                };
+                let mut got = fence.clone();
+                got.sort();
+                assert_eq!(got, expected, "{id}: peers to fence");
+                self.uncertain_at_completion
+                    .insert(id.clone(), fence.clone());
                 match self.ledger.on_completion(&c, fence.clone(), self.now) {
-                    Disposition::Released => assert!(fence.is_empty()),
-                    Disposition::Quarantined { peers, .. } => assert_eq!(peers, fence),
+                    Disposition::Released => assert!(expected.is_empty(), "{id} released"),
+                    Disposition::Quarantined { peers, .. } => {
+                        let mut peers = peers;
+                        peers.sort();
+                        assert_eq!(peers, expected, "{id} quarantined");
+                        self.oracle.held.insert(id.clone(), self.now);
+                        self.quarantined_at.insert(id, self.now);
+                    }
                 }
             }
         }
@@ -283,11 +426,15 @@ impl World {
                     "{id}: completion before its failure signal"
                 );
             }
-            // Never out of quarantine before its fence or deadline.
-            if !self.uncertain_at_completion[&id].is_empty() {
+            // Never out of quarantine before its fence or its own deadline.
+            assert!(
+                !self.oracle.held.contains_key(&id),
+                "{id} drained while it must be held"
+            );
+            if let Some(&at) = self.quarantined_at.get(&id) {
                 assert!(
-                    self.fenced.contains(&id) || self.deadline_passed,
-                    "{id} released before fence"
+                    self.fenced.contains(&id) || self.now >= at + QUARANTINE,
+                    "{id} released before its fence or deadline"
                 );
             }
             self.drained_finished.push(id);
@@ -302,12 +449,19 @@ impl World {
                 ok,
                 err,
             } => {
+                let status = if finish {
+                    XferStatus::Finish
+                } else {
+                    XferStatus::Continue
+                };
+                self.oracle.reply(peer, status, &ok, &err);
                 let ok = ok.into_iter().map(|i| self.id(i)).collect();
                 let err = err.into_iter().map(|i| self.id(i)).collect();
                 let fx = self.peers[peer].on_reply(self.pull_of[peer], resp(finish, ok, err));
                 self.route(peer, fx);
             }
             Ev::Error { peer, err } => {
+                self.oracle.reply(peer, XferStatus::Error, &[], &err);
                 let mut r = MooncakeXferResponse::new(XferStatus::Error);
                 let err: Vec<String> = err.into_iter().map(|i| self.id(i)).collect();
                 r.err_reqs = (!err.is_empty()).then_some(err);
@@ -315,6 +469,7 @@ impl World {
                 self.route(peer, fx);
             }
             Ev::Deadline { peer } => {
+                self.oracle.end(peer, Said::Uncertain);
                 let fx = self.peers[peer].abandon(
                     self.pull_of[peer],
                     kvrecv::messages::Cause::Timeout,
@@ -323,15 +478,18 @@ impl World {
                 self.route(peer, fx);
             }
             Ev::Restart { peer } => {
+                self.oracle.end(peer, Said::Uncertain);
                 let (fx, _) = self.peers[peer].abandon_all("restart");
                 self.route(peer, fx);
             }
             Ev::Garbage { peer } => {
+                self.oracle.end(peer, Said::Uncertain);
                 let fx = self.peers[peer].on_reply(self.pull_of[peer], vec![vec![0xc1, 0x00]]);
                 self.route(peer, fx);
             }
             Ev::Unknown { peer } => {
                 let n = self.reqs.len();
+                self.oracle.reply(peer, XferStatus::Continue, &[n], &[]);
                 let frames = resp(false, vec![self.id(n)], vec![]);
                 let live = self.peers[peer].is_in_flight(self.pull_of[peer]);
                 let fx = self.peers[peer].on_reply(self.pull_of[peer], frames);
@@ -339,32 +497,58 @@ impl World {
                 self.route(peer, fx);
             }
             Ev::Fence { pick } => {
-                let held: Vec<ReqId> = self
-                    .reqs
-                    .iter()
-                    .map(|r| r.req_id.clone())
-                    .filter(|id| self.ledger.is_quarantined(id))
-                    .collect();
+                let held: Vec<ReqId> = self.oracle.held.keys().cloned().collect();
                 if !held.is_empty() {
                     let id = held[pick % held.len()].clone();
                     self.fenced.insert(id.clone());
+                    self.oracle.held.remove(&id);
                     assert!(self.ledger.end_quarantine(&id, self.now).is_some());
                 }
             }
-            Ev::QuarantineDeadline => {
-                self.now += Duration::from_secs(61);
-                self.deadline_passed = true;
-                for id in self.ledger.expired(self.now) {
-                    self.ledger.end_quarantine(&id, self.now);
+            Ev::Tick { secs } => {
+                self.now += Duration::from_secs(secs);
+                let due: Vec<ReqId> = self
+                    .oracle
+                    .held
+                    .iter()
+                    .filter(|(_, &at)| self.now >= at + QUARANTINE)
+                    .map(|(id, _)| id.clone())
+                    .collect();
+                assert_eq!(self.ledger.expired(self.now), due, "expired at a tick");
+                for id in due {
+                    self.oracle.held.remove(&id);
+                    assert!(self.ledger.end_quarantine(&id, self.now).is_some());
                 }
             }
             Ev::Drain => self.drain(),
         }
+        // The ledger holds exactly what the oracle says must be held; every peer settled
+        // exactly what it answered or left without an answer.
+        for r in &self.reqs {
+            assert_eq!(
+                self.ledger.is_quarantined(&r.req_id),
+                self.oracle.held.contains_key(&r.req_id),
+                "{} held",
+                r.req_id
+            );
+        }
+        let answered = self
+            .oracle
+            .said
+            .iter()
+            .flatten()
+            .filter(|s| **s != Said::Pending);
+        assert_eq!(self.settled.len(), answered.count(), "settles");
+    }
+
+    fn index(&self, id: &ReqId) -> usize {
+        self.reqs.iter().position(|r| &r.req_id == id).unwrap()
     }
 
     /// Every peer eventually ends its pull (FINISH with nothing more to say).
     fn finish_all(&mut self) {
         for p in 0..self.peers.len() {
+            self.oracle.reply(p, XferStatus::Finish, &[], &[]);
             let fx = self.peers[p].on_reply(self.pull_of[p], resp(true, vec![], vec![]));
             self.route(p, fx);
             assert_eq!(self.peers[p].pending_count(), 0);

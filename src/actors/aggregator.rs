@@ -25,6 +25,7 @@ use super::aggregation_table::SharedAggregation;
 use super::aggregator_state::{AggEffects, AggregatorState};
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
+use super::rediscovery::clock_now;
 
 /// Receiver -> RequestAggregator: these requests have no possible writer (topology failure,
 /// DESIGN.md §4 rule 7, or aborted before anything was sent): fail and complete them now.
@@ -125,7 +126,9 @@ impl RequestAggregator {
                         .increment(&self.labels, m::COMPLETIONS, "outcome", label, n);
                 }
             }
-            let now = Instant::now();
+            // Tokio's clock, the one quarantine deadlines are kept on (the BlockManager's alarm
+            // sleeps on it and compares with it; a paused test clock governs them all).
+            let now = clock_now();
             for since in out.started {
                 let took = now.saturating_duration_since(since).as_secs_f64();
                 self.kept.record(&self.labels, m::COMPLETION_LATENCY, took);
@@ -175,7 +178,7 @@ impl Handler<FailUnsent> for RequestAggregator {
     type Result = ();
 
     fn handle(&mut self, msg: FailUnsent, _ctx: &mut Context<Self>) {
-        let since = Instant::now();
+        let since = clock_now();
         let mut out = Outbox::default();
         for req in msg.requests {
             let mut state = AggregatorState::new(req, vec![], crate::config::Policy::Settle);

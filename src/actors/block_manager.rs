@@ -94,7 +94,7 @@ impl BlockManager {
     }
 
     fn end_quarantine(&mut self, req_id: &ReqId, fenced: bool) {
-        let now = Instant::now();
+        let now = clock_now();
         let Some(rel) = self.ledger.end_quarantine(req_id, now) else {
             return;
         };
@@ -236,7 +236,7 @@ impl BlockManager {
                 Some(quiet) => {
                     ctx.wait(quiet.into_actor(self).map(move |(), act, ctx| {
                         // The read held it: the rest count from now.
-                        let now = Instant::now();
+                        let now = clock_now();
                         act.dispose(c, revocation, had_suspects, now, ctx);
                         act.complete_in_order(list, now, ctx);
                     }));

@@ -100,5 +100,6 @@ pub struct Completions {
     pub completions: CompletionList,
     /// When the aggregator published them: the time their quarantines and poisoned windows
     /// count from (microseconds before the BlockManager reads them; one clock read, not two).
+    /// On tokio's clock (`rediscovery::clock_now`), the one the deadline alarm sleeps on.
     pub at: std::time::Instant,
 }

@@ -3,8 +3,9 @@
 #![allow(dead_code)]
 
 use std::cell::RefCell;
+use std::collections::HashMap;
 use std::rc::Rc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use futures::future::LocalBoxFuture;
@@ -15,9 +16,10 @@ use kvrecv::actors::topology::{DRank, EngineTopology};
 use kvrecv::actors::{
     Coordinator, CoordinatorParts, EventSink, OpenedPull, ScriptedTransport, StaticTopology,
 };
+use kvrecv::block_ownership::{owner_tag, BlockOwnership, BlockState};
 use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{KvEvent, KvRequest, LoadKv, PeerId};
+use kvrecv::messages::{Allocate, KvEvent, KvRequest, LoadKv, PeerId};
 use kvrecv::rdma::{FenceError, Landing, PullWindow, Revocation, RevokeRequest, Revoked};
 
 /// Safety net only: every wait below ends on an event long before this.
@@ -26,12 +28,21 @@ pub const PATIENCE: Duration = Duration::from_secs(10);
 type PendingFence = (Vec<PeerId>, oneshot::Sender<Result<(), FenceError>>);
 
 /// A landing whose revocation result is chosen by the test and whose fences complete when the
-/// test says so.
+/// test says so. It keeps the rule a real data plane lives by: a request's permits (granted at
+/// `open_pull`) are revoked before its blocks are released. A revocation that finds a block of
+/// the request already back in the pool, or a release announced while a permit is live, is
+/// recorded as a violation; the harness fails the test on the first it sees.
 #[derive(Default)]
 pub struct ManualLanding {
     pub exact: bool,
     pub revoked: Mutex<Vec<String>>,
     fences: Mutex<Vec<PendingFence>>,
+    /// The built-in pool's ownership table (set when the coordinator starts).
+    ownership: OnceLock<Arc<BlockOwnership>>,
+    /// Live permits: request -> its pool blocks, each with the ownership it had when the
+    /// permit was granted (blocks outside the pool are not in the table).
+    permits: Mutex<HashMap<String, Vec<(u32, BlockState)>>>,
+    violations: Mutex<Vec<String>>,
 }
 
 impl ManualLanding {
@@ -60,6 +71,20 @@ impl ManualLanding {
             .map(|(p, _)| p.clone())
             .collect()
     }
+
+    /// Whether `req_id` holds a permit not yet revoked.
+    pub fn permit_live(&self, req_id: &str) -> bool {
+        self.permits.lock().unwrap().contains_key(req_id)
+    }
+
+    /// Order violations seen so far (see the type's doc).
+    pub fn violations(&self) -> Vec<String> {
+        self.violations.lock().unwrap().clone()
+    }
+
+    fn violation(&self, v: String) {
+        self.violations.lock().unwrap().push(v);
+    }
 }
 
 impl Landing for ManualLanding {
@@ -68,11 +93,35 @@ impl Landing for ManualLanding {
     }
 
     fn open_pull(&self, w: &PullWindow<'_>) -> kvrecv::rdma::RegionBases {
+        let mut permits = self.permits.lock().unwrap();
+        for r in w.requests {
+            let held = permits.entry(r.req_id.to_string()).or_default();
+            let table = self.ownership.get();
+            for b in r.block_ids.iter().flatten() {
+                if let Some(st) = table.and_then(|t| t.get(*b)) {
+                    if st.owner_tag.is_some() && !held.iter().any(|(h, _)| h == b) {
+                        held.push((*b, st));
+                    }
+                }
+            }
+        }
         [0x7e00_0000_0000 + (w.pull_id << 32)].into()
     }
 
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked {
-        self.revoked.lock().unwrap().push(r.req.req_id.to_string());
+        let id = r.req.req_id.to_string();
+        let held = self.permits.lock().unwrap().remove(&id).unwrap_or_default();
+        let table = self.ownership.get();
+        for (b, granted) in held {
+            let now = table.and_then(|t| t.get(b));
+            if now != Some(granted) {
+                self.violation(format!(
+                    "{id}'s permit revoked after its block {b} was released \
+                     (owned {granted:?} when granted, {now:?} at the revocation)"
+                ));
+            }
+        }
+        self.revoked.lock().unwrap().push(id);
         Revoked {
             revocation: if self.exact {
                 Revocation::Exact
@@ -161,6 +210,9 @@ impl Harness {
             events: events_tx,
             builtin_pool: true,
         });
+        if let Some(table) = &coord.ownership {
+            let _ = landing.ownership.set(table.clone());
+        }
         Harness {
             coord,
             opened,
@@ -198,13 +250,14 @@ impl Harness {
     /// Wait until an event matching `pred` has happened (already recorded, or arriving); returns
     /// it. Every event is recorded in `seen`.
     pub async fn wait_for(&mut self, what: &str, pred: impl Fn(&KvEvent) -> bool) -> KvEvent {
+        self.check_landing_order();
         if let Some(ev) = self.seen.borrow().iter().find(|e| pred(e)) {
             return ev.clone();
         }
         let fut = async {
             loop {
                 let ev = self.events.recv().await.expect("event channel open");
-                self.seen.borrow_mut().push(ev.clone());
+                self.record(ev.clone());
                 if pred(&ev) {
                     return ev;
                 }
@@ -226,7 +279,48 @@ impl Harness {
     /// Record whatever is already queued, without waiting.
     pub fn soak_events(&mut self) {
         while let Ok(ev) = self.events.try_recv() {
-            self.seen.borrow_mut().push(ev);
+            self.record(ev);
+        }
+    }
+
+    /// Record an event; a release is checked against the landing's live permits (the
+    /// BlockManager emits it after it released the blocks).
+    fn record(&self, ev: KvEvent) {
+        if let KvEvent::Released { req_id, .. } = &ev {
+            if self.landing.permit_live(req_id) {
+                self.landing
+                    .violation(format!("{req_id}'s blocks released with a live permit"));
+            }
+        }
+        self.seen.borrow_mut().push(ev);
+        self.check_landing_order();
+    }
+
+    /// Fail on the first violation of revoke-before-release the landing saw.
+    pub fn check_landing_order(&self) {
+        let v = self.landing.violations();
+        assert!(v.is_empty(), "landing order violated: {v:?}");
+    }
+
+    /// `n` blocks from the built-in pool for request `id` (transfer id `t-{id}`, as [`req`]).
+    pub async fn allocate(&self, id: &str, n: usize) -> Vec<u32> {
+        self.coord
+            .block_manager
+            .send(Allocate {
+                req_id: id.into(),
+                owner_tag: owner_tag(&format!("t-{id}")),
+                n,
+            })
+            .await
+            .expect("block manager alive")
+            .expect("blocks free")
+    }
+}
+
+impl Drop for Harness {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            self.soak_events();
         }
     }
 }

@@ -137,6 +137,22 @@ impl Harness {
         .await;
     }
 
+    /// No completion of `req` so far, neither drained nor announced. The drain is a round trip
+    /// through the BlockManager: what the aggregator had handled when it was sent was published
+    /// first (completions go to the BlockManager before their events are emitted), so a
+    /// premature completion is in the drain or among the events recorded after it.
+    pub async fn assert_no_completion(&mut self, req: &str, why: &str) {
+        let step = self.coord.drain().await.expect("block manager alive");
+        assert!(
+            !step.finished_recving.iter().any(|r| &**r == req),
+            "{req} drained {why}"
+        );
+        while let Ok(ev) = self.events.try_recv() {
+            self.seen.push(ev);
+        }
+        assert_eq!(self.completions_seen(req), 0, "{req} completed {why}");
+    }
+
     /// Number of completions seen for `req` so far.
     pub fn completions_seen(&self, req: &str) -> usize {
         self.seen
