@@ -35,6 +35,8 @@ pub mod pull_encoder;
 pub mod pull_mux;
 pub mod receiver;
 #[doc(hidden)]
+pub mod receiver_state;
+#[doc(hidden)]
 pub mod rediscovery;
 #[doc(hidden)]
 #[cfg(any(test, feature = "testing"))]
