@@ -39,6 +39,8 @@ pub mod receiver_state;
 #[doc(hidden)]
 pub mod rediscovery;
 #[doc(hidden)]
+pub mod revoke_release;
+#[doc(hidden)]
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted_transport;
 #[doc(hidden)]
