@@ -50,8 +50,8 @@ use kvrecv::actors::{EngineTopology, StaticTopology};
 use kvrecv::config::{DRank, Policy};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{
-    Cause, Completion, KvRequest, MooncakeXferResponse, PeerId, PullId, PullRequest, ReqId,
-    Settle, SettleOutcome, SharedRequest, XferStatus,
+    Cause, Completion, KvRequest, MooncakeXferResponse, PeerId, PullId, PullRequest, ReqId, Settle,
+    SettleOutcome, SharedRequest, XferStatus,
 };
 use kvrecv::rdma::tcp::permits::{Access, PermitTable};
 use kvrecv::rdma::tcp::windows::{WindowMap, DEFAULT_BASE};
@@ -323,8 +323,7 @@ impl Kv {
     fn complete(&self, s: &mut State, attempt: u8, c: Completion) {
         let now = self.now(s);
         let permits = s.permits.clone();
-        let (revoked, _quiesced) =
-            revoke_release::revoke(&s.ledger, c, now, |r| permits.revoke(r));
+        let (revoked, _quiesced) = revoke_release::revoke(&s.ledger, c, now, |r| permits.revoke(r));
         let suspects = revoked.completion.suspects();
         for w in s.writes.iter_mut().filter(|w| w.attempt == attempt) {
             if suspects.contains(&peer_id(w.peer)) && w.abandoned_at.is_none() {
@@ -481,7 +480,9 @@ impl Kv {
             s.dups += 1;
         }
         let pool = s.ledger.pool_mut().unwrap();
-        let block = pool.allocate(&rid, owner_tag(&transfer(id, attempt)), 1).ok()?[0];
+        let block = pool
+            .allocate(&rid, owner_tag(&transfer(id, attempt)), 1)
+            .ok()?[0];
         let validated = s.receiver.validate(vec![KvRequest {
             req_id: id.into(),
             transfer_id: Some(transfer(id, attempt)),

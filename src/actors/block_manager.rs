@@ -25,8 +25,8 @@ use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
 use super::live_set::SharedLiveSet;
 use super::pause_watch::PauseWatch;
-use super::revoke_release::{self, RevokedCompletion};
 use super::rediscovery::clock_now;
+use super::revoke_release::{self, RevokedCompletion};
 
 /// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
 /// peers are fenced, and hands released requests to the host's drain.

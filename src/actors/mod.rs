@@ -1,5 +1,7 @@
-//! The receive coordinator's actors (DESIGN.md §3). Each actor is thin: the logic lives in a
-//! plain struct it owns (`*_state`, `block_ledger`, `block_pool`, `topology`), tested directly.
+//! The receive coordinator's actors (DESIGN.md §3). The logic lives in plain structs the actors
+//! own (`*_state` — `receiver_state` and `peer_state` return effects the actor performs —,
+//! `block_ledger` with `revoke_release`, `block_pool`, `topology`), tested directly and driven
+//! by the model check.
 
 #![forbid(unsafe_code)]
 

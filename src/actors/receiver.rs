@@ -359,7 +359,12 @@ impl Receiver {
         let awaited: &[SharedRequest] = if d.all_awaiting() {
             &d.group
         } else {
-            some_not_awaited = d.group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+            some_not_awaited = d
+                .group
+                .iter()
+                .filter(|r| r.is_awaiting())
+                .cloned()
+                .collect();
             &some_not_awaited
         };
         let windows: SmallVec<[PullWindow<'_>; 4]> = d
@@ -396,9 +401,10 @@ impl Receiver {
         // The aggregator's table has the requests before any Peer has their pull, so no settle
         // can arrive before its state exists.
         let rules = &self.rules;
-        let states = d.group.iter().filter(|r| r.is_awaiting()).map(|req| {
-            AggregatorState::with_rules(req.clone(), d.peers.clone(), rules.clone())
-        });
+        let states =
+            d.group.iter().filter(|r| r.is_awaiting()).map(|req| {
+                AggregatorState::with_rules(req.clone(), d.peers.clone(), rules.clone())
+            });
         self.aggregation
             .borrow_mut()
             .register(pulls.clone(), states, since);

@@ -326,7 +326,12 @@ impl ReceiverState {
 
     /// Forget the engines no batch named for `idle` (their records and derived peers); returns
     /// them, for the caller to drop the source's cached topologies.
-    pub fn forget_idle(&mut self, rd: &mut Rediscovery, now: Instant, idle: std::time::Duration) -> Vec<EngineKey> {
+    pub fn forget_idle(
+        &mut self,
+        rd: &mut Rediscovery,
+        now: Instant,
+        idle: std::time::Duration,
+    ) -> Vec<EngineKey> {
         let gone = rd.forget_idle(now, idle);
         for key in &gone {
             self.derived.remove(key);
@@ -493,8 +498,14 @@ mod tests {
         let a = load(&mut s, &mut live, batch);
         let kinds: Vec<&str> = a.reply.rejected.iter().map(|e| e.kind()).collect();
         assert_eq!(kinds.len(), 3, "{:?}", a.reply.rejected);
-        assert!(matches!(&a.reply.rejected[1], BatchError::AlreadyLive { .. }));
-        assert!(matches!(&a.reply.rejected[2], BatchError::BlockInUse { .. }));
+        assert!(matches!(
+            &a.reply.rejected[1],
+            BatchError::AlreadyLive { .. }
+        ));
+        assert!(matches!(
+            &a.reply.rejected[2],
+            BatchError::BlockInUse { .. }
+        ));
         let (_, group) = only_group(a);
         assert_eq!(&*group[0].req_id, "c");
         let v = s.validate(vec![kv("e", &[5])]);
@@ -539,7 +550,10 @@ mod tests {
         };
         assert!(Arc::ptr_eq(&d.group[0], &reload[0]));
         assert!(s.is_idle());
-        assert!(s.abort(&"a".into()).is_none(), "in flight: the peers settle it");
+        assert!(
+            s.abort(&"a".into()).is_none(),
+            "in flight: the peers settle it"
+        );
     }
 
     /// A failed lookup fails the batch and starts the engine's backoff: the next batch fails
@@ -609,6 +623,9 @@ mod tests {
             workers: vec![vec![PeerId::new("tcp://moved-0-0")]],
             ..StaticTopology::grid("e0", 1, 1)
         });
-        assert_eq!(send(&mut s, "c", 3, &moved)[0].to_string(), "tcp://moved-0-0");
+        assert_eq!(
+            send(&mut s, "c", 3, &moved)[0].to_string(),
+            "tcp://moved-0-0"
+        );
     }
 }

@@ -4,9 +4,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::actors::block_ledger::BlockLedger;
-use crate::actors::{
-    EngineTopology, ScriptedTransport, StaticTopology, TopologyError,
-};
+use crate::actors::{EngineTopology, ScriptedTransport, StaticTopology, TopologyError};
 use crate::layout::KvLayout;
 use crate::messages::{Drain, KvEvent, KvRequest, Outcome, ReqId, SettleOutcome};
 use crate::rdma::StaticLanding;
@@ -115,9 +113,9 @@ async fn a_pull_that_cannot_be_encoded_settles_failed_and_completes() {
         }
     };
     assert_eq!(settles.len(), 2, "both peers settled");
-    assert!(settles.iter().all(
-        |s| matches!(s, SettleOutcome::Failed { reason: r, .. } if r.contains("not sent"))
-    ));
+    assert!(settles
+        .iter()
+        .all(|s| matches!(s, SettleOutcome::Failed { reason: r, .. } if r.contains("not sent"))));
     assert!(matches!(outcome, Outcome::Failed { .. }));
     let step = bm.send(Drain).await.unwrap();
     assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
@@ -133,8 +131,7 @@ impl TopologySource for Replaceable {
         &self,
         _bootstrap: &str,
         _engine_id: &str,
-    ) -> futures::future::LocalBoxFuture<'static, Result<EngineTopology, TopologyError>>
-    {
+    ) -> futures::future::LocalBoxFuture<'static, Result<EngineTopology, TopologyError>> {
         let t = EngineTopology::clone(&self.0.borrow());
         Box::pin(async move { Ok(t) })
     }
