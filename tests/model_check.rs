@@ -9,12 +9,13 @@
 //! to its aggregator, hand a completion to `revoke_release`), so a bug in a core is a bug the
 //! checker can find.
 //!
-//! Environment: 2 P peers (TP2 writing slices of the same block), request ids `a` and `b` loaded
-//! up to 3 times in all (reloads after a drain), a pool of 1 block (every load reuses it) and 2
-//! usable windows (recycling at once). Each peer, for each pull, may: write and answer ok; answer
-//! `err_reqs` without writing; answer a transport-engine failure and still write later; answer
-//! FINISH without the request; answer a peer-wide ERROR; never answer (D's deadline); die (the
-//! Peer restarts). Every write may be delivered at any later point, also after the deadline and
+//! Environment (CI bound, [`Cfg::small`]): 2 P peers (TP2 writing slices of the same block),
+//! request ids `a` and `b` loaded up to 2 times in all (a reload after a drain), one load parked
+//! for its lookup, a pool of 1 block (every load reuses it) and 2 usable windows (recycling at
+//! once). Each peer, for each pull, may: write and answer ok; answer `err_reqs` without writing;
+//! answer a transport-engine failure and still write later; answer FINISH without the request;
+//! answer a peer-wide ERROR; never answer (D's deadline); die once in the run (the Peer
+//! restarts). Every write may be delivered at any later point, also after the deadline and
 //! after the request completed. The host loads (the engine's topology cached, or its lookup
 //! answering later: an abort meanwhile fails the request before dispatch), loads an id it
 //! still awaits (once: admission must refuse it), aborts, drains and reloads. The last resort
@@ -43,20 +44,23 @@ use kvrecv::actors::batch_plan::RequestGroup;
 use kvrecv::actors::block_ledger::{BlockLedger, Disposition};
 use kvrecv::actors::block_pool::{owner_tag, BlockPool};
 use kvrecv::actors::peer_state::PeerState;
-use kvrecv::actors::receiver_state::{Dispatch, Effect, ReceiverState};
-use kvrecv::actors::rediscovery::{EngineKey, Rediscovery, RediscoveryConfig};
+use kvrecv::actors::receiver_state::ReceiverState;
+use kvrecv::actors::rediscovery::EngineKey;
 use kvrecv::actors::revoke_release;
 use kvrecv::actors::{EngineTopology, StaticTopology};
-use kvrecv::config::{DRank, Policy};
+use kvrecv::config::Policy;
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{
-    Cause, Completion, KvRequest, MooncakeXferResponse, PeerId, PullId, PullRequest, ReqId, Settle,
-    SettleOutcome, SharedRequest, XferStatus,
+    Cause, Completion, MooncakeXferResponse, PeerId, PullId, ReqId, Settle, SettleOutcome,
+    XferStatus,
 };
 use kvrecv::rdma::tcp::permits::{Access, PermitTable};
 use kvrecv::rdma::tcp::windows::{WindowMap, DEFAULT_BASE};
-use kvrecv::rdma::PullWindow;
 use stateright::{Checker, HasDiscoveries, Model, Property};
+
+#[path = "model_check/receiver_glue.rs"]
+mod receiver_glue;
+use receiver_glue::{rediscovery, D_RANK};
 
 const BLOCK: u64 = 4096;
 /// Last-resort hold of a poisoned window / quarantine, in model time units.
@@ -278,24 +282,6 @@ fn peer_id(i: usize) -> PeerId {
     PeerId::new(format!("tcp://e-{i}-0"))
 }
 
-/// The D worker: TP 1, so it pulls from every P TP rank.
-const D_RANK: DRank = DRank {
-    tp_size: 1,
-    tp_rank: 0,
-    pp_size: 1,
-    pp_rank: 0,
-};
-
-/// Peer health and lookup backoff as a Receiver starts with them: no peer is ever reported
-/// down to it in this model (the Peers' health reports are not modelled), so its decisions are
-/// always "look up" and "send".
-fn rediscovery() -> Rediscovery {
-    Rediscovery::new(RediscoveryConfig {
-        base: HOLD,
-        max: HOLD,
-    })
-}
-
 impl Kv {
     fn new(cfg: Cfg) -> Kv {
         Kv {
@@ -308,14 +294,6 @@ impl Kv {
 
     fn now(&self, s: &State) -> Instant {
         self.t0 + HOLD * (2 * u32::from(s.time))
-    }
-
-    /// The attempt a request of the Receiver's effects is (each load has its own transfer id).
-    fn attempt_of(s: &State, r: &SharedRequest) -> u8 {
-        let i = (0..s.attempts.len())
-            .find(|&i| transfer(s.attempts[i].id, i as u8) == *r.transfer_id)
-            .expect("every request the Receiver names was loaded");
-        i as u8
     }
 
     /// What the BlockManager does with a completion (`revoke_release`, as the actor calls it):
@@ -405,135 +383,6 @@ impl Kv {
             }
             self.complete(s, attempt, c);
         }
-    }
-
-    /// Carry out what the Receiver's core decided, as the Receiver actor does.
-    fn perform(&self, s: &mut State, fx: Option<Effect>) {
-        match fx {
-            None => {}
-            // The aggregator's `FailUnsent`: no peer had the addresses, none settles.
-            Some(Effect::Fail { group, why }) => {
-                for r in group.into_iter().filter(|r| r.is_awaiting()) {
-                    let attempt = Kv::attempt_of(s, &r);
-                    let mut agg = AggregatorState::new(r, vec![], Policy::Settle);
-                    let fx = agg.fail_now(why.reason());
-                    self.publish(s, attempt, fx, 0);
-                }
-            }
-            Some(Effect::Send(d)) => self.send(s, d),
-            Some(Effect::Lookup { .. }) => unreachable!("looked up by the caller"),
-        }
-    }
-
-    /// Send a dispatched batch: its aggregator, then one pull per peer on its own window.
-    fn send(&self, s: &mut State, d: Dispatch) {
-        let now = self.now(s);
-        for meta in d.group {
-            let attempt = Kv::attempt_of(s, &meta);
-            let block = s.attempts[attempt as usize].block;
-            s.aggs[attempt as usize] = Some(AggregatorState::new(
-                meta.clone(),
-                d.peers.to_vec(),
-                self.cfg.policy,
-            ));
-            for pid in d.peers.iter() {
-                let p = (0..self.cfg.peers).find(|&p| peer_id(p) == *pid).unwrap();
-                let pull = s.next_pull;
-                s.next_pull += 1;
-                let window = s.permits.open_at(
-                    &PullWindow {
-                        pull_id: pull,
-                        peer: pid,
-                        requests: std::slice::from_ref(&meta),
-                    },
-                    now,
-                );
-                s.peers[p].start(
-                    pull,
-                    [PullRequest {
-                        meta: meta.clone(),
-                        awaited: true,
-                    }]
-                    .into_iter()
-                    .collect(),
-                );
-                s.pulls.insert(pull, (attempt, p));
-                s.writes.push(Write {
-                    peer: p,
-                    pull,
-                    attempt,
-                    window,
-                    block,
-                    abandoned_at: None,
-                });
-            }
-        }
-    }
-
-    /// The host loads `id` (into a block it allocated); the Receiver's core validates and
-    /// admits it, and its engine is looked up: cached, or `parked` until the lookup answers.
-    fn load(&self, s: &mut State, id: &'static str, parked: bool) -> Option<()> {
-        let attempt = s.attempts.len() as u8;
-        let rid = ReqId::from(id);
-        let host_awaits = s.awaited.contains(&id);
-        if host_awaits {
-            s.dups += 1;
-        }
-        let pool = s.ledger.pool_mut().unwrap();
-        let block = pool
-            .allocate(&rid, owner_tag(&transfer(id, attempt)), 1)
-            .ok()?[0];
-        let validated = s.receiver.validate(vec![KvRequest {
-            req_id: id.into(),
-            transfer_id: Some(transfer(id, attempt)),
-            remote_engine_id: Some("e".into()),
-            remote_bootstrap_addr: Some("http://p:1".into()),
-            block_ids: vec![vec![block]],
-        }]);
-        let admitted = {
-            let live = s.ledger.live_set();
-            let mut live = live.lock();
-            s.receiver.admit(&mut live, validated, true)
-        };
-        if admitted.reply.accepted == 0 {
-            // Refused: the host frees the block it allocated for it.
-            s.ledger.pool_mut().unwrap().release(&rid);
-            return Some(());
-        }
-        if host_awaits && s.host_violation.is_none() {
-            s.host_violation = Some(format!("{id} accepted while the host still awaited it"));
-        }
-        s.awaited.push(id);
-        s.awaited.sort_unstable();
-        s.attempts.push(Attempt {
-            id,
-            block,
-            completions: 0,
-            first_failures: 0,
-            failure_after_completion: false,
-            completed_before_all_settled: false,
-            drained: false,
-        });
-        s.settled.push(0);
-        s.aggs.push(None);
-        let now = self.now(s);
-        let mut rd = rediscovery();
-        for (key, group) in admitted.groups {
-            let Effect::Lookup { key, group, .. } = s.receiver.plan(&mut rd, key, group, now)
-            else {
-                unreachable!("nothing is down in this model");
-            };
-            if parked {
-                s.lookups += 1;
-                s.receiver.park(&group);
-                s.parked.push((key, group));
-            } else {
-                let topo = self.topology.clone();
-                let fx = s.receiver.on_cached(&mut rd, key, group, topo, now);
-                self.perform(s, fx);
-            }
-        }
-        Some(())
     }
 
     fn reply(status: XferStatus, ok: &[&str], err: &[&str], msg: Option<&str>) -> Vec<Vec<u8>> {
