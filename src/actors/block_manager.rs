@@ -16,16 +16,17 @@ use crate::messages::{
     LedgerStats, ReqId,
 };
 use crate::messages::{BeginPause, PauseStarted};
-use crate::rdma::{Landing, Revocation, RevokeRequest};
+use crate::rdma::Landing;
 use crate::telemetry::{self as m, Labels};
 
 use super::alarm::Alarm;
-use super::block_ledger::{peers_to_fence, BlockLedger, Disposition};
+use super::block_ledger::{BlockLedger, Disposition};
 use super::block_pool::{BlockOwnership, PoolError};
 use super::event_sink::EventSink;
 use super::live_set::SharedLiveSet;
 use super::pause_watch::PauseWatch;
 use super::rediscovery::clock_now;
+use super::revoke_release::{self, RevokedCompletion};
 
 /// Owns the destination-block ledger: quarantines a failed request's blocks until its uncertain
 /// peers are fenced, and hands released requests to the host's drain.
@@ -223,21 +224,15 @@ impl BlockManager {
         ctx: &mut Context<Self>,
     ) {
         while let Some(c) = list.next() {
-            let suspects = c.suspects();
-            let revoked = self.landing.revoke(&RevokeRequest {
-                req: &c.req,
-                suspects: &suspects,
-                poison_until: now + self.ledger.quarantine_deadline(),
-            });
-            let revocation = revoked.revocation;
-            let had_suspects = !suspects.is_empty();
-            match revoked.quiesced {
-                None => self.dispose(c, revocation, had_suspects, now, ctx),
+            let (revoked, quiesced) =
+                revoke_release::revoke(&self.ledger, c, now, |r| self.landing.revoke(r));
+            match quiesced {
+                None => self.dispose(revoked, now, ctx),
                 Some(quiet) => {
                     ctx.wait(quiet.into_actor(self).map(move |(), act, ctx| {
                         // The read held it: the rest count from now.
                         let now = clock_now();
-                        act.dispose(c, revocation, had_suspects, now, ctx);
+                        act.dispose(revoked, now, ctx);
                         act.complete_in_order(list, now, ctx);
                     }));
                     return;
@@ -249,22 +244,13 @@ impl BlockManager {
 
 impl BlockManager {
     /// Release or quarantine a completion's blocks once its revocation is quiet.
-    fn dispose(
-        &mut self,
-        c: Completion,
-        revocation: Revocation,
-        had_suspects: bool,
-        now: Instant,
-        ctx: &mut Context<Self>,
-    ) {
-        let fence = match self.policy {
-            Policy::Settle => peers_to_fence(&c, revocation),
-            Policy::Naive => vec![],
-        };
-        let req_id = c.req.req_id.clone();
+    fn dispose(&mut self, revoked: RevokedCompletion, now: Instant, ctx: &mut Context<Self>) {
+        let disposition = revoke_release::dispose(&mut self.ledger, self.policy, &revoked, now);
         // The exact revocation is what fenced the peers that may still write.
-        let fenced = had_suspects && revocation == Revocation::Exact;
-        match self.ledger.on_completion(&c, fence, now) {
+        let fenced = revoked.fenced();
+        let c = revoked.completion;
+        let req_id = c.req.req_id.clone();
+        match disposition {
             Disposition::Released => {
                 self.note_release(&req_id, || c.req.all_blocks().collect(), fenced, false);
                 if self.events.wants_detail() {
@@ -361,7 +347,7 @@ mod tests {
 
     use super::*;
     use crate::messages::{Outcome, PeerId, RequestMeta, SharedRequest};
-    use crate::rdma::{FenceError, PullWindow, Revoked};
+    use crate::rdma::{FenceError, PullWindow, Revocation, RevokeRequest, Revoked};
 
     /// A data plane where a read into `a`'s blocks is still copying when `a` is revoked: its
     /// revocation quiesces when the test says so.

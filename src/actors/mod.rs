@@ -5,22 +5,22 @@
 //!   (the four actors) and `system` (their wiring). Only these use actix; they own the I/O:
 //!   mailboxes, the Peer's channels and streams, timers, the calls into the landing (open,
 //!   revoke, quiesce, fence) and sending effects on.
-//! - **Sans-IO cores**: `<role>_state` for an actor's state machine (`peer_state`,
-//!   `aggregator_state`), `block_ledger` for the BlockManager's, and the plain structs they
-//!   and the shells use (`aggregation_table`, `batch_plan`, `block_pool`, `layout_acks`,
-//!   `live_set`, `outbox`, `pending_set`, `pull_encoder`, `rediscovery`, `shared`,
-//!   `topology`). No actix, no socket; time is passed in. Tested directly, and the settle,
-//!   permit and epoch cores are driven by the model check (`tests/model_check.rs`).
+//! - **Sans-IO cores**: `<role>_state` for an actor's state machine (`receiver_state`,
+//!   `peer_state`, `aggregator_state`), `block_ledger` and `revoke_release` for the
+//!   BlockManager's, and the plain structs they and the shells use (`aggregation_table`,
+//!   `batch_plan`, `block_pool`, `layout_acks`, `live_set`, `outbox`, `pending_set`,
+//!   `pull_encoder`, `rediscovery`, `shared`, `topology`). No actix, no socket; time is passed
+//!   in. Tested directly, and the admission, settle, release, permit and epoch cores are driven
+//!   by the model check (`tests/model_check.rs`).
 //! - **Ports and helpers of the shells**: `transport` (the Peer's channel trait), `pull_mux`
 //!   (its reply streams merged), `alarm` (a timer task), `pause_watch`, `event_sink`, and the
 //!   test double `scripted_transport`.
 //!
-//! How thin each shell is: the Peer keeps its bookkeeping in `peer_state` and the
-//! RequestAggregator its per-request machine in `aggregator_state`; the BlockManager's ledger
-//! (`block_ledger`) decides holds and releases, while the order of revoke, quiesce and release
-//! is carried out in the actor (`block_manager::dispose`); the Receiver uses `batch_plan` for
-//! validation, grouping and metadata but still makes admission, pull planning and rediscovery
-//! decisions itself (`receiver.rs`).
+//! Each shell is thin: the Receiver's admission, grouping, pull planning and rediscovery
+//! decisions are `receiver_state`'s effects; the Peer keeps its bookkeeping in `peer_state`;
+//! the RequestAggregator its per-request machine in `aggregator_state`; the BlockManager's
+//! ledger (`block_ledger`) decides holds and releases, and `revoke_release` orders revoke,
+//! quiesce and release (the actor only waits for a quiesce its landing asks for).
 
 #![forbid(unsafe_code)]
 
@@ -56,7 +56,11 @@ pub mod pull_encoder;
 pub mod pull_mux;
 pub mod receiver;
 #[doc(hidden)]
+pub mod receiver_state;
+#[doc(hidden)]
 pub mod rediscovery;
+#[doc(hidden)]
+pub mod revoke_release;
 #[doc(hidden)]
 #[cfg(any(test, feature = "testing"))]
 pub mod scripted_transport;

@@ -1,6 +1,7 @@
-//! Receiver: takes a batch from the host (`load_kv`), validates it, finds the peers of each P
-//! engine, registers every awaited request with the RequestAggregator and hands each Peer its
-//! pull.
+//! Receiver: the actor shell of [`ReceiverState`]. It takes a batch from the host (`load_kv`),
+//! lets the state validate and admit it and decide where each engine's requests go, and carries
+//! out what the state decides: topology lookups, landing windows, registering every awaited
+//! request with the RequestAggregator, and handing each Peer its pull.
 
 #![forbid(unsafe_code)]
 
@@ -19,34 +20,36 @@ use actix::{
 use crate::config::KvRecvConfig;
 use crate::messages::tick::SweepDue;
 use crate::messages::{
-    Abort, AbortAtPeer, AbortReply, BatchError, CountPeers, Interner, LoadKv, LoadKvReply,
-    LoadKvTo, LoadMetas, PeerCount, PeerId, Pull, PullLayout, PullRequest, PullRequests,
-    ReqBlocksRef, ReqId, Retire, SharedRequest, UnsentPull, ABORTED_BY_HOST,
+    Abort, AbortAtPeer, AbortReply, CountPeers, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
+    PeerCount, PeerId, Pull, PullId, PullLayout, PullRequest, PullRequests, ReqBlocksRef, Retire,
+    SharedRequest, UnsentPull,
 };
-use crate::rdma::{Landing, PullWindow};
+use crate::rdma::{Landing, PullWindow, RegionBases};
 use crate::telemetry::{self as m, Labels};
 
 use super::aggregation_table::SharedAggregation;
 use super::aggregator::{FailUnsent, RequestAggregator};
 use super::aggregator_state::{AggregationRules, AggregatorState};
 use super::alarm::Alarm;
-use super::batch_plan;
+use super::batch_plan::{self, Validated};
 use super::block_manager::BlockManager;
 use super::event_sink::EventSink;
 use super::layout_acks::SharedLayoutAcks;
 use super::live_set::SharedLiveSet;
 use super::peer::{Peer, PeerConfig};
 use super::pull_encoder::PullEncoder;
-use super::rediscovery::{
-    clock_now, EngineKey, PeerHealth, Plan, Rediscovery, RediscoveryConfig, Unreachable,
-};
-use super::topology::{EngineTopology, TopologyError, TopologySource};
+use super::receiver_state::{awaiting, Dispatch, Effect, FailWhy, ReceiverState};
+use super::rediscovery::{PeerHealth, Rediscovery, RediscoveryConfig};
+use super::topology::TopologySource;
 use super::transport::PeerTransport;
 
 /// Entry of the coordinator: validates `load_kv` batches, finds each P engine's peers and starts
-/// one aggregator per awaited request before any pull is sent.
+/// one aggregator per awaited request before any pull is sent. The decisions are
+/// [`ReceiverState`]'s; this actor performs them.
 pub struct Receiver {
     cfg: KvRecvConfig,
+    /// Validation, admission, grouping, rediscovery decisions, parked and aborted requests.
+    state: ReceiverState,
     topology: Rc<dyn TopologySource>,
     transport: Rc<dyn PeerTransport>,
     landing: Arc<dyn Landing>,
@@ -65,16 +68,6 @@ pub struct Receiver {
     retiring: Vec<WeakAddr<Peer>>,
     /// Peer health and lookup backoff, written by the Peers through [`PeerHealth`] handles.
     rediscovery: Rc<RefCell<Rediscovery>>,
-    /// Awaited requests admitted but not yet dispatched (their topology lookup is in flight).
-    undispatched: FastMap<ReqId, SharedRequest>,
-    /// Requests the host aborted while undispatched: already failed, skipped at dispatch. Kept
-    /// by identity, not id: once drained, the id may be loaded again before the first lookup
-    /// ends, and that new request must go out.
-    aborted: Vec<SharedRequest>,
-    /// Engine ids and bootstrap addresses, shared by every request that names them.
-    interner: Interner,
-    /// Per engine, the source's last cached topology and this worker's peers in it.
-    derived: FastMap<EngineKey, (Arc<EngineTopology>, Arc<[PeerId]>)>,
     /// How every request's settles are aggregated: the same for each (one allocation, not one
     /// per batch).
     rules: Arc<AggregationRules>,
@@ -112,6 +105,7 @@ impl Receiver {
             verifier: Some(landing.clone()),
         });
         Receiver {
+            state: ReceiverState::new(cfg.layout.clone(), cfg.d_rank),
             cfg,
             topology,
             transport,
@@ -124,10 +118,6 @@ impl Receiver {
             peers: FastMap::default(),
             retiring: Vec::new(),
             rediscovery: Rc::new(RefCell::new(rediscovery)),
-            undispatched: FastMap::default(),
-            aborted: Vec::new(),
-            interner: Interner::default(),
-            derived: FastMap::default(),
             rules,
             encoder,
             acks: SharedLayoutAcks::default(),
@@ -212,13 +202,11 @@ impl Receiver {
             .collect();
         self.retiring.retain(|w| w.upgrade().is_some());
         // The engines no batch named as long: their records, and their cached topologies.
-        let forgotten = self
-            .rediscovery
-            .borrow_mut()
-            .forget_idle(now.into_std(), after);
+        let forgotten =
+            self.state
+                .forget_idle(&mut self.rediscovery.borrow_mut(), now.into_std(), after);
         for (bootstrap, engine) in &forgotten {
             self.topology.invalidate(bootstrap, engine);
-            self.derived.remove(&(bootstrap.clone(), engine.clone()));
         }
         if idle.is_empty() {
             return;
@@ -242,157 +230,196 @@ impl Receiver {
         );
     }
 
-    /// No writer exists for this batch (DESIGN.md §4 rule 7).
-    fn fail_batch(&mut self, key: &EngineKey, group: batch_plan::RequestGroup, err: TopologyError) {
-        self.labels.counter(m::TOPOLOGY_FAILURES).increment(1);
-        tracing::warn!(error = %err, requests = group.len(), "topology failure; failing the batch");
-        self.rediscovery
-            .borrow_mut()
-            .lookup_failed(key, err.to_string(), clock_now());
-        self.topology.invalidate(&key.0, &key.1);
-        self.fail_awaiting(group, err.to_string());
-    }
-
-    /// Nothing is sent for this batch: a peer it needs is known down, or bootstrap is in its
-    /// backoff. Failing at once (rule 7: no writer was given an address) beats waiting out a
-    /// restart backoff of seconds for an answer that is already known.
-    fn fail_unreachable(&mut self, group: batch_plan::RequestGroup, why: Unreachable) {
-        let reason = match why {
-            Unreachable::PeerDown { .. } => "peer_down",
-            Unreachable::LookupBackoff { .. } => "lookup_backoff",
-        };
-        self.labels
-            .counter_by(m::UNREACHABLE_BATCHES, "reason", reason)
-            .increment(1);
-        tracing::warn!(error = %why, requests = group.len(), "failing the batch at once");
-        self.fail_awaiting(group, why.to_string());
-    }
-
-    /// `r` is being dispatched (or failed): no longer undispatched, unless the id is now another
-    /// request's (loaded again after this one was aborted and drained).
-    fn forget_undispatched(&mut self, r: &SharedRequest) {
-        if self
-            .undispatched
-            .get(&r.req_id)
-            .is_some_and(|u| Arc::ptr_eq(u, r))
-        {
-            self.undispatched.remove(&r.req_id);
+    /// Nothing is sent for this group (DESIGN.md §4 rule 7): its awaited requests fail now.
+    fn fail(&mut self, group: batch_plan::RequestGroup, why: FailWhy) {
+        match &why {
+            FailWhy::Topology { key, error } => {
+                self.labels.counter(m::TOPOLOGY_FAILURES).increment(1);
+                tracing::warn!(%error, requests = group.len(), "topology failure; failing the batch");
+                self.topology.invalidate(&key.0, &key.1);
+            }
+            // A peer it needs is known down, or bootstrap is in its backoff. Failing at once
+            // (rule 7: no writer was given an address) beats waiting out a restart backoff of
+            // seconds for an answer that is already known.
+            FailWhy::Unreachable(u) => {
+                let reason = match u {
+                    super::rediscovery::Unreachable::PeerDown { .. } => "peer_down",
+                    super::rediscovery::Unreachable::LookupBackoff { .. } => "lookup_backoff",
+                };
+                self.labels
+                    .counter_by(m::UNREACHABLE_BATCHES, "reason", reason)
+                    .increment(1);
+                tracing::warn!(error = %u, requests = group.len(), "failing the batch at once");
+            }
+            FailWhy::AbortedBeforeDispatch => {
+                self.labels
+                    .counter_by(m::ABORTS, "stage", "before_dispatch")
+                    .increment(1);
+                if let Some(r) = group.first() {
+                    tracing::info!(req_id = %r.req_id, "request aborted by the host before dispatch");
+                }
+            }
         }
+        self.fail_awaiting(group, why.reason());
     }
 
     fn fail_awaiting(&mut self, group: batch_plan::RequestGroup, reason: String) {
-        let requests: Vec<_> = group.into_iter().filter(|r| r.is_awaiting()).collect();
+        let requests = awaiting(group);
         if !requests.is_empty() {
             self.aggregator().do_send(FailUnsent { requests, reason });
         }
     }
 
-    /// This worker's peers in a looked-up topology.
-    fn derive_peers(
-        &self,
-        topo: Result<EngineTopology, TopologyError>,
-    ) -> Result<Arc<[PeerId]>, TopologyError> {
-        topo.and_then(|t| t.peers_for(self.cfg.d_rank))
-            .map(Arc::from)
-    }
-
-    /// This worker's peers in the source's cached topology of `key`: derived again only when
-    /// the source holds another topology than last time (compared by identity).
-    fn peers_of(
+    /// Carry out what the state decided for one engine's requests. `at`: the time (one clock
+    /// read for all the batch's engines and peers: the Peers' deadlines count from it);
+    /// `since`: when the batch was taken (its completions' latency counts from there).
+    fn perform(
         &mut self,
-        key: &EngineKey,
-        topo: Arc<EngineTopology>,
-    ) -> Result<Arc<[PeerId]>, TopologyError> {
-        if let Some((known, peers)) = self.derived.get(key) {
-            if Arc::ptr_eq(known, &topo) {
-                return Ok(peers.clone());
-            }
-        }
-        let peers: Arc<[PeerId]> = topo.peers_for(self.cfg.d_rank)?.into();
-        self.derived.insert(key.clone(), (topo, peers.clone()));
-        Ok(peers)
-    }
-
-    /// `at`: the time (one clock read for all the batch's engines and peers: the Peers'
-    /// deadlines count from it); `since`: when the batch was taken (its completions' latency
-    /// counts from there, `load_kv` to completion).
-    fn dispatch(
-        &mut self,
-        key: EngineKey,
-        group: batch_plan::RequestGroup,
-        peers: Result<Arc<[PeerId]>, TopologyError>,
+        effect: Option<Effect>,
         at: tokio::time::Instant,
         since: Instant,
+        ctx: &mut Context<Self>,
     ) {
-        let now = at.into_std();
-        let mut group = group;
-        if !self.aborted.is_empty() {
-            // Aborted during the lookup: failed then, never sent.
-            group.retain(
-                |r| match self.aborted.iter().position(|a| Arc::ptr_eq(a, r)) {
-                    Some(i) => {
-                        self.aborted.swap_remove(i);
-                        false
-                    }
-                    None => true,
-                },
-            );
-            if group.is_empty() {
-                return;
+        match effect {
+            None => {}
+            Some(Effect::Fail { group, why }) => self.fail(group, why),
+            Some(Effect::Send(d)) => self.send(d, at, since),
+            Some(Effect::Lookup {
+                key,
+                group,
+                refresh,
+            }) => {
+                if refresh {
+                    // A peer of this engine failed: P may have restarted on new ports.
+                    self.labels.counter(m::TOPOLOGY_REFRESHES).increment(1);
+                    tracing::info!(bootstrap = %key.0, engine = %key.1, "a peer failed; asking bootstrap again");
+                    self.topology.invalidate(&key.0, &key.1);
+                }
+                self.look_up(key, group, at, since, ctx);
             }
         }
-        let peers = match peers {
-            Ok(p) => p,
-            Err(e) => return self.fail_batch(&key, group, e),
-        };
-        let down = self.rediscovery.borrow_mut().lookup_ok(&key, &peers, now);
-        if let Some(why) = down {
-            return self.fail_unreachable(group, why);
+    }
+
+    /// Find the engine's peers, then perform what the state makes of them: at once when the
+    /// source answers at once (cached, or a lookup that is ready: no abort can come in between),
+    /// else once the lookup answers (the group parked meanwhile).
+    fn look_up(
+        &mut self,
+        key: super::rediscovery::EngineKey,
+        group: batch_plan::RequestGroup,
+        at: tokio::time::Instant,
+        since: Instant,
+        ctx: &mut Context<Self>,
+    ) {
+        let now = at.into_std();
+        if let Some(topo) = self.topology.cached(&key.0, &key.1) {
+            let fx = {
+                let rd = &mut self.rediscovery.borrow_mut();
+                self.state.on_cached(rd, key, group, topo, now)
+            };
+            return self.perform(fx, at, since, ctx);
         }
-        // The batch's pulls are the next ids, one per peer.
-        let pulls = crate::messages::ids::next_pull_ids(peers.len() as u64);
+        // Not through a future the context polls on its next turn when it is ready now.
+        let mut lookup = self.topology.lookup(&key.0, &key.1);
+        let ready = lookup.as_mut().poll(&mut std::task::Context::from_waker(
+            futures::task::noop_waker_ref(),
+        ));
+        match ready {
+            std::task::Poll::Ready(topo) => {
+                let fx = {
+                    let rd = &mut self.rediscovery.borrow_mut();
+                    self.state.on_lookup(rd, key, group, topo, now)
+                };
+                self.perform(fx, at, since, ctx)
+            }
+            std::task::Poll::Pending => {
+                self.state.park(&group);
+                ctx.spawn(lookup.into_actor(self).map(move |topo, act, ctx| {
+                    let at = tokio::time::Instant::now();
+                    let fx = {
+                        let rd = &mut act.rediscovery.borrow_mut();
+                        act.state.resume(rd, key, group, topo, at.into_std())
+                    };
+                    act.perform(fx, at, since, ctx)
+                }));
+            }
+        }
+    }
+
+    /// Every pull of the batch gets a clean landing window, or none is sent (DESIGN.md §5.5):
+    /// P is never handed addresses whose writes would all be refused. `None`: refused, the
+    /// awaited requests failed.
+    fn open_windows(
+        &mut self,
+        d: &Dispatch,
+        pulls: std::ops::Range<PullId>,
+    ) -> Option<Vec<RegionBases>> {
         // The windows admit writes for the awaited requests: usually all of them.
         let some_not_awaited: Vec<SharedRequest>;
-        let awaiting: &[SharedRequest] = if group.iter().all(|r| r.is_awaiting()) {
-            &group
+        let awaited: &[SharedRequest] = if d.all_awaiting() {
+            &d.group
         } else {
-            some_not_awaited = group.iter().filter(|r| r.is_awaiting()).cloned().collect();
+            some_not_awaited = d
+                .group
+                .iter()
+                .filter(|r| r.is_awaiting())
+                .cloned()
+                .collect();
             &some_not_awaited
         };
-        // Every pull of the batch gets a clean landing window, or none is sent (DESIGN.md
-        // §5.5): P is never handed addresses whose writes would all be refused.
-        let windows: SmallVec<[PullWindow<'_>; 4]> = peers
+        let windows: SmallVec<[PullWindow<'_>; 4]> = d
+            .peers
             .iter()
-            .zip(pulls.clone())
+            .zip(pulls)
             .map(|(peer, pull_id)| PullWindow {
                 pull_id,
                 peer,
-                requests: awaiting,
+                requests: awaited,
             })
             .collect();
-        let bases = match self.landing.open_pulls(&windows) {
-            Ok(b) => b,
-            Err(e) => {
-                drop(windows);
-                let requests = group.iter().filter(|r| r.is_awaiting()).count();
-                self.labels
-                    .counter_by(m::REQUESTS_REFUSED_NO_WINDOW, "reason", e.why.label())
-                    .increment(requests as u64);
-                tracing::warn!(error = %e, requests, "batch refused: no clean landing window for its pulls; nothing sent");
-                return self.fail_awaiting(group, e.to_string());
-            }
+        let refused = match self.landing.open_pulls(&windows) {
+            Ok(bases) => return Some(bases),
+            Err(e) => e,
         };
+        let requests = awaited.len();
         drop(windows);
+        self.labels
+            .counter_by(m::REQUESTS_REFUSED_NO_WINDOW, "reason", refused.why.label())
+            .increment(requests as u64);
+        tracing::warn!(error = %refused, requests, "batch refused: no clean landing window for its pulls; nothing sent");
+        self.fail_awaiting(d.group.clone(), refused.to_string());
+        None
+    }
+
+    /// Send a batch's pulls: windows, then the aggregator's table, then one pull per peer.
+    fn send(&mut self, d: Dispatch, at: tokio::time::Instant, since: Instant) {
+        // The batch's pulls are the next ids, one per peer.
+        let pulls = crate::messages::ids::next_pull_ids(d.peers.len() as u64);
+        let Some(bases) = self.open_windows(&d, pulls.clone()) else {
+            return;
+        };
         // The aggregator's table has the requests before any Peer has their pull, so no settle
         // can arrive before its state exists.
         let rules = &self.rules;
-        let states = group
-            .iter()
-            .filter(|r| r.is_awaiting())
-            .map(|req| AggregatorState::with_rules(req.clone(), peers.clone(), rules.clone()));
+        let states =
+            d.group.iter().filter(|r| r.is_awaiting()).map(|req| {
+                AggregatorState::with_rules(req.clone(), d.peers.clone(), rules.clone())
+            });
         self.aggregation
             .borrow_mut()
             .register(pulls.clone(), states, since);
+        self.hand_pulls(d, pulls, bases, at);
+    }
+
+    /// One pull per peer: its metadata (layout omitted where the worker echoed it), handed to
+    /// the Peer; a pull that cannot be encoded is handed as unsent.
+    fn hand_pulls(
+        &mut self,
+        Dispatch { peers, group }: Dispatch,
+        pulls: std::ops::Range<PullId>,
+        bases: Vec<RegionBases>,
+        used: tokio::time::Instant,
+    ) {
         let mut requests: PullRequests = group
             .iter()
             .map(|req| PullRequest {
@@ -400,11 +427,9 @@ impl Receiver {
                 awaited: req.is_awaiting(),
             })
             .collect();
-        let used = at;
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);
-        for (k, ((peer, pull_id), bases)) in peers.iter().zip(pulls.clone()).zip(bases).enumerate()
-        {
+        for (k, ((peer, pull_id), bases)) in peers.iter().zip(pulls).zip(bases).enumerate() {
             // Each pull owns its requests; the last one takes the list itself.
             let requests = if k + 1 == peers.len() {
                 std::mem::take(&mut requests)
@@ -422,36 +447,60 @@ impl Receiver {
             });
             drop(bases);
             match encoded {
-                Ok(payload) => self.hand_peer(
-                    peer,
-                    used,
-                    Pull {
+                Ok(payload) => {
+                    let pull = Pull {
                         pull_id,
                         payload,
                         requests,
                         handed_at: used,
                         layout,
                         with_layout,
-                    },
-                ),
+                    };
+                    self.hand_peer(peer, used, pull)
+                }
                 Err(e) => {
                     // Nothing was sent, so nothing can be written: the peer settles the pull
                     // Failed and every aggregator still reaches zero.
                     self.labels.counter(m::UNSENT_PULLS).increment(1);
                     tracing::error!(error = %e, %peer, pull_id, "cannot encode metadata; failing the pull");
                     let reason = format!("pull not sent: cannot encode its metadata: {e}");
-                    self.hand_peer(
-                        peer,
-                        used,
-                        UnsentPull {
-                            pull_id,
-                            requests,
-                            reason,
-                        },
-                    );
+                    let unsent = UnsentPull {
+                        pull_id,
+                        requests,
+                        reason,
+                    };
+                    self.hand_peer(peer, used, unsent);
                 }
             }
         }
+    }
+
+    /// Admit the valid requests into the live set (under one lock for the whole batch: its
+    /// admission is atomic with respect to releases, drains and other batches, and ends before
+    /// any of its pulls is sent), then start the pulls of those admitted: one pull per engine
+    /// and peer, requests in arrival order.
+    fn admit_and_start(&mut self, validated: Validated, ctx: &mut Context<Self>) -> LoadKvReply {
+        let alive = self.block_manager.connected();
+        if !alive {
+            // Nothing could release these requests' blocks or complete them.
+            tracing::error!("block manager stopped; refusing the batch");
+        }
+        let admitted = self.state.admit(&mut self.live.lock(), validated, alive);
+        for e in &admitted.reply.rejected {
+            self.labels
+                .counter_by(m::LOAD_KV_REJECTED, "reason", e.kind())
+                .increment(1);
+            tracing::warn!(error = %e, "request refused at load_kv");
+        }
+        let at = tokio::time::Instant::now();
+        let now = at.into_std();
+        for (key, group) in admitted.groups {
+            let fx = self
+                .state
+                .plan(&mut self.rediscovery.borrow_mut(), key, group, now);
+            self.perform(Some(fx), at, now, ctx);
+        }
+        admitted.reply
     }
 }
 
@@ -510,7 +559,7 @@ impl Handler<LoadKv> for Receiver {
     /// Validate, admit what is valid into the live set, then start the pulls: all within this
     /// handler, so the host's reply follows at once.
     fn handle(&mut self, batch: LoadKv, ctx: &mut Context<Self>) -> Self::Result {
-        let validated = batch_plan::validate(batch.requests, &self.cfg.layout, &mut self.interner);
+        let validated = self.state.validate(batch.requests);
         MessageResult(self.admit_and_start(validated, ctx))
     }
 }
@@ -538,7 +587,7 @@ impl Handler<LoadMetas> for Receiver {
 
     /// As [`LoadKv`], the requests already read by the host.
     fn handle(&mut self, batch: LoadMetas, ctx: &mut Context<Self>) -> Self::Result {
-        let validated = batch_plan::validate_metas(batch.requests.into_iter(), &self.cfg.layout);
+        let validated = self.state.validate_metas(batch.requests.into_iter());
         MessageResult(self.admit_and_start(validated, ctx))
     }
 }
@@ -563,14 +612,10 @@ impl Handler<Abort> for Receiver {
     /// otherwise every peer is asked to settle what it still owes for it (Uncertain). The
     /// aggregator then publishes the failure and completes, and the BlockManager holds the
     /// blocks until they are fenced.
-    fn handle(&mut self, msg: Abort, _ctx: &mut Context<Self>) -> Self::Result {
-        if let Some(r) = self.undispatched.remove(&msg.req_id) {
-            self.aborted.push(r.clone());
-            self.fail_awaiting(smallvec::smallvec![r], ABORTED_BY_HOST.into());
-            self.labels
-                .counter_by(m::ABORTS, "stage", "before_dispatch")
-                .increment(1);
-            tracing::info!(req_id = %msg.req_id, "request aborted by the host before dispatch");
+    fn handle(&mut self, msg: Abort, ctx: &mut Context<Self>) -> Self::Result {
+        if let Some(fx) = self.state.abort(&msg.req_id) {
+            let at = tokio::time::Instant::now();
+            self.perform(Some(fx), at, at.into_std(), ctx);
             return Box::pin(actix::fut::ready(AbortReply {
                 peers_settled: 0,
                 before_dispatch: true,
@@ -615,288 +660,6 @@ impl Handler<Abort> for Receiver {
     }
 }
 
-impl Receiver {
-    /// Admit the valid requests into the live set, then start the pulls of those admitted:
-    /// one pull per engine and peer, requests in arrival order. Rejections are reported in
-    /// batch order.
-    fn admit_and_start(
-        &mut self,
-        batch_plan::Validated {
-            valid,
-            mut rejected,
-        }: batch_plan::Validated,
-        ctx: &mut Context<Self>,
-    ) -> LoadKvReply {
-        let mut reply = LoadKvReply::default();
-        let mut admitted = batch_plan::RequestGroup::with_capacity(valid.len());
-        if self.block_manager.connected() {
-            // Under one lock for the whole batch: its admission is atomic with respect to
-            // releases, drains and other batches, and ends before any of its pulls is sent.
-            let mut live = self.live.lock();
-            for (i, meta) in valid {
-                match live.admit(&meta) {
-                    Ok(()) => {
-                        reply.accepted += 1;
-                        reply.awaiting += usize::from(meta.is_awaiting());
-                        admitted.push(meta);
-                    }
-                    Err(e) => rejected.push((i, e)),
-                }
-            }
-        } else {
-            // Nothing could release these requests' blocks or complete them.
-            tracing::error!("block manager stopped; refusing the batch");
-            rejected.extend(valid.into_iter().map(|(i, m)| {
-                let req_id = m.req_id.to_string();
-                (i, BatchError::Unavailable { req_id })
-            }));
-        }
-        let groups = batch_plan::group_by_engine(admitted);
-        rejected.sort_by_key(|(i, _)| *i);
-        for (_, e) in &rejected {
-            self.labels
-                .counter_by(m::LOAD_KV_REJECTED, "reason", e.kind())
-                .increment(1);
-            tracing::warn!(error = %e, "request refused at load_kv");
-        }
-        reply.rejected = rejected.into_iter().map(|(_, e)| e).collect();
-        let at = tokio::time::Instant::now();
-        let now = at.into_std();
-        for (key, group) in groups {
-            let plan = self.rediscovery.borrow_mut().plan(&key, now);
-            match plan {
-                Plan::Fail(why) => {
-                    self.fail_unreachable(group, why);
-                    continue;
-                }
-                Plan::Refresh => {
-                    // A peer of this engine failed: P may have restarted on new ports.
-                    self.labels.counter(m::TOPOLOGY_REFRESHES).increment(1);
-                    tracing::info!(bootstrap = %key.0, engine = %key.1, "a peer failed; asking bootstrap again");
-                    self.topology.invalidate(&key.0, &key.1);
-                }
-                Plan::Lookup => {}
-            }
-            // A cached topology is ready at once: dispatched now (no abort can come in
-            // between), its peers derived once per topology.
-            if let Some(topo) = self.topology.cached(&key.0, &key.1) {
-                let peers = self.peers_of(&key, topo);
-                self.dispatch(key, group, peers, at, now);
-                continue;
-            }
-            // Otherwise dispatched now if the lookup is ready at once, not through a future
-            // the context polls on its next turn.
-            let mut lookup = self.topology.lookup(&key.0, &key.1);
-            let ready = lookup.as_mut().poll(&mut std::task::Context::from_waker(
-                futures::task::noop_waker_ref(),
-            ));
-            match ready {
-                // Dispatched within this handler: no abort can come in between.
-                std::task::Poll::Ready(topo) => {
-                    let peers = self.derive_peers(topo);
-                    self.dispatch(key, group, peers, at, now)
-                }
-                // Until the lookup answers, an abort finds the request here.
-                std::task::Poll::Pending => {
-                    for r in group.iter().filter(|r| r.is_awaiting()) {
-                        self.undispatched.insert(r.req_id.clone(), r.clone());
-                    }
-                    ctx.spawn(lookup.into_actor(self).map(move |topo, act, _ctx| {
-                        for r in &group {
-                            act.forget_undispatched(r);
-                        }
-                        let peers = act.derive_peers(topo);
-                        act.dispatch(key, group, peers, tokio::time::Instant::now(), now)
-                    }));
-                }
-            }
-        }
-        reply
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::actors::block_ledger::BlockLedger;
-    use crate::actors::{ScriptedTransport, StaticTopology};
-    use crate::layout::KvLayout;
-    use crate::messages::{Drain, KvEvent, KvRequest, Outcome, ReqId, SettleOutcome};
-    use crate::rdma::StaticLanding;
-
-    /// A BlockManager, a scripted transport and the events, for a Receiver under test.
-    struct Rig {
-        events: EventSink,
-        rx: tokio::sync::mpsc::UnboundedReceiver<KvEvent>,
-        bm: Addr<BlockManager>,
-        live: SharedLiveSet,
-        transport: ScriptedTransport,
-        opened: tokio::sync::mpsc::UnboundedReceiver<crate::actors::scripted_transport::OpenedPull>,
-    }
-
-    /// The layout of [`rig_receiver`]: one layer, 8 blocks.
-    fn rig_config() -> KvRecvConfig {
-        KvRecvConfig {
-            layout: KvLayout::uniform(1, 64, 8),
-            ..KvRecvConfig::default()
-        }
-    }
-
-    fn rig_landing() -> Arc<dyn Landing> {
-        Arc::new(StaticLanding::new("127.0.0.1", 1, vec![0x1000]))
-    }
-
-    /// Started on the current arbiter (inside an actix test).
-    fn rig() -> Rig {
-        let (events, rx) = EventSink::channel();
-        let cfg = rig_config();
-        let ledger = BlockLedger::new(cfg.quarantine_deadline, None);
-        let live = ledger.live_set();
-        let bm = BlockManager::new(ledger, rig_landing(), cfg.policy, events.clone()).start();
-        let (transport, opened) = ScriptedTransport::new();
-        Rig {
-            events,
-            rx,
-            bm,
-            live,
-            transport,
-            opened,
-        }
-    }
-
-    fn rig_receiver(
-        topology: Rc<dyn TopologySource>,
-        transport: ScriptedTransport,
-        bm: &Addr<BlockManager>,
-        live: &SharedLiveSet,
-        events: EventSink,
-    ) -> Receiver {
-        Receiver::new(
-            rig_config(),
-            topology,
-            Rc::new(transport),
-            rig_landing(),
-            bm.clone(),
-            live.share(),
-            events,
-        )
-    }
-
-    /// A pull whose metadata cannot be encoded is never sent, yet each of its awaited requests
-    /// is settled Failed by that peer, so the request still completes exactly once.
-    #[actix::test]
-    async fn a_pull_that_cannot_be_encoded_settles_failed_and_completes() {
-        let Rig {
-            events,
-            mut rx,
-            bm,
-            live,
-            transport,
-            mut opened,
-        } = rig();
-        let topology = StaticTopology::new([StaticTopology::grid("e0", 2, 1)]);
-        let mut receiver = rig_receiver(Rc::new(topology), transport, &bm, &live, events);
-        Arc::get_mut(&mut receiver.encoder).unwrap().encode = |_, _| {
-            Err(crate::messages::WireError::Encode(
-                rmp_serde::encode::Error::Syntax("simulated".into()),
-            ))
-        };
-        let receiver = receiver.start();
-        let reply = receiver
-            .send(LoadKv {
-                requests: vec![KvRequest {
-                    req_id: "r1".into(),
-                    transfer_id: Some("t1".into()),
-                    remote_engine_id: Some("e0".into()),
-                    remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
-                    block_ids: vec![vec![3]],
-                }],
-            })
-            .await
-            .unwrap();
-        assert_eq!(reply.awaiting, 1);
-        let mut settles = vec![];
-        let outcome = loop {
-            let ev = tokio::time::timeout(Duration::from_secs(10), rx.recv())
-                .await
-                .expect("the request completes")
-                .expect("events open");
-            match ev {
-                KvEvent::Settled { outcome, .. } => settles.push(outcome),
-                KvEvent::Completion { outcome, .. } => break outcome,
-                _ => {}
-            }
-        };
-        assert_eq!(settles.len(), 2, "both peers settled");
-        assert!(settles.iter().all(
-            |s| matches!(s, SettleOutcome::Failed { reason: r, .. } if r.contains("not sent"))
-        ));
-        assert!(matches!(outcome, Outcome::Failed { .. }));
-        let step = bm.send(Drain).await.unwrap();
-        assert_eq!(step.finished_recving, vec![ReqId::from("r1")]);
-        assert_eq!(step.invalid_block_ids, vec![3]);
-        assert!(opened.try_recv().is_err(), "nothing was sent");
-    }
-
-    /// A source that hands out whichever topology it holds now.
-    struct Replaceable(RefCell<Arc<EngineTopology>>);
-
-    impl TopologySource for Replaceable {
-        fn lookup(
-            &self,
-            _bootstrap: &str,
-            _engine_id: &str,
-        ) -> futures::future::LocalBoxFuture<'static, Result<EngineTopology, TopologyError>>
-        {
-            let t = EngineTopology::clone(&self.0.borrow());
-            Box::pin(async move { Ok(t) })
-        }
-        fn cached(&self, _bootstrap: &str, _engine_id: &str) -> Option<Arc<EngineTopology>> {
-            Some(self.0.borrow().clone())
-        }
-        fn invalidate(&self, _bootstrap: &str, _engine_id: &str) {}
-    }
-
-    /// The Receiver keeps the peers it derived from a cached topology; when the source holds
-    /// another one (P moved), the next batch goes to the new topology's peers.
-    #[actix::test]
-    async fn a_batch_goes_to_the_peers_of_the_topology_the_source_holds_now() {
-        let Rig {
-            events,
-            bm,
-            live,
-            transport,
-            mut opened,
-            ..
-        } = rig();
-        let topology = Rc::new(Replaceable(RefCell::new(Arc::new(StaticTopology::grid(
-            "e0", 1, 1,
-        )))));
-        let receiver = rig_receiver(topology.clone(), transport, &bm, &live, events).start();
-        let load = |id: &str, block: u32| LoadKv {
-            requests: vec![KvRequest {
-                req_id: id.into(),
-                transfer_id: Some(format!("t-{id}")),
-                remote_engine_id: Some("e0".into()),
-                remote_bootstrap_addr: Some("http://127.0.0.1:1".into()),
-                block_ids: vec![vec![block]],
-            }],
-        };
-        let mut next_peer = async || opened.recv().await.expect("a pull").peer.to_string();
-        for (id, block) in [("r1", 1), ("r2", 2)] {
-            assert_eq!(receiver.send(load(id, block)).await.unwrap().awaiting, 1);
-            assert_eq!(next_peer().await, "tcp://e0-0-0");
-        }
-        let moved = EngineTopology {
-            workers: vec![vec![PeerId::new("tcp://moved-0-0")]],
-            ..StaticTopology::grid("e0", 1, 1)
-        };
-        *topology.0.borrow_mut() = Arc::new(moved);
-        for (id, block) in [("r3", 3), ("r4", 4)] {
-            assert_eq!(receiver.send(load(id, block)).await.unwrap().awaiting, 1);
-            assert_eq!(next_peer().await, "tcp://moved-0-0");
-        }
-    }
-}
+#[path = "receiver_tests.rs"]
+mod tests;
