@@ -27,35 +27,7 @@ use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv, MooncakeXferResponse, PeerId, XferStatus};
 use kvrecv::rdma::StaticLanding;
 
-/// A peer that has everything ready: the current batch's FINISH, naming every request.
-struct InstantPeer {
-    reply: Rc<RefCell<Vec<u8>>>,
-}
-
-impl PeerTransport for InstantPeer {
-    fn pull(&self, _peer: &PeerId, _request: Vec<u8>, _finish: CleanFinish) -> ReplyStream {
-        Box::pin(stream::iter([Ok(vec![self.reply.borrow().clone()])]))
-    }
-}
-
-/// Batch `batch` of requests numbered from `next`, and the FINISH naming them.
-fn make_batch(batch: usize, next: &mut u64) -> (Vec<KvRequest>, Vec<u8>) {
-    let requests: Vec<KvRequest> = (0..batch)
-        .map(|i| {
-            *next += 1;
-            KvRequest {
-                req_id: format!("r{next}"),
-                transfer_id: Some(format!("t{next}")),
-                remote_engine_id: Some("e0".into()),
-                remote_bootstrap_addr: Some("http://b:1".into()),
-                block_ids: vec![vec![i as u32]],
-            }
-        })
-        .collect();
-    let mut r = MooncakeXferResponse::new(XferStatus::Finish);
-    r.ok_reqs = Some(requests.iter().map(|r| r.req_id.clone()).collect());
-    (requests, r.encode().expect("a FINISH encodes"))
-}
+include!("../benches/shared/instant_peer.rs");
 
 /// The counted part: `batches` loads, each waited for and drained. Not inlined, so callgrind's
 /// `--toggle-collect` finds it by name.
