@@ -13,7 +13,7 @@
 
 #![forbid(unsafe_code)]
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
 use std::rc::Rc;
 use std::sync::atomic::Ordering;
@@ -1281,7 +1281,8 @@ impl std::fmt::Debug for KvRecv {
 }
 
 /// The unspecified IPv4 address, for [`KvRecvBuilder::bind`] on every interface.
-pub const ANY_IPV4: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
+#[cfg(test)]
+const ANY_IPV4: IpAddr = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
 
 #[cfg(test)]
 mod tests {

@@ -48,17 +48,17 @@ use super::event_line::event_line;
 use super::line_reader::{Line, LineReader};
 use super::serve_output::{output, Output, Writer};
 use super::serve_target::{DataTarget, RdmaOptions};
-use kvrecv::actors::{Coordinator, CoordinatorParts, EventSink};
-use kvrecv::config::{KvRecvConfig, MooncakeProtocol, Policy};
-use kvrecv::control::control_cpu::unpin_current_thread;
-use kvrecv::control::{
+use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::config::{KvRecvConfig, MooncakeProtocol, Policy};
+use crate::control::control_cpu::unpin_current_thread;
+use crate::control::{
     BootstrapConfig, ControlCpu, HttpTopology, ZmqTransport, ZmqTransportConfig,
 };
-use kvrecv::layout::KvLayout;
-use kvrecv::messages::{Interner, KvEvent, KvRequestRef, LoadMetas, ReqId, StepOutput};
-use kvrecv::rdma::memory::MemoryKind;
-use kvrecv::rdma::tcp::server::DEFAULT_IDLE_TIMEOUT;
-use kvrecv::rdma::TargetConfig;
+use crate::layout::KvLayout;
+use crate::messages::{Interner, KvEvent, KvRequestRef, LoadMetas, ReqId, StepOutput};
+use crate::rdma::memory::MemoryKind;
+use crate::rdma::tcp::server::DEFAULT_IDLE_TIMEOUT;
+use crate::rdma::TargetConfig;
 
 /// Flags of `kvrecv serve`. Flags given explicitly override `--kv-transfer-config`.
 #[derive(clap::Args, Debug)]
@@ -273,7 +273,7 @@ impl ServeArgs {
                 if !p.layout_given && !flags {
                     return Err(format!(
                         "{}, or all of --layers, --block-len, --num-blocks",
-                        kvrecv::config::ConfigError::NoLayout
+                        crate::config::ConfigError::NoLayout
                     ));
                 }
                 p.config
@@ -282,12 +282,12 @@ impl ServeArgs {
         };
         if self
             .layers
-            .is_some_and(|l| l as usize > kvrecv::layout::MAX_REGIONS)
+            .is_some_and(|l| l as usize > crate::layout::MAX_REGIONS)
         {
             return Err(format!(
                 "--layers {}: at most {}",
                 self.layers.unwrap_or(0),
-                kvrecv::layout::MAX_REGIONS
+                crate::layout::MAX_REGIONS
             ));
         }
         if self.layers.is_some() || self.block_len.is_some() || self.num_blocks.is_some() {
@@ -450,13 +450,13 @@ impl<'a> Op<'a> {
             (OpName::LoadKv, None, _) => Err("load_kv needs `requests`".into()),
             (OpName::LoadKv, Some(_), Some(_)) => Err("only abort takes `req_id`".into()),
             (OpName::Abort, None, Some(req_id))
-                if !req_id.is_empty() && req_id.len() <= kvrecv::messages::batch::MAX_ID_BYTES =>
+                if !req_id.is_empty() && req_id.len() <= crate::messages::batch::MAX_ID_BYTES =>
             {
                 Ok(Op::Abort { req_id })
             }
             (OpName::Abort, None, _) => Err(format!(
                 "abort needs a non-empty `req_id` of at most {} bytes",
-                kvrecv::messages::batch::MAX_ID_BYTES
+                crate::messages::batch::MAX_ID_BYTES
             )),
             (_, Some(_), _) => Err("only load_kv takes `requests`".into()),
             (_, _, Some(_)) => Err("only abort takes `req_id`".into()),
@@ -517,7 +517,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
     // The ready line names the address bound (a port 0 resolved), or null if none was.
     let metrics = args.metrics.and_then(|addr| {
         let _in_data_rt = data_rt.enter();
-        kvrecv::metrics_endpoint::serve_prometheus(addr)
+        crate::metrics_endpoint::serve_prometheus(addr)
             .map_err(|e| {
                 println!(
                     "{}",
@@ -526,7 +526,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
             })
             .ok()
     });
-    let labels = kvrecv::telemetry::Labels::for_config(&cfg);
+    let labels = crate::telemetry::Labels::for_config(&cfg);
     let target_cfg = TargetConfig {
         labels: labels.clone(),
         ..target
@@ -613,7 +613,7 @@ async fn answer(
             Err(e) => json!({"event": "error", "line": n, "error": e.to_string()}),
         },
         Op::Abort { req_id } => {
-            let abort = kvrecv::messages::Abort {
+            let abort = crate::messages::Abort {
                 req_id: req_id.as_str().into(),
             };
             match coord.receiver.send(abort).await {
@@ -678,7 +678,7 @@ fn metas(requests: Vec<KvRequestRef<'_>>, interner: &mut Interner) -> LoadMetas 
 
 /// The answer line to a `load_kv` (line `n`).
 fn load_kv_answer(
-    r: Result<kvrecv::messages::LoadKvReply, actix::MailboxError>,
+    r: Result<crate::messages::LoadKvReply, actix::MailboxError>,
     n: u64,
 ) -> serde_json::Value {
     match r {
@@ -729,7 +729,7 @@ async fn serve(
     args: ServeArgs,
     cfg: KvRecvConfig,
     target: DataTarget,
-    labels: kvrecv::telemetry::Labels,
+    labels: crate::telemetry::Labels,
     metrics: Option<SocketAddr>,
 ) -> ExitCode {
     let (out, out_queue) = output(args.max_output_backlog_bytes);
@@ -795,7 +795,7 @@ async fn serve(
         answers,
     };
     let mut paused = false;
-    let pause_count = labels.counter(kvrecv::telemetry::STDIN_PAUSES);
+    let pause_count = labels.counter(crate::telemetry::STDIN_PAUSES);
     let mut stdout_lost = false;
     let mut stop = match StopSignals::new() {
         Ok(s) => s,

@@ -9,8 +9,8 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
-use kvrecv::config::KvRecvConfig;
-use kvrecv::rdma::{Landing, TargetConfig, TcpTarget};
+use crate::config::KvRecvConfig;
+use crate::rdma::{Landing, TargetConfig, TcpTarget};
 
 /// The running data target.
 // One per process, alive for its whole life: the size of a variant does not matter.
@@ -18,7 +18,7 @@ use kvrecv::rdma::{Landing, TargetConfig, TcpTarget};
 pub enum DataTarget {
     Tcp(TcpTarget),
     #[cfg(feature = "rdma")]
-    Rdma(kvrecv::rdma::verbs::RdmaTarget<kvrecv::rdma::verbs::IbvDevices>),
+    Rdma(crate::rdma::verbs::RdmaTarget<crate::rdma::verbs::IbvDevices>),
 }
 
 fn n(a: &AtomicU64) -> u64 {
@@ -45,17 +45,17 @@ impl DataTarget {
         rdma: &RdmaOptions,
     ) -> Result<DataTarget, String> {
         match cfg.mooncake_protocol {
-            kvrecv::config::MooncakeProtocol::Tcp => TcpTarget::start(tcp)
+            crate::config::MooncakeProtocol::Tcp => TcpTarget::start(tcp)
                 .await
                 .map(DataTarget::Tcp)
                 .map_err(|e| e.to_string()),
-            kvrecv::config::MooncakeProtocol::Rdma => Self::start_rdma(tcp, rdma).await,
+            crate::config::MooncakeProtocol::Rdma => Self::start_rdma(tcp, rdma).await,
         }
     }
 
     #[cfg(feature = "rdma")]
     async fn start_rdma(tcp: TargetConfig, rdma: &RdmaOptions) -> Result<DataTarget, String> {
-        use kvrecv::rdma::verbs::{
+        use crate::rdma::verbs::{
             DeviceConfig, HandshakeConfig, IbvDevices, RdmaTarget, RdmaTargetConfig,
         };
         let device_cfg = DeviceConfig {
@@ -84,7 +84,7 @@ impl DataTarget {
 
     #[cfg(not(feature = "rdma"))]
     async fn start_rdma(_tcp: TargetConfig, _rdma: &RdmaOptions) -> Result<DataTarget, String> {
-        Err(kvrecv::embed::StartError::RdmaNotBuilt.to_string())
+        Err(crate::embed::StartError::RdmaNotBuilt.to_string())
     }
 
     /// The core's view of it.

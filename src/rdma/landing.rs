@@ -238,6 +238,7 @@ pub trait Landing: Send + Sync + 'static {
     }
 }
 
+#[cfg(any(test, feature = "testing", feature = "cli"))]
 /// No data plane of kvrecv's own (the host's memory is written by someone else): fixed base
 /// addresses, nothing revocable, no fence. Quarantined blocks wait for the last-resort deadline.
 ///
@@ -253,6 +254,7 @@ pub struct StaticLanding {
     bases: RegionBases,
 }
 
+#[cfg(any(test, feature = "testing", feature = "cli"))]
 impl StaticLanding {
     /// A landing at (`host`, `port`) with one base address per region; it admits and fences nothing
     /// (test double).
@@ -265,6 +267,7 @@ impl StaticLanding {
     }
 }
 
+#[cfg(any(test, feature = "testing", feature = "cli"))]
 impl Landing for StaticLanding {
     fn endpoint(&self) -> (&str, u32) {
         (&self.host, self.port)

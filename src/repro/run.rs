@@ -18,7 +18,8 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::Notify;
 
-use crate::actors::block_pool::{owner_tag, PoolError};
+use crate::actors::block_pool::PoolError;
+use crate::block_ownership::owner_tag;
 use crate::actors::{Coordinator, CoordinatorParts, EventSink};
 use crate::config::DRank;
 use crate::config::KvRecvConfig;

@@ -2,18 +2,14 @@
 //! that admit a write only for its own pull, the data server and the wire format it speaks, and
 //! the target that starts them with the shared handshake daemon.
 
-pub mod memory_slot;
-#[doc(hidden)]
-pub mod permits;
+internal_mod!(memory_slot);
+internal_mod!(permits);
 pub(crate) mod raw_recv;
 mod request_pulls;
-#[doc(hidden)]
-pub mod server;
-pub mod target;
-#[doc(hidden)]
-pub mod windows;
-#[doc(hidden)]
-pub mod wire;
+internal_mod!(server);
+internal_mod!(target);
+internal_mod!(windows);
+internal_mod!(wire);
 
 pub use permits::TcpLanding;
 pub use target::{TargetConfig, TcpTarget};
