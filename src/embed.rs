@@ -42,9 +42,9 @@ use crate::rdma::handshake_daemon::HandshakeStats;
 use crate::rdma::memory::{DeviceMemory, HostMemory};
 use crate::rdma::tcp::server::DataStats;
 use crate::rdma::tcp::target::TargetError;
-use crate::rdma::verbs::{
-    PeerBinding, RdmaTarget, RdmaTargetConfig, RdmaTargetError, VerbsBackend, VerbsError,
-};
+#[cfg(any(feature = "rdma", feature = "testing"))]
+use crate::rdma::verbs::{RdmaTarget, VerbsBackend};
+use crate::rdma::verbs::{PeerBinding, RdmaTargetConfig, RdmaTargetError, VerbsError};
 use crate::rdma::{Landing, LandingPauseError, TargetConfig, TcpLanding, TcpTarget};
 
 /// Why a D worker could not start.
@@ -71,8 +71,7 @@ pub enum StartError {
     /// The RDMA target could not start (bind, registration, descriptor).
     #[error("RDMA target: {0}")]
     Rdma(#[from] RdmaTargetError),
-    /// `mooncake_protocol` is `rdma` but this build has no verbs backend (feature `rdma`) and
-    /// none was given with [`KvRecvBuilder::rdma`].
+    /// `mooncake_protocol` is `rdma` but this build has no verbs backend (feature `rdma`).
     #[error(
         "mooncake_protocol is \"rdma\" but kvrecv was built without the `rdma` feature: rebuild \
          with --features rdma, or give a verbs backend with KvRecvBuilder::rdma"
@@ -160,7 +159,7 @@ fn stopped(_: actix::MailboxError) -> KvRecvError {
 
 /// Starts one D worker. Defaults: TCP target on 127.0.0.1 (ephemeral ports), landing permits
 /// and the epoch rule on, kvrecv-owned host memory, no built-in block pool (the host allocates
-/// blocks), no event stream. With `mooncake_protocol = "rdma"` (or [`KvRecvBuilder::rdma`]) the
+/// blocks), no event stream. With `mooncake_protocol = "rdma"` (or `KvRecvBuilder::rdma_devices`) the
 /// data target is the RDMA one: same handshake daemon address, the same host memory
 /// registered with the NICs, and each peer bound to its Mooncake segments by host so that an
 /// uncertain peer's queue pairs are fenced ([`PeerBinding`]).
@@ -208,6 +207,7 @@ type RdmaStarter = Arc<
         + Sync,
 >;
 
+#[cfg(any(feature = "rdma", feature = "testing"))]
 fn rdma_starter<B, F>(open: F) -> RdmaStarter
 where
     B: VerbsBackend + 'static,
@@ -351,7 +351,9 @@ impl KvRecvBuilder {
     /// Be an RDMA target on the verbs backend `open` returns (called on kvrecv's thread at
     /// start): sets `mooncake_protocol = "rdma"`. The handshake daemon binds as for TCP; the
     /// layout's memory (the host's, with [`Self::host_memory`]) is registered on every device.
-    /// Production code uses `rdma_devices` (feature `rdma`); tests pass a fake backend.
+    /// Production code uses `rdma_devices` (feature `rdma`); this crate's tests pass a fake
+    /// backend (feature `testing`: the backend trait is not part of the interface).
+    #[cfg(feature = "testing")]
     pub fn rdma<B, F>(mut self, open: F) -> Self
     where
         B: VerbsBackend + 'static,
@@ -366,8 +368,12 @@ impl KvRecvBuilder {
     /// (unusable ones are skipped), port and GID index. Without this call,
     /// `mooncake_protocol = "rdma"` opens every device with the default settings.
     #[cfg(feature = "rdma")]
-    pub fn rdma_devices(self, devices: crate::rdma::verbs::DeviceConfig) -> Self {
-        self.rdma(move || crate::rdma::verbs::IbvDevices::open(&devices))
+    pub fn rdma_devices(mut self, devices: crate::rdma::verbs::DeviceConfig) -> Self {
+        self.rdma = Some(rdma_starter(move || {
+            crate::rdma::verbs::IbvDevices::open(&devices)
+        }));
+        self.config.mooncake_protocol = MooncakeProtocol::Rdma;
+        self
     }
 
     /// Queue-pair settings of the RDMA target: QPs per endpoint, MTU cap, traffic class and

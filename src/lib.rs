@@ -79,8 +79,8 @@ pub use embed::{
 pub use layout::{KvLayout, Region};
 pub use messages::batch::MAX_ID_BYTES;
 pub use messages::{
-    AbandonedRequest, AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, PauseReport, ReqId,
-    StepOutput,
+    AbandonedRequest, AbortReply, BatchError, KvEvent, KvRequest, LedgerStats, LoadKvReply,
+    Outcome, PauseReport, PeerId, PullId, ReqId, SettleOutcome, StepOutput,
 };
 pub use rdma::audit::Stamp;
 pub use rdma::memory::{
@@ -88,7 +88,7 @@ pub use rdma::memory::{
 };
 #[cfg(feature = "rdma")]
 pub use rdma::verbs::DeviceConfig as RdmaDeviceConfig;
-pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, PeerBinding};
+pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, Mtu as RdmaMtu, PeerBinding};
 pub use rdma::{TargetConfig, NO_CLEAN_WINDOW};
 
 /// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.

@@ -103,7 +103,10 @@ pub use passive::{HandshakeConfig, PassiveHandshake};
 #[cfg(feature = "testing")]
 pub use passive::HandshakeReject;
 pub use peer_binding::PeerBinding;
+pub use qp_attrs::Mtu;
 pub use rdma_landing::WindowsConfig;
 #[cfg(feature = "testing")]
 pub use rdma_landing::{RdmaLanding, RdmaLandingError};
-pub use rdma_target::{RdmaTarget, RdmaTargetConfig, RdmaTargetError};
+pub use rdma_target::{RdmaTargetConfig, RdmaTargetError};
+#[cfg(any(feature = "rdma", feature = "testing"))]
+pub use rdma_target::RdmaTarget;

@@ -24,10 +24,15 @@ pub const START_PSN: u32 = 0;
 /// Path MTU, ordered so `min` picks the smaller one. Values are the verbs `ibv_mtu` codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Mtu {
+    /// 256 bytes.
     Mtu256 = 1,
+    /// 512 bytes.
     Mtu512 = 2,
+    /// 1024 bytes.
     Mtu1024 = 3,
+    /// 2048 bytes.
     Mtu2048 = 4,
+    /// 4096 bytes.
     Mtu4096 = 5,
 }
 
