@@ -9,7 +9,9 @@ mod prefill_sim;
 mod repro;
 mod serve;
 mod serve_output;
-mod serve_target;
+mod serve_answers;
+mod serve_args;
+mod serve_ops;
 
 use clap::{Parser, Subcommand};
 
