@@ -19,6 +19,7 @@ mod worker;
 
 pub use builder::KvRecvBuilder;
 pub use errors::{KvRecvError, PauseError, StartError};
+#[cfg(feature = "cli")]
 pub(crate) use builder::Wiring;
 #[cfg(feature = "cli")]
 pub(crate) use worker::{data_runtime, DataPlaneHandle};
