@@ -44,6 +44,12 @@ pub struct KvRecvBuilder {
     rdma_handshake: crate::rdma::verbs::HandshakeConfig,
     rdma_windows: usize,
     peer_binding: PeerBinding,
+    /// `kvrecv bench`'s control-plane-only worker: land here, start no data target.
+    #[cfg(feature = "cli")]
+    landing: Option<Arc<dyn Landing>>,
+    /// `kvrecv bench`'s own sink (events stamped as emitted), instead of the handle's stream.
+    #[cfg(feature = "cli")]
+    sink: Option<EventSink>,
 }
 
 impl std::fmt::Debug for KvRecvBuilder {
@@ -127,6 +133,10 @@ impl KvRecvBuilder {
             rdma_handshake: Default::default(),
             rdma_windows: crate::rdma::verbs::WindowsConfig::default().windows,
             peer_binding: PeerBinding::default(),
+            #[cfg(feature = "cli")]
+            landing: None,
+            #[cfg(feature = "cli")]
+            sink: None,
         }
     }
 
@@ -280,6 +290,21 @@ impl KvRecvBuilder {
         self
     }
 
+    /// Land in `landing` and start no data target (`kvrecv bench`: the control plane alone).
+    #[cfg(feature = "cli")]
+    pub(crate) fn landing(mut self, landing: Arc<dyn Landing>) -> Self {
+        self.landing = Some(landing);
+        self
+    }
+
+    /// Send the actors' events to `sink` (`kvrecv bench`'s stamped channel); the handle then
+    /// has no event stream.
+    #[cfg(feature = "cli")]
+    pub(crate) fn event_sink(mut self, sink: EventSink) -> Self {
+        self.sink = Some(sink);
+        self
+    }
+
     /// The effective configuration.
     pub fn config(&self) -> &KvRecvConfig {
         &self.config
@@ -325,7 +350,13 @@ impl KvRecvBuilder {
             rdma_handshake,
             rdma_windows,
             peer_binding,
+            #[cfg(feature = "cli")]
+            landing,
+            #[cfg(feature = "cli")]
+            sink: custom_sink,
         } = self;
+        #[cfg(not(feature = "cli"))]
+        let (landing, custom_sink) = (None, None);
         target.layout = config.layout.clone();
         // What `read_block` reads: the host's memory, unless device memory takes its place.
         let host_blocks = HostBlocks {
@@ -343,9 +374,13 @@ impl KvRecvBuilder {
         // One label set for the whole worker: the coordinator derives the same from `config`.
         let labels = crate::telemetry::Labels::for_config(&config);
         target.labels = labels.clone();
-        let (sink, events) = sink(events);
+        let (sink, events) = match custom_sink {
+            Some(s) => (s, None),
+            None => sink(events),
+        };
         Ok(Wiring {
             data: DataWiring {
+                landing,
                 layout: config.layout.clone(),
                 target,
                 rdma,
@@ -384,6 +419,8 @@ pub(crate) struct Wiring {
 
 /// What starts the data target: kvrecv's TCP target, or the RDMA one.
 pub(crate) struct DataWiring {
+    /// A landing given instead of a data target (`kvrecv bench`).
+    landing: Option<Arc<dyn Landing>>,
     layout: crate::layout::KvLayout,
     target: TargetConfig,
     rdma: Option<RdmaStarter>,
@@ -398,6 +435,7 @@ impl DataWiring {
     /// runtime's workers after this returns.
     pub(crate) async fn start(self) -> Result<DataStarted<Arc<dyn Landing>>, StartError> {
         let DataWiring {
+            landing,
             layout,
             target,
             rdma,
@@ -405,6 +443,9 @@ impl DataWiring {
             rdma_windows,
             peer_binding,
         } = self;
+        if let Some(landing) = landing {
+            return Ok((landing, None, Box::new(())));
+        }
         let Some(start_rdma) = rdma else {
             let tcp = TcpTarget::start(target).await?;
             let landing = tcp.landing();
