@@ -89,7 +89,10 @@ pub use rdma::memory::{
 #[cfg(feature = "rdma")]
 pub use rdma::verbs::DeviceConfig as RdmaDeviceConfig;
 pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, Mtu as RdmaMtu, PeerBinding};
-pub use rdma::{TargetConfig, NO_CLEAN_WINDOW};
+pub use rdma::memory_fit::MemoryFitError;
+pub use rdma::tcp::target::TargetError;
+pub use rdma::verbs::{RdmaTargetError, VerbsError};
+pub use rdma::{LandingPauseError, TargetConfig, NO_CLEAN_WINDOW};
 
 /// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.
 #[cfg(doctest)]

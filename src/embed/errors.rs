@@ -7,6 +7,7 @@ use thiserror::Error;
 
 
 
+
 use crate::config::ConfigError;
 use crate::rdma::tcp::target::TargetError;
 use crate::rdma::verbs::{RdmaTargetError, VerbsError};
@@ -45,7 +46,7 @@ pub enum StartError {
 }
 
 /// Memory the host hands over ([`crate::HostRegion`], [`crate::HostMemory`],
-/// [`crate::DeviceRegion`]) that kvrecv refused: the same error [`KvRecvBuilder::start`]
+/// [`crate::DeviceRegion`]) that kvrecv refused: the same error [`KvRecvBuilder::start`](crate::KvRecvBuilder::start)
 /// returns when it checks that memory against the layout, so a host's `?` reads alike.
 impl From<crate::rdma::memory::MemoryError> for StartError {
     fn from(e: crate::rdma::memory::MemoryError) -> Self {
@@ -60,18 +61,18 @@ pub enum KvRecvError {
     #[error("the kvrecv worker is not running (shut down, or its thread ended)")]
     Stopped,
     /// The event stream was already taken (there is one consumer), or events were not enabled
-    /// with [`KvRecvBuilder::events`].
+    /// with [`KvRecvBuilder::events`](crate::KvRecvBuilder::events).
     #[error(
         "no event stream: enable it with KvRecvBuilder::events(true) (or completion_events()); \
          it can be taken once"
     )]
     NoEvents,
-    /// The worker is paused ([`KvRecv::pause`]): nothing is loaded until [`KvRecv::resume`].
+    /// The worker is paused ([`KvRecv::pause`](crate::KvRecv::pause)): nothing is loaded until [`KvRecv::resume`](crate::KvRecv::resume).
     #[error("kvrecv is paused (sleep mode): nothing is loaded until resume")]
     Paused,
 }
 
-/// Why a [`KvRecv::pause`] or [`KvRecv::resume`] failed.
+/// Why a [`KvRecv::pause`](crate::KvRecv::pause) or [`KvRecv::resume`](crate::KvRecv::resume) failed.
 #[derive(Debug, Error)]
 pub enum PauseError {
     /// The worker was shut down (or its thread ended).
@@ -82,15 +83,15 @@ pub enum PauseError {
     /// still paused; `resume` may be called again).
     #[error("data plane: {0}")]
     Landing(#[from] LandingPauseError),
-    /// [`ResumeMemory::Host`] on a worker that cannot take new host memory (it lands in
+    /// [`ResumeMemory::Host`](crate::ResumeMemory::Host) on a worker that cannot take new host memory (it lands in
     /// device memory, runs without landing permits, or its data plane is not kvrecv's).
-    /// Still paused: resume with [`ResumeMemory::Same`], or start a new worker.
+    /// Still paused: resume with [`ResumeMemory::Same`](crate::ResumeMemory::Same), or start a new worker.
     #[error(
         "this worker cannot resume on new host memory ({0}): resume with the same memory, or \
          start a new worker on the new memory"
     )]
     NewMemoryUnsupported(String),
-    /// [`ResumeMemory::Host`] whose regions cannot hold the layout. Still paused, on the old
+    /// [`ResumeMemory::Host`](crate::ResumeMemory::Host) whose regions cannot hold the layout. Still paused, on the old
     /// memory (which must stay valid): resume again with memory that fits.
     #[error("the new host memory does not fit the layout: {0}")]
     MemoryDoesNotFit(#[from] crate::rdma::memory_fit::MemoryFitError),
