@@ -68,9 +68,7 @@ internal_mod!(telemetry);
 
 pub use block_ownership::owner_tag;
 pub use block_read::BlockReadError;
-pub use config::{
-    ConfigError, DRank, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol, Policy,
-};
+pub use config::{ConfigError, DRank, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol, Policy};
 pub use control::{BootstrapConfig, ControlCpu, ZmqTransportConfig};
 pub use embed::{
     DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, LoadTicket, PauseError,
@@ -86,11 +84,11 @@ pub use rdma::audit::Stamp;
 pub use rdma::memory::{
     DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError, MemoryKind,
 };
+pub use rdma::memory_fit::MemoryFitError;
+pub use rdma::tcp::target::TargetError;
 #[cfg(feature = "rdma")]
 pub use rdma::verbs::DeviceConfig as RdmaDeviceConfig;
 pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, Mtu as RdmaMtu, PeerBinding};
-pub use rdma::memory_fit::MemoryFitError;
-pub use rdma::tcp::target::TargetError;
 pub use rdma::verbs::{RdmaTargetError, VerbsError};
 pub use rdma::{LandingPauseError, TargetConfig, NO_CLEAN_WINDOW};
 

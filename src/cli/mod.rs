@@ -8,10 +8,10 @@ mod logging;
 mod prefill_sim;
 mod repro;
 mod serve;
-mod serve_output;
 mod serve_answers;
 mod serve_args;
 mod serve_ops;
+mod serve_output;
 
 use clap::{Parser, Subcommand};
 
@@ -54,18 +54,16 @@ enum Cmd {
 pub fn main() -> std::process::ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
-        Cmd::Config { json } => {
-            match crate::config::KvRecvConfig::from_kv_transfer_config(&json) {
-                Ok(c) => {
-                    println!("{c:#?}");
-                    std::process::ExitCode::SUCCESS
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    std::process::ExitCode::from(2)
-                }
+        Cmd::Config { json } => match crate::config::KvRecvConfig::from_kv_transfer_config(&json) {
+            Ok(c) => {
+                println!("{c:#?}");
+                std::process::ExitCode::SUCCESS
             }
-        }
+            Err(e) => {
+                eprintln!("error: {e}");
+                std::process::ExitCode::from(2)
+            }
+        },
         Cmd::Serve(args) => serve::run(args),
         Cmd::PrefillSim(args) => prefill_sim::run(args),
         Cmd::Bench(args) => bench::run(args),

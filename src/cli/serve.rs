@@ -46,11 +46,11 @@ use tokio::io::{AsyncRead, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::mpsc::UnboundedReceiver;
 
-pub use super::serve_args::ServeArgs;
-use super::serve_args::{AnswerLevel, EventLevel};
 use super::event_line::event_line;
 use super::line_reader::{Line, LineReader};
 use super::serve_answers::{data_plane_stats, drain_line, load_kv_answer, metas, ready_line};
+pub use super::serve_args::ServeArgs;
+use super::serve_args::{AnswerLevel, EventLevel};
 use super::serve_ops::Op;
 use super::serve_output::{output, Output, Writer};
 use crate::actors::Coordinator;
@@ -169,7 +169,8 @@ async fn answer(
         Op::Shutdown => json!({"event": "shutdown"}),
         Op::Stats => {
             let mut v = json!({"event": "stats", "line": n});
-            if let (Some(v), serde_json::Value::Object(data)) = (v.as_object_mut(), data_plane_stats(&worker.plane))
+            if let (Some(v), serde_json::Value::Object(data)) =
+                (v.as_object_mut(), data_plane_stats(&worker.plane))
             {
                 v.extend(data);
             }
@@ -383,7 +384,7 @@ fn print_events(level: EventLevel, first: KvEvent, worker: &mut Worker, out: &Ou
     }
     if !chunk.is_empty() {
         chunk.pop(); // the queue adds the last newline
-        // Serialized JSON is UTF-8.
+                     // Serialized JSON is UTF-8.
         out.send(String::from_utf8(chunk).unwrap_or_default());
     }
 }
@@ -402,13 +403,19 @@ async fn on_line(
     let line = match line {
         Line::Text(l) => l,
         Line::NotUtf8 { valid_up_to } => {
-            emit(out, json!({"event": "error", "line": n,
-                             "error": format!("line is not UTF-8 (invalid byte at offset {valid_up_to})")}));
+            emit(
+                out,
+                json!({"event": "error", "line": n,
+                             "error": format!("line is not UTF-8 (invalid byte at offset {valid_up_to})")}),
+            );
             return std::ops::ControlFlow::Continue(());
         }
         Line::TooLong { len } => {
-            emit(out, json!({"event": "error", "line": n,
-                             "error": format!("line of {len} bytes is longer than --max-line-bytes {max_line}; ignored")}));
+            emit(
+                out,
+                json!({"event": "error", "line": n,
+                             "error": format!("line of {len} bytes is longer than --max-line-bytes {max_line}; ignored")}),
+            );
             return std::ops::ControlFlow::Continue(());
         }
     };

@@ -605,14 +605,17 @@ impl std::fmt::Debug for KvRecv {
     }
 }
 
-
-/// The unspecified IPv4 address, for [`KvRecvBuilder::bind`] on every interface.
-#[cfg(test)]
-const ANY_IPV4: IpAddr = IpAddr::V4(std::net::Ipv4Addr::UNSPECIFIED);
-
 #[cfg(test)]
 mod tests {
+    use super::worker::forward_events;
     use super::*;
+    use std::cell::RefCell;
+    use std::net::{IpAddr, Ipv4Addr};
+    use std::rc::Rc;
+    use tokio::sync::mpsc::unbounded_channel;
+
+    /// The unspecified IPv4 address, for [`KvRecvBuilder::bind`] on every interface.
+    const ANY_IPV4: IpAddr = IpAddr::V4(Ipv4Addr::UNSPECIFIED);
 
     fn assert_send_sync_clone<T: Send + Sync + Clone + 'static>() {}
 

@@ -26,7 +26,7 @@ use crate::rdma::TcpLanding;
 /// one across threads, each event woke the host's thread, which read it and slept again before
 /// the next: ~16 context switches per batch of 16 on the host's thread, ~2 in bursts
 /// (`kvrecv bench --via handle`, docs/PERFORMANCE.md).
-async fn forward_events(
+pub(super) async fn forward_events(
     rx: Rc<RefCell<UnboundedReceiver<KvEvent>>>,
     tx: UnboundedSender<Vec<KvEvent>>,
 ) {

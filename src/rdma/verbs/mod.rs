@@ -91,8 +91,10 @@ pub use fence::SharedHandshake;
 pub use fence::RdmaFence;
 #[cfg(feature = "testing")]
 pub use gid::Gid;
+#[cfg(any(feature = "cuda", feature = "testing"))]
+pub use gpudirect::{DeviceMemoryExport, DmaBuf};
 #[cfg(feature = "testing")]
-pub use gpudirect::{DeviceMemoryExport, DmaBuf, GpuDirectError, GpuDirectPath};
+pub use gpudirect::{GpuDirectError, GpuDirectPath};
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
 #[cfg(feature = "testing")]

@@ -138,6 +138,8 @@ pub struct RtsAttrs {
 }
 
 /// One `ibv_modify_qp` call.
+// Named as the verbs state machine names its transitions (to RESET, INIT, RTR, RTS, ERR).
+#[allow(clippy::enum_variant_names)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum QpTransition {
     /// Any → RESET (only the state attribute).
