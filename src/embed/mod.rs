@@ -77,7 +77,7 @@ pub enum ResumeMemory {
 ///
 /// ```no_run
 /// # async fn host() -> Result<(), Box<dyn std::error::Error>> {
-/// use kvrecv::embed::KvRecvBuilder;
+/// use kvrecv::KvRecvBuilder;
 /// let kv = KvRecvBuilder::from_kv_transfer_config(r#"{"kv_role":"kv_consumer",
 ///     "kv_connector_extra_config":{"kvrecv":{"layout":{"num_blocks":1024,"num_groups":1,
 ///       "regions":[{"layer_name":"l0","layer_index":0,"group_index":0,
@@ -246,7 +246,7 @@ impl KvRecv {
     ///
     /// ```no_run
     /// # async fn host(kv: kvrecv::KvRecv, batch: Vec<kvrecv::messages::KvRequest>)
-    /// # -> Result<(), kvrecv::embed::KvRecvError> {
+    /// # -> Result<(), kvrecv::KvRecvError> {
     /// let mut ticket = kv.submit(batch);
     /// // ... the rest of the step; at the next one:
     /// ticket = match ticket.try_reply() {
