@@ -76,8 +76,9 @@ pub struct TargetConfig {
     /// `DEFAULT_MAX_HANDSHAKES_PER_ADDRESS`, clamped to `max_handshakes`).
     pub max_handshakes_per_address: usize,
     /// Labels of the target's metrics: the coordinator's (engine, ranks), so two targets in one
-    /// process keep distinct series.
-    pub labels: Labels,
+    /// process keep distinct series. Set by the builder (from the configuration); not the
+    /// host's to choose.
+    pub(crate) labels: Labels,
     /// Answer the TE protocol's READ requests. Off by default: vLLM's P only writes into D, and
     /// nothing authenticates the data port, so a READ would let anyone who reaches it read the
     /// blocks of a pull in flight. Interop tests turn it on to read back what landed.
