@@ -1,6 +1,8 @@
 //! The `kvrecv` binary's subcommands, one module each (feature `cli`). They live in the library so
 //! that they reach its internals while those stay private; [`main`] is the one public item.
 
+#![forbid(unsafe_code)]
+
 mod bench;
 mod event_line;
 mod line_reader;

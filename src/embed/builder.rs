@@ -2,6 +2,8 @@
 //! coordinator). [`KvRecvBuilder::start`] runs it on kvrecv's own thread; `kvrecv serve` runs
 //! the same wiring on threads of its own ([`Wiring`]).
 
+#![forbid(unsafe_code)]
+
 
 use std::net::{IpAddr, SocketAddr};
 use std::rc::Rc;

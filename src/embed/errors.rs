@@ -1,5 +1,7 @@
 //! Why a D worker could not start, why a call on its handle failed, why a pause or resume did.
 
+#![forbid(unsafe_code)]
+
 
 use std::net::IpAddr;
 

@@ -1,6 +1,8 @@
 //! kvrecv's thread: the data runtime, the actors' System, the event forwarder, and what the
 //! handle keeps of them.
 
+#![forbid(unsafe_code)]
+
 
 use std::net::SocketAddr;
 use std::rc::Rc;
