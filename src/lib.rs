@@ -16,9 +16,9 @@
 //! handle ([`KvRecv`]) with its requests ([`KvRequest`]), replies ([`LoadKvReply`],
 //! [`StepOutput`], [`AbortReply`], [`PauseReport`], [`Stats`]) and events ([`KvEvent`]),
 //! reading landed blocks back ([`KvRecv::read_block`], [`HostMemory::take_back`], [`Stamp`],
-//! [`owner_tag`]), the errors,
-//! and, for hosts that run actix themselves, the advanced actor path ([`actors`]: the actors
-//! and the messages they take and give). Everything else is private. (The `cli` feature adds
+//! [`owner_tag`]), the errors, and, for hosts that run actix themselves, the advanced actor
+//! path ([`actors`]: the actors and the messages they take and give). Everything else is
+//! private. (The `cli` feature adds
 //! the binary's entry point, `cli::main`; the `testing` feature opens the internals to this
 //! crate's own tests and benches and is not part of the interface.)
 //!
