@@ -56,6 +56,7 @@ use super::serve_output::{output, Output, Writer};
 use crate::actors::Coordinator;
 use crate::embed::{data_runtime, DataPlaneHandle, Wiring};
 use crate::messages::{Interner, KvEvent};
+use crate::StartError;
 
 fn emit(out: &Output, v: serde_json::Value) {
     out.send(v.to_string());
@@ -107,7 +108,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
     });
     let wiring = match builder.wire() {
         Ok(w) => w,
-        Err(e) => return fail(e.to_string()),
+        Err(e) => return fail(data_plane_error(e)),
     };
     let Wiring {
         data,
@@ -119,7 +120,7 @@ pub fn run(args: ServeArgs) -> ExitCode {
     let (landing, plane, keep) = match data_rt.block_on(data.start()) {
         Ok((landing, Some(plane), keep)) => (landing, plane, keep),
         Ok((_, None, _)) => return fail("data plane: no target started".into()),
-        Err(e) => return fail(format!("data plane: {e}")),
+        Err(e) => return fail(data_plane_error(e)),
     };
     let sys = actix_rt::System::new();
     // The loop runs as a task on the actors' LocalSet, not as the future `block_on` polls: that
@@ -144,6 +145,15 @@ pub fn run(args: ServeArgs) -> ExitCode {
     drop(keep);
     drop(data_rt);
     code
+}
+
+/// The `error` line for a data plane that could not start: `data plane: ` and why (a TCP
+/// target's error already says `data plane`).
+fn data_plane_error(e: StartError) -> String {
+    match e {
+        StartError::Target(e) => format!("data plane: {e}"),
+        e => format!("data plane: {e}"),
+    }
 }
 
 /// The running worker, as serve's loop sees it.

@@ -42,7 +42,7 @@ pub enum StartError {
     /// `mooncake_protocol` is `rdma` but this build has no verbs backend (feature `rdma`).
     #[error(
         "mooncake_protocol is \"rdma\" but kvrecv was built without the `rdma` feature: rebuild \
-         with --features rdma, or give a verbs backend with KvRecvBuilder::rdma"
+         with --features rdma"
     )]
     RdmaNotBuilt,
 }
