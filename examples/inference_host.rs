@@ -17,10 +17,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 
-use kvrecv::config::KvRecvConfig;
-use kvrecv::embed::{KvRecv, KvRecvBuilder, LoadTicket};
-use kvrecv::messages::{BatchError, KvRequest};
-use kvrecv::HostMemory;
+use kvrecv::{BatchError, HostMemory, KvRecv, KvRecvBuilder, KvRecvConfig, KvRequest, LoadTicket};
 
 /// A request that needs its prompt's KV from a prefill engine.
 #[derive(Debug, Clone)]
@@ -102,10 +99,7 @@ pub struct InferenceHost {
 
 impl InferenceHost {
     /// Allocate the KV cache, register it with kvrecv and start kvrecv's worker.
-    pub fn start(
-        config: KvRecvConfig,
-        max_attempts: u32,
-    ) -> Result<Self, kvrecv::embed::StartError> {
+    pub fn start(config: KvRecvConfig, max_attempts: u32) -> Result<Self, kvrecv::StartError> {
         let l = config.layout.clone();
         // One buffer per layer: the model runner's KV cache, handed to kvrecv (which owns it
         // while it is registered; the host reads released blocks through `read_block`).
@@ -136,7 +130,7 @@ impl InferenceHost {
 
     /// The client went away: drop it if still queued, else stop waiting (kvrecv releases its
     /// blocks once no prefill peer can write into them; the next drains hand them back).
-    pub async fn cancel(&mut self, id: &str) -> Result<(), kvrecv::embed::KvRecvError> {
+    pub async fn cancel(&mut self, id: &str) -> Result<(), kvrecv::KvRecvError> {
         self.queue.retain(|(r, _)| r.id != id);
         let live: Vec<String> = self
             .live
@@ -160,7 +154,7 @@ impl InferenceHost {
     }
 
     /// One scheduler step: finish last step's decodes, load what fits, drain kvrecv.
-    pub async fn step(&mut self) -> Result<Vec<Report>, kvrecv::embed::KvRecvError> {
+    pub async fn step(&mut self) -> Result<Vec<Report>, kvrecv::KvRecvError> {
         for blocks in self.decoding.drain(..) {
             self.alloc.give_back(&blocks);
         }
@@ -287,6 +281,8 @@ impl InferenceHost {
 #[allow(dead_code)] // `tests/inference_host.rs` includes this file as a module
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    // The simulated P is this crate's test tool (`testing` feature, on for its examples); the
+    // host above uses only kvrecv's public interface.
     use kvrecv::sim::initiator::InitiatorConfig;
     use kvrecv::sim::{te_writer::TeWriter, Faults, PrefillSim, SimConfig};
     let sim = PrefillSim::start_with_writer(
@@ -314,7 +310,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         },
     );
     let config = KvRecvConfig {
-        layout: kvrecv::layout::KvLayout::uniform(4, 16 * 1024, 256),
+        layout: kvrecv::KvLayout::uniform(4, 16 * 1024, 256),
         ..KvRecvConfig::default()
     };
     let mut host = InferenceHost::start(config, 5)?;

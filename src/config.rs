@@ -284,7 +284,7 @@ impl KvRecvConfig {
     /// Parse vLLM's `--kv-transfer-config` JSON.
     ///
     /// ```
-    /// let c = kvrecv::config::KvRecvConfig::from_kv_transfer_config(r#"{
+    /// let c = kvrecv::KvRecvConfig::from_kv_transfer_config(r#"{
     ///   "kv_connector": "MooncakeConnector", "kv_role": "kv_consumer",
     ///   "kv_connector_extra_config": {"mooncake_protocol": "tcp",
     ///     "kvrecv": {"policy": "settle", "pull_timeout_ms": 30000,

@@ -39,7 +39,7 @@ impl KvLayout {
     /// `layers` regions named like vLLM's, one group, `block_len` bytes per block.
     ///
     /// ```
-    /// let l = kvrecv::layout::KvLayout::uniform(2, 4096, 16);
+    /// let l = kvrecv::KvLayout::uniform(2, 4096, 16);
     /// assert_eq!(l.regions[1].layer_name, "model.layers.1.self_attn.attn");
     /// assert_eq!(l.region_bytes(), 4096 * 16);
     /// ```

@@ -10,33 +10,66 @@
 //! Data flows one way: [`actors::Receiver`] -> [`actors::Peer`] -> [`actors::RequestAggregator`]
 //! -> [`actors::BlockManager`].
 //!
-//! The front door for a host (a Rust inference server on its own tokio runtime) is
-//! [`KvRecvBuilder`] -> [`KvRecv`]; the items a host needs are re-exported here. The actor
-//! modules are the advanced path for hosts that run actix themselves.
+//! The public interface is: the builder ([`KvRecvBuilder`]) and what it takes (configuration:
+//! [`KvRecvConfig`] and its parts; [`KvLayout`]; destination memory: [`HostMemory`],
+//! [`DeviceMemory`] and their regions; data-plane, bootstrap, ZMQ and RDMA settings), the
+//! handle ([`KvRecv`]) with its requests ([`KvRequest`]), replies ([`LoadKvReply`],
+//! [`StepOutput`], [`AbortReply`], [`PauseReport`], [`Stats`]) and events ([`KvEvent`]),
+//! reading landed blocks back ([`KvRecv::read_block`], [`HostMemory::take_back`], [`Stamp`],
+//! [`owner_tag`]), the errors, and, for hosts that run actix themselves, the advanced actor
+//! path ([`actors`]: the actors and the messages they take and give). Everything else is
+//! private. (The `cli` feature adds
+//! the binary's entry point, `cli::main`; the `testing` feature opens the internals to this
+//! crate's own tests and benches and is not part of the interface.)
+//!
+//! Hosts that run actix themselves wire the actors directly ([`actors::Coordinator::start`]);
+//! [`KvRecv::from_parts`] puts such custom parts behind the same handle.
+
+/// Declares an internal module: private, or public under the `testing` feature (this crate's
+/// integration tests, benches and examples reach internals through it; its items are then
+/// exempt from `missing_docs`, not being the public interface).
+macro_rules! internal_mod {
+    ($(#[$attr:meta])* $name:ident) => {
+        $(#[$attr])*
+        #[cfg(feature = "testing")]
+        #[allow(missing_docs)]
+        pub mod $name;
+        $(#[$attr])*
+        #[cfg(not(feature = "testing"))]
+        pub(crate) mod $name;
+    };
+}
 
 pub mod actors;
-pub mod block_ownership;
-pub mod block_read;
-pub mod config;
-pub mod control;
-pub mod embed;
+internal_mod!(block_ownership);
+internal_mod!(block_read);
+#[cfg(feature = "cli")]
+pub mod cli;
+internal_mod!(config);
+internal_mod!(control);
+internal_mod!(embed);
 pub(crate) mod fast_hash;
-pub mod layout;
-pub mod messages;
+internal_mod!(layout);
+internal_mod!(messages);
 #[cfg(feature = "cli")]
-pub mod metrics_endpoint;
+internal_mod!(metrics_endpoint);
 pub(crate) mod millis;
-pub mod rdma;
-#[doc(hidden)]
+internal_mod!(rdma);
 #[cfg(feature = "cli")]
-pub mod repro;
-#[doc(hidden)]
+internal_mod!(repro);
+// The simulator's API is shaped for this crate's tests (faults, crashes, restarts); `kvrecv
+// prefill-sim` uses a part of it.
 #[cfg(feature = "sim")]
-pub mod sim;
-pub mod telemetry;
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code, unused_imports))]
+    sim
+);
+internal_mod!(telemetry);
 
+pub use block_ownership::owner_tag;
 pub use block_read::BlockReadError;
-pub use config::{ConfigError, KvRecvConfig, LoadFailurePolicy, Policy};
+pub use config::{ConfigError, DRank, KvRecvConfig, LoadFailurePolicy, MooncakeProtocol, Policy};
+pub use control::{BootstrapConfig, ControlCpu, ZmqTransportConfig};
 pub use embed::{
     DataPlaneStats, EventStream, KvRecv, KvRecvBuilder, KvRecvError, LoadTicket, PauseError,
     ResumeMemory, StartError, Stats,
@@ -44,10 +77,20 @@ pub use embed::{
 pub use layout::{KvLayout, Region};
 pub use messages::batch::MAX_ID_BYTES;
 pub use messages::{
-    AbandonedRequest, AbortReply, BatchError, KvEvent, KvRequest, LoadKvReply, PauseReport, ReqId,
-    StepOutput,
+    AbandonedRequest, AbortReply, BatchError, KvEvent, KvRequest, LedgerStats, LoadKvReply,
+    Outcome, PauseReport, PeerId, PullId, ReqId, SettleOutcome, StepOutput,
 };
-pub use rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError};
+pub use rdma::audit::Stamp;
+pub use rdma::memory::{
+    DeviceMemory, DeviceRegion, HostMemory, HostRegion, MemoryError, MemoryKind,
+};
+pub use rdma::memory_fit::MemoryFitError;
+pub use rdma::tcp::target::TargetError;
+#[cfg(feature = "rdma")]
+pub use rdma::verbs::DeviceConfig as RdmaDeviceConfig;
+pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, Mtu as RdmaMtu, PeerBinding};
+pub use rdma::verbs::{RdmaTargetError, VerbsError};
+pub use rdma::{LandingPauseError, TargetConfig, NO_CLEAN_WINDOW};
 
 /// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.
 #[cfg(doctest)]

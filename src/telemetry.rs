@@ -10,10 +10,9 @@ use std::sync::{Arc, Mutex};
 
 use crate::fast_hash::FastMap;
 
-use metrics::{
-    describe_counter, describe_gauge, describe_histogram, Counter, Gauge, Histogram, Label,
-    SharedString, Unit,
-};
+use metrics::{Counter, Gauge, Histogram, Label, SharedString};
+#[cfg(feature = "cli")]
+use metrics::{describe_counter, describe_gauge, describe_histogram, Unit};
 
 /// The labels every series of one coordinator carries: `engine` (this D worker's engine id) and
 /// `tp_rank`/`pp_rank`, so two coordinators in one process (one per rank, or one per engine) keep
@@ -247,6 +246,7 @@ pub const BOOTSTRAP_LATENCY: &str = "kvrecv_bootstrap_query_seconds";
 pub const UNSENT_PULLS: &str = "kvrecv_unsent_pulls_total";
 /// Requests refused at load_kv, by reason (invalid, duplicate, still live, block in use); label reason.
 pub const LOAD_KV_REJECTED: &str = "kvrecv_load_kv_rejected_total";
+#[cfg(feature = "cli")]
 /// Times `kvrecv serve` stopped reading stdin because its host was not reading stdout.
 pub const STDIN_PAUSES: &str = "kvrecv_serve_stdin_pauses_total";
 /// Requests aborted by the host, by stage (in_flight, before_dispatch, unknown); label stage.
@@ -254,6 +254,7 @@ pub const ABORTS: &str = "kvrecv_aborts_total";
 /// 1 while the worker is paused (sleep mode: admission closed, the landing closing or closed).
 pub const PAUSED: &str = "kvrecv_paused";
 
+#[cfg(feature = "cli")]
 /// Register descriptions (shown as `# HELP` lines).
 pub fn describe() {
     describe_requests();
@@ -264,6 +265,7 @@ pub fn describe() {
 }
 
 /// Requests at the host boundary: admission, aborts, pause, completion.
+#[cfg(feature = "cli")]
 fn describe_requests() {
     describe_counter!(
         LOAD_KV_REJECTED,
@@ -291,6 +293,7 @@ fn describe_requests() {
 }
 
 /// Pulls and their replies (the Peers).
+#[cfg(feature = "cli")]
 fn describe_pulls() {
     describe_counter!(PULLS, "Pulls sent to prefill peers");
     describe_counter!(
@@ -325,6 +328,7 @@ fn describe_pulls() {
 }
 
 /// Blocks held until a fence.
+#[cfg(feature = "cli")]
 fn describe_quarantine() {
     describe_gauge!(QUARANTINED_BLOCKS, "Destination blocks held until a fence");
     describe_counter!(
@@ -339,6 +343,7 @@ fn describe_quarantine() {
 }
 
 /// The data plane: bytes landed, permits, windows, connections.
+#[cfg(feature = "cli")]
 fn describe_landing() {
     describe_counter!(
         BYTES_LANDED,
@@ -388,6 +393,7 @@ fn describe_landing() {
 }
 
 /// Finding P: the bootstrap lookups and the ZMQ side channels.
+#[cfg(feature = "cli")]
 fn describe_discovery() {
     describe_counter!(
         TOPOLOGY_FAILURES,

@@ -2,7 +2,7 @@
 //! with the request's owner tag and stamped for the audit (`sim::te_writer`), recomputed here
 //! with the same public functions so that every block can be compared byte for byte.
 
-use kvrecv::block_ownership::owner_tag;
+use kvrecv::owner_tag;
 use kvrecv::rdma::audit::stamp_write;
 
 /// One D block of `block_len` bytes as P TP `p_tp` writes it into D TP1 for `transfer_id`.

@@ -18,8 +18,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvrecv::embed::EventStream;
-use kvrecv::{DeviceMemory, DeviceRegion, KvLayout, KvRecv, KvRecvConfig, KvRequest};
+use kvrecv::{DeviceMemory, DeviceRegion, EventStream, KvLayout, KvRecv, KvRecvConfig, KvRequest};
 
 use crate::cuda::{Busy, Ctx, DevBuf, Pinned, Stream};
 use crate::expected;

@@ -5,9 +5,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use futures::StreamExt;
-use kvrecv::embed::EventStream;
-use kvrecv::messages::completion::Outcome;
-use kvrecv::{KvEvent, KvRecv, KvRequest};
+use kvrecv::{EventStream, KvEvent, KvRecv, KvRequest, Outcome};
 
 /// One request of P engine `engine_id` (bootstrap `bootstrap`), its transfer id its own id.
 pub fn request(engine_id: &str, bootstrap: &str, id: &str, blocks: Vec<u32>) -> KvRequest {

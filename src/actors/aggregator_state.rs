@@ -104,6 +104,7 @@ pub struct AggregatorState {
     completed: bool,
 }
 
+#[cfg(feature = "testing")]
 pub use super::peer_state::TE_FAILURE;
 
 impl AggregatorState {

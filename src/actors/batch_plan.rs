@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::config::DRank;
 use crate::layout::KvLayout;
 use crate::messages::{
-    BatchError, Interner, KvRequest, MetadataRef, MooncakeXferMetadata, PullLayout, ReqBlock,
+    BatchError, Interner, KvRequest, MetadataRef, PullLayout, ReqBlock,
     ReqBlocksRef, RequestMeta, SharedRequest,
 };
 
@@ -201,6 +201,7 @@ pub fn group_by_engine(requests: impl Into<RequestGroup>) -> EngineGroups {
     groups
 }
 
+#[cfg(any(test, feature = "testing"))]
 /// The metadata of one pull: D's endpoint, every request of the group (cleanup pulls and full
 /// prefix hits with an empty outer list, as vLLM sends them), the pull's advertised `bases` and
 /// the layout's per-region arrays.
@@ -210,8 +211,8 @@ pub fn pull_metadata(
     (host, port): (&str, u32),
     group: &[SharedRequest],
     bases: Vec<u64>,
-) -> MooncakeXferMetadata {
-    let mut md = MooncakeXferMetadata::minimal(host, port, d.tp_size, d.tp_rank);
+) -> crate::messages::MooncakeXferMetadata {
+    let mut md = crate::messages::MooncakeXferMetadata::minimal(host, port, d.tp_size, d.tp_rank);
     md.remote_pp_size = d.pp_size;
     for r in group {
         let blocks = if r.is_awaiting() {

@@ -6,7 +6,9 @@
 use crate::fast_hash::FastMap;
 use std::sync::Arc;
 
-pub use crate::block_ownership::{owner_tag, BlockOwnership, BlockState};
+pub use crate::block_ownership::BlockOwnership;
+#[cfg(feature = "testing")]
+pub use crate::block_ownership::{owner_tag, BlockState};
 pub use crate::messages::PoolError;
 use crate::messages::ReqId;
 

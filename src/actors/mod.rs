@@ -24,52 +24,40 @@
 
 #![forbid(unsafe_code)]
 
-#[doc(hidden)]
-pub mod aggregation_table;
-pub mod aggregator;
-#[doc(hidden)]
-pub mod aggregator_state;
-#[doc(hidden)]
-pub mod alarm;
-#[doc(hidden)]
-pub mod batch_plan;
-#[doc(hidden)]
-pub mod block_ledger;
-pub mod block_manager;
-#[doc(hidden)]
-pub mod block_pool;
-pub mod event_sink;
-pub mod layout_acks;
-#[doc(hidden)]
-pub mod live_set;
-#[doc(hidden)]
-pub mod outbox;
-#[doc(hidden)]
-pub mod pause_watch;
-pub mod peer;
-#[doc(hidden)]
-pub mod peer_state;
-#[doc(hidden)]
-pub mod pending_set;
-#[doc(hidden)]
-pub mod pull_encoder;
-pub mod pull_mux;
-pub mod receiver;
-#[doc(hidden)]
-pub mod receiver_state;
-#[doc(hidden)]
-pub mod rediscovery;
-#[doc(hidden)]
-pub mod revoke_release;
-#[doc(hidden)]
+internal_mod!(aggregation_table);
+internal_mod!(aggregator);
+internal_mod!(aggregator_state);
+internal_mod!(alarm);
+internal_mod!(batch_plan);
+internal_mod!(block_ledger);
+internal_mod!(block_manager);
+internal_mod!(block_pool);
+internal_mod!(event_sink);
+internal_mod!(layout_acks);
+internal_mod!(live_set);
+internal_mod!(outbox);
+internal_mod!(pause_watch);
+internal_mod!(peer);
+internal_mod!(peer_state);
+internal_mod!(pending_set);
+internal_mod!(pull_encoder);
+internal_mod!(pull_mux);
+internal_mod!(receiver);
+internal_mod!(receiver_state);
+internal_mod!(rediscovery);
+internal_mod!(revoke_release);
 #[cfg(any(test, feature = "testing"))]
-pub mod scripted_transport;
-#[doc(hidden)]
-pub mod shared;
-pub mod system;
-pub mod topology;
-pub mod transport;
+internal_mod!(scripted_transport);
+internal_mod!(shared);
+internal_mod!(system);
+internal_mod!(topology);
+internal_mod!(transport);
 
+// The advanced path (a host that runs actix itself): the actors, what they are made of, and the
+// messages they take and give.
+pub use crate::control::{HttpTopology, ZmqTransport};
+pub use crate::messages::{Abort, Drain, LoadKv, LoadMetas};
+pub use crate::rdma::{Landing, TcpTarget};
 pub use aggregator::RequestAggregator;
 pub use block_manager::BlockManager;
 pub use event_sink::EventSink;
@@ -78,5 +66,10 @@ pub use receiver::Receiver;
 #[cfg(any(test, feature = "testing"))]
 pub use scripted_transport::{OpenedPull, ScriptedTransport};
 pub use system::{Coordinator, CoordinatorParts};
-pub use topology::{DRank, EngineTopology, StaticTopology, TopologyError, TopologySource};
-pub use transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};
+pub use topology::TopologySource;
+pub use transport::PeerTransport;
+// What this crate's tests and benches name through `kvrecv::actors` (not the interface).
+#[cfg(feature = "testing")]
+pub use topology::{DRank, EngineTopology, StaticTopology, TopologyError};
+#[cfg(feature = "testing")]
+pub use transport::{CleanFinish, Frames, ReplyStream, TransportError};

@@ -186,6 +186,7 @@ impl PeerState {
         &self.peer
     }
 
+    #[cfg(any(test, feature = "testing"))]
     /// Hash what decides this peer's future behaviour (pending requests per pull), in a
     /// canonical order: lets a model checker recognise equal states.
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
@@ -210,6 +211,7 @@ impl PeerState {
         self.pulls.values().map(|p| p.pending.len()).sum()
     }
 
+    #[cfg(any(test, feature = "testing"))]
     pub fn in_flight(&self) -> usize {
         self.pulls.len()
     }

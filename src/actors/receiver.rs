@@ -45,7 +45,7 @@ use super::transport::PeerTransport;
 
 /// Entry of the coordinator: validates `load_kv` batches, finds each P engine's peers and starts
 /// one aggregator per awaited request before any pull is sent. The decisions are
-/// [`ReceiverState`]'s; this actor performs them.
+/// a sans-IO core's (`actors/receiver_state.rs`); this actor performs them.
 pub struct Receiver {
     cfg: KvRecvConfig,
     /// Validation, admission, grouping, rediscovery decisions, parked and aborted requests.

@@ -341,12 +341,14 @@ impl ReceiverState {
 
     /// Nothing parked, nothing aborted waiting for its lookup (model checking: a terminal
     /// state must hold nothing).
+    #[cfg(any(test, feature = "testing"))]
     pub fn is_idle(&self) -> bool {
         self.undispatched.is_empty() && self.aborted.is_empty()
     }
 
     /// Hash what decides the state's future (model checking), in a canonical order: the parked
     /// and the aborted requests by id and transfer (each load's transfer id is its own).
+    #[cfg(any(test, feature = "testing"))]
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         let mut parked: Vec<(&str, &str)> = self

@@ -307,12 +307,14 @@ pub trait TopologySource: 'static {
     fn invalidate(&self, bootstrap: &str, engine_id: &str);
 }
 
+#[cfg(any(test, feature = "testing"))]
 /// A fixed table of engines (tests, and hosts that know their peers).
 #[derive(Debug, Default, Clone)]
 pub struct StaticTopology {
     engines: BTreeMap<String, Arc<EngineTopology>>,
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl StaticTopology {
     /// A fixed set of engines (tests, and hosts that know P's topology).
     pub fn new(engines: impl IntoIterator<Item = EngineTopology>) -> Self {
@@ -341,6 +343,7 @@ impl StaticTopology {
     }
 }
 
+#[cfg(any(test, feature = "testing"))]
 impl TopologySource for StaticTopology {
     fn lookup(
         &self,

@@ -4,8 +4,8 @@
 
 use std::process::ExitCode;
 
-use kvrecv::control::ControlCpu;
-use kvrecv::repro::bench::{run_bench, BenchConfig, Via};
+use crate::control::ControlCpu;
+use crate::repro::bench::{run_bench, BenchConfig, Via};
 
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
@@ -82,7 +82,7 @@ pub fn run(a: BenchArgs) -> ExitCode {
         flood: a.flood,
     };
     if let Some(n) = a.hold {
-        return match kvrecv::repro::bench::run_hold(cfg, n) {
+        return match crate::repro::bench::run_hold(cfg, n) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("error: {e}");

@@ -7,7 +7,7 @@
 
 #![forbid(unsafe_code)]
 
-use kvrecv::messages::{KvEvent, Outcome};
+use crate::messages::{KvEvent, Outcome};
 use serde_json::json;
 
 /// Append `ev`'s line and a newline to `chunk` (an `error` line if it cannot be serialized).
@@ -40,7 +40,7 @@ pub fn event_line(chunk: &mut Vec<u8>, ev: &KvEvent) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvrecv::messages::{PeerId, ReqId};
+    use crate::messages::{PeerId, ReqId};
 
     fn completion(req_id: &str, outcome: Outcome, uncertain: Vec<PeerId>) -> KvEvent {
         KvEvent::Completion {

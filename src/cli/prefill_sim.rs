@@ -17,7 +17,7 @@ use tokio::io::BufReader;
 
 use super::line_reader::{Line, LineReader};
 
-use kvrecv::sim::{Faults, PrefillSim, SimConfig};
+use crate::sim::{Faults, PrefillSim, SimConfig};
 
 /// Longest command line read; a longer one is dropped unread and answered with an error.
 const MAX_LINE: usize = 1 << 20;
@@ -134,7 +134,7 @@ pub fn run(args: PrefillSimArgs) -> ExitCode {
 async fn start_sim(
     args: &PrefillSimArgs,
     faults: Faults,
-) -> Result<PrefillSim, kvrecv::sim::SimError> {
+) -> Result<PrefillSim, crate::sim::SimError> {
     let cfg = SimConfig {
         engine_id: args.engine_id.clone(),
         tp_size: args.tp,
@@ -149,9 +149,8 @@ async fn start_sim(
         ..SimConfig::default()
     };
     if args.write {
-        let writer = kvrecv::sim::te_writer::TeWriter::new(
-            kvrecv::sim::initiator::InitiatorConfig::default(),
-        );
+        let writer =
+            crate::sim::te_writer::TeWriter::new(crate::sim::initiator::InitiatorConfig::default());
         PrefillSim::start_with_writer(cfg, std::sync::Arc::new(writer)).await
     } else {
         PrefillSim::start(cfg).await

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use kvrecv::repro::{self, Scenario, Soak, Variant};
+use crate::repro::{self, Scenario, Soak, Variant};
 
 /// Flags of `kvrecv repro`; every default is the seed's experiment, scaled to run in about a
 /// minute on two cores.
@@ -74,7 +74,7 @@ pub struct ReproArgs {
     /// With `--soak`: every P worker evicts its cached D layouts before every n-th pull
     /// (vLLM 0.33's LRU), so pulls that omitted their layout get LAYOUT_MISS and are resent
     /// with it (row `layout resends`). 0: no eviction.
-    #[arg(long, default_value_t = kvrecv::repro::scenario::SOAK_EVICT_LAYOUTS_EVERY)]
+    #[arg(long, default_value_t = crate::repro::scenario::SOAK_EVICT_LAYOUTS_EVERY)]
     pub evict_layouts_every: u32,
     /// Print one JSON object instead of the table.
     #[arg(long)]
@@ -146,7 +146,7 @@ pub fn run(args: ReproArgs) -> ExitCode {
                 return ExitCode::from(2);
             }
         };
-        let r = rt.block_on(async { kvrecv::metrics_endpoint::serve_prometheus(addr) });
+        let r = rt.block_on(async { crate::metrics_endpoint::serve_prometheus(addr) });
         match r {
             Ok(bound) => eprintln!("metrics: http://{bound}/metrics"),
             Err(e) => {

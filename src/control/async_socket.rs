@@ -155,6 +155,7 @@ impl AsyncSocket {
         }
     }
 
+    #[cfg(any(feature = "sim", feature = "testing"))]
     /// Receive one whole message.
     pub async fn recv_multipart(&mut self) -> Result<Vec<Vec<u8>>, SocketError> {
         poll_fn(|cx| self.poll_recv_multipart(cx)).await

@@ -19,7 +19,7 @@ use std::str::FromStr;
 /// Placement of the control plane's two threads.
 ///
 /// ```
-/// use kvrecv::control::ControlCpu;
+/// use kvrecv::ControlCpu;
 /// assert_eq!(ControlCpu::default(), ControlCpu::Any);
 /// assert_eq!("current".parse::<ControlCpu>(), Ok(ControlCpu::Current));
 /// assert_eq!("3".parse::<ControlCpu>(), Ok(ControlCpu::Fixed(3)));

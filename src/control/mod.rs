@@ -1,18 +1,19 @@
 //! The control plane on real sockets: the ZMQ peer transport and the HTTP bootstrap client.
 
-#[doc(hidden)]
-pub mod async_socket;
-pub mod bootstrap_client;
-pub mod control_cpu;
+internal_mod!(async_socket);
+internal_mod!(bootstrap_client);
+internal_mod!(control_cpu);
 mod fd_exhaustion;
-#[doc(hidden)]
-pub mod http;
-#[doc(hidden)]
-pub mod zmq_context;
-pub mod zmq_transport;
+internal_mod!(http);
+internal_mod!(zmq_context);
+internal_mod!(zmq_transport);
 
-pub use async_socket::{AsyncSocket, SocketError};
+#[cfg(any(feature = "sim", feature = "testing"))]
+pub use async_socket::AsyncSocket;
+#[cfg(feature = "testing")]
+pub use async_socket::SocketError;
 pub use bootstrap_client::{BootstrapConfig, HttpTopology};
 pub use control_cpu::ControlCpu;
+#[cfg(feature = "testing")]
 pub use zmq_context::ZmqContext;
 pub use zmq_transport::{ZmqTransport, ZmqTransportConfig};

@@ -90,7 +90,7 @@ pub struct ZmqTransportConfig {
     /// CPU, so that a pull's hand-offs between them are not cross-CPU wake-ups (`kvrecv serve`
     /// and `kvrecv bench` do, docs/PERFORMANCE.md). Threads that thread spawns later inherit
     /// its CPU (the data plane's runtimes give theirs back:
-    /// [`crate::control::control_cpu::unpin_current_thread`]).
+    /// `crate::control::control_cpu::unpin_current_thread`).
     pub control_cpu: ControlCpu,
 }
 

@@ -655,8 +655,8 @@ impl Drop for Queued {
 }
 
 /// Host -> Receiver: [`LoadKv`] for a host that reads its requests itself (`serve` reads its
-/// JSON lines in place, as [`KvRequestRef`]s): each request already turned into its metadata
-/// (with the host's own [`Interner`]) or refused with why, in the batch's order. The Receiver
+/// JSON lines in place, as `KvRequestRef`s): each request already turned into its metadata
+/// (with the host's own `Interner`) or refused with why, in the batch's order. The Receiver
 /// checks the rest (layout, duplicates) and answers as for [`LoadKv`].
 #[derive(Debug, Message)]
 #[rtype(result = "LoadKvReply")]

@@ -25,7 +25,7 @@ pub enum KvEvent {
     },
     /// One reply named `count` ids that were not pending for that pull (unknown, duplicate,
     /// late); `sample` holds the first few. At most one per reply, and at most
-    /// [`STALE_EVENTS_PER_PULL`](crate::actors::peer::STALE_EVENTS_PER_PULL) per pull (the
+    /// `STALE_EVENTS_PER_PULL` per pull (the
     /// rest are counted in `kvrecv_stale_settles_total`).
     Stale {
         /// The peer.

@@ -27,6 +27,7 @@ impl LayoutIds {
         }
     }
 
+    #[cfg(any(test, feature = "testing"))]
     /// The ids of the registration with this nonce (tests, replays).
     pub fn with_nonce(nonce: u64) -> Self {
         LayoutIds { nonce }

@@ -3,36 +3,43 @@
 
 #![forbid(unsafe_code)]
 
-pub mod abort;
-pub mod batch;
-#[doc(hidden)]
-pub mod bootstrap;
-pub mod completion;
-pub mod drain;
-pub mod event;
-#[doc(hidden)]
-pub mod handshake;
-pub mod handshake_desc;
-pub mod ids;
-pub mod layout_id;
-#[doc(hidden)]
-pub mod msgpack_strict;
-pub mod pause;
-pub mod peer_text;
-#[doc(hidden)]
-pub mod pool;
-pub mod pull;
+internal_mod!(abort);
+internal_mod!(batch);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    bootstrap
+);
+internal_mod!(completion);
+internal_mod!(drain);
+internal_mod!(event);
+internal_mod!(handshake);
+internal_mod!(handshake_desc);
+internal_mod!(ids);
+internal_mod!(layout_id);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    msgpack_strict
+);
+internal_mod!(pause);
+internal_mod!(peer_text);
+internal_mod!(pool);
+internal_mod!(pull);
 mod reply_reader;
-pub mod retire;
-pub mod settle;
-#[doc(hidden)]
-pub mod tick;
-#[doc(hidden)]
-pub mod wire;
+internal_mod!(retire);
+internal_mod!(settle);
+internal_mod!(tick);
+// P's side of the wire (what the simulator and the tests encode, the serde reference decoders
+// the strict ones are checked against) lives with D's side.
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    wire
+);
 
 pub use abort::{Abort, AbortAtPeer, AbortReply, ABORTED_BY_HOST};
+#[cfg(feature = "cli")]
+pub use batch::KvRequestRef;
 pub use batch::{
-    BatchError, Interner, KvRequest, KvRequestRef, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
+    BatchError, Interner, KvRequest, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
     Queued, RequestMeta, SharedRequest,
 };
 pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outcome};
@@ -45,7 +52,8 @@ pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{EncodeWithLayout, Pull, PullLayout, PullRequest, PullRequests, UnsentPull};
 pub use retire::{CountPeers, PeerCount, Retire};
 pub use settle::{Cause, Settle, SettleList, SettleOutcome, Settles};
-pub use wire::{
-    IdList, MetadataRef, MetadataTail, MooncakeXferMetadata, MooncakeXferResponse, ReqBlock,
-    ReqBlocksRef, WireError, XferReplyRef, XferStatus,
-};
+pub use wire::{MetadataRef, MetadataTail, ReqBlock, ReqBlocksRef, WireError, XferReplyRef, XferStatus};
+#[cfg(feature = "testing")]
+pub use wire::IdList;
+#[cfg(any(feature = "sim", feature = "testing"))]
+pub use wire::{MooncakeXferMetadata, MooncakeXferResponse};

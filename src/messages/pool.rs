@@ -39,8 +39,11 @@ pub struct Free {
 pub struct GetLedgerStats;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
+/// The block ledger's counts ([`crate::Stats::ledger`]).
 pub struct LedgerStats {
+    /// Requests whose blocks wait in quarantine (a peer may still write into them).
     pub quarantined_requests: usize,
+    /// Blocks those requests hold.
     pub quarantined_blocks: usize,
     /// `None` without a built-in pool.
     pub free_blocks: Option<usize>,

@@ -402,8 +402,7 @@ pub struct XferReplyRef<'a> {
 
 impl<'a> XferReplyRef<'a> {
     /// What [`Self::decode_bounded`] did before it read a reply in one pass: the strict check,
-    /// then serde. Kept as the reference it is tested against.
-    #[doc(hidden)]
+    /// then serde. Kept as the reference it is tested against (by the tests and benches only).
     pub fn decode_by_serde(buf: &'a [u8], max_ids: usize) -> Result<Self, WireError> {
         check_map_document_capped(
             buf,

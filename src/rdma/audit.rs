@@ -27,6 +27,7 @@ pub const STAMP_LEN: usize = 16;
 pub struct Stamp {
     /// `owner_tag(transfer_id)` of the request the writer writes for.
     pub owner_tag: u32,
+    /// The block's index in its region.
     pub block: u32,
     /// Block generation the writer was told, 0 if unknown.
     pub generation: u32,
@@ -89,6 +90,7 @@ pub fn block_slices(
     })
 }
 
+#[cfg(any(feature = "sim", feature = "testing"))]
 /// Writer side: stamp `payload`, to be written at byte `offset` of a region with stride
 /// `block_len`, for the owner `owner_tag` (generation per block from `generation`).
 pub fn stamp_write(

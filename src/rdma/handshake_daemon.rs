@@ -440,6 +440,7 @@ pub async fn serve(listener: TcpListener, daemon: Arc<Daemon>) {
     }
 }
 
+#[cfg(any(feature = "sim", feature = "testing"))]
 /// Client side of one handshake exchange (used by the initiator and tests): send `body` as a
 /// frame of type `ty` (`None`: legacy untyped) to `addr`, return (type byte if any, reply body).
 pub async fn request(

@@ -109,7 +109,7 @@ pub enum LandingPauseError {
 }
 
 /// The start of the reason a request fails with when its batch's pulls could not all get a
-/// clean landing window ([`NoWindow`]): nothing was sent to P; the host may load it again later.
+/// clean landing window (`NoWindow`): nothing was sent to P; the host may load it again later.
 pub const NO_CLEAN_WINDOW: &str = "no clean landing window";
 
 /// Why a batch's pulls got no landing window: none of them is sent (P is never handed
@@ -186,7 +186,7 @@ pub trait Landing: Send + Sync + 'static {
 
     /// Close every permit covering this request's blocks, and poison the windows of the pulls of
     /// `suspects`. Called once per completion, before the request's blocks are released,
-    /// whatever the outcome; the blocks wait for [`Revoked::quiesced`] too.
+    /// whatever the outcome; the blocks wait for `Revoked::quiesced` too.
     fn revoke(&self, r: &RevokeRequest<'_>) -> Revoked;
 
     /// Whether what landed backs every peer's ok for `req` (PROTOCOL.md §5.3: a v1 writer's ok
@@ -225,7 +225,7 @@ pub trait Landing: Send + Sync + 'static {
     }
 
     /// [`Landing::resume`] on `memory`, the host's new regions, checked against the layout
-    /// first ([`LandingPauseError::DoesNotFit`]). Only while paused: every write after it
+    /// first (`LandingPauseError::DoesNotFit`). Only while paused: every write after it
     /// lands in `memory`, none in the old memory, which the host may free once this returned.
     /// On an error the landing is still paused, on the old memory.
     fn resume_on(
@@ -238,6 +238,7 @@ pub trait Landing: Send + Sync + 'static {
     }
 }
 
+#[cfg(any(test, feature = "testing", feature = "cli"))]
 /// No data plane of kvrecv's own (the host's memory is written by someone else): fixed base
 /// addresses, nothing revocable, no fence. Quarantined blocks wait for the last-resort deadline.
 ///
@@ -253,6 +254,7 @@ pub struct StaticLanding {
     bases: RegionBases,
 }
 
+#[cfg(any(test, feature = "testing", feature = "cli"))]
 impl StaticLanding {
     /// A landing at (`host`, `port`) with one base address per region; it admits and fences nothing
     /// (test double).
@@ -265,6 +267,7 @@ impl StaticLanding {
     }
 }
 
+#[cfg(any(test, feature = "testing", feature = "cli"))]
 impl Landing for StaticLanding {
     fn endpoint(&self) -> (&str, u32) {
         (&self.host, self.port)

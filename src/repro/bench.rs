@@ -5,7 +5,6 @@
 //! the actors' thread (`Via::Actors`, as `serve`'s does) or on a multi-thread tokio runtime
 //! through the embedding handle (`Via::Handle`, as an embedding host's does).
 
-use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,9 +12,9 @@ use futures::stream::{poll_fn, Stream, StreamExt};
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
-use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::actors::{Coordinator, EventSink};
 use crate::config::KvRecvConfig;
-use crate::control::{BootstrapConfig, ControlCpu, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use crate::control::{ControlCpu, ZmqTransportConfig};
 use crate::layout::KvLayout;
 use crate::messages::{KvEvent, KvRequest, LoadKv, LoadKvReply};
 use crate::rdma::StaticLanding;
@@ -217,24 +216,28 @@ pub fn run_hold(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
     sys.block_on(hold_requests(cfg, hold))
 }
 
-/// The bench's D: the real control plane (HTTP bootstrap, ZMQ), landing nowhere (P writes no
-/// bytes here; the data plane has its own bench).
-fn parts(config: KvRecvConfig, events: EventSink, control_cpu: ControlCpu) -> CoordinatorParts {
-    CoordinatorParts {
-        config,
-        topology: Rc::new(HttpTopology::new(BootstrapConfig::default())),
-        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig {
+/// The bench's D on the current actix System: the real control plane (HTTP bootstrap, ZMQ),
+/// landing nowhere (P writes no bytes here; the data plane has its own bench). Wired by the
+/// front door's builder, as every D is.
+async fn start_d(
+    config: KvRecvConfig,
+    events: EventSink,
+    control_cpu: ControlCpu,
+) -> Result<Coordinator, ReproError> {
+    let wiring = crate::KvRecvBuilder::new(config)
+        .zmq(ZmqTransportConfig {
             control_cpu,
             ..ZmqTransportConfig::default()
-        })),
-        landing: Arc::new(StaticLanding::new(
+        })
+        .landing(Arc::new(StaticLanding::new(
             "127.0.0.1",
             15000,
             vec![1 << 40, 1 << 41],
-        )),
-        events,
-        builtin_pool: false,
-    }
+        )))
+        .event_sink(events)
+        .wire()?;
+    let (landing, _, _) = wiring.data.start().await?;
+    Ok(wiring.control.coordinator(landing).0)
 }
 
 async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> {
@@ -249,7 +252,7 @@ async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> 
     }
     let blocks =
         u32::try_from(hold + 64).map_err(|_| ReproError::Scenario("--hold is too large".into()))?;
-    let coord = Coordinator::start(parts(
+    let coord = start_d(
         KvRecvConfig {
             layout: KvLayout::uniform(2, 4096, blocks),
             pull_timeout: Duration::from_secs(3600),
@@ -258,7 +261,8 @@ async fn hold_requests(cfg: BenchConfig, hold: usize) -> Result<(), ReproError> 
         },
         EventSink::none(),
         cfg.control_cpu,
-    ));
+    )
+    .await?;
     let mut stdin = tokio::io::BufReader::new(tokio::io::stdin()).lines();
     println!(
         "{}",
@@ -457,7 +461,7 @@ async fn phase(
     match cfg.via {
         Via::Actors => {
             let (events, mut rx) = EventSink::stamped_channel(!settles);
-            let coord = Coordinator::start(parts(config, events, run.cfg.control_cpu));
+            let coord = start_d(config, events, run.cfg.control_cpu).await?;
             // Events are stamped as they arrive, by a task of their own on the actors' thread
             // (no wake-up of another thread), so the latencies do not include the time the
             // loop spends awaiting its own load_kv.
@@ -522,6 +526,78 @@ async fn flood_until_aborted(to: Vec<std::net::SocketAddr>) {
 /// An event as the loop sees it: when the coordinator emitted it (if stamped there), when it
 /// was read, the event.
 type Stamped = (Option<Instant>, Instant, KvEvent);
+
+/// When an event was emitted (if stamped there) and observed.
+type Seen = (Option<Instant>, Instant);
+
+/// What a phase measured so far, and the blocks it has free.
+struct Tally {
+    free: std::collections::VecDeque<u32>,
+    /// Per request in flight: when loaded, its last settle, its block.
+    loaded_at: crate::fast_hash::FastMap<String, (Instant, Option<Seen>, u32)>,
+    hist: Histogram<u64>,
+    after_settle: Histogram<u64>,
+    after_settle_observed: Histogram<u64>,
+    failure_causes: std::collections::BTreeMap<String, usize>,
+}
+
+impl Tally {
+    /// The requests `ids`, each on a free block, loaded now.
+    fn batch(&mut self, run: &Run<'_>, ids: std::ops::Range<usize>) -> Vec<KvRequest> {
+        let reqs: Vec<KvRequest> = ids
+            .map(|i| {
+                let block = self
+                    .free
+                    .pop_front()
+                    .expect("more blocks than requests in flight");
+                run.request(i, block)
+            })
+            .collect();
+        let now = Instant::now();
+        for r in &reqs {
+            self.loaded_at
+                .insert(r.req_id.clone(), (now, None, r.block_ids[0][0]));
+        }
+        reqs
+    }
+
+    /// One event: a completion frees its block and records its latencies (true); a settle is
+    /// its request's last so far.
+    fn on_event(&mut self, emitted: Option<Instant>, at: Instant, ev: KvEvent) -> bool {
+        match ev {
+            KvEvent::Completion {
+                req_id, outcome, ..
+            } => {
+                if let crate::messages::Outcome::Failed { reason, .. } = outcome {
+                    *self.failure_causes.entry(reason).or_insert(0) += 1;
+                }
+                if let Some((t, last_settle, block)) = self.loaded_at.remove(&*req_id) {
+                    self.free.push_back(block);
+                    let _ = self.hist.record((at - t).as_micros() as u64);
+                    if let Some((s_emitted, s_at)) = last_settle {
+                        let us = |d: Duration| d.as_micros() as u64;
+                        if let (Some(e), Some(s)) = (emitted, s_emitted) {
+                            let _ = self
+                                .after_settle
+                                .record(us(e.saturating_duration_since(s)));
+                        }
+                        let _ = self
+                            .after_settle_observed
+                            .record(us(at.saturating_duration_since(s_at)));
+                    }
+                }
+                true
+            }
+            KvEvent::Settled { req_id, .. } => {
+                if let Some(e) = self.loaded_at.get_mut(&*req_id) {
+                    e.1 = Some((emitted, at));
+                }
+                false
+            }
+            _ => false,
+        }
+    }
+}
 
 /// What the measured loop needs from the D under test.
 trait BenchD {
@@ -635,11 +711,15 @@ impl Run<'_> {
     ) -> Result<Phase, ReproError> {
         let cfg = self.cfg;
         let requests = self.requests;
-        let mut free: std::collections::VecDeque<u32> = (0..self.blocks).collect();
-        let mut loaded_at = crate::fast_hash::FastMap::default();
-        let mut hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
-        let mut after_settle = hist.clone();
-        let mut after_settle_observed = hist.clone();
+        let hist = Histogram::<u64>::new(3).map_err(|e| ReproError::Scenario(e.to_string()))?;
+        let mut tally = Tally {
+            free: (0..self.blocks).collect(),
+            loaded_at: crate::fast_hash::FastMap::default(),
+            after_settle: hist.clone(),
+            after_settle_observed: hist.clone(),
+            hist,
+            failure_causes: std::collections::BTreeMap::new(),
+        };
         // Warm-up: bootstrap lookup cached, libzmq threads up.
         let warm = d.load_kv(vec![self.request(0, 0)]).await?;
         refused(&warm)?;
@@ -651,26 +731,12 @@ impl Run<'_> {
         let cpu0 = process_cpu_s();
         let start = Instant::now();
         let (mut next, mut outstanding, mut completed) = (1usize, 0usize, 0usize);
-        let mut failure_causes = std::collections::BTreeMap::new();
         let end = requests + 1;
         let mut tickets = std::collections::VecDeque::new();
         while completed < requests {
             while outstanding + cfg.batch <= cfg.in_flight.max(cfg.batch) && next < end {
                 let n = cfg.batch.min(end - next);
-                let reqs: Vec<KvRequest> = (next..next + n)
-                    .map(|i| {
-                        let block = free
-                            .pop_front()
-                            .expect("more blocks than requests in flight");
-                        self.request(i, block)
-                    })
-                    .collect();
-                let now = Instant::now();
-                for r in &reqs {
-                    // The last settle: when emitted (if stamped there), when observed.
-                    let last_settle: Option<(Option<Instant>, Instant)> = None;
-                    loaded_at.insert(r.req_id.clone(), (now, last_settle, r.block_ids[0][0]));
-                }
+                let reqs = tally.batch(&self, next..next + n);
                 tickets.push_back(d.submit(reqs).await?);
                 next += n;
                 outstanding += n;
@@ -702,49 +768,23 @@ impl Run<'_> {
             let Some((emitted, at, ev)) = ev else {
                 return Err(ReproError::Scenario("event stream closed".into()));
             };
-            match ev {
-                KvEvent::Completion {
-                    req_id, outcome, ..
-                } => {
-                    if let crate::messages::Outcome::Failed { reason, .. } = outcome {
-                        *failure_causes.entry(reason).or_insert(0) += 1;
-                    }
-                    if let Some((t, last_settle, block)) = loaded_at.remove(&*req_id) {
-                        free.push_back(block);
-                        let _ = hist.record((at - t).as_micros() as u64);
-                        if let Some((s_emitted, s_at)) = last_settle {
-                            let us = |d: Duration| d.as_micros() as u64;
-                            if let (Some(e), Some(s)) = (emitted, s_emitted) {
-                                let _ = after_settle.record(us(e.saturating_duration_since(s)));
-                            }
-                            let _ = after_settle_observed
-                                .record(us(at.saturating_duration_since(s_at)));
-                        }
-                    }
-                    outstanding -= 1;
-                    completed += 1;
-                    // A host drains what finished (vLLM's get_finished, every step): the
-                    // coordinator keeps a finished request until drained, within its live
-                    // limit.
-                    if completed % 1024 == 0 {
-                        d.drain().await?;
-                    }
+            if tally.on_event(emitted, at, ev) {
+                outstanding -= 1;
+                completed += 1;
+                // A host drains what finished (vLLM's get_finished, every step): the
+                // coordinator keeps a finished request until drained, within its live limit.
+                if completed % 1024 == 0 {
+                    d.drain().await?;
                 }
-                KvEvent::Settled { req_id, .. } => {
-                    if let Some(e) = loaded_at.get_mut(&*req_id) {
-                        e.1 = Some((emitted, at));
-                    }
-                }
-                _ => {}
             }
         }
         let secs = start.elapsed().as_secs_f64();
         let cpu = process_cpu_s().zip(cpu0).map(|(b, a)| b - a);
         Ok(Phase {
-            hist,
-            after_settle,
-            after_settle_observed,
-            failure_causes,
+            hist: tally.hist,
+            after_settle: tally.after_settle,
+            after_settle_observed: tally.after_settle_observed,
+            failure_causes: tally.failure_causes,
             secs,
             cpu,
             rss0,

@@ -14,6 +14,8 @@ pub enum ReproError {
     Trace(#[from] TraceError),
     #[error("data-plane target: {0}")]
     Target(#[from] TargetError),
+    #[error("D worker: {0}")]
+    Start(#[from] crate::StartError),
     #[error("prefill simulator: {0}")]
     Sim(#[from] crate::sim::SimError),
     #[error("actor system stopped: {0}")]

@@ -2,16 +2,20 @@
 //! injected peer faults, and shows the write-after-free under `naive` and its absence under
 //! `settle`.
 
-pub mod bench;
-pub mod counting_writer;
-pub mod error;
-pub mod flood;
-pub mod report;
-pub mod run;
-pub mod scenario;
-pub mod trace;
+internal_mod!(bench);
+internal_mod!(counting_writer);
+internal_mod!(error);
+internal_mod!(flood);
+internal_mod!(report);
+internal_mod!(run);
+internal_mod!(scenario);
+internal_mod!(trace);
 
+#[cfg(feature = "testing")]
 pub use error::ReproError;
+#[cfg(feature = "testing")]
 pub use report::{Report, VariantReport};
-pub use run::{run, run_blocking};
+#[cfg(feature = "testing")]
+pub use run::run;
+pub use run::run_blocking;
 pub use scenario::{Scenario, Soak, Variant};

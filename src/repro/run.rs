@@ -18,17 +18,19 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc::UnboundedReceiver;
 use tokio::sync::Notify;
 
-use crate::actors::block_pool::{owner_tag, PoolError};
-use crate::actors::{Coordinator, CoordinatorParts, EventSink};
+use crate::actors::block_pool::PoolError;
+use crate::block_ownership::owner_tag;
+use crate::actors::Coordinator;
 use crate::config::DRank;
 use crate::config::KvRecvConfig;
-use crate::control::{BootstrapConfig, HttpTopology, ZmqTransport, ZmqTransportConfig};
+use crate::control::{BootstrapConfig, ZmqTransportConfig};
 use crate::layout::KvLayout;
 use crate::messages::{
     Allocate, Cause, GetLedgerStats, KvEvent, KvRequest, LoadKv, ReqId, SettleOutcome,
 };
 use crate::rdma::audit::AuditCounters;
-use crate::rdma::{TargetConfig, TcpTarget};
+use crate::rdma::TcpTarget;
+use crate::KvRecvBuilder;
 use crate::sim::initiator::InitiatorConfig;
 use crate::sim::te_writer::TeWriter;
 use crate::sim::{Faults, Malformed, PrefillSim, SimConfig};
@@ -88,13 +90,6 @@ async fn start_d(
     scn: &Scenario,
     v: Variant,
 ) -> Result<(DSide, UnboundedReceiver<KvEvent>), ReproError> {
-    let layout = KvLayout::uniform(scn.layers, scn.block_bytes, scn.pool_blocks);
-    let mut tcfg = TargetConfig::loopback(layout.clone());
-    tcfg.permits = v.permits();
-    tcfg.epoch_rule = v.epoch_rule();
-    tcfg.windows = scn.windows;
-    let target = TcpTarget::start(tcfg).await?;
-    let (sink, events) = EventSink::channel();
     let config = KvRecvConfig {
         policy: v.policy(),
         pull_timeout: scn.pull_timeout,
@@ -107,24 +102,37 @@ async fn start_d(
             pp_size: 1,
             pp_rank: 0,
         },
-        layout,
+        layout: KvLayout::uniform(scn.layers, scn.block_bytes, scn.pool_blocks),
         ..KvRecvConfig::default()
     };
-    let coord = Coordinator::start(CoordinatorParts {
-        config,
-        topology: Rc::new(HttpTopology::new(BootstrapConfig {
+    // The front door's wiring, run on this thread's System (P's simulator shares it).
+    let wiring = KvRecvBuilder::new(config)
+        .target(|t| {
+            t.permits = v.permits();
+            t.epoch_rule = v.epoch_rule();
+            t.windows = scn.windows;
+        })
+        .bootstrap(BootstrapConfig {
             expected_p_sizes: Some((scn.p_tp, scn.p_pp)),
             ..BootstrapConfig::default()
-        })),
+        })
         // The control plane on one CPU, as `serve` runs it (the library's default pins nothing).
-        transport: Rc::new(ZmqTransport::new(ZmqTransportConfig {
+        .zmq(ZmqTransportConfig {
             control_cpu: crate::control::ControlCpu::Current,
             ..ZmqTransportConfig::default()
-        })),
-        landing: target.landing(),
-        events: sink,
-        builtin_pool: true,
-    });
+        })
+        .builtin_pool(true)
+        .events(true)
+        .wire()?;
+    let (landing, _, keep) = wiring.data.start().await?;
+    // The audit reads the TCP target's own counters.
+    let target = keep
+        .downcast::<TcpTarget>()
+        .map_err(|_| ReproError::Scenario("repro runs on the TCP target".into()))?;
+    let (coord, _) = wiring.control.coordinator(landing);
+    let events = wiring
+        .events
+        .ok_or_else(|| ReproError::Scenario("no event stream".into()))?;
     let ownership = coord
         .ownership
         .clone()
@@ -132,7 +140,7 @@ async fn start_d(
     let audit = target.install_audit(ownership);
     Ok((
         DSide {
-            target,
+            target: *target,
             coord,
             audit,
         },
@@ -406,21 +414,7 @@ async fn run_variant(
     );
     let stepper = step_host(d.coord.clone());
     let flooded = Rc::new(std::cell::Cell::new(0usize));
-    let soaker = scn.soak.clone().map(|s| {
-        actix::spawn(soak(
-            s,
-            sim.clone(),
-            SoakCtx {
-                p_tp: scn.p_tp,
-                p_pp: scn.p_pp,
-                seed: scn.seed,
-                pull_timeout: scn.pull_timeout,
-                flood_to: [d.target.handshake_addr(), d.target.data_addr()],
-                flooded: flooded.clone(),
-            },
-            base_faults(scn),
-        ))
-    });
+    let soaker = spawn_soak(scn, &sim, &d, &flooded);
 
     let start = Instant::now();
     let awaited = replay(
@@ -440,17 +434,7 @@ async fn run_variant(
     }
     bar.finish();
     stepper.abort();
-    let pulls = sim.lock().await.pulls_received();
-    // Every LAYOUT_MISS P answered is a pull that omitted its layout (a pull that carried it
-    // is cached before the lookup): D resent each with its layout. A worker restarted by the
-    // soak starts counting again, so this is a lower bound.
-    let layout_resends: u64 = sim
-        .lock()
-        .await
-        .workers()
-        .iter()
-        .map(|w| w.layout_stats().misses)
-        .sum();
+    let (pulls, layout_resends) = p_counts(&sim).await;
     let stats = d.coord.block_manager.send(GetLedgerStats).await?;
     let audit = d.audit.snapshot();
     let relaxed = std::sync::atomic::Ordering::Relaxed;
@@ -493,6 +477,39 @@ async fn run_variant(
     drop(t);
     observer.abort();
     Ok(report)
+}
+
+/// The soak's faults over the run, when the scenario has a soak.
+fn spawn_soak(
+    scn: &Scenario,
+    sim: &Rc<tokio::sync::Mutex<PrefillSim>>,
+    d: &DSide,
+    flooded: &Rc<std::cell::Cell<usize>>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let s = scn.soak.clone()?;
+    Some(actix::spawn(soak(
+        s,
+        sim.clone(),
+        SoakCtx {
+            p_tp: scn.p_tp,
+            p_pp: scn.p_pp,
+            seed: scn.seed,
+            pull_timeout: scn.pull_timeout,
+            flood_to: [d.target.handshake_addr(), d.target.data_addr()],
+            flooded: flooded.clone(),
+        },
+        base_faults(scn),
+    )))
+}
+
+/// Pulls P received, and the pulls D resent with their layout.
+async fn p_counts(sim: &tokio::sync::Mutex<PrefillSim>) -> (usize, u64) {
+    let sim = sim.lock().await;
+    // Every LAYOUT_MISS P answered is a pull that omitted its layout (a pull that carried it
+    // is cached before the lookup): D resent each with its layout. A worker restarted by the
+    // soak starts counting again, so this is a lower bound.
+    let layout_resends = sim.workers().iter().map(|w| w.layout_stats().misses).sum();
+    (sim.pulls_received(), layout_resends)
 }
 
 /// The P workers one D worker (rank 0) pulls from, as (tp, pp).

@@ -4,15 +4,15 @@
 
 #![forbid(unsafe_code)]
 
-pub mod bootstrap_server;
-pub mod engine;
-pub mod faults;
-pub mod initiator;
-pub mod layout_cache;
-pub mod readiness;
-pub mod te_writer;
-pub mod worker;
-pub mod writer;
+internal_mod!(bootstrap_server);
+internal_mod!(engine);
+internal_mod!(faults);
+internal_mod!(initiator);
+internal_mod!(layout_cache);
+internal_mod!(readiness);
+internal_mod!(te_writer);
+internal_mod!(worker);
+internal_mod!(writer);
 
 pub use bootstrap_server::BootstrapServer;
 pub use engine::{PrefillSim, SimConfig};

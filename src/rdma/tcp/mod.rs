@@ -2,19 +2,15 @@
 //! that admit a write only for its own pull, the data server and the wire format it speaks, and
 //! the target that starts them with the shared handshake daemon.
 
-pub mod memory_slot;
-#[doc(hidden)]
-pub mod permits;
+internal_mod!(memory_slot);
+internal_mod!(permits);
 pub(crate) mod raw_recv;
 mod request_pulls;
-#[doc(hidden)]
-pub mod server;
-pub mod target;
+internal_mod!(server);
+internal_mod!(target);
 mod tcp_landing;
-#[doc(hidden)]
-pub mod windows;
-#[doc(hidden)]
-pub mod wire;
+internal_mod!(windows);
+internal_mod!(wire);
 
 pub use target::{TargetConfig, TcpTarget};
 pub use tcp_landing::TcpLanding;

@@ -47,7 +47,7 @@ pub struct TargetConfig {
     /// Landing permits on (kvrecv) or off (upstream behaviour, for the detector tests).
     pub permits: bool,
     /// Landing windows (epochs), including the reserved one (ignored with permits off: one
-    /// window). `None`: [`DEFAULT_WINDOWS`], or as many as fit below 2^53 if fewer.
+    /// window). `None`: `DEFAULT_WINDOWS`, or as many as fit below 2^53 if fewer.
     pub windows: Option<u32>,
     /// The epoch rule (DESIGN.md §5): a window whose writer may still write is poisoned until
     /// the last-resort deadline. Off only to prove the rule matters (tests, `repro`).
@@ -65,20 +65,21 @@ pub struct TargetConfig {
     /// memory; TCP payloads reach them through a bounded staging buffer. Wins over
     /// `host_memory` and `memory`.
     pub device_memory: Option<DeviceMemory>,
-    /// Open data connections at most (default [`DEFAULT_MAX_DATA_CONNECTIONS`]); more are
+    /// Open data connections at most (default `DEFAULT_MAX_DATA_CONNECTIONS`); more are
     /// closed at accept and counted (`kvrecv_connections_refused_total`).
     pub max_data_connections: usize,
     /// Open data connections from one peer address at most (default
-    /// [`DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS`], clamped to `max_data_connections`).
+    /// `DEFAULT_MAX_DATA_CONNECTIONS_PER_ADDRESS`, clamped to `max_data_connections`).
     pub max_data_connections_per_address: usize,
-    /// Handshake connections open at most (default [`DEFAULT_MAX_HANDSHAKES`]); same treatment.
+    /// Handshake connections open at most (default `DEFAULT_MAX_HANDSHAKES`); same treatment.
     pub max_handshakes: usize,
     /// Handshake connections from one peer address at most (default
-    /// [`DEFAULT_MAX_HANDSHAKES_PER_ADDRESS`], clamped to `max_handshakes`).
+    /// `DEFAULT_MAX_HANDSHAKES_PER_ADDRESS`, clamped to `max_handshakes`).
     pub max_handshakes_per_address: usize,
     /// Labels of the target's metrics: the coordinator's (engine, ranks), so two targets in one
-    /// process keep distinct series.
-    pub labels: Labels,
+    /// process keep distinct series. Set by the builder (from the configuration); not the
+    /// host's to choose.
+    pub(crate) labels: Labels,
     /// Answer the TE protocol's READ requests. Off by default: vLLM's P only writes into D, and
     /// nothing authenticates the data port, so a READ would let anyone who reaches it read the
     /// blocks of a pull in flight. Interop tests turn it on to read back what landed.

@@ -37,6 +37,7 @@ pub struct Header {
 }
 
 impl Header {
+    #[cfg(any(feature = "sim", feature = "testing"))]
     /// A WRITE or READ header in `version` framing.
     pub fn new(write: bool, addr: u64, size: u64, version: ProtoVersion) -> Self {
         let op = if write { OP_WRITE } else { OP_READ };
@@ -48,6 +49,7 @@ impl Header {
         Header { size, addr, opcode }
     }
 
+    #[cfg(any(feature = "sim", feature = "testing"))]
     /// Wire bytes (padding zeroed).
     ///
     /// ```

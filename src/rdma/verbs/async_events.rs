@@ -12,7 +12,6 @@ use tokio::io::Interest;
 use tokio::sync::watch;
 
 use super::backend::VerbsBackend;
-pub use super::backend::{AsyncEvent, AsyncEventKind};
 use super::fence::SharedHandshake;
 
 /// A device file descriptor the task polls; the backend owns it (the task keeps the backend

@@ -44,12 +44,24 @@ pub enum VerbsError {
     /// A configured device name is not present.
     #[error("RDMA device {0:?} not found")]
     UnknownDevice(String),
+    /// A device's port is not active.
     #[error("RDMA device {nic}: port {port} is not active (state {state})")]
-    PortNotActive { nic: String, port: u8, state: u32 },
+    PortNotActive {
+        /// The device.
+        nic: String,
+        /// Its port.
+        port: u8,
+        /// The port's state (`ibv_port_state`).
+        state: u32,
+    },
+    /// A device's port has no GID Mooncake's ranking accepts.
     #[error("RDMA device {nic}: no usable GID on port {port}{detail}")]
     NoGid {
+        /// The device.
         nic: String,
+        /// Its port.
         port: u8,
+        /// What its GIDs were.
         detail: String,
     },
     /// Every device was skipped (port down, no usable GID, not present, open failed); each
@@ -64,21 +76,34 @@ pub enum VerbsError {
         super::memlock::show(*.soft), super::memlock::show(*.hard)
     )]
     MemlockTooLow {
+        /// Bytes the registrations lock.
         need: u64,
+        /// NICs registered on.
         nics: usize,
+        /// Bytes already pinned by this process.
         pinned: u64,
+        /// The soft limit.
         soft: u64,
+        /// The hard limit.
         hard: u64,
     },
+    /// A queue pair that is not (or no longer) there.
     #[error("no such queue pair {0:?}")]
     UnknownQp(QpId),
+    /// No registration at this address.
     #[error("no memory registration at IOVA {0:#x}")]
     UnknownRegion(u64),
+    /// A region of length 0.
     #[error("cannot register an empty region at {0:#x}")]
     EmptyRegion(u64),
     /// A verbs call returned an error.
     #[error("{op} failed: {}", std::io::Error::from_raw_os_error(*errno))]
-    Os { op: &'static str, errno: i32 },
+    Os {
+        /// The call.
+        op: &'static str,
+        /// Its `errno`.
+        errno: i32,
+    },
 }
 
 /// The verbs operations D needs. Implementations: `FakeVerbs` (tests), `IbvDevices` (feature

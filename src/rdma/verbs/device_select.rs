@@ -10,7 +10,7 @@
 #![forbid(unsafe_code)]
 
 use super::backend::VerbsError;
-pub use super::backend::{describe_skipped, SkippedDevice};
+use super::backend::SkippedDevice;
 use super::gid_rank::{select_gid, GidEntryInfo};
 use super::nic::{LinkLayer, LocalNic};
 use super::qp_attrs::Mtu;

@@ -151,7 +151,7 @@ impl<B: VerbsBackend> EndpointTable<B> {
     }
 
     /// Every endpoint from P's NIC path `peer_path`, in D NIC order.
-    pub fn from_peer<'a, 'p>(
+    pub fn of_peer<'a, 'p>(
         &'a self,
         peer_path: &'p str,
     ) -> impl Iterator<Item = &'a Endpoint> + use<'a, 'p, B> {

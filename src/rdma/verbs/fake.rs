@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 
-use super::async_events::AsyncEvent;
+use super::backend::AsyncEvent;
 
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
 use super::gpudirect::DmaBuf;

@@ -15,9 +15,10 @@ use std::ptr;
 
 use ibverbs_sys as ffi;
 
-use super::async_events::{AsyncEvent, AsyncEventKind};
+use super::backend::{AsyncEvent, AsyncEventKind};
 use super::backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
-use super::device_select::{self, describe_port, devices_to_open, PortProbe, SkippedDevice};
+use super::backend::SkippedDevice;
+use super::device_select::{self, describe_port, devices_to_open, PortProbe};
 use super::gid::Gid;
 use super::gid_rank::{GidEntryInfo, GidKind};
 use super::gpudirect::DmaBuf;

@@ -8,46 +8,107 @@
 //! the `rdma` feature against [`FakeVerbs`]; only `ibverbs_device` (feature `rdma`) links
 //! libibverbs.
 
-pub mod async_events;
-pub mod backend;
-pub mod descriptor;
-pub mod device_select;
-pub mod endpoint;
-pub mod fake;
-pub mod fence;
-pub mod gid;
-pub mod gid_rank;
-pub mod gpudirect;
+// `allow(dead_code)` below: parts of the backend that only libibverbs (feature `rdma`), the
+// fake backend's tests and the RDMA probe use; the crate's tests (feature `testing`) reach all.
+internal_mod!(async_events);
+internal_mod!(backend);
+internal_mod!(descriptor);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    device_select
+);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    endpoint
+);
+#[cfg(any(test, feature = "testing"))]
+internal_mod!(fake);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    fence
+);
+internal_mod!(gid);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    gid_rank
+);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    gpudirect
+);
 #[cfg(feature = "rdma")]
-pub mod ibverbs_device;
-pub mod key_windows;
-pub mod memlock;
-pub mod memory;
-pub mod nic;
-pub mod nic_path;
-pub mod passive;
-pub mod peer_binding;
-pub mod qp_attrs;
-pub mod rdma_landing;
-pub mod rdma_target;
-pub mod window_registrations;
+internal_mod!(ibverbs_device);
+internal_mod!(key_windows);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    memlock
+);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    memory
+);
+internal_mod!(nic);
+internal_mod!(nic_path);
+internal_mod!(passive);
+internal_mod!(peer_binding);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    qp_attrs
+);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    rdma_landing
+);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    rdma_target
+);
+internal_mod!(
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))]
+    window_registrations
+);
 
+#[cfg(feature = "testing")]
 pub use crate::messages::handshake::SegmentDescriptor;
+#[cfg(feature = "testing")]
 pub use crate::messages::handshake_desc::{HandShakeDesc, HandShakeDescError};
-pub use async_events::{AsyncEvent, AsyncEventKind};
-pub use backend::{MrAccess, MrKeys, QpId, VerbsBackend, VerbsError};
-pub use descriptor::{DescriptorError, PublishedDescriptor, RegisteredRegion};
-pub use device_select::SkippedDevice;
+#[cfg(feature = "testing")]
+pub use backend::{AsyncEvent, AsyncEventKind};
+pub use backend::{VerbsBackend, VerbsError};
+#[cfg(feature = "testing")]
+pub use backend::{MrAccess, MrKeys, QpId};
+pub use descriptor::PublishedDescriptor;
+#[cfg(feature = "testing")]
+pub use descriptor::{DescriptorError, RegisteredRegion};
+#[cfg(feature = "testing")]
+pub use backend::SkippedDevice;
+#[cfg(feature = "testing")]
 pub use endpoint::{Endpoint, EndpointState};
+#[cfg(any(test, feature = "testing"))]
 pub use fake::{FakeVerbs, WriteRefused};
-pub use fence::{RdmaFence, SharedHandshake};
+pub use fence::SharedHandshake;
+#[cfg(feature = "testing")]
+pub use fence::RdmaFence;
+#[cfg(feature = "testing")]
 pub use gid::Gid;
-pub use gpudirect::{DeviceMemoryExport, DmaBuf, GpuDirectError, GpuDirectPath};
+#[cfg(any(feature = "cuda", feature = "testing"))]
+pub use gpudirect::{DeviceMemoryExport, DmaBuf};
+#[cfg(feature = "testing")]
+pub use gpudirect::{GpuDirectError, GpuDirectPath};
 #[cfg(feature = "rdma")]
 pub use ibverbs_device::{DeviceConfig, IbvDevices};
+#[cfg(feature = "testing")]
 pub use memory::MemoryRegistrations;
+#[cfg(feature = "testing")]
 pub use nic::{LinkLayer, LocalNic};
-pub use passive::{HandshakeConfig, HandshakeReject, PassiveHandshake};
+pub use passive::{HandshakeConfig, PassiveHandshake};
+#[cfg(feature = "testing")]
+pub use passive::HandshakeReject;
 pub use peer_binding::PeerBinding;
-pub use rdma_landing::{RdmaLanding, RdmaLandingError, WindowsConfig};
-pub use rdma_target::{RdmaTarget, RdmaTargetConfig, RdmaTargetError};
+pub use qp_attrs::Mtu;
+pub use rdma_landing::WindowsConfig;
+#[cfg(feature = "testing")]
+pub use rdma_landing::{RdmaLanding, RdmaLandingError};
+pub use rdma_target::{RdmaTargetConfig, RdmaTargetError};
+#[cfg(any(feature = "rdma", feature = "testing"))]
+pub use rdma_target::RdmaTarget;

@@ -114,7 +114,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
     /// An endpoint from P's NIC path, if any: the one on D's first NIC (in device order) that
     /// has one. With several D NICs, [`endpoint_on`](Self::endpoint_on) names the NIC.
     pub fn endpoint(&self, peer_nic_path: &str) -> Option<&Endpoint> {
-        self.table.from_peer(peer_nic_path).next()
+        self.table.of_peer(peer_nic_path).next()
     }
 
     /// The endpoint from P's NIC path on D's NIC named `nic`.
@@ -128,7 +128,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
         &'a self,
         peer_nic_path: &'a str,
     ) -> impl Iterator<Item = &'a Endpoint> {
-        self.table.from_peer(peer_nic_path)
+        self.table.of_peer(peer_nic_path)
     }
 
     fn nic_index(&self, name: &str) -> Option<usize> {

@@ -457,7 +457,7 @@ fn fence_moves_the_segments_qps_to_err_and_peer_can_rehandshake() {
 
 #[test]
 fn a_qp_that_fails_by_itself_breaks_its_endpoint_only_and_is_replaced_next_time() {
-    use crate::rdma::verbs::async_events::{AsyncEvent, AsyncEventKind};
+    use crate::rdma::verbs::backend::{AsyncEvent, AsyncEventKind};
     let mut t = target();
     t.on_connection_request(request(&[1, 2], Some(false)))
         .unwrap();
@@ -489,7 +489,7 @@ fn a_qp_that_fails_by_itself_breaks_its_endpoint_only_and_is_replaced_next_time(
 
 #[test]
 fn a_port_or_device_going_down_breaks_every_endpoint_on_that_nic() {
-    use crate::rdma::verbs::async_events::{AsyncEvent, AsyncEventKind};
+    use crate::rdma::verbs::backend::{AsyncEvent, AsyncEventKind};
     let mut t = target();
     t.on_connection_request(to_nic(&[1, 2], None, "mlx5_1"))
         .unwrap();

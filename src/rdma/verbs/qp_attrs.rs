@@ -24,10 +24,15 @@ pub const START_PSN: u32 = 0;
 /// Path MTU, ordered so `min` picks the smaller one. Values are the verbs `ibv_mtu` codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Mtu {
+    /// 256 bytes.
     Mtu256 = 1,
+    /// 512 bytes.
     Mtu512 = 2,
+    /// 1024 bytes.
     Mtu1024 = 3,
+    /// 2048 bytes.
     Mtu2048 = 4,
+    /// 4096 bytes.
     Mtu4096 = 5,
 }
 
@@ -133,6 +138,8 @@ pub struct RtsAttrs {
 }
 
 /// One `ibv_modify_qp` call.
+// Named as the verbs state machine names its transitions (to RESET, INIT, RTR, RTS, ERR).
+#[allow(clippy::enum_variant_names)]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum QpTransition {
     /// Any → RESET (only the state attribute).

@@ -77,24 +77,30 @@ impl RdmaTargetConfig {
     }
 }
 
+/// Why the RDMA target could not start.
 #[derive(Debug, Error)]
 pub enum RdmaTargetError {
+    /// The handshake daemon's listener.
     #[error("cannot bind the handshake daemon on {addr}: {source}")]
     Bind {
+        /// The address asked for.
         addr: SocketAddr,
+        /// The OS's refusal.
         source: std::io::Error,
     },
+    /// The layout does not fit the advertised address space.
     #[error("the KV layout needs more bytes than this host can address")]
     LayoutTooLarge,
     /// Checked before anything is registered, so a refused start leaves no registration.
     #[error("host regions: {0}")]
     HostRegions(String),
-    /// RLIMIT_MEMLOCK too low for the windows' registrations, or another verbs failure.
     /// Device memory that cannot be registered with the NIC (or fails the driver's checks).
     #[error("GPUDirect RDMA: {0}")]
     GpuDirect(#[from] GpuDirectError),
+    /// A registration failed (RLIMIT_MEMLOCK, or another verbs failure).
     #[error("memory registration: {0}")]
     Register(#[from] VerbsError),
+    /// The landing windows could not be set up.
     #[error("landing: {0}")]
     Landing(#[from] RdmaLandingError),
 }
