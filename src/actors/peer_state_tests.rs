@@ -1,5 +1,7 @@
 //! Tests of the Peer's sans-IO core.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 use std::time::Instant;
 

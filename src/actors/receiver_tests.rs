@@ -1,5 +1,7 @@
 //! The Receiver actor's own tests (the decisions are [`super::ReceiverState`]'s, tested there).
 
+#![forbid(unsafe_code)]
+
 use std::time::Duration;
 
 use super::*;

@@ -1,5 +1,7 @@
 //! Tests of the load batch: parsing, validation and the interner.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 /// A request read in place is the request read whole: the same keys accepted and refused,

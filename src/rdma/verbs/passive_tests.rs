@@ -1,5 +1,7 @@
 //! Tests of the passive handshake over the fake verbs backend.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 use crate::rdma::verbs::backend::QpId;
 use crate::rdma::verbs::fake::{FakeVerbs, VerbsCall};

@@ -1,5 +1,7 @@
 //! Tests of the RDMA landing over the fake verbs backend.
 
+#![forbid(unsafe_code)]
+
 use std::sync::{Arc, Mutex};
 
 use super::*;

@@ -1,5 +1,7 @@
 //! Admitting a write or read into a window, and checking a peer's ok against what landed.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 impl PermitTable {

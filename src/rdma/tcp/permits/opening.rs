@@ -1,6 +1,8 @@
 //! Opening a pull's permit: choosing its window (the peer's ring first, then the cursor, never a
 //! poisoned or open one, within the deployment's share of poison) and installing the permit.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 impl PermitTable {

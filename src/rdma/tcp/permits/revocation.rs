@@ -1,6 +1,8 @@
 //! Revoking a request's permits and the epoch rule's poison: which windows stay out of rotation,
 //! and when they come back.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 impl PermitTable {
