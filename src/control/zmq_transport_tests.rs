@@ -1,5 +1,7 @@
 //! Tests of the ZMQ transport: the socket pool, channels and monitor events.
 
+#![forbid(unsafe_code)]
+
 use super::*;
 
 const SAFETY: Duration = Duration::from_secs(20);
