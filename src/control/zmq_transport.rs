@@ -704,29 +704,27 @@ impl Channel {
             return self.drain_broken();
         }
         poll_fn(|cx| loop {
-            // Data first: a reply queued before a disconnect must not be lost to it.
+            let Some(monitor) = self.monitor.as_mut() else {
+                // Unmonitored (the request was taken): a reply, or the connection's loss once
+                // no reply is queued (module doc).
+                return match self.dealer.poll_recv_or_unconnected(cx) {
+                    Poll::Ready(Ok(Some(f))) => Poll::Ready(Step::Reply(f)),
+                    Poll::Ready(Ok(None)) => {
+                        self.broken = Some(connection_lost(&self.peer, self.max_msg_size));
+                        Poll::Ready(self.drain_broken())
+                    }
+                    Poll::Ready(Err(e)) => Poll::Ready(Step::Fail(self.recv_err(e))),
+                    Poll::Pending => Poll::Pending,
+                };
+            };
+            // Still monitored (its stop failed): data first, a reply queued before a disconnect
+            // must not be lost to it; then the monitor's events, as before the send.
             match self.dealer.poll_recv_multipart(cx) {
                 Poll::Ready(Ok(f)) => return Poll::Ready(Step::Reply(f)),
                 Poll::Ready(Err(e)) => return Poll::Ready(Step::Fail(self.recv_err(e))),
                 Poll::Pending => {}
             }
-            let polled = match self.monitor.as_mut() {
-                Some(monitor) => monitor.poll_recv_multipart(cx),
-                // After the receive that registered the waker: whatever `ZMQ_EVENTS` takes
-                // from the mailbox shows in its answer (a reply: `POLLIN`, try again; the
-                // connection's loss: no `POLLOUT`), and anything later signals the fd again.
-                None => match self.dealer.socket().get_events() {
-                    Ok(ev) if ev.contains(zmq::POLLIN) => continue,
-                    Ok(ev) if ev.contains(zmq::POLLOUT) => return Poll::Pending,
-                    Ok(_) => {
-                        self.broken = Some(connection_lost(&self.peer, self.max_msg_size));
-                        return Poll::Ready(self.drain_broken());
-                    }
-                    Err(e) => return Poll::Ready(Step::Fail(self.recv_err(e.into()))),
-                },
-            };
-            // Still monitored (its stop failed): the monitor's events, as before the send.
-            match polled {
+            match monitor.poll_recv_multipart(cx) {
                 Poll::Ready(Ok(ev)) => {
                     if let Some(err) = self.on_event(&ev) {
                         self.broken = Some(err);
