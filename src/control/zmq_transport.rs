@@ -662,24 +662,20 @@ impl Channel {
                 Err(_) => return false,
             }
         }
-        match self.dealer.try_recv_multipart() {
-            Ok(None) => {}
-            Ok(Some(_)) => {
+        // One mailbox check answers both: a message for no pull (`POLLIN`), and whether it is
+        // connected now (`POLLOUT`; module doc): lost while idle and not back, it is closed.
+        match self.dealer.socket().get_events() {
+            Ok(e) if e.contains(zmq::POLLIN) => {
                 tracing::warn!(peer = %self.peer, "message on an idle side channel; closing it");
-                return false;
+                false
             }
-            Err(_) => return false,
+            Ok(e) if e.contains(zmq::POLLOUT) => true,
+            Ok(_) => {
+                tracing::debug!(peer = %self.peer, "pooled side channel lost its connection; closing it");
+                false
+            }
+            Err(_) => false,
         }
-        // Connected now (module doc): a connection lost while idle and not back closes it.
-        let connected = self
-            .dealer
-            .socket()
-            .get_events()
-            .is_ok_and(|e| e.contains(zmq::POLLOUT));
-        if !connected {
-            tracing::debug!(peer = %self.peer, "pooled side channel lost its connection; closing it");
-        }
-        connected
     }
 
     /// After a connection failure: deliver what arrived before it, then report it.
