@@ -85,7 +85,10 @@ unsafe impl GlobalAlloc for MiMalloc {
 /// mimalloc's defaults keep freed pages resident for a while and commit whole arenas up front:
 /// RSS per in-flight request at 100k in flight went from 1,131 B (glibc) to 1,160–1,218 B
 /// (`baseline.py --memory-only`). Purging at once and committing on demand brought it to
-/// 1,104 B with the same CPU. An operator's `MIMALLOC_*` variable still wins.
+/// 1,104 B with the same CPU. Transparent huge pages stay on: turning them off is process-wide
+/// (serve's landing region included); `MIMALLOC_ALLOW_THP=0` does it for an operator who wants
+/// the ~60 B per in-flight request it saves (docs/PERFORMANCE.md). An operator's `MIMALLOC_*`
+/// variable still wins.
 pub fn tune() {
     // `mi_option_t` values, the same in mimalloc v2 and v3 (include/mimalloc.h).
     const ARENA_EAGER_COMMIT: mi::mi_option_t = 4;

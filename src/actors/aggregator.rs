@@ -217,7 +217,7 @@ impl RequestAggregator {
             self.labels.counter(m::STALE_SETTLES).increment(1);
             return;
         }
-        let since = entry.since;
+        let since = entry.since();
         if fx.completion.is_some() {
             table.remove(&s.req_id);
         }

@@ -155,6 +155,45 @@ impl AsyncSocket {
         }
     }
 
+    /// Receive one whole message, or `None` once the socket has no pipe to send on (`POLLOUT`
+    /// off): for a DEALER with `ZMQ_IMMEDIATE` that took its message, its connection is gone.
+    /// One mailbox check per wait, as [`Self::poll_recv_multipart`]: `ZMQ_EVENTS` answers both
+    /// questions, and the message is read only once it says one is there. An answer without
+    /// `POLLIN` leaves the socket as an empty receive does (mailbox drained, every pipe's reader
+    /// asleep), so it primes it too.
+    pub fn poll_recv_or_unconnected(
+        &mut self,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<Option<Vec<Vec<u8>>>, SocketError>> {
+        loop {
+            // Taken before the check, so that clearing it cannot lose a signal that came after.
+            let guard = match self.fd.poll_read_ready(cx) {
+                Poll::Ready(Ok(g)) => Some(g),
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
+                Poll::Pending => None,
+            };
+            if guard.is_none() && self.primed {
+                return Poll::Pending; // nothing signalled since the last empty check
+            }
+            let events = self.sock.get_events()?;
+            if events.contains(zmq::POLLIN) {
+                if let Some(frames) = recv_now(&self.sock, &mut self.primed)? {
+                    return Poll::Ready(Ok(Some(frames)));
+                }
+            } else if !events.contains(zmq::POLLOUT) {
+                self.primed = false;
+                return Poll::Ready(Ok(None));
+            } else {
+                self.primed = true;
+            }
+            match guard {
+                // Loop to register the waker (or to check again if a signal came since).
+                Some(mut g) => g.clear_ready(),
+                None => return Poll::Pending,
+            }
+        }
+    }
+
     #[cfg(any(feature = "sim", feature = "testing"))]
     /// Receive one whole message.
     pub async fn recv_multipart(&mut self) -> Result<Vec<Vec<u8>>, SocketError> {

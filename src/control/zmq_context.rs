@@ -1,15 +1,17 @@
 //! A libzmq context whose socket cap kvrecv sets. libzmq refuses a context's 1024th socket with
 //! EMFILE ("Too many open files", `ZMQ_MAX_SOCKETS` defaults to 1023) whatever the process's fd
-//! limit, and each pull holds three sockets (its DEALER and the monitor pair), so 256 requests
-//! in flight from a TP2 prefill engine hit it and failed requests at random. The `zmq` crate has
+//! limit, and each pull held three sockets (its DEALER and the monitor pair; now until its request
+//! is taken, its DEALER alone after), so 256 requests in flight from a TP2 prefill engine hit it
+//! and failed requests at random. The `zmq` crate has
 //! no setter for that option, so the context is created here through `zmq-sys`, and its sockets
 //! are handed to the `zmq` crate's safe wrapper.
 
 use std::ffi::c_void;
 use std::sync::Arc;
 
-/// Sockets one context may hold by default: 16384 pulls in flight at three sockets each. Each
-/// socket also holds file descriptors, so the process's `RLIMIT_NOFILE` bounds it too.
+/// Sockets one context may hold by default: 16384 pulls connecting at once at three sockets each
+/// (a pull whose request was taken holds one). Each socket also holds file descriptors, so the
+/// process's `RLIMIT_NOFILE` bounds it too.
 pub const DEFAULT_MAX_SOCKETS: i32 = 49_152;
 
 struct Raw(*mut c_void);

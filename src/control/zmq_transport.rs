@@ -11,13 +11,21 @@
 //! pull's.
 //!
 //! ZMQ hides the TCP connection: a refused connect is retried forever and a peer that dies just
-//! goes quiet. So every DEALER carries one socket monitor (an inproc PAIR) for its whole life,
-//! pooled time included, and the stream turns connection events into [`TransportError`]s, which
-//! make the Peer restart with backoff:
+//! goes quiet. So a new DEALER carries a socket monitor (an inproc PAIR) until its first request
+//! is taken, and the stream turns connection events into [`TransportError`]s, which make the
+//! Peer restart with backoff:
 //! - `CONNECT_RETRIED` before the ZMTP handshake succeeded: connection refused/unreachable;
 //! - `HANDSHAKE_FAILED_*`: whatever listens there is not a ZMQ peer;
 //! - `DISCONNECTED`: the peer's process exited or closed its ROUTER, a heartbeat timed out (a
 //!   vanished host), or the peer sent a message over the size cap (libzmq drops the connection).
+//!
+//! Once the request is taken the DEALER has its one connection, and the monitor is stopped and
+//! closed (its two sockets and their inproc pipes were a third of a held pull's memory,
+//! docs/PERFORMANCE.md): what it would still report is the connection's loss, and that the
+//! DEALER shows by itself. With `ZMQ_IMMEDIATE` libzmq removes a lost connection's pipe from the
+//! socket at once (a command to its mailbox, which wakes the task) and attaches a new one only
+//! after the reconnect interval (1 s here): so a DEALER that took a message and no longer
+//! reports `POLLOUT` lost its connection, a [`TransportError::Recv`] as `DISCONNECTED` was.
 //!
 //! Every DEALER has `ZMQ_IMMEDIATE`: libzmq takes a message only into a connection whose
 //! handshake succeeded, never into a queue that a later connection would deliver. So a pull
@@ -28,8 +36,10 @@
 //! window for the quarantine deadline: a few hostile bootstrap servers listing closed ports
 //! used up every window.)
 //!
-//! A pooled DEALER is checked when it is taken: any such event while it was idle, or any message
-//! that arrived for no pull, and it is closed instead of used.
+//! A pooled DEALER is checked when it is taken: no connection now (`POLLOUT` off: lost while it
+//! was idle and not back), or any message that arrived for no pull, and it is closed instead of
+//! used. A send into a pooled DEALER that cannot be taken at once means its connection went
+//! since: [`TransportError::Connect`], never sent.
 //!
 //! Replies that were already queued when the connection dropped are delivered first. A peer that
 //! is alive but never answers is left to the Peer's deadline.
@@ -71,8 +81,9 @@ pub struct ZmqTransportConfig {
     pub heartbeat_ivl: Duration,
     /// How long without any traffic (PONG included) before the connection counts as dead.
     pub heartbeat_timeout: Duration,
-    /// `ZMQ_MAX_SOCKETS` of the transport's context: each pull in flight, and each pooled
-    /// DEALER, holds three sockets (libzmq's default cap of 1023 allows only 341 at once).
+    /// `ZMQ_MAX_SOCKETS` of the transport's context: a pull holds three sockets until its
+    /// request is taken (its DEALER and the monitor pair), one after, and so does a pooled
+    /// DEALER (libzmq's default cap of 1023 allows only 341 connecting pulls at once).
     pub max_sockets: i32,
     /// Connected DEALERs kept per peer for later pulls (0: a fresh DEALER per pull, as vLLM).
     pub idle_per_peer: usize,
@@ -409,9 +420,12 @@ impl ZmqTransport {
             dealer.set_heartbeat_ivl(ms(self.cfg.heartbeat_ivl))?;
             dealer.set_heartbeat_timeout(ms(self.cfg.heartbeat_timeout))?;
         }
-        // A pooled DEALER whose peer went away retries its connection, each retry an event
-        // queued for a reader nobody polls until the DEALER is taken again; backing off to
-        // 30 s bounds that queue to a few events a minute.
+        // A lost connection's pipe is gone for at least this long before a new connection's
+        // is attached: the window in which a held pull sees the loss (module doc). A refused
+        // first connect is reported (`CONNECT_RETRIED`) when its retry is scheduled, whatever
+        // the interval. Backing off to 30 s keeps a pooled DEALER whose peer went away from
+        // dialling it often.
+        dealer.set_reconnect_ivl(1_000)?;
         dealer.set_reconnect_ivl_max(30_000)?;
         // A message is taken only into a connection (see the module's doc).
         dealer.set_immediate(true)?;
@@ -433,7 +447,7 @@ impl ZmqTransport {
         let ch = Channel {
             peer: peer.clone(),
             dealer: AsyncSocket::new(dealer)?,
-            monitor: AsyncSocket::new(monitor)?,
+            monitor: Some(AsyncSocket::new(monitor)?),
             handshaken: false,
             broken: None,
             max_msg_size: self.cfg.max_msg_size,
@@ -450,11 +464,13 @@ impl Default for ZmqTransport {
     }
 }
 
-/// A DEALER and its connection monitor, carrying one pull at a time.
+/// A DEALER and, until its first request is taken, its connection monitor, carrying one pull
+/// at a time.
 struct Channel {
     peer: PeerId,
     dealer: AsyncSocket,
-    monitor: AsyncSocket,
+    /// The monitor's reader; `None` once a request was taken (see the module's doc).
+    monitor: Option<AsyncSocket>,
     handshaken: bool,
     /// The connection failed; reported once the replies queued before it are delivered.
     broken: Option<TransportError>,
@@ -470,8 +486,10 @@ impl Drop for Channel {
     /// [`AsyncSocket::stop_monitor`]) would block this context's I/O thread for ever on the next
     /// event: every later pull of the transport would then hang without a connection event.
     fn drop(&mut self) {
-        if let Err(e) = self.dealer.stop_monitor() {
-            tracing::warn!(peer = %self.peer, error = %e, "cannot stop the side-channel monitor");
+        if self.monitor.is_some() {
+            if let Err(e) = self.dealer.stop_monitor() {
+                tracing::warn!(peer = %self.peer, error = %e, "cannot stop the side-channel monitor");
+            }
         }
     }
 }
@@ -495,8 +513,15 @@ impl Channel {
     }
 
     /// Hand the pull's request to the DEALER, which takes it once it has a connection. A
-    /// connection event while it waits means P never got it: [`TransportError::Connect`].
+    /// connection event while it waits means P never got it: [`TransportError::Connect`]. Once
+    /// it is taken the monitor goes ([`Self::unmonitor`]).
     async fn send(&mut self, request: &[u8]) -> Result<(), TransportError> {
+        self.send_watched(request).await?;
+        self.unmonitor();
+        Ok(())
+    }
+
+    async fn send_watched(&mut self, request: &[u8]) -> Result<(), TransportError> {
         let Channel {
             peer,
             dealer,
@@ -506,6 +531,23 @@ impl Channel {
             ..
         } = self;
         let frames = [request];
+        let Some(monitor) = monitor else {
+            // A pooled DEALER: connected when it was taken, so it takes one message at once
+            // (`ZMQ_IMMEDIATE`, far below the high-water mark) unless that connection is gone.
+            return match dealer.socket().send_multipart(frames, zmq::DONTWAIT) {
+                Ok(()) => Ok(()),
+                Err(zmq::Error::EAGAIN) => Err(TransportError::Connect {
+                    peer: peer.clone(),
+                    reason: "connection lost while the side channel was idle; the request \
+                             was never sent"
+                        .into(),
+                }),
+                Err(e) => Err(TransportError::Send {
+                    peer: peer.clone(),
+                    reason: e.to_string(),
+                }),
+            };
+        };
         let send = dealer.send_multipart(&frames);
         futures::pin_mut!(send);
         poll_fn(|cx| {
@@ -549,6 +591,18 @@ fn unsent(e: TransportError, peer: &PeerId) -> TransportError {
     }
 }
 
+/// The DEALER's connection to `peer` is gone: its monitor's `DISCONNECTED`, or (unmonitored) no
+/// `POLLOUT` after a request was taken.
+fn connection_lost(peer: &PeerId, max_msg_size: i64) -> TransportError {
+    TransportError::Recv {
+        peer: peer.clone(),
+        reason: format!(
+            "connection lost (peer exited or closed its socket, heartbeat timeout, or a reply \
+             over the {max_msg_size}-byte cap)"
+        ),
+    }
+}
+
 /// A monitor event of the DEALER to `peer`, turned into a channel failure when it is one.
 fn on_event(
     peer: &PeerId,
@@ -576,13 +630,7 @@ fn on_event(
                     .into(),
             },
         }),
-        zmq_sys_events::DISCONNECTED => Some(TransportError::Recv {
-            peer,
-            reason: format!(
-                "connection lost (peer exited or closed its socket, heartbeat timeout, or a \
-                     reply over the {max_msg_size}-byte cap)"
-            ),
-        }),
+        zmq_sys_events::DISCONNECTED => Some(connection_lost(&peer, max_msg_size)),
         zmq_sys_events::HANDSHAKE_FAILED_NO_DETAIL
         | zmq_sys_events::HANDSHAKE_FAILED_PROTOCOL
         | zmq_sys_events::HANDSHAKE_FAILED_AUTH => Some(TransportError::Connect {
@@ -600,10 +648,12 @@ impl Channel {
     /// runtime has not seen yet fails the pull that takes the channel, as one coming a moment
     /// later would.
     fn usable_after_idle(&mut self) -> bool {
-        loop {
-            match self.monitor.recv_if_signalled() {
+        while let Some(monitor) = self.monitor.as_mut() {
+            match monitor.recv_if_signalled() {
                 Ok(Some(ev)) => {
-                    if let Some(e) = self.on_event(&ev) {
+                    if let Some(e) =
+                        on_event(&self.peer, &mut self.handshaken, self.max_msg_size, &ev)
+                    {
                         tracing::debug!(error = %e, "pooled side channel closed");
                         return false;
                     }
@@ -612,10 +662,16 @@ impl Channel {
                 Err(_) => return false,
             }
         }
-        match self.dealer.try_recv_multipart() {
-            Ok(None) => true,
-            Ok(Some(_)) => {
+        // One mailbox check answers both: a message for no pull (`POLLIN`), and whether it is
+        // connected now (`POLLOUT`; module doc): lost while idle and not back, it is closed.
+        match self.dealer.socket().get_events() {
+            Ok(e) if e.contains(zmq::POLLIN) => {
                 tracing::warn!(peer = %self.peer, "message on an idle side channel; closing it");
+                false
+            }
+            Ok(e) if e.contains(zmq::POLLOUT) => true,
+            Ok(_) => {
+                tracing::debug!(peer = %self.peer, "pooled side channel lost its connection; closing it");
                 false
             }
             Err(_) => false,
@@ -643,27 +699,72 @@ impl Channel {
         if self.broken.is_some() {
             return self.drain_broken();
         }
-        poll_fn(|cx| {
-            // Data first: a reply queued before a disconnect must not be lost to it.
+        poll_fn(|cx| loop {
+            let Some(monitor) = self.monitor.as_mut() else {
+                // Unmonitored (the request was taken): a reply, or the connection's loss once
+                // no reply is queued (module doc).
+                return match self.dealer.poll_recv_or_unconnected(cx) {
+                    Poll::Ready(Ok(Some(f))) => Poll::Ready(Step::Reply(f)),
+                    Poll::Ready(Ok(None)) => {
+                        self.broken = Some(connection_lost(&self.peer, self.max_msg_size));
+                        Poll::Ready(self.drain_broken())
+                    }
+                    Poll::Ready(Err(e)) => Poll::Ready(Step::Fail(self.recv_err(e))),
+                    Poll::Pending => Poll::Pending,
+                };
+            };
+            // Still monitored (its stop failed): data first, a reply queued before a disconnect
+            // must not be lost to it; then the monitor's events, as before the send.
             match self.dealer.poll_recv_multipart(cx) {
                 Poll::Ready(Ok(f)) => return Poll::Ready(Step::Reply(f)),
                 Poll::Ready(Err(e)) => return Poll::Ready(Step::Fail(self.recv_err(e))),
                 Poll::Pending => {}
             }
-            loop {
-                match self.monitor.poll_recv_multipart(cx) {
-                    Poll::Ready(Ok(ev)) => {
-                        if let Some(err) = self.on_event(&ev) {
-                            self.broken = Some(err);
-                            return Poll::Ready(self.drain_broken());
-                        }
+            match monitor.poll_recv_multipart(cx) {
+                Poll::Ready(Ok(ev)) => {
+                    if let Some(err) = self.on_event(&ev) {
+                        self.broken = Some(err);
+                        return Poll::Ready(self.drain_broken());
                     }
-                    Poll::Ready(Err(e)) => return Poll::Ready(Step::Fail(self.recv_err(e))),
-                    Poll::Pending => return Poll::Pending,
                 }
+                Poll::Ready(Err(e)) => return Poll::Ready(Step::Fail(self.recv_err(e))),
+                Poll::Pending => return Poll::Pending,
             }
         })
         .await
+    }
+
+    /// Stop and close the monitor once a request was taken (see the module's doc). What it
+    /// reported before it stopped is read first: a loss among it breaks the channel.
+    fn unmonitor(&mut self) {
+        let Some(mut monitor) = self.monitor.take() else {
+            return;
+        };
+        if let Err(e) = self.dealer.stop_monitor() {
+            // Still monitored: keep the reader, or the next event would wedge libzmq's I/O
+            // thread (`Drop for Channel`).
+            tracing::warn!(peer = %self.peer, error = %e, "cannot stop the side-channel monitor");
+            self.monitor = Some(monitor);
+            return;
+        }
+        // Stopped under libzmq's monitor lock: every event it sent is in the pipe already.
+        loop {
+            match monitor.try_recv_multipart() {
+                Ok(Some(ev)) => {
+                    if let Some(err) =
+                        on_event(&self.peer, &mut self.handshaken, self.max_msg_size, &ev)
+                    {
+                        self.broken.get_or_insert(err);
+                    }
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    let err = self.recv_err(e);
+                    self.broken.get_or_insert(err);
+                    break;
+                }
+            }
+        }
     }
 }
 

@@ -240,3 +240,91 @@ async fn a_message_on_an_idle_socket_closes_it() {
         "the DEALER with a stray message was closed; a new connection carried the pull"
     );
 }
+
+/// Once its request is taken, a pull's channel holds its DEALER alone (the monitor's two
+/// sockets and their inproc pipes were a third of a held pull's memory, docs/PERFORMANCE.md),
+/// and it still sees P go mid-pull: the connection's loss fails the pull as the monitor's
+/// `DISCONNECTED` did, not the pull's deadline.
+#[tokio::test]
+async fn a_held_pull_keeps_no_monitor_and_still_sees_its_peer_go() {
+    let t = ZmqTransport::default();
+    let (mut router, addr) = p_router(&t);
+    let mut ch = t.open(&PeerId::new(&addr)).unwrap();
+    tokio::time::timeout(SAFETY, ch.send(b"pull"))
+        .await
+        .expect("taken into a connection")
+        .unwrap();
+    assert!(
+        ch.monitor.is_none(),
+        "the monitor is closed once the request is taken"
+    );
+    let pull = tokio::time::timeout(SAFETY, router.recv_multipart())
+        .await
+        .expect("P has the pull")
+        .unwrap();
+    router
+        .send_multipart(&[pull[0].as_slice(), b"CONTINUE"])
+        .await
+        .unwrap();
+    match tokio::time::timeout(SAFETY, ch.next())
+        .await
+        .expect("a reply")
+    {
+        Step::Reply(f) => assert_eq!(f, vec![b"CONTINUE".to_vec()]),
+        Step::Fail(e) => panic!("{e}"),
+    }
+    drop(router); // P goes with the pull half answered
+    match tokio::time::timeout(SAFETY, ch.next())
+        .await
+        .expect("the loss is seen while the pull waits")
+    {
+        Step::Fail(TransportError::Recv { reason, .. }) => {
+            assert!(reason.contains("connection lost"), "{reason}")
+        }
+        Step::Fail(e) => panic!("{e}"),
+        Step::Reply(f) => panic!("{f:?}"),
+    }
+}
+
+/// A pooled DEALER carries no monitor; one whose P went away while it was idle is closed when
+/// taken, not used: the pull gets a new DEALER, whose refused connect fails it as never sent.
+#[tokio::test]
+async fn a_pooled_dealer_whose_peer_went_is_closed_when_taken() {
+    let t = ZmqTransport::default();
+    let (mut router, addr) = p_router(&t);
+    one_pull(&t, &mut router, &addr).await;
+    drop(router);
+    let peer = PeerId::new(&addr);
+    let lost = async {
+        loop {
+            let gone = t.pool.idle.borrow_mut().get_mut(&peer).is_some_and(|l| {
+                l.iter_mut().all(|i| {
+                    i.ch.monitor.is_none()
+                        && i.ch
+                            .dealer
+                            .socket()
+                            .get_events()
+                            .is_ok_and(|e| !e.contains(zmq::POLLOUT))
+                })
+            });
+            if gone {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(SAFETY, lost)
+        .await
+        .expect("the idle DEALER loses its connection");
+    let mut replies = t.pull(&peer, b"pull".to_vec(), CleanFinish::default());
+    match tokio::time::timeout(SAFETY, replies.next())
+        .await
+        .expect("the pull fails")
+    {
+        Some(Err(TransportError::Connect { reason, .. })) => {
+            assert!(reason.contains("refused"), "a new DEALER dialled: {reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.pool.idle.borrow().get(&peer).is_none_or(|l| l.is_empty()));
+}
