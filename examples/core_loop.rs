@@ -77,22 +77,7 @@ fn main() {
         reply: reply.clone(),
     });
     sys.block_on(async move {
-        let (events, mut rx) = EventSink::channel();
-        let coord = Coordinator::start(CoordinatorParts {
-            config: KvRecvConfig {
-                layout: KvLayout::uniform(layers, 64, 1024),
-                ..Default::default()
-            },
-            topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
-            transport,
-            landing: Arc::new(StaticLanding::new(
-                "127.0.0.1",
-                1,
-                (0..layers as u64).map(|i| 0x1000 + (i << 24)).collect(),
-            )),
-            events,
-            builtin_pool: false,
-        });
+        let (coord, mut rx) = start_coordinator(transport, peers, layers);
         // The host's loop is a task on the actors' thread, as in `benches/core.rs`.
         actix::spawn(async move {
             timed(&coord, &mut rx, &reply, batches, batch).await;

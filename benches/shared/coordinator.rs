@@ -60,25 +60,7 @@ fn bench_with(c: &mut Criterion, harness: Harness) {
         let transport = Rc::new(InstantPeer {
             reply: reply.clone(),
         });
-        let (coord, events) = sys.block_on(async {
-            let (events, rx) = EventSink::channel();
-            let coord = Coordinator::start(CoordinatorParts {
-                config: KvRecvConfig {
-                    layout: KvLayout::uniform(layers, 64, 1024),
-                    ..Default::default()
-                },
-                topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
-                transport,
-                landing: Arc::new(StaticLanding::new(
-                    "127.0.0.1",
-                    1,
-                    (0..layers as u64).map(|i| 0x1000 + (i << 24)).collect(),
-                )),
-                events,
-                builtin_pool: false,
-            });
-            (coord, rx)
-        });
+        let (coord, events) = sys.block_on(async { start_coordinator(transport, peers, layers) });
         let mut events = Some(events);
         let next = Rc::new(std::cell::Cell::new(0u64));
         let id = BenchmarkId::new(format!("batch{batch}"), format!("peers{peers}"));

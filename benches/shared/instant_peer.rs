@@ -36,3 +36,29 @@ fn make_batch(batch: usize, next: &mut u64) -> (Vec<KvRequest>, Vec<u8>) {
     let ids = requests.iter().map(|r| r.req_id.clone()).collect();
     (requests, finish(ids))
 }
+
+/// The coordinator over `transport` for one engine of `peers` peers and `layers` layers, on a
+/// static landing, with its event stream (call inside the actix system).
+fn start_coordinator(
+    transport: Rc<InstantPeer>,
+    peers: u32,
+    layers: u32,
+) -> (Coordinator, tokio::sync::mpsc::UnboundedReceiver<KvEvent>) {
+    let (events, rx) = EventSink::channel();
+    let coord = Coordinator::start(CoordinatorParts {
+        config: KvRecvConfig {
+            layout: KvLayout::uniform(layers, 64, 1024),
+            ..Default::default()
+        },
+        topology: Rc::new(StaticTopology::new([StaticTopology::grid("e0", peers, 1)])),
+        transport,
+        landing: Arc::new(StaticLanding::new(
+            "127.0.0.1",
+            1,
+            (0..layers as u64).map(|i| 0x1000 + (i << 24)).collect(),
+        )),
+        events,
+        builtin_pool: false,
+    });
+    (coord, rx)
+}
