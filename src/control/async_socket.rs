@@ -133,15 +133,11 @@ impl AsyncSocket {
         cx: &mut Context<'_>,
     ) -> Poll<Result<Vec<Vec<u8>>, SocketError>> {
         loop {
-            // Taken before the try, so that clearing it cannot lose a signal that came after.
-            let guard = match self.fd.poll_read_ready(cx) {
-                Poll::Ready(Ok(g)) => Some(g),
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
-                Poll::Pending => None,
+            let guard = match readiness(&self.fd, self.primed, cx) {
+                Poll::Ready(Ok(g)) => g,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
             };
-            if guard.is_none() && self.primed {
-                return Poll::Pending; // nothing signalled since the last empty try
-            }
             match recv_now(&self.sock, &mut self.primed) {
                 Ok(Some(frames)) => return Poll::Ready(Ok(frames)),
                 Ok(None) => match guard {
@@ -166,15 +162,11 @@ impl AsyncSocket {
         cx: &mut Context<'_>,
     ) -> Poll<Result<Option<Vec<Vec<u8>>>, SocketError>> {
         loop {
-            // Taken before the check, so that clearing it cannot lose a signal that came after.
-            let guard = match self.fd.poll_read_ready(cx) {
-                Poll::Ready(Ok(g)) => Some(g),
-                Poll::Ready(Err(e)) => return Poll::Ready(Err(e.into())),
-                Poll::Pending => None,
+            let guard = match readiness(&self.fd, self.primed, cx) {
+                Poll::Ready(Ok(g)) => g,
+                Poll::Ready(Err(e)) => return Poll::Ready(Err(e)),
+                Poll::Pending => return Poll::Pending,
             };
-            if guard.is_none() && self.primed {
-                return Poll::Pending; // nothing signalled since the last empty check
-            }
             let events = self.sock.get_events()?;
             if events.contains(zmq::POLLIN) {
                 if let Some(frames) = recv_now(&self.sock, &mut self.primed)? {
@@ -253,6 +245,23 @@ fn recv_now(sock: &zmq::Socket, primed: &mut bool) -> Result<Option<Vec<Vec<u8>>
         Ok(frames) => Ok(Some(frames)),
         Err(zmq::Error::EAGAIN) => Ok(None),
         Err(e) => Err(e),
+    }
+}
+
+/// Whether to try the socket now: its readiness guard when tokio saw a signal (taken before the
+/// try, so that clearing it cannot lose a signal that came after), `None` when none came but the
+/// socket is unprimed (tried anyway), `Pending` when primed and nothing was signalled since the
+/// last empty try.
+fn readiness<'a>(
+    fd: &'a AsyncFd<ZmqFd>,
+    primed: bool,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Option<tokio::io::unix::AsyncFdReadyGuard<'a, ZmqFd>>, SocketError>> {
+    match fd.poll_read_ready(cx) {
+        Poll::Ready(Ok(g)) => Poll::Ready(Ok(Some(g))),
+        Poll::Ready(Err(e)) => Poll::Ready(Err(e.into())),
+        Poll::Pending if primed => Poll::Pending,
+        Poll::Pending => Poll::Ready(Ok(None)),
     }
 }
 
