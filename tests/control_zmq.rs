@@ -526,25 +526,6 @@ async fn pulls_that_finish_cleanly_reuse_one_connection_per_peer() {
     }
 }
 
-/// P's writer: holds `held`'s write for ever, telling the test it has it; writes nothing else.
-struct HoldingWriter {
-    held: &'static str,
-    has_it: tokio::sync::mpsc::UnboundedSender<()>,
-}
-
-impl kvrecv::sim::KvWriter for HoldingWriter {
-    fn write(
-        &self,
-        job: kvrecv::sim::WriteJob,
-    ) -> futures::future::BoxFuture<'static, Result<(), String>> {
-        if job.req_ids.iter().any(|r| r == self.held) {
-            let _ = self.has_it.send(());
-            return Box::pin(std::future::pending());
-        }
-        Box::pin(async { Ok(()) })
-    }
-}
-
 /// A pull that ends at its deadline closes its connection: the next pull dials a new one. The
 /// deadline is d-2's own, brought forward by the host's abort (zero grace) once P has d-2 and
 /// sits on it: the pulls' deadlines are long, so no healthy pull races a clock.

@@ -4,6 +4,9 @@
 //! P answers pulls over real ZMQ. No `bind_peer` anywhere: an uncertain peer's queue pairs are
 //! found by host and fenced before its blocks are released.
 
+#[path = "net/mod.rs"]
+mod net;
+
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -429,9 +432,9 @@ async fn pause_deregisters_every_window_and_resume_registers_fresh_ones() {
     let (held_tx, mut held) = tokio::sync::mpsc::unbounded_channel();
     let sim = PrefillSim::start_with_writer(
         SimConfig::default(),
-        Arc::new(HoldingWriter {
+        Arc::new(net::HoldingWriter {
             held: "a",
-            jobs: held_tx,
+            has_it: held_tx,
         }),
     )
     .await
@@ -517,26 +520,6 @@ async fn pause_deregisters_every_window_and_resume_registers_fresh_ones() {
     assert_eq!(step.invalid_block_ids, vec![5], "only a failed: {step:?}");
     assert_eq!(step.finished_recving.len(), 2, "a and b: {step:?}");
     w.kv.shutdown().await;
-}
-
-/// P's writer that writes nothing (RDMA: the test delivers writes itself) and never finishes
-/// the transfer of request `held`, telling the test when it has it.
-struct HoldingWriter {
-    held: &'static str,
-    jobs: tokio::sync::mpsc::UnboundedSender<()>,
-}
-
-impl kvrecv::sim::KvWriter for HoldingWriter {
-    fn write(
-        &self,
-        job: kvrecv::sim::WriteJob,
-    ) -> futures::future::BoxFuture<'static, Result<(), String>> {
-        if job.req_ids.iter().any(|r| r == self.held) {
-            let _ = self.jobs.send(());
-            return Box::pin(std::future::pending());
-        }
-        Box::pin(async { Ok(()) })
-    }
 }
 
 /// `mooncake_protocol = "rdma"` with no verbs backend in the build is refused at start, never

@@ -184,3 +184,24 @@ pub fn is_uncertain(s: &SettleOutcome) -> bool {
 pub fn reason(s: &SettleOutcome) -> String {
     s.reason().unwrap_or_default().to_owned()
 }
+
+/// P's writer: holds `held`'s write for ever, telling the test it has it; writes nothing else.
+pub struct HoldingWriter {
+    /// The request whose write is held.
+    pub held: &'static str,
+    /// Told once P has that write.
+    pub has_it: tokio::sync::mpsc::UnboundedSender<()>,
+}
+
+impl kvrecv::sim::KvWriter for HoldingWriter {
+    fn write(
+        &self,
+        job: kvrecv::sim::WriteJob,
+    ) -> futures::future::BoxFuture<'static, Result<(), String>> {
+        if job.req_ids.iter().any(|r| r == self.held) {
+            let _ = self.has_it.send(());
+            return Box::pin(std::future::pending());
+        }
+        Box::pin(async { Ok(()) })
+    }
+}
