@@ -58,8 +58,11 @@ use kvrecv::rdma::tcp::permits::{Access, PermitTable};
 use kvrecv::rdma::tcp::windows::{WindowMap, DEFAULT_BASE};
 use stateright::{Checker, HasDiscoveries, Model, Property};
 
+#[path = "model_check/discoveries.rs"]
+mod discoveries;
 #[path = "model_check/receiver_glue.rs"]
 mod receiver_glue;
+use discoveries::discoveries;
 use receiver_glue::{rediscovery, D_RANK};
 
 const BLOCK: u64 = 4096;
@@ -692,18 +695,7 @@ fn check(cfg: Cfg, until: Option<&'static str>) -> (usize, Vec<(String, String)>
     }
     let checker = checker.spawn_bfs().join();
     let states = checker.unique_state_count();
-    let mut found = vec![];
-    for p in checker.model().properties() {
-        if let Some(path) = checker.discovery(p.name) {
-            let actions: Vec<String> = path
-                .into_actions()
-                .iter()
-                .map(|a| format!("{a:?}"))
-                .collect();
-            found.push((p.name.to_string(), actions.join("\n  ")));
-        }
-    }
-    (states, found)
+    (states, discoveries(&checker))
 }
 
 #[test]

@@ -22,6 +22,9 @@ use std::collections::BTreeMap;
 use std::time::Instant;
 
 use kvrecv::rdma::verbs::key_windows::KeyWindows;
+#[path = "model_check/discoveries.rs"]
+mod discoveries;
+use discoveries::discoveries;
 use stateright::{Checker, Model, Property};
 
 /// The fence rule under check.
@@ -320,18 +323,7 @@ fn check(cfg: Cfg) -> (usize, Vec<(String, String)>) {
     let model = Fence { cfg };
     let checker = model.checker().spawn_bfs().join();
     let states = checker.unique_state_count();
-    let mut found = vec![];
-    for p in checker.model().properties() {
-        if let Some(path) = checker.discovery(p.name) {
-            let actions: Vec<String> = path
-                .into_actions()
-                .iter()
-                .map(|a| format!("{a:?}"))
-                .collect();
-            found.push((p.name.to_string(), actions.join("\n  ")));
-        }
-    }
-    (states, found)
+    (states, discoveries(&checker))
 }
 
 fn cfg(rule: Rule, windows: usize, peers: u8, requests_per_peer: u8) -> Cfg {
