@@ -410,6 +410,18 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let num = |i: usize| -> u64 { args[i].parse().expect("a number") };
     match args.get(1).map(String::as_str) {
+        Some("target") if std::env::var("KVRECV_TARGET_RT").as_deref() == Ok("current") => {
+            let size = num(2);
+            return std::thread::spawn(move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .expect("rt")
+                    .block_on(serve_target(size))
+            })
+            .join()
+            .expect("target thread");
+        }
         Some("target") => return serve_target(num(2)).await,
         Some("raw") => return raw_sink().await,
         Some("write") => return rust_write(&args[2], num(3), num(4), num(5)).await,

@@ -301,6 +301,48 @@ async fn idle_connections_are_closed() {
     assert_eq!(t.stats().writes_landed.load(Ordering::Relaxed), 0);
 }
 
+/// The payload wait asks the kernel to wake it only once the rest of the payload is queued
+/// (`SO_RCVLOWAT`): a writer that keeps sending within the idle timeout is progressing even if
+/// no wakeup came, and once the payload is in, a request with no payload (a READ) wakes the
+/// server again at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickled_payload_lands_and_the_next_request_is_served() {
+    let mut cfg = TargetConfig::loopback(common::layout());
+    cfg.idle_timeout = Duration::from_millis(300);
+    cfg.serve_reads = true;
+    let t = TcpTarget::start(cfg).await.unwrap();
+    let bases = open(&t, 1, &[req("a", &[0])]);
+    let mut s = raw(&t).await;
+    let len = 4096usize;
+    s.write_all(&Header::new(true, bases[0], len as u64, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    // The writer's pace is the scenario: 10 bytes every 60 ms for 1.2 s, four idle timeouts'
+    // worth, none of them without progress; then the rest in one piece, which is below no
+    // low-water mark the server set.
+    let payload = pattern(7, len);
+    let trickled = 200;
+    for chunk in payload[..trickled].chunks(10) {
+        s.write_all(chunk).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    s.write_all(&payload[trickled..]).await.unwrap();
+    assert_eq!(status(&mut s).await, STATUS_OK);
+    assert_eq!(t.stats().idle_timeouts.load(Ordering::Relaxed), 0);
+    assert_eq!(t.stats().writes_landed.load(Ordering::Relaxed), 1);
+    // A READ has no payload: its 24-byte header alone must wake the server.
+    s.write_all(&Header::new(false, bases[0], 8, ProtoVersion::V2).encode())
+        .await
+        .unwrap();
+    assert_eq!(status(&mut s).await, STATUS_OK);
+    let mut b = [0u8; 8];
+    tokio::time::timeout(T, s.read_exact(&mut b))
+        .await
+        .expect("read served")
+        .unwrap();
+    assert_eq!(&b[..], &payload[..8]);
+}
+
 /// A v2 READ of 8 bytes at `addr` is served on `s` (the connection holds a server slot).
 async fn served(s: &mut TcpStream, addr: u64) {
     s.write_all(&Header::new(false, addr, 8, ProtoVersion::V2).encode())

@@ -39,3 +39,38 @@ pub(crate) unsafe fn try_recv_into(
         }
     })
 }
+
+/// Set `SO_RCVLOWAT`: the socket reports readable only once `bytes` are queued (or at EOF, an
+/// error, or memory pressure), so a payload that is not all there yet costs one wakeup and one
+/// `recv` when it is, not one per arriving segment. The kernel caps it at half the largest
+/// receive buffer and grows the buffer to hold it.
+pub(crate) fn set_rcvlowat(stream: &TcpStream, bytes: usize) -> io::Result<()> {
+    let v = libc::c_int::try_from(bytes.max(1)).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the fd is the stream's open socket; `v` is a live c_int of the length passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Bytes queued on the socket, not yet read (`FIONREAD`).
+pub(crate) fn queued(stream: &TcpStream) -> io::Result<usize> {
+    let mut n: libc::c_int = 0;
+    // SAFETY: the fd is the stream's open socket; FIONREAD writes one c_int to `n`.
+    let rc = unsafe { libc::ioctl(stream.as_raw_fd(), libc::FIONREAD, &mut n) };
+    if rc == 0 {
+        Ok(usize::try_from(n).unwrap_or(0))
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}

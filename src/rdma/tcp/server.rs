@@ -21,12 +21,16 @@ use crate::rdma::accept_cap::Caps;
 use crate::rdma::conn_table::{ConnGuard, ConnTable, Phase};
 
 use super::permits::{Access, Admitted, OwnedGateGuard, PermitTable, RejectReason};
-use super::raw_recv::try_recv_into;
+use super::raw_recv::{queued, set_rcvlowat, try_recv_into};
 use super::windows::{Resolved, WindowMap};
 use super::wire::{Header, ProtoVersion, HEADER_LEN, OP_READ, OP_WRITE, STATUS_OK, STATUS_REJECT};
 use crate::rdma::audit::{AuditCounters, Auditor};
 use crate::rdma::device_stream::STAGING_SLOTS;
 use crate::rdma::memory::{MemoryError, RegisteredMemory, STAGING_CHUNK};
+
+/// Most a payload wait asks to have queued before waking (`SO_RCVLOWAT`; the kernel caps it
+/// further at half its largest receive buffer).
+const LOWAT_CAP: usize = 1 << 20;
 
 /// Default per-connection idle (and payload-progress) timeout. P's own status timeout is 30 s.
 pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
@@ -403,6 +407,7 @@ async fn land(
         return Ok(());
     }
     let mut pos = 0u64;
+    let mut lowat = false;
     loop {
         {
             let Some(_gate) = admitted.enter() else {
@@ -436,10 +441,21 @@ async fn land(
                 Err(e) => return Err(e.into()),
             }
         }
+        // Wake once the rest is queued, not once per arriving segment (a writer that sends
+        // in small pieces, as the TE wheel does, otherwise costs a wakeup and a `recv` each).
+        // `dataplane_bench`, 1 MiB writes, TE wheel writer: 0.16 against 0.31 s/GiB without.
+        set_rcvlowat(stream, ((size - pos) as usize).min(LOWAT_CAP))?;
+        lowat = true;
         match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
+            // Below the low-water mark nothing wakes us: bytes queued are progress, not idling.
+            Err(_) if queued(stream)? > 0 => {}
             Err(_) => return Err(ConnEnd::Idle),
             Ok(r) => r?,
         }
+    }
+    if lowat {
+        // The next header (or a READ, which has no payload) must wake us at its first byte.
+        set_rcvlowat(stream, 1)?;
     }
     landed(plane, admitted, size);
     Ok(())
