@@ -89,14 +89,34 @@ enum Kind {
     Te,
     /// kvrecv's TCP target.
     Kvrecv,
+    /// Another build's `target` role (`KVRECV_BENCH_BEFORE`): an A/B in the same rounds.
+    Before,
 }
 
-const KINDS: [Kind; 3] = [Kind::Floor, Kind::Te, Kind::Kvrecv];
+/// The receivers of this invocation, in table order.
+fn kinds() -> Vec<Kind> {
+    let mut k = vec![Kind::Floor, Kind::Te, Kind::Kvrecv];
+    if before().is_some() {
+        k.push(Kind::Before);
+    }
+    k
+}
+
+/// `KVRECV_BENCH_BEFORE`: the path of another build of this example, whose kvrecv target runs
+/// as a fourth receiver in the same rounds.
+fn before() -> Option<PathBuf> {
+    std::env::var_os("KVRECV_BENCH_BEFORE").map(PathBuf::from)
+}
 
 async fn start_target(kind: Kind, size: u64) -> Target {
     let mut cmd = match kind {
         Kind::Kvrecv => {
             let mut c = Command::new(std::env::current_exe().expect("own path"));
+            c.args(["target", &size.to_string()]);
+            c
+        }
+        Kind::Before => {
+            let mut c = Command::new(before().expect("KVRECV_BENCH_BEFORE"));
             c.args(["target", &size.to_string()]);
             c
         }
@@ -176,9 +196,14 @@ async fn write_run(te: bool, t: &Target, size: u64, total: u64) -> (f64, f64) {
 /// until stdin closes.
 async fn serve_target(size: u64) {
     let blocks = (REGION / size) as u32;
-    let t = TcpTarget::start(TargetConfig::loopback(KvLayout::uniform(1, size, blocks)))
-        .await
-        .expect("target starts");
+    let mut cfg = TargetConfig::loopback(KvLayout::uniform(1, size, blocks));
+    if let Some(n) = std::env::var("KVRECV_DATA_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        cfg.data_threads = n;
+    }
+    let t = TcpTarget::start(cfg).await.expect("target starts");
     let req = Arc::new(RequestMeta {
         req_id: "bench".into(),
         transfer_id: "bench".into(),
@@ -288,12 +313,58 @@ async fn raw_lane_async(mut s: tokio::net::TcpStream, base: u64, region_ptr: usi
                 h.size as usize,
             )
         };
-        if s.read_exact(dst).await.is_err() {
+        if read_payload(&s, dst).await.is_err() {
             return;
         }
         if h.version() == ProtoVersion::V2 && s.write_all(&STATUS_OK.to_le_bytes()).await.is_err() {
             return;
         }
+    }
+}
+
+/// Fill `dst` from `s` as kvrecv's data server does: read what is queued, and while the rest
+/// is not, ask to be woken only once it is (`SO_RCVLOWAT`, put back to one byte after), so a
+/// writer's small pieces do not cost a wakeup each.
+async fn read_payload(s: &tokio::net::TcpStream, dst: &mut [u8]) -> std::io::Result<()> {
+    let mut got = 0;
+    let mut lowat = false;
+    while got < dst.len() {
+        match s.try_read(&mut dst[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => {
+                got += n;
+                continue;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+        set_lowat(s, (dst.len() - got).min(1 << 20))?;
+        lowat = true;
+        s.readable().await?;
+    }
+    if lowat {
+        set_lowat(s, 1)?;
+    }
+    Ok(())
+}
+
+fn set_lowat(s: &tokio::net::TcpStream, bytes: usize) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let v = libc::c_int::try_from(bytes).unwrap_or(libc::c_int::MAX);
+    // SAFETY: the fd is the stream's open socket; `v` is a live c_int of the length passed.
+    let rc = unsafe {
+        libc::setsockopt(
+            s.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVLOWAT,
+            (&v as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(std::io::Error::last_os_error())
     }
 }
 
@@ -410,18 +481,6 @@ async fn main() {
     let args: Vec<String> = std::env::args().collect();
     let num = |i: usize| -> u64 { args[i].parse().expect("a number") };
     match args.get(1).map(String::as_str) {
-        Some("target") if std::env::var("KVRECV_TARGET_RT").as_deref() == Ok("current") => {
-            let size = num(2);
-            return std::thread::spawn(move || {
-                tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                    .expect("rt")
-                    .block_on(serve_target(size))
-            })
-            .join()
-            .expect("target thread");
-        }
         Some("target") => return serve_target(num(2)).await,
         Some("raw") => return raw_sink().await,
         Some("write") => return rust_write(&args[2], num(3), num(4), num(5)).await,
@@ -436,20 +495,49 @@ async fn main() {
     println!(
         "median per target; ratios: median of per-round target/floor ratios [min-max over rounds]"
     );
-    println!("| write size | writer | floor GB/s | TE GB/s | kvrecv GB/s | TE/floor GB/s | kvrecv/floor GB/s | floor CPU s/GiB | TE CPU s/GiB | kvrecv CPU s/GiB | TE/floor CPU | kvrecv/floor CPU | kvrecv/TE CPU |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    let kinds = kinds();
+    let names: Vec<&str> = kinds
+        .iter()
+        .map(|k| match k {
+            Kind::Floor => "floor",
+            Kind::Te => "TE",
+            Kind::Kvrecv => "kvrecv",
+            Kind::Before => "before",
+        })
+        .collect();
+    let at = |k: Kind| kinds.iter().position(|&x| x == k).expect("kind");
+    let (floor, te, kv) = (at(Kind::Floor), at(Kind::Te), at(Kind::Kvrecv));
+    // Ratios: (numerator, denominator) by position.
+    let mut ratios = vec![(te, floor), (kv, floor), (kv, te)];
+    if kinds.contains(&Kind::Before) {
+        ratios.push((kv, at(Kind::Before)));
+    }
+    let mut head = String::from("| write size | writer |");
+    for n in &names {
+        head += &format!(" {n} GB/s |");
+    }
+    head += &format!(" {}/floor GB/s |", names[kv]);
+    for n in &names {
+        head += &format!(" {n} CPU s/GiB |");
+    }
+    for &(a, b) in &ratios {
+        head += &format!(" {}/{} CPU |", names[a], names[b]);
+    }
+    println!("{head}");
+    println!("|{}", "---|".repeat(3 + 2 * names.len() + ratios.len()));
     for size in [256u64 << 10, 1 << 20] {
         let mut targets = Vec::new();
-        for kind in KINDS {
+        for &kind in &kinds {
             targets.push(start_target(kind, size).await);
         }
+        let n = kinds.len();
         for (te_writer, name) in [(true, "TE wheel"), (false, "Rust")] {
-            // bw[k][round], cpu[k][round], k in KINDS order.
-            let mut bw = vec![vec![0f64; rounds]; 3];
-            let mut cpu = vec![vec![0f64; rounds]; 3];
+            // bw[k][round], cpu[k][round], k in `kinds` order.
+            let mut bw = vec![vec![0f64; rounds]; n];
+            let mut cpu = vec![vec![0f64; rounds]; n];
             for r in 0..rounds {
-                for j in 0..3 {
-                    let k = (r + j) % 3;
+                for j in 0..n {
+                    let k = (r + j) % n;
                     let (b, c) = write_run(te_writer, &targets[k], size, total).await;
                     bw[k][r] = b;
                     cpu[k][r] = c;
@@ -461,21 +549,18 @@ async fn main() {
                 format!("{m:.2}x [{:.2}-{:.2}]", r[0], r[rounds - 1])
             };
             let med = |v: &[Vec<f64>], k: usize| median(&mut v[k].clone());
-            println!(
-                "| {} KiB | {name} | {:.2} | {:.2} | {:.2} | {} | {} | {:.3} | {:.3} | {:.3} | {} | {} | {} |",
-                size >> 10,
-                med(&bw, 0) / 1e9,
-                med(&bw, 1) / 1e9,
-                med(&bw, 2) / 1e9,
-                ratio(&bw, 1, 0),
-                ratio(&bw, 2, 0),
-                med(&cpu, 0),
-                med(&cpu, 1),
-                med(&cpu, 2),
-                ratio(&cpu, 1, 0),
-                ratio(&cpu, 2, 0),
-                ratio(&cpu, 2, 1),
-            );
+            let mut row = format!("| {} KiB | {name} |", size >> 10);
+            for k in 0..n {
+                row += &format!(" {:.2} |", med(&bw, k) / 1e9);
+            }
+            row += &format!(" {} |", ratio(&bw, kv, floor));
+            for k in 0..n {
+                row += &format!(" {:.3} |", med(&cpu, k));
+            }
+            for &(a, b) in &ratios {
+                row += &format!(" {} |", ratio(&cpu, a, b));
+            }
+            println!("{row}");
         }
         for mut t in targets {
             drop(t.child.stdin.take());
