@@ -196,14 +196,9 @@ async fn write_run(te: bool, t: &Target, size: u64, total: u64) -> (f64, f64) {
 /// until stdin closes.
 async fn serve_target(size: u64) {
     let blocks = (REGION / size) as u32;
-    let mut cfg = TargetConfig::loopback(KvLayout::uniform(1, size, blocks));
-    if let Some(n) = std::env::var("KVRECV_DATA_THREADS")
-        .ok()
-        .and_then(|v| v.parse().ok())
-    {
-        cfg.data_threads = n;
-    }
-    let t = TcpTarget::start(cfg).await.expect("target starts");
+    let t = TcpTarget::start(TargetConfig::loopback(KvLayout::uniform(1, size, blocks)))
+        .await
+        .expect("target starts");
     let req = Arc::new(RequestMeta {
         req_id: "bench".into(),
         transfer_id: "bench".into(),

@@ -236,9 +236,8 @@ impl KvRecvBuilder {
         self
     }
 
-    /// Threads of kvrecv's data plane: as many serve the data connections
-    /// ([`TargetConfig::data_threads`]), and as many workers run the handshake daemon and the
-    /// listeners; the actors have a thread of their own. Default 2.
+    /// Worker threads of kvrecv's data-plane runtime (the handshake daemon and the data
+    /// server's connections run there; the actors have a thread of their own). Default 2.
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
         self
@@ -361,7 +360,6 @@ impl KvRecvBuilder {
         #[cfg(not(feature = "cli"))]
         let (landing, custom_sink) = (None, None);
         target.layout = config.layout.clone();
-        target.data_threads = worker_threads;
         // What `read_block` reads: the host's memory, unless device memory takes its place.
         let host_blocks = HostBlocks {
             memory: match (&target.device_memory, &target.host_memory) {

@@ -16,7 +16,6 @@ use crate::block_ownership::BlockOwnership;
 use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
-use super::conn_shards::ConnShards;
 use super::permits::PermitTable;
 use super::server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
@@ -33,9 +32,6 @@ use crate::rdma::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, Reg
 /// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
 /// by abandoned writers, plus the reserved one. Clamped to what fits below 2^53 for the layout.
 pub const DEFAULT_WINDOWS: u32 = 16_384;
-
-/// Default number of threads serving data connections ([`TargetConfig::data_threads`]).
-pub const DEFAULT_DATA_THREADS: usize = 2;
 
 /// How to start a target.
 #[derive(Debug, Clone)]
@@ -88,10 +84,6 @@ pub struct TargetConfig {
     /// nothing authenticates the data port, so a READ would let anyone who reaches it read the
     /// blocks of a pull in flight. Interop tests turn it on to read back what landed.
     pub serve_reads: bool,
-    /// Threads that serve data connections (at least one), each a current-thread runtime
-    /// of kvrecv's own; a connection stays on the one that had the fewest when it came.
-    /// The builder sets it from [`KvRecvBuilder::worker_threads`](crate::KvRecvBuilder::worker_threads).
-    pub data_threads: usize,
 }
 
 impl TargetConfig {
@@ -117,7 +109,6 @@ impl TargetConfig {
             max_handshakes_per_address: DEFAULT_MAX_HANDSHAKES_PER_ADDRESS,
             labels: Labels::default(),
             serve_reads: false,
-            data_threads: DEFAULT_DATA_THREADS,
         }
     }
 }
@@ -144,12 +135,9 @@ pub enum TargetError {
     #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap; use fewer windows")]
     /// The segment descriptor does not fit the handshake frame.
     DescriptorTooLarge(usize),
-    #[error("cannot start the data connection threads: {0}")]
-    /// A thread serving data connections could not be started.
-    Threads(std::io::Error),
 }
 
-/// A running target. Dropping it stops accepting connections and closes the open ones.
+/// A running target. Dropping it stops accepting connections.
 pub struct TcpTarget {
     plane: Arc<DataPlane>,
     landing: Arc<TcpLanding>,
@@ -158,9 +146,6 @@ pub struct TcpTarget {
     handshake_addr: SocketAddr,
     data_addr: SocketAddr,
     tasks: Vec<JoinHandle<()>>,
-    /// The threads serving the data connections: kept for its drop, which stops them (the
-    /// accept task holds the other reference, gone once aborted).
-    _shards: Arc<ConnShards>,
 }
 
 impl std::fmt::Debug for TcpTarget {
@@ -272,12 +257,9 @@ impl TcpTarget {
             TcpLanding::new(permits, &cfg.advertise_host, handshake_addr.port())
                 .with_memory(Arc::clone(plane.memory_slot())),
         );
-        let shards = Arc::new(
-            ConnShards::start(cfg.data_threads).map_err(TargetError::Threads)?,
-        );
         let tasks = vec![
             tokio::spawn(handshake_daemon::serve(hs, daemon.clone())),
-            tokio::spawn(server::serve(data, plane.clone(), Arc::clone(&shards))),
+            tokio::spawn(server::serve(data, plane.clone())),
         ];
         tracing::info!(%handshake_addr, %data_addr, permits = cfg.permits, windows,
             epoch_rule = cfg.epoch_rule, "TE target listening");
@@ -289,7 +271,6 @@ impl TcpTarget {
             handshake_addr,
             data_addr,
             tasks,
-            _shards: shards,
         })
     }
 
