@@ -443,7 +443,8 @@ async fn land(
         }
         // Wake once the rest is queued, not once per arriving segment (a writer that sends
         // in small pieces, as the TE wheel does, otherwise costs a wakeup and a `recv` each).
-        // `dataplane_bench`, 1 MiB writes, TE wheel writer: 0.16 against 0.31 s/GiB without.
+        // `dataplane_bench` against the build without it, TE wheel writer: 0.63x the CPU per
+        // GiB at 1 MiB writes, 0.83x at 256 KiB (docs/PERFORMANCE.md, issue 40 item 2).
         set_rcvlowat(stream, ((size - pos) as usize).min(LOWAT_CAP))?;
         lowat = true;
         match tokio::time::timeout(plane.idle_timeout, stream.readable()).await {
