@@ -420,22 +420,19 @@ impl Receiver {
         bases: Vec<RegionBases>,
         used: tokio::time::Instant,
     ) {
-        let mut requests: PullRequests = group
+        // One list, sorted as the pulls' pending sets keep it, shared by every pull.
+        let requests: PullRequests = group
             .iter()
             .map(|req| PullRequest {
                 meta: req.clone(),
                 awaited: req.is_awaiting(),
             })
-            .collect();
+            .collect::<PullRequests>()
+            .into_sorted_unique();
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);
-        for (k, ((peer, pull_id), bases)) in peers.iter().zip(pulls).zip(bases).enumerate() {
-            // Each pull owns its requests; the last one takes the list itself.
-            let requests = if k + 1 == peers.len() {
-                std::mem::take(&mut requests)
-            } else {
-                requests.clone()
-            };
+        for ((peer, pull_id), bases) in peers.iter().zip(pulls).zip(bases) {
+            let requests = requests.clone();
             // The window's layout id; a worker that echoed it already holds the layout.
             let id = self.encoder.layout_id(&bases);
             let carried = id == 0 || !self.acks.borrow().is_acked(peer, id);
