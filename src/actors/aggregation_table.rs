@@ -163,7 +163,7 @@ mod tests {
             transfer_id: "t".into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]],
+            block_ids: vec![vec![1]].into(),
         });
         let peers = vec![PeerId::new("tcp://p:1"), PeerId::new("tcp://p:2")];
         let state = AggregatorState::new(req, peers, Policy::Settle);

@@ -292,7 +292,7 @@ mod tests {
             transfer_id: id.into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: groups,
+            block_ids: groups.into(),
         })
     }
 

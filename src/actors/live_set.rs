@@ -194,7 +194,7 @@ mod tests {
             transfer_id: id.into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: vec![blocks.to_vec()],
+            block_ids: vec![blocks.to_vec()].into(),
         })
     }
 

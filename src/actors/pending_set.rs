@@ -118,7 +118,7 @@ mod tests {
                 transfer_id: id.into(),
                 engine_id: "e".into(),
                 bootstrap_addr: "b".into(),
-                block_ids: vec![vec![1]],
+                block_ids: vec![vec![1]].into(),
             }),
             awaited: true,
         }

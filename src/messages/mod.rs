@@ -23,6 +23,7 @@ internal_mod!(
 internal_mod!(pause);
 internal_mod!(peer_text);
 internal_mod!(pool);
+internal_mod!(block_ids);
 internal_mod!(pull);
 internal_mod!(pull_requests);
 mod reply_reader;
@@ -43,6 +44,9 @@ pub use batch::{
     BatchError, Interner, KvRequest, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
     Queued, RequestMeta, SharedRequest,
 };
+pub use block_ids::BlockGroups;
+#[cfg(any(test, feature = "testing"))]
+pub use block_ids::BlockIds;
 pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;

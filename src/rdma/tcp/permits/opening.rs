@@ -178,7 +178,7 @@ impl PermitTable {
                     .requests
                     .iter()
                     .filter_map(|r| r.block_ids.get(g))
-                    .map(Vec::len);
+                    .map(<[u32]>::len);
                 BlockOwners(Vec::with_capacity(n.sum()))
             })
             .collect();

@@ -31,7 +31,7 @@ fn req(id: &str) -> Arc<RequestMeta> {
         transfer_id: id.into(),
         engine_id: "e".into(),
         bootstrap_addr: "http://127.0.0.1:1".into(),
-        block_ids: vec![vec![0]],
+        block_ids: vec![vec![0]].into(),
     })
 }
 
