@@ -29,7 +29,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::aggregation_table::SharedAggregation;
 use super::aggregator::{FailUnsent, RequestAggregator};
-use super::aggregator_state::{AggregationRules, AggregatorState};
+use super::aggregator_state::{AggregationRules, AggregatorState, BatchRules};
 use super::alarm::Alarm;
 use super::batch_plan::{self, Validated};
 use super::block_manager::BlockManager;
@@ -400,11 +400,13 @@ impl Receiver {
         };
         // The aggregator's table has the requests before any Peer has their pull, so no settle
         // can arrive before its state exists.
-        let rules = &self.rules;
-        let states =
-            d.group.iter().filter(|r| r.is_awaiting()).map(|req| {
-                AggregatorState::with_rules(req.clone(), d.peers.clone(), rules.clone())
-            });
+        // One allocation per batch for what its requests' states share.
+        let batch = BatchRules::new(d.peers.clone(), self.rules.clone());
+        let states = d
+            .group
+            .iter()
+            .filter(|r| r.is_awaiting())
+            .map(|req| AggregatorState::in_batch(req.clone(), batch.clone()));
         self.aggregation
             .borrow_mut()
             .register(pulls.clone(), states, since);
