@@ -233,7 +233,7 @@ impl PermitTable {
             .write()
             .unwrap_or_else(|e| e.into_inner()) = Slot::Open(permit.clone());
         for (i, r) in (0u32..).zip(pull.requests) {
-            inner.by_req.add(&r.req_id, pull.pull_id, i);
+            inner.by_req.add(r, pull.pull_id, i);
         }
         inner.by_pull.insert(pull.pull_id, permit);
         let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
