@@ -13,6 +13,7 @@ use thiserror::Error;
 
 use super::block_ids::BlockIds;
 use super::ids::ReqId;
+use super::shared_str::SharedStr;
 
 /// One D request as the host scheduler knows it (vLLM: its `kv_transfer_params` plus the
 /// destination block ids it allocated).
@@ -393,10 +394,10 @@ pub struct RequestMeta {
     pub req_id: ReqId,
     /// P's transfer id for the request.
     pub transfer_id: Arc<str>,
-    /// P's engine id (shared by every request of the engine, see [`Interner`]).
-    pub engine_id: Arc<str>,
+    /// P's engine id (shared by every request of the engine, see [`Interner`]; one pointer).
+    pub engine_id: SharedStr,
     /// P's bootstrap server (shared likewise).
-    pub bootstrap_addr: Arc<str>,
+    pub bootstrap_addr: SharedStr,
     /// Destination blocks, one list per KV-cache group (one allocation for them all).
     pub block_ids: BlockIds,
 }
@@ -406,9 +407,9 @@ pub struct RequestMeta {
 /// sending ever-new engines) it starts over, which costs sharing, never correctness.
 #[derive(Debug, Default)]
 pub struct Interner {
-    seen: FastSet<Arc<str>>,
+    seen: FastSet<SharedStr>,
     /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
-    bootstraps: FastSet<Arc<str>>,
+    bootstraps: FastSet<SharedStr>,
 }
 
 impl Interner {
@@ -429,14 +430,14 @@ impl Interner {
     }
 
     /// The shared copy of `s`.
-    pub fn intern(&mut self, s: &str) -> Arc<str> {
+    pub fn intern(&mut self, s: &str) -> SharedStr {
         match self.seen.get(s) {
             Some(a) => a.clone(),
             None => {
                 if self.seen.len() >= Self::CAP {
                     self.seen.clear();
                 }
-                let a: Arc<str> = Arc::from(s);
+                let a = SharedStr::from(s);
                 self.seen.insert(a.clone());
                 a
             }

@@ -29,6 +29,7 @@ internal_mod!(pull_requests);
 mod reply_reader;
 internal_mod!(retire);
 internal_mod!(settle);
+internal_mod!(shared_str);
 internal_mod!(tick);
 // P's side of the wire (what the simulator and the tests encode, the serde reference decoders
 // the strict ones are checked against) lives with D's side.
@@ -57,6 +58,7 @@ pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
 pub use pull::{EncodeWithLayout, Pull, PullLayout, PullRequest, UnsentPull};
 pub use pull_requests::PullRequests;
 pub use retire::{CountPeers, PeerCount, Retire};
+pub use shared_str::SharedStr;
 pub use settle::{Cause, Settle, SettleList, SettleOutcome, Settles};
 pub use wire::{MetadataRef, MetadataTail, ReqBlock, ReqBlocksRef, WireError, XferReplyRef, XferStatus};
 #[cfg(feature = "testing")]

@@ -100,7 +100,7 @@ impl BlockOwners {
 /// A P deployment: its bootstrap server's address. Every DP rank (engine id) of a deployment is
 /// listed by one bootstrap server and shares its configuration, and its mistakes: a misaligned
 /// layout makes every rank error, so the ranks share one share of poisoned windows.
-type Deployment = Arc<str>;
+type Deployment = crate::messages::SharedStr;
 
 /// One pull's permit.
 #[derive(Debug)]
