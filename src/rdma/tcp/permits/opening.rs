@@ -55,11 +55,13 @@ impl PermitTable {
                 }
             }
         }
+        // The batch's pulls carry the same requests: one set of blocks for their permits.
+        let mut last = None;
         Ok(pulls
             .iter()
             .zip(chosen)
             .map(|(pull, w)| match w {
-                Some(w) => self.install(&mut inner, pull, w),
+                Some(w) => self.install(&mut inner, pull, w, &mut last),
                 None => reserved,
             })
             .collect())
@@ -160,55 +162,26 @@ impl PermitTable {
         Ok(window)
     }
 
-    /// Open `pull`'s permit in `window` (chosen by [`PermitTable::select`]).
-    pub(super) fn install(&self, inner: &mut Inner, pull: &PullWindow<'_>, window: u32) -> u32 {
+    /// Open `pull`'s permit in `window` (chosen by [`PermitTable::select`]). `last`: the
+    /// blocks of the batch's previous pull, shared when this pull carries the same requests.
+    pub(super) fn install<'p>(
+        &self,
+        inner: &mut Inner,
+        pull: &PullWindow<'p>,
+        window: u32,
+        last: &mut Option<(&'p [SharedRequest], Arc<PullBlocks>)>,
+    ) -> u32 {
         let deployment: Deployment = pull.requests[0].bootstrap_addr.clone();
         Self::ring_used(inner, pull.peer, window);
-        let groups = pull
-            .requests
-            .iter()
-            .map(|r| r.block_ids.len())
-            .max()
-            .unwrap_or(0);
-        // Each group's list allocated once at its length (grown push by push, then shrunk, it
-        // was four allocations per group and pull).
-        let mut blocks: Vec<BlockOwners> = (0..groups)
-            .map(|g| {
-                let n = pull
-                    .requests
-                    .iter()
-                    .filter_map(|r| r.block_ids.get(g))
-                    .map(<[u32]>::len);
-                BlockOwners(Vec::with_capacity(n.sum()))
-            })
-            .collect();
-        for (i, r) in pull.requests.iter().enumerate() {
-            for (g, ids) in r.block_ids.iter().enumerate() {
-                blocks[g].0.extend(ids.iter().map(|&b| (b, i as u32)));
+        let blocks = match last {
+            Some((reqs, b)) if std::ptr::eq(*reqs, pull.requests) => b.clone(),
+            _ => {
+                let b = Arc::new(self.pull_blocks(pull.requests));
+                *last = Some((pull.requests, b.clone()));
+                b
             }
-        }
-        for g in &mut blocks {
-            // The ledger admits a block to one live request at a time; were it listed twice,
-            // the first owner keeps it.
-            g.0.sort_by_key(|&(b, _)| b);
-            let n = g.0.len();
-            g.0.dedup_by_key(|&mut (b, _)| b);
-            if g.0.len() < n {
-                g.0.shrink_to_fit();
-            }
-        }
+        };
         let n = pull.requests.len();
-        let span_cap = pull
-            .requests
-            .iter()
-            .map(|r| {
-                let pieces: u64 = (0u32..)
-                    .zip(&r.block_ids)
-                    .map(|(g, ids)| ids.len() as u64 * self.map.regions_in_group(g))
-                    .sum();
-                u32::try_from(pieces.saturating_mul(2).saturating_add(16)).unwrap_or(u32::MAX)
-            })
-            .collect();
         let permit = Arc::new(Permit {
             pull_id: pull.pull_id,
             peer: pull.peer.clone(),
@@ -222,7 +195,6 @@ impl PermitTable {
             quiet: Notify::new(),
             coverage: Mutex::new(Vec::new()),
             covered: AtomicBool::new(false),
-            span_cap,
             unproven: AtomicBool::new(false),
             open_writes: AtomicU64::new(0),
             bytes_landed: AtomicU64::new(0),
@@ -239,6 +211,55 @@ impl PermitTable {
         let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
         self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
         window
+    }
+
+    /// `requests`' blocks by group, each with the index of its request, and their span caps.
+    fn pull_blocks(&self, requests: &[SharedRequest]) -> PullBlocks {
+        let groups = requests
+            .iter()
+            .map(|r| r.block_ids.len())
+            .max()
+            .unwrap_or(0);
+        // Each group's list allocated once at its length (grown push by push, then shrunk, it
+        // was four allocations per group and pull).
+        let mut blocks: Vec<BlockOwners> = (0..groups)
+            .map(|g| {
+                let n = requests
+                    .iter()
+                    .filter_map(|r| r.block_ids.get(g))
+                    .map(<[u32]>::len);
+                BlockOwners(Vec::with_capacity(n.sum()))
+            })
+            .collect();
+        for (i, r) in requests.iter().enumerate() {
+            for (g, ids) in r.block_ids.iter().enumerate() {
+                blocks[g].0.extend(ids.iter().map(|&b| (b, i as u32)));
+            }
+        }
+        for g in &mut blocks {
+            // The ledger admits a block to one live request at a time; were it listed twice,
+            // the first owner keeps it.
+            g.0.sort_by_key(|&(b, _)| b);
+            let n = g.0.len();
+            g.0.dedup_by_key(|&mut (b, _)| b);
+            if g.0.len() < n {
+                g.0.shrink_to_fit();
+            }
+        }
+        let span_cap = requests
+            .iter()
+            .map(|r| {
+                let pieces: u64 = (0u32..)
+                    .zip(&r.block_ids)
+                    .map(|(g, ids)| ids.len() as u64 * self.map.regions_in_group(g))
+                    .sum();
+                u32::try_from(pieces.saturating_mul(2).saturating_add(16)).unwrap_or(u32::MAX)
+            })
+            .collect();
+        PullBlocks {
+            groups: blocks,
+            span_cap,
+        }
     }
 
     /// `peer`'s pull got `window`: the newest of its ring.
