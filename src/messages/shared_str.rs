@@ -101,7 +101,8 @@ mod tests {
         let (a, b) = (SharedStr::from("x"), SharedStr::from(String::from("x")));
         assert!(a == b && !SharedStr::ptr_eq(&a, &b));
         assert!(SharedStr::ptr_eq(&a, &a.clone()));
-        assert!(SharedStr::from("a") < SharedStr::from("b"));
+        let (x, y) = (SharedStr::from("a"), SharedStr::from("b"));
+        assert!(x < y);
         let set: HashSet<SharedStr> = [a].into_iter().collect();
         assert!(set.contains("x"), "found by its text");
         assert_eq!(format!("{b} {b:?}"), "x \"x\"");
