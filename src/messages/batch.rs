@@ -469,8 +469,8 @@ impl KvRequest {
         self.clone().into_meta(interner)
     }
 
-    /// [`Self::validate_with`], taking the request: its block lists are copied into the
-    /// result's one allocation ([`BlockIds`]: the metadata lives as long as the request).
+    /// [`Self::validate_with`], taking the request: its block lists are copied into one
+    /// allocation for every group (the metadata lives as long as the request).
     pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
         // One path for both forms: the owned request is read as the borrowed one.
         fn borrowed(s: &Option<String>) -> Option<Cow<'_, str>> {
