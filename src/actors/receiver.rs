@@ -423,14 +423,10 @@ impl Receiver {
         used: tokio::time::Instant,
     ) {
         // One list, sorted as the pulls' pending sets keep it, shared by every pull.
-        let requests: PullRequests = group
-            .iter()
-            .map(|req| PullRequest {
-                meta: req.clone(),
-                awaited: req.is_awaiting(),
-            })
-            .collect::<PullRequests>()
-            .into_sorted_unique();
+        let requests = PullRequests::sorted_unique(group.iter().map(|req| PullRequest {
+            meta: req.clone(),
+            awaited: req.is_awaiting(),
+        }));
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);
         for ((peer, pull_id), bases) in peers.iter().zip(pulls).zip(bases) {

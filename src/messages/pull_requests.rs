@@ -35,10 +35,20 @@ impl PullRequests {
         if strictly_sorted {
             return self;
         }
-        let mut v = self.to_vec();
+        Self::sorted_unique(self.iter().cloned())
+    }
+
+    /// The requests sorted by request id, an id listed twice kept once: what the Receiver
+    /// hands the batch's pulls (sorted before the list is shared, with no copy to sort; one
+    /// request still allocates no list).
+    pub fn sorted_unique(requests: impl IntoIterator<Item = PullRequest>) -> Self {
+        let mut v: smallvec::SmallVec<[PullRequest; 1]> = requests.into_iter().collect();
         v.sort_by(|a, b| a.meta.req_id.cmp(&b.meta.req_id));
         v.dedup_by(|a, b| a.meta.req_id == b.meta.req_id);
-        v.into()
+        if v.len() <= 1 {
+            return PullRequests(v.pop().map_or(Repr::None, Repr::One));
+        }
+        v.into_vec().into()
     }
 
     /// Whether two lists are one shared allocation (or both inline / empty).
