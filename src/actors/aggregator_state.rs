@@ -21,8 +21,9 @@ pub struct AggEffects {
     pub stale: bool,
 }
 
-/// What every request of a coordinator is judged by: shared, so each request in flight pays
-/// one pointer for it (this state is kept per in-flight request; DESIGN.md §8's memory figure).
+/// What every request of a coordinator is judged by: shared (through its batch's
+/// [`BatchRules`]), so a request in flight pays nothing of its own for it (this state is kept per
+/// in-flight request; DESIGN.md §8's memory figure).
 #[derive(Clone)]
 pub struct AggregationRules {
     /// `settle` waits for every peer; `naive` completes at the first failure (the upstream bug).
@@ -98,13 +99,13 @@ impl AggregatorState {
         Self::with_peers(req, peers.into(), policy)
     }
 
-    /// [`Self::new`] with the peer list shared (one allocation per batch, not per request).
+    /// [`Self::new`] with the peer list shared.
     pub fn with_peers(req: SharedRequest, peers: Arc<[PeerId]>, policy: Policy) -> Self {
         Self::with_rules(req, peers, Arc::new(AggregationRules::new(policy)))
     }
 
-    /// [`Self::with_peers`] with the rules shared too (what the coordinator does: no
-    /// allocation per request but the state's own).
+    /// [`Self::with_peers`] with the rules shared too. Each call makes its own [`BatchRules`];
+    /// the Receiver makes one per batch ([`Self::in_batch`]).
     pub fn with_rules(
         req: SharedRequest,
         peers: Arc<[PeerId]>,
