@@ -36,7 +36,7 @@ fn bench(c: &mut Criterion) {
                     transfer_id: format!("t-{n}").as_str().into(),
                     engine_id: "prefill-0".into(),
                     bootstrap_addr: "http://127.0.0.1:8998".into(),
-                    block_ids: vec![vec![n as u32]],
+                    block_ids: vec![vec![n as u32]].into(),
                 })
             })
             .collect();

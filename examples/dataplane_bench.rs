@@ -204,7 +204,7 @@ async fn serve_target(size: u64) {
         transfer_id: "bench".into(),
         engine_id: "e".into(),
         bootstrap_addr: "b".into(),
-        block_ids: vec![(0..blocks).collect()],
+        block_ids: vec![(0..blocks).collect()].into(),
     });
     let peer = PeerId::new("tcp://127.0.0.1:1");
     let bases = t.landing().open_pull(&PullWindow {

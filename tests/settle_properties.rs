@@ -247,7 +247,7 @@ impl World {
                     transfer_id: format!("t{i}").into(),
                     engine_id: "e".into(),
                     bootstrap_addr: "b".into(),
-                    block_ids: vec![blocks],
+                    block_ids: vec![blocks].into(),
                 })
             })
             .collect();

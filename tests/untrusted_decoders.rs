@@ -464,7 +464,7 @@ fn data_server_survives_random_and_mutated_requests() {
         engine_id: "e".into(),
         bootstrap_addr: "http://127.0.0.1:1".into(),
         // Most of the window is admitted, so large READs and WRITEs get past the checks.
-        block_ids: vec![(1..400).collect()],
+        block_ids: vec![(1..400).collect()].into(),
     });
     let peer = PeerId::new("tcp://127.0.0.1:1");
     let bases = t.landing().open_pull(&PullWindow {

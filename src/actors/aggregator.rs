@@ -266,7 +266,7 @@ mod tests {
             transfer_id: "t".into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]],
+            block_ids: vec![vec![1]].into(),
         });
         let state = AggregatorState::new(req, vec![PeerId::new("tcp://p:1")], Policy::Settle);
         table

@@ -21,8 +21,9 @@ pub struct AggEffects {
     pub stale: bool,
 }
 
-/// What every request of a coordinator is judged by: shared, so each request in flight pays
-/// one pointer for it (this state is kept per in-flight request; DESIGN.md §8's memory figure).
+/// What every request of a coordinator is judged by: shared (through its batch's
+/// [`BatchRules`]), so a request in flight pays nothing of its own for it (this state is kept per
+/// in-flight request; DESIGN.md §8's memory figure).
 #[derive(Clone)]
 pub struct AggregationRules {
     /// `settle` waits for every peer; `naive` completes at the first failure (the upstream bug).
@@ -47,59 +48,44 @@ impl AggregationRules {
 /// Non-Ok settles by peer index.
 type NotOk = Vec<(usize, Option<SettleOutcome>)>;
 
-/// Which peers settled: one bit per peer, the first 64 inline.
+/// What every request of a batch is judged by and awaits: the coordinator's rules and the
+/// batch's peers, one allocation per batch (a request in flight pays one pointer for both).
+#[derive(Clone)]
+pub struct BatchRules {
+    /// The peers, in protocol order.
+    peers: Arc<[PeerId]>,
+    rules: Arc<AggregationRules>,
+}
+
+impl BatchRules {
+    /// The rules and peers of one batch, for each of its requests' states to share.
+    pub fn new(peers: Arc<[PeerId]>, rules: Arc<AggregationRules>) -> Arc<Self> {
+        Arc::new(BatchRules { peers, rules })
+    }
+}
+
+/// What only a failing request, or one awaiting more than 64 peers, needs: boxed, so that a
+/// healthy request of up to 64 peers pays one pointer for it.
 #[derive(Clone, Default)]
-struct PeerBits {
-    low: u64,
-    /// Peers past the 64th (a boxed Vec, so that this field is one pointer).
-    #[allow(clippy::box_collection)]
-    high: Option<Box<Vec<u64>>>,
+struct Rare {
+    /// Settled bits of the peers past the 64th.
+    high: Vec<u64>,
+    /// The settles that were not Ok, by peer index.
+    not_ok: NotOk,
+    /// The first failure (peer, reason), once.
+    first_failure: Option<(Option<PeerId>, String)>,
 }
 
-impl PeerBits {
-    fn new(peers: usize) -> Self {
-        PeerBits {
-            low: 0,
-            high: (peers > 64).then(|| Box::new(vec![0; (peers - 64).div_ceil(64)])),
-        }
-    }
-
-    fn get(&self, i: usize) -> bool {
-        match i.checked_sub(64) {
-            None => self.low & (1 << i) != 0,
-            Some(j) => self
-                .high
-                .as_ref()
-                .is_some_and(|h| h[j / 64] & (1 << (j % 64)) != 0),
-        }
-    }
-
-    fn set(&mut self, i: usize) {
-        match i.checked_sub(64) {
-            None => self.low |= 1 << i,
-            Some(j) => {
-                if let Some(h) = self.high.as_mut() {
-                    h[j / 64] |= 1 << (j % 64);
-                }
-            }
-        }
-    }
-}
-
-/// Kept per request in flight, so kept small (72 bytes): the rules are shared, the peer list is
-/// shared by the batch, and what only a failing request needs is boxed.
+/// Kept per request in flight, so kept small (40 bytes): the rules and the peer list are
+/// shared by the batch, the first 64 peers' settled bits are inline, and what only a failing
+/// request (or one of more than 64 peers) needs is boxed.
 #[derive(Clone)]
 pub struct AggregatorState {
     req: SharedRequest,
-    rules: Arc<AggregationRules>,
-    /// The peers, in protocol order (shared by every request of a pull's batch).
-    peers: Arc<[PeerId]>,
-    settled: PeerBits,
-    /// The settles that were not Ok, by peer index (`None`, unallocated, for a healthy request).
-    #[allow(clippy::box_collection)] // boxed: one pointer, not three, per request in flight
-    not_ok: Option<Box<NotOk>>,
-    /// Boxed: most requests never fail.
-    first_failure: Option<Box<(Option<PeerId>, String)>>,
+    batch: Arc<BatchRules>,
+    /// Settled bits of the first 64 peers (the rest in `rare`).
+    settled: u64,
+    rare: Option<Box<Rare>>,
     outstanding: u32,
     completed: bool,
 }
@@ -113,38 +99,64 @@ impl AggregatorState {
         Self::with_peers(req, peers.into(), policy)
     }
 
-    /// [`Self::new`] with the peer list shared (one allocation per batch, not per request).
+    /// [`Self::new`] with the peer list shared.
     pub fn with_peers(req: SharedRequest, peers: Arc<[PeerId]>, policy: Policy) -> Self {
         Self::with_rules(req, peers, Arc::new(AggregationRules::new(policy)))
     }
 
-    /// [`Self::with_peers`] with the rules shared too (what the coordinator does: no
-    /// allocation per request but the state's own).
+    /// [`Self::with_peers`] with the rules shared too. Each call makes its own [`BatchRules`];
+    /// the Receiver makes one per batch ([`Self::in_batch`]).
     pub fn with_rules(
         req: SharedRequest,
         peers: Arc<[PeerId]>,
         rules: Arc<AggregationRules>,
     ) -> Self {
+        Self::in_batch(req, BatchRules::new(peers, rules))
+    }
+
+    /// A request of a batch whose rules and peers are `batch` (the Receiver makes one per
+    /// batch: no allocation per request but the state's own).
+    pub fn in_batch(req: SharedRequest, batch: Arc<BatchRules>) -> Self {
+        let peers = batch.peers.len();
         // More peers than u32 counts cannot be paired with one D worker (their pulls alone
         // would exhaust any socket limit); saturate rather than wrap.
-        let outstanding = u32::try_from(peers.len()).unwrap_or(u32::MAX);
+        let outstanding = u32::try_from(peers).unwrap_or(u32::MAX);
         AggregatorState {
             req,
-            rules,
-            settled: PeerBits::new(peers.len()),
-            not_ok: None,
-            peers,
+            batch,
+            settled: 0,
+            rare: (peers > 64).then(|| {
+                Box::new(Rare {
+                    high: vec![0; (peers - 64).div_ceil(64)],
+                    ..Rare::default()
+                })
+            }),
             outstanding,
-            first_failure: None,
             completed: false,
         }
+    }
+
+    fn rules(&self) -> &AggregationRules {
+        &self.batch.rules
+    }
+
+    fn rare_mut(&mut self) -> &mut Rare {
+        self.rare.get_or_insert_default()
+    }
+
+    fn not_ok(&self) -> &[(usize, Option<SettleOutcome>)] {
+        self.rare.as_ref().map_or(&[], |r| &r.not_ok)
+    }
+
+    fn first_failure(&self) -> Option<&(Option<PeerId>, String)> {
+        self.rare.as_ref().and_then(|r| r.first_failure.as_ref())
     }
 
     /// Check an all-Ok request against what `landing` saw land before completing it Ok
     /// (PROTOCOL.md §5.3: a v1 writer's ok proves nothing). An unbacked ok fails the request,
     /// and its peers count as uncertain: their bytes may still be in flight.
     pub fn verified_by(mut self, landing: Arc<dyn Landing>) -> Self {
-        Arc::make_mut(&mut self.rules).verifier = Some(landing);
+        Arc::make_mut(&mut Arc::make_mut(&mut self.batch).rules).verifier = Some(landing);
         self
     }
 
@@ -152,13 +164,13 @@ impl AggregatorState {
     /// transport stopped touching D's memory (PROTOCOL.md §5.3): treat such a Failed settle as
     /// Uncertain when deciding what to fence (DESIGN.md §5).
     pub fn transport_failures_uncertain(mut self, yes: bool) -> Self {
-        Arc::make_mut(&mut self.rules).transport_failures_uncertain = yes;
+        Arc::make_mut(&mut Arc::make_mut(&mut self.batch).rules).transport_failures_uncertain = yes;
         self
     }
 
     /// The peers this request awaits, in protocol order.
     pub fn peers(&self) -> &[PeerId] {
-        &self.peers
+        &self.batch.peers
     }
 
     /// Hash the state that decides what this request publishes next (model checking).
@@ -167,7 +179,7 @@ impl AggregatorState {
         self.req.req_id.hash(h);
         self.outstanding.hash(h);
         self.completed.hash(h);
-        self.first_failure.hash(h);
+        self.first_failure().hash(h);
         for (p, o) in self.slots() {
             p.hash(h);
             o.as_ref().map(|o| (o.label(), o.reason())).hash(h);
@@ -194,7 +206,7 @@ impl AggregatorState {
                 ..Default::default()
             };
         }
-        self.first_failure = Some(Box::new((None, reason.clone())));
+        self.rare_mut().first_failure = Some((None, reason.clone()));
         self.completed = true;
         AggEffects {
             first_failure: Some(FirstFailure {
@@ -219,24 +231,21 @@ impl AggregatorState {
             fx.stale = true;
             return fx;
         }
-        let Some(i) =
-            (0..self.peers.len()).find(|&i| self.peers[i] == s.peer && !self.is_settled(i))
-        else {
+        let peers = self.peers();
+        let Some(i) = (0..peers.len()).find(|&i| peers[i] == s.peer && !self.is_settled(i)) else {
             fx.stale = true;
             return fx;
         };
-        self.settled.set(i);
+        self.set_settled(i);
         if s.outcome != SettleOutcome::Ok {
-            self.not_ok
-                .get_or_insert_default()
-                .push((i, Some(s.outcome.clone())));
+            self.rare_mut().not_ok.push((i, Some(s.outcome.clone())));
         }
         self.outstanding -= 1;
         if let Some(reason) = s.outcome.reason() {
-            if self.first_failure.is_none() {
+            if self.first_failure().is_none() {
                 // The peer's words, plus what D's data plane knows of the cause.
                 let reason = match self
-                    .rules
+                    .rules()
                     .verifier
                     .as_ref()
                     .and_then(|l| l.failure_context(&self.req))
@@ -244,7 +253,7 @@ impl AggregatorState {
                     Some(ctx) => format!("{reason} ({ctx})"),
                     None => reason.to_owned(),
                 };
-                self.first_failure = Some(Box::new((Some(s.peer.clone()), reason.clone())));
+                self.rare_mut().first_failure = Some((Some(s.peer.clone()), reason.clone()));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: Some(s.peer.clone()),
@@ -252,22 +261,26 @@ impl AggregatorState {
                 });
             }
         }
-        let naive_stop = self.rules.policy == Policy::Naive && self.first_failure.is_some();
-        if self.outstanding == 0 && self.first_failure.is_none() {
-            if let Some(Err(reason)) = self.rules.verifier.as_ref().map(|l| l.verify_ok(&self.req))
+        let naive_stop = self.rules().policy == Policy::Naive && self.first_failure().is_some();
+        if self.outstanding == 0 && self.first_failure().is_none() {
+            if let Some(Err(reason)) = self
+                .rules()
+                .verifier
+                .as_ref()
+                .map(|l| l.verify_ok(&self.req))
             {
                 tracing::warn!(req_id = %self.req.req_id, %reason, "peers' ok not backed by landed bytes");
-                self.not_ok = Some(Box::new(
-                    (0..self.peers.len())
-                        .map(|i| {
-                            (
-                                i,
-                                Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone())),
-                            )
-                        })
-                        .collect(),
-                ));
-                self.first_failure = Some(Box::new((None, reason.clone())));
+                let peers = self.peers().len();
+                let rare = self.rare_mut();
+                rare.not_ok = (0..peers)
+                    .map(|i| {
+                        (
+                            i,
+                            Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone())),
+                        )
+                    })
+                    .collect();
+                rare.first_failure = Some((None, reason.clone()));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: None,
@@ -298,16 +311,19 @@ impl AggregatorState {
                 })
             )
         };
-        let Some(not_ok) = self.not_ok.as_deref_mut() else {
-            return;
-        };
-        if !not_ok.iter().any(|(_, o)| answered_abort(o)) {
+        if !self.not_ok().iter().any(|(_, o)| answered_abort(o)) {
             return;
         }
-        let Some(Err(reason)) = self.rules.verifier.as_ref().map(|l| l.verify_ok(&self.req)) else {
+        let Some(Err(reason)) = self
+            .rules()
+            .verifier
+            .as_ref()
+            .map(|l| l.verify_ok(&self.req))
+        else {
             return;
         };
         tracing::warn!(req_id = %self.req.req_id, %reason, "ok for an aborted request not backed by landed bytes");
+        let not_ok = &mut self.rare_mut().not_ok;
         for (_, o) in not_ok.iter_mut().filter(|(_, o)| answered_abort(o)) {
             *o = Some(SettleOutcome::uncertain(Cause::Unbacked, reason.clone()));
         }
@@ -317,13 +333,12 @@ impl AggregatorState {
     fn slots(&self) -> impl Iterator<Item = (&PeerId, &Option<SettleOutcome>)> {
         static OK: Option<SettleOutcome> = Some(SettleOutcome::Ok);
         static NOT_YET: Option<SettleOutcome> = None;
-        self.peers.iter().enumerate().map(move |(i, p)| {
+        self.peers().iter().enumerate().map(move |(i, p)| {
             let o = if !self.is_settled(i) {
                 &NOT_YET
             } else {
-                self.not_ok
+                self.not_ok()
                     .iter()
-                    .flat_map(|v| v.iter())
                     .find(|(j, _)| *j == i)
                     .map_or(&OK, |(_, o)| o)
             };
@@ -332,19 +347,37 @@ impl AggregatorState {
     }
 
     fn is_settled(&self, i: usize) -> bool {
-        self.settled.get(i)
+        match i.checked_sub(64) {
+            None => self.settled & (1 << i) != 0,
+            Some(j) => self
+                .rare
+                .as_ref()
+                .and_then(|r| r.high.get(j / 64))
+                .is_some_and(|w| w & (1 << (j % 64)) != 0),
+        }
+    }
+
+    fn set_settled(&mut self, i: usize) {
+        match i.checked_sub(64) {
+            None => self.settled |= 1 << i,
+            Some(j) => {
+                if let Some(w) = self.rare_mut().high.get_mut(j / 64) {
+                    *w |= 1 << (j % 64);
+                }
+            }
+        }
     }
 
     fn complete(&mut self) -> Completion {
         self.completed = true;
-        let outcome = match self.first_failure.as_deref() {
+        let outcome = match self.first_failure() {
             None => Outcome::Ok,
             Some((peer, reason)) => Outcome::Failed {
                 peer: peer.clone(),
                 reason: reason.clone(),
             },
         };
-        let te_uncertain = self.rules.transport_failures_uncertain;
+        let te_uncertain = self.rules().transport_failures_uncertain;
         let uncertain_peers = self
             .slots()
             .filter(|(_, o)| match o {
@@ -392,13 +425,13 @@ mod tests {
     use super::*;
     use crate::messages::RequestMeta;
 
-    /// The sizes the type docs claim: a request in flight keeps one state of 72 bytes, whose
-    /// settled bits are two words (the first 64 peers inline, the rest behind one pointer).
+    /// The size the type's doc claims: a request in flight keeps one state of 40 bytes (72
+    /// before the rules and peers were one pointer per batch and the rarely needed parts one
+    /// box), so that its aggregation entry fits mimalloc's 48-byte class.
     #[test]
     #[cfg(target_pointer_width = "64")]
     fn a_state_is_as_small_as_its_doc_says() {
-        assert_eq!(std::mem::size_of::<AggregatorState>(), 72);
-        assert_eq!(std::mem::size_of::<PeerBits>(), 16);
+        assert_eq!(std::mem::size_of::<AggregatorState>(), 40);
     }
 
     fn req() -> SharedRequest {
@@ -407,7 +440,7 @@ mod tests {
             transfer_id: "t".into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]],
+            block_ids: vec![vec![1]].into(),
         })
     }
 

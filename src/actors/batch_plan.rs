@@ -11,7 +11,7 @@ use std::sync::Arc;
 use crate::config::DRank;
 use crate::layout::KvLayout;
 use crate::messages::{
-    BatchError, Interner, KvRequest, MetadataRef, PullLayout, ReqBlock,
+    BatchError, BlockGroups, Interner, KvRequest, MetadataRef, PullLayout, ReqBlock,
     ReqBlocksRef, RequestMeta, SharedRequest,
 };
 
@@ -269,7 +269,11 @@ pub fn req_blocks(group: &[SharedRequest]) -> ReqBlockList<'_> {
     let mut v: ReqBlockList<'_> = group
         .iter()
         .map(|r| {
-            let blocks: &[Vec<u32>] = if r.is_awaiting() { &r.block_ids } else { &[] };
+            let blocks = if r.is_awaiting() {
+                r.block_ids.groups()
+            } else {
+                BlockGroups::NONE
+            };
             (&*r.req_id, &*r.transfer_id, blocks)
         })
         .collect();
@@ -346,7 +350,7 @@ mod tests {
                     transfer_id: format!("t{transfer}").as_str().into(),
                     engine_id: format!("e{engine}").as_str().into(),
                     bootstrap_addr: format!("http://p:{bootstrap}").as_str().into(),
-                    block_ids: if awaiting { vec![vec![1]] } else { vec![] },
+                    block_ids: if awaiting { vec![vec![1]] } else { vec![] }.into(),
                 })
                 .collect();
             let scan = duplicates_by_scan(metas.iter());

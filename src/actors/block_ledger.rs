@@ -8,7 +8,7 @@ use crate::fast_hash::{FastMap, FastSet};
 use std::time::{Duration, Instant};
 
 use crate::messages::{
-    BatchError, Completion, FirstFailure, PeerId, ReqId, RequestMeta, SharedRequest, StepOutput,
+    BatchError, Completion, FirstFailure, PeerId, ReqId, SharedRequest, StepOutput,
 };
 use crate::rdma::Revocation;
 
@@ -76,7 +76,7 @@ impl BlockLedger {
     }
 
     /// Let `req` start, or say why not ([`LiveSet::admit`]).
-    pub fn admit(&mut self, req: &RequestMeta) -> Result<(), BatchError> {
+    pub fn admit(&mut self, req: &SharedRequest) -> Result<(), BatchError> {
         self.live.lock().admit(req)
     }
 
@@ -292,7 +292,7 @@ mod tests {
             transfer_id: id.into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: groups,
+            block_ids: groups.into(),
         })
     }
 

@@ -386,7 +386,7 @@ mod tests {
             transfer_id: format!("t-{id}").into(),
             engine_id: "e".into(),
             bootstrap_addr: "http://b:1".into(),
-            block_ids: vec![vec![block]],
+            block_ids: vec![vec![block]].into(),
         })
     }
 

@@ -7,9 +7,12 @@
 #![forbid(unsafe_code)]
 
 use std::collections::hash_map::Entry;
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
 
 use crate::fast_hash::{FastMap, FastSet};
-use crate::messages::{BatchError, ReqId, RequestMeta};
+use crate::messages::{BatchError, ReqId, RequestMeta, SharedRequest};
 
 use super::shared::Shared;
 
@@ -17,11 +20,16 @@ use super::shared::Shared;
 #[derive(Debug, Clone)]
 pub struct LiveSet {
     /// Awaiting requests admitted and not yet handed to the host by a drain: loading one again
-    /// would give the host two completions for it.
-    live: FastSet<ReqId>,
+    /// would give the host two completions for it. Found by the request id in the request
+    /// itself, so a slot is one pointer (8 bytes, not a 16-byte id; docs/PERFORMANCE.md,
+    /// "Where the bytes per in-flight request go").
+    live: HashTable<SharedRequest>,
     /// (KV-cache group, block) -> the live request that owns it, until its blocks are released
-    /// (quarantine included): two writers into one block are never both admitted.
-    owners: FastMap<(u32, u32), ReqId>,
+    /// (quarantine included): two writers into one block are never both admitted. The owner
+    /// as one pointer, not a 16-byte id: 16-byte slots, not 24.
+    owners: FastMap<(u32, u32), SharedRequest>,
+    /// foldhash, as [`crate::fast_hash`] says why.
+    hasher: foldhash::fast::RandomState,
     /// Most live requests at once (backpressure).
     max_live: usize,
     /// Sleep mode (DESIGN.md §7): nothing is admitted, whatever it is.
@@ -35,8 +43,9 @@ impl LiveSet {
     /// An empty set that refuses requests beyond `max_live` live ones (at least 1).
     pub fn new(max_live: usize) -> Self {
         LiveSet {
-            live: FastSet::default(),
+            live: HashTable::new(),
             owners: FastMap::default(),
+            hasher: Default::default(),
             max_live: max_live.max(1),
             paused: false,
         }
@@ -45,7 +54,7 @@ impl LiveSet {
     /// Let `req` start, or say why not: its id is still live (in flight, or completed but not
     /// drained), or one of its blocks belongs to another live request whose blocks are not
     /// released yet. A request with no blocks (cleanup pull) never becomes live.
-    pub fn admit(&mut self, req: &RequestMeta) -> Result<(), BatchError> {
+    pub fn admit(&mut self, req: &SharedRequest) -> Result<(), BatchError> {
         // Paused: the landing is (or is about to be) closed, so no pull may start, not even
         // an empty one (it would reach P, which may answer after the memory is gone).
         if self.paused {
@@ -53,7 +62,7 @@ impl LiveSet {
                 req_id: req.req_id.to_string(),
             });
         }
-        if self.live.contains(&req.req_id) {
+        if self.is_live(&req.req_id) {
             return Err(BatchError::AlreadyLive {
                 req_id: req.req_id.to_string(),
             });
@@ -77,16 +86,18 @@ impl LiveSet {
                         req_id: req.req_id.to_string(),
                         group,
                         block,
-                        owner: owner.to_string(),
+                        owner: owner.req_id.to_string(),
                     });
                 }
             }
         }
-        self.live.insert(req.req_id.clone());
+        let hasher = &self.hasher;
+        self.live.insert_unique(hasher.hash_one(&*req.req_id), req.clone(), |r| {
+            hasher.hash_one(&*r.req_id)
+        });
         for (group, blocks) in req.block_ids.iter().enumerate() {
             for &block in blocks {
-                self.owners
-                    .insert((group as u32, block), req.req_id.clone());
+                self.owners.insert((group as u32, block), req.clone());
             }
         }
         Ok(())
@@ -98,7 +109,7 @@ impl LiveSet {
         for (group, blocks) in req.block_ids.iter().enumerate() {
             for &block in blocks {
                 if let Entry::Occupied(o) = self.owners.entry((group as u32, block)) {
-                    if *o.get() == req.req_id {
+                    if o.get().req_id == req.req_id {
                         o.remove();
                     }
                 }
@@ -109,7 +120,10 @@ impl LiveSet {
     /// The host has these finished requests: their ids may be loaded again.
     pub fn hand_over(&mut self, finished: &[ReqId]) {
         for id in finished {
-            self.live.remove(id);
+            let hash = self.hasher.hash_one(&**id);
+            if let Ok(e) = self.live.find_entry(hash, |r| r.req_id == *id) {
+                e.remove();
+            }
         }
     }
 
@@ -126,20 +140,20 @@ impl LiveSet {
 
     /// The requests that hold blocks (in flight, or completed and quarantined), each once.
     pub fn holders(&self) -> Vec<ReqId> {
-        let ids: FastSet<&ReqId> = self.owners.values().collect();
+        let ids: FastSet<&ReqId> = self.owners.values().map(|r| &r.req_id).collect();
         ids.into_iter().cloned().collect()
     }
 
     /// The request that holds `block` of KV-cache `group`, if any (in flight, or completed and
     /// not yet released).
     pub fn owner(&self, group: u32, block: u32) -> Option<&ReqId> {
-        self.owners.get(&(group, block))
+        self.owners.get(&(group, block)).map(|r| &r.req_id)
     }
 
     /// Every request that holds blocks, with them: per group, ascending (group-major).
     pub fn holdings(&self) -> Vec<(ReqId, Vec<u32>)> {
         let mut held: Vec<(u32, u32, &ReqId)> =
-            self.owners.iter().map(|(&(g, b), r)| (g, b, r)).collect();
+            self.owners.iter().map(|(&(g, b), r)| (g, b, &r.req_id)).collect();
         held.sort_unstable();
         let mut out: Vec<(ReqId, Vec<u32>)> = Vec::new();
         let mut index: FastMap<&ReqId, usize> = FastMap::default();
@@ -155,7 +169,8 @@ impl LiveSet {
 
     /// Whether `req_id` was admitted and not yet handed over.
     pub fn is_live(&self, req_id: &ReqId) -> bool {
-        self.live.contains(req_id)
+        let hash = self.hasher.hash_one(&**req_id);
+        self.live.find(hash, |r| r.req_id == *req_id).is_some()
     }
 
     /// Requests admitted and not yet handed over.
@@ -171,10 +186,10 @@ impl LiveSet {
     /// Hash the live ids and the owners, in a stable order (model checking).
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
-        let mut live: Vec<&ReqId> = self.live.iter().collect();
+        let mut live: Vec<&ReqId> = self.live.iter().map(|r| &r.req_id).collect();
         live.sort();
         live.hash(h);
-        let mut owners: Vec<_> = self.owners.iter().collect();
+        let mut owners: Vec<_> = self.owners.iter().map(|(k, r)| (k, &r.req_id)).collect();
         owners.sort();
         owners.hash(h);
         self.paused.hash(h);
@@ -194,7 +209,7 @@ mod tests {
             transfer_id: id.into(),
             engine_id: "e".into(),
             bootstrap_addr: "b".into(),
-            block_ids: vec![blocks.to_vec()],
+            block_ids: vec![blocks.to_vec()].into(),
         })
     }
 
@@ -246,6 +261,15 @@ mod tests {
         );
         live.set_paused(false);
         assert_eq!(live.admit(&req("c", &[5])), Ok(()));
+    }
+
+    /// A live entry and a block's owner are one pointer each (the request), not a 16-byte id:
+    /// 8- and 16-byte slots (live set 131,072 slots at 100k in flight: ~21 B per request less).
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn an_entry_is_one_pointer() {
+        assert_eq!(std::mem::size_of::<SharedRequest>(), 8);
+        assert_eq!(std::mem::size_of::<((u32, u32), SharedRequest)>(), 16);
     }
 
     /// A release gives back only the blocks the request owns: a block another request took

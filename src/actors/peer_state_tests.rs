@@ -29,7 +29,7 @@ fn pull(id: PullId, reqs: &[&str]) -> Pull {
                     transfer_id: format!("t-{r}").into(),
                     engine_id: "e".into(),
                     bootstrap_addr: "http://b:1".into(),
-                    block_ids: vec![vec![1]],
+                    block_ids: vec![vec![1]].into(),
                 }),
                 awaited: true,
             })

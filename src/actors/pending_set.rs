@@ -9,7 +9,8 @@ use crate::messages::{PullRequest, PullRequests};
 /// Pending requests of one pull, each at most once.
 #[derive(Clone, Default)]
 pub struct PendingSet {
-    /// Sorted by `meta.req_id`, without duplicates; kept until the pull is forgotten.
+    /// Sorted by `meta.req_id`, without duplicates; kept until the pull is forgotten (the
+    /// batch's other pulls share it).
     requests: PullRequests,
     /// Bit `i` set: `requests[i]` settled (inline up to 64 requests).
     settled: smallvec::SmallVec<[u64; 1]>,
@@ -24,10 +25,7 @@ pub struct PendingSet {
 impl PendingSet {
     /// The pull's requests; an id listed twice is kept once.
     pub fn new(v: impl Into<PullRequests>) -> Self {
-        let mut v = v.into();
-        v.sort_by(|a, b| a.meta.req_id.cmp(&b.meta.req_id));
-        v.dedup_by(|a, b| a.meta.req_id == b.meta.req_id);
-        v.shrink_to_fit();
+        let v = v.into().into_sorted_unique();
         let left = v.len();
         PendingSet {
             settled: smallvec::smallvec![0; left.div_ceil(64)],
@@ -120,10 +118,24 @@ mod tests {
                 transfer_id: id.into(),
                 engine_id: "e".into(),
                 bootstrap_addr: "b".into(),
-                block_ids: vec![vec![1]],
+                block_ids: vec![vec![1]].into(),
             }),
             awaited: true,
         }
+    }
+
+    /// The batch's pulls each track the one list the Receiver sorted (16 bytes a request for
+    /// the batch, not for each pull); a list not sorted yet is sorted into a copy of its own.
+    #[test]
+    fn the_pulls_of_a_batch_share_one_sorted_list() {
+        let sorted: PullRequests = ["a", "b", "c"].iter().map(|i| req(i)).collect();
+        let (one, two) = (PendingSet::new(sorted.clone()), PendingSet::new(sorted.clone()));
+        assert!(one.requests.shares_with(&sorted) && two.requests.shares_with(&one.requests));
+        let unsorted: PullRequests = ["c", "a", "b"].iter().map(|i| req(i)).collect();
+        let three = PendingSet::new(unsorted.clone());
+        assert!(!three.requests.shares_with(&unsorted));
+        let order: Vec<&str> = three.requests.iter().map(|r| &*r.meta.req_id).collect();
+        assert_eq!(order, ["a", "b", "c"]);
     }
 
     #[test]

@@ -29,7 +29,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::aggregation_table::SharedAggregation;
 use super::aggregator::{FailUnsent, RequestAggregator};
-use super::aggregator_state::{AggregationRules, AggregatorState};
+use super::aggregator_state::{AggregationRules, AggregatorState, BatchRules};
 use super::alarm::Alarm;
 use super::batch_plan::{self, Validated};
 use super::block_manager::BlockManager;
@@ -400,11 +400,13 @@ impl Receiver {
         };
         // The aggregator's table has the requests before any Peer has their pull, so no settle
         // can arrive before its state exists.
-        let rules = &self.rules;
-        let states =
-            d.group.iter().filter(|r| r.is_awaiting()).map(|req| {
-                AggregatorState::with_rules(req.clone(), d.peers.clone(), rules.clone())
-            });
+        // One allocation per batch for what its requests' states share.
+        let batch = BatchRules::new(d.peers.clone(), self.rules.clone());
+        let states = d
+            .group
+            .iter()
+            .filter(|r| r.is_awaiting())
+            .map(|req| AggregatorState::in_batch(req.clone(), batch.clone()));
         self.aggregation
             .borrow_mut()
             .register(pulls.clone(), states, since);
@@ -420,22 +422,15 @@ impl Receiver {
         bases: Vec<RegionBases>,
         used: tokio::time::Instant,
     ) {
-        let mut requests: PullRequests = group
-            .iter()
-            .map(|req| PullRequest {
-                meta: req.clone(),
-                awaited: req.is_awaiting(),
-            })
-            .collect();
+        // One list, sorted as the pulls' pending sets keep it, shared by every pull.
+        let requests = PullRequests::sorted_unique(group.iter().map(|req| PullRequest {
+            meta: req.clone(),
+            awaited: req.is_awaiting(),
+        }));
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);
-        for (k, ((peer, pull_id), bases)) in peers.iter().zip(pulls).zip(bases).enumerate() {
-            // Each pull owns its requests; the last one takes the list itself.
-            let requests = if k + 1 == peers.len() {
-                std::mem::take(&mut requests)
-            } else {
-                requests.clone()
-            };
+        for ((peer, pull_id), bases) in peers.iter().zip(pulls).zip(bases) {
+            let requests = requests.clone();
             // The window's layout id; a worker that echoed it already holds the layout.
             let id = self.encoder.layout_id(&bases);
             let carried = id == 0 || !self.acks.borrow().is_acked(peer, id);

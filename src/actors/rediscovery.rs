@@ -39,7 +39,7 @@ pub fn clock_now() -> Instant {
 }
 
 /// `(bootstrap address, engine id)`: one cached topology.
-pub type EngineKey = (std::sync::Arc<str>, std::sync::Arc<str>);
+pub type EngineKey = (crate::messages::SharedStr, crate::messages::SharedStr);
 
 /// Backoff between lookups of one engine while it is unhealthy.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -11,7 +11,9 @@ use actix::Message;
 use serde::Deserialize;
 use thiserror::Error;
 
+use super::block_ids::BlockIds;
 use super::ids::ReqId;
+use super::shared_str::SharedStr;
 
 /// One D request as the host scheduler knows it (vLLM: its `kv_transfer_params` plus the
 /// destination block ids it allocated).
@@ -392,12 +394,12 @@ pub struct RequestMeta {
     pub req_id: ReqId,
     /// P's transfer id for the request.
     pub transfer_id: Arc<str>,
-    /// P's engine id (shared by every request of the engine, see [`Interner`]).
-    pub engine_id: Arc<str>,
+    /// P's engine id (shared by every request of the engine, see [`Interner`]; one pointer).
+    pub engine_id: SharedStr,
     /// P's bootstrap server (shared likewise).
-    pub bootstrap_addr: Arc<str>,
-    /// Destination blocks, one list per KV-cache group.
-    pub block_ids: Vec<Vec<u32>>,
+    pub bootstrap_addr: SharedStr,
+    /// Destination blocks, one list per KV-cache group (one allocation for them all).
+    pub block_ids: BlockIds,
 }
 
 /// Shares the strings many requests repeat (engine ids, bootstrap addresses): one allocation
@@ -405,9 +407,9 @@ pub struct RequestMeta {
 /// sending ever-new engines) it starts over, which costs sharing, never correctness.
 #[derive(Debug, Default)]
 pub struct Interner {
-    seen: FastSet<Arc<str>>,
+    seen: FastSet<SharedStr>,
     /// Bootstrap addresses that passed [`check_bootstrap_addr`] (checked once, not per request).
-    bootstraps: FastSet<Arc<str>>,
+    bootstraps: FastSet<SharedStr>,
 }
 
 impl Interner {
@@ -428,14 +430,14 @@ impl Interner {
     }
 
     /// The shared copy of `s`.
-    pub fn intern(&mut self, s: &str) -> Arc<str> {
+    pub fn intern(&mut self, s: &str) -> SharedStr {
         match self.seen.get(s) {
             Some(a) => a.clone(),
             None => {
                 if self.seen.len() >= Self::CAP {
                     self.seen.clear();
                 }
-                let a: Arc<str> = Arc::from(s);
+                let a = SharedStr::from(s);
                 self.seen.insert(a.clone());
                 a
             }
@@ -467,9 +469,8 @@ impl KvRequest {
         self.clone().into_meta(interner)
     }
 
-    /// [`Self::validate_with`], taking the request: its block lists move into the result,
-    /// trimmed to their length (a parser grows them in steps, and the metadata lives as long
-    /// as the request: ~80 B per request at 100k in flight).
+    /// [`Self::validate_with`], taking the request: its block lists are copied into one
+    /// allocation for every group (the metadata lives as long as the request).
     pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
         // One path for both forms: the owned request is read as the borrowed one.
         fn borrowed(s: &Option<String>) -> Option<Cow<'_, str>> {
@@ -487,16 +488,15 @@ impl KvRequest {
 }
 
 impl<'a> Fields<'a> {
-    /// The metadata of a valid request, its block lists (trimmed to their length: a parser
-    /// grows them in steps, and they live as long as the request) moved in.
+    /// The metadata of a valid request, its block lists in one allocation ([`BlockIds`]: they
+    /// live as long as the request).
     fn into_meta(
         self,
-        mut block_ids: Vec<Vec<u32>>,
+        block_ids: Vec<Vec<u32>>,
         interner: &mut Interner,
     ) -> Result<RequestMeta, BatchError> {
-        block_ids.shrink_to_fit();
-        block_ids.iter_mut().for_each(Vec::shrink_to_fit);
         let (transfer_id, engine_id, bootstrap) = self.checked(&block_ids, interner)?;
+        let block_ids = BlockIds::from(block_ids);
         Ok(RequestMeta {
             req_id: ReqId::from(self.req_id),
             transfer_id: Arc::from(transfer_id),

@@ -23,10 +23,13 @@ internal_mod!(
 internal_mod!(pause);
 internal_mod!(peer_text);
 internal_mod!(pool);
+internal_mod!(block_ids);
 internal_mod!(pull);
+internal_mod!(pull_requests);
 mod reply_reader;
 internal_mod!(retire);
 internal_mod!(settle);
+internal_mod!(shared_str);
 internal_mod!(tick);
 // P's side of the wire (what the simulator and the tests encode, the serde reference decoders
 // the strict ones are checked against) lives with D's side.
@@ -42,6 +45,9 @@ pub use batch::{
     BatchError, Interner, KvRequest, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
     Queued, RequestMeta, SharedRequest,
 };
+pub use block_ids::BlockGroups;
+#[cfg(any(test, feature = "testing"))]
+pub use block_ids::BlockIds;
 pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;
@@ -49,8 +55,10 @@ pub use ids::{PeerId, PullId, ReqId};
 pub use layout_id::LayoutIds;
 pub use pause::{AbandonedRequest, BeginPause, NewRegistration, PauseReport, PauseStarted};
 pub use pool::{Allocate, Free, GetLedgerStats, LedgerStats, PoolError};
-pub use pull::{EncodeWithLayout, Pull, PullLayout, PullRequest, PullRequests, UnsentPull};
+pub use pull::{EncodeWithLayout, Pull, PullLayout, PullRequest, UnsentPull};
+pub use pull_requests::PullRequests;
 pub use retire::{CountPeers, PeerCount, Retire};
+pub use shared_str::SharedStr;
 pub use settle::{Cause, Settle, SettleList, SettleOutcome, Settles};
 pub use wire::{MetadataRef, MetadataTail, ReqBlock, ReqBlocksRef, WireError, XferReplyRef, XferStatus};
 #[cfg(feature = "testing")]

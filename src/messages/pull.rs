@@ -6,6 +6,7 @@ use actix::Message;
 
 use super::batch::SharedRequest;
 use super::ids::PullId;
+use super::pull_requests::PullRequests;
 use super::wire::WireError;
 use std::sync::Arc;
 
@@ -42,12 +43,6 @@ impl Default for PullLayout {
 /// what D sends after P answered `LAYOUT_MISS`. Made by the Receiver (which holds the layout
 /// and the window's bases); run by the Peer, rarely.
 pub type EncodeWithLayout = Arc<dyn Fn(&PullRequests) -> Result<Vec<u8>, WireError> + Send + Sync>;
-
-/// A pull's requests, inline for one: a batch of one allocates no list for its pull (the list
-/// lives as long as the pull, in the Peer's pending set).
-/// Speed only: the seven lists inline for one save 5.0% of the instructions per request at batch 1
-/// (`scripts/callgrind-core`; DESIGN.md §10).
-pub type PullRequests = smallvec::SmallVec<[PullRequest; 1]>;
 
 /// One `MooncakeXferMetadata` for one peer. The payload is already encoded: the Peer only
 /// transports it and interprets the replies.

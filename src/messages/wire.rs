@@ -9,6 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_repr::{Deserialize_repr, Serialize_repr};
 use thiserror::Error;
 
+use super::block_ids::BlockGroups;
 use super::msgpack_strict::{check_map_document, check_map_document_capped, ListCap, StrictError};
 
 /// A `req_blocks` value: (`transfer_id`, one list of logical block ids per KV-cache group).
@@ -82,7 +83,7 @@ pub struct MetadataRef<'a> {
 }
 
 /// One entry of `req_blocks`, borrowed: (request id, transfer id, blocks per group).
-pub type ReqBlock<'a> = (&'a str, &'a str, &'a [Vec<u32>]);
+pub type ReqBlock<'a> = (&'a str, &'a str, BlockGroups<'a>);
 
 /// `req_blocks`, borrowed, sorted by request id (the order a `BTreeMap` gives the owned form),
 /// ids unique. A slice, so that whoever builds the list chooses its storage (the Receiver's
@@ -532,6 +533,7 @@ impl MooncakeXferResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::messages::BlockIds;
 
     fn hex(s: &str) -> Vec<u8> {
         s.split_whitespace()
@@ -697,9 +699,11 @@ mod tests {
             };
             let indices: Vec<u32> = if names { (0..layers as u32).collect() } else { vec![] };
             let group_ids: Vec<u32> = if groups { vec![0; layers] } else { vec![] };
-            let mut req_blocks: Vec<(&str, &str, &[Vec<u32>])> = reqs
+            let stored: Vec<BlockIds> = reqs.iter().map(|(_, b)| BlockIds::from(b.as_slice())).collect();
+            let mut req_blocks: Vec<ReqBlock<'_>> = reqs
                 .iter()
-                .map(|(id, b)| (id.as_str(), id.as_str(), b.as_slice()))
+                .zip(&stored)
+                .map(|((id, _), b)| (id.as_str(), id.as_str(), b.groups()))
                 .collect();
             req_blocks.sort_by(|a, b| a.0.cmp(b.0));
             req_blocks.dedup_by(|a, b| a.0 == b.0);

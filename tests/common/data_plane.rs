@@ -41,7 +41,7 @@ pub fn req(id: &str, blocks: &[u32]) -> Arc<RequestMeta> {
         transfer_id: format!("xfer-{id}").into(),
         engine_id: "engine".into(),
         bootstrap_addr: "http://127.0.0.1:1".into(),
-        block_ids: vec![blocks.to_vec()],
+        block_ids: vec![blocks.to_vec()].into(),
     })
 }
 

@@ -115,7 +115,7 @@ fn request(id: &str) -> RequestMeta {
         transfer_id: id.into(),
         engine_id: "e".into(),
         bootstrap_addr: "b".into(),
-        block_ids: vec![vec![1]],
+        block_ids: vec![vec![1]].into(),
     }
 }
 

@@ -39,7 +39,7 @@ impl PermitTable {
         }
         let group = self.map.group(r.region) as usize;
         let (first, last) = self.map.blocks(r.region, r.offset, size);
-        let owners = permit.blocks.get(group).ok_or(RejectReason::NoPermit)?;
+        let owners = permit.blocks.groups.get(group).ok_or(RejectReason::NoPermit)?;
         let bl = self.map.block_len(r.region);
         // Only the first `kv_block_len` bytes of a block are KV data: bytes written into the
         // padding after them back nothing.

@@ -29,7 +29,7 @@ use std::time::Instant;
 
 use tokio::sync::Notify;
 
-use crate::messages::{PeerId, PullId, ReqId, RequestMeta};
+use crate::messages::{PeerId, PullId, ReqId, RequestMeta, SharedRequest};
 use crate::telemetry as m;
 
 use super::request_pulls::{Pairs, RequestPulls};
@@ -97,10 +97,24 @@ impl BlockOwners {
     }
 }
 
+/// A pull's blocks by group and its requests' span caps: the same for every pull of a batch
+/// (one per peer, the same requests), so its pulls' permits share one (at TP2 12 bytes a
+/// request less, at TP8 84; docs/PERFORMANCE.md, "Where the bytes per in-flight request go").
+#[derive(Debug, Default)]
+struct PullBlocks {
+    /// Per KV-cache group: block id -> index of the owning request in the pull.
+    groups: Vec<BlockOwners>,
+    /// Most spans kept per request: two per block and region (pieces of a block landing out
+    /// of order, apart until the gap between them lands) and some slack. Spans past it are not
+    /// recorded, so a writer that scatters bytes cannot grow this without bound; what it wrote
+    /// is then under-counted, which can only fail an ok, never pass one.
+    span_cap: Box<[u32]>,
+}
+
 /// A P deployment: its bootstrap server's address. Every DP rank (engine id) of a deployment is
 /// listed by one bootstrap server and shares its configuration, and its mistakes: a misaligned
 /// layout makes every rank error, so the ranks share one share of poisoned windows.
-type Deployment = Arc<str>;
+type Deployment = crate::messages::SharedStr;
 
 /// One pull's permit.
 #[derive(Debug)]
@@ -110,8 +124,8 @@ pub struct Permit {
     /// The P deployment of the pull's requests (one pull, one engine, one deployment).
     deployment: Deployment,
     pub window: u32,
-    /// Per KV-cache group: block id -> index of the owning request in the pull.
-    blocks: Vec<BlockOwners>,
+    /// The pull's blocks and span caps, shared with the other pulls of its batch.
+    blocks: Arc<PullBlocks>,
     open: Vec<AtomicBool>,
     open_count: AtomicUsize,
     /// Socket reads currently copying into this window's blocks.
@@ -127,12 +141,6 @@ pub struct Permit {
     /// Set before anything is first added to `coverage`: until then a revocation has no
     /// coverage to drop and does not take its lock.
     covered: AtomicBool,
-    /// Most spans kept per request: two per block and region (pieces of a block landing out
-    /// of order, apart until the gap between them lands) and some slack. Spans past it are not
-    /// recorded, so
-    /// a writer that scatters bytes cannot grow this without bound; what it wrote is then
-    /// under-counted, which can only fail an ok, never pass one.
-    span_cap: Box<[u32]>,
     /// P's `ok_reqs` is no proof of placement for this window's requests, the byte count is
     /// (PROTOCOL.md §5.3): a v1 (unacknowledged) write was admitted or refused here, or an
     /// acknowledged write was admitted and ended before its last byte (its writer got no
@@ -176,7 +184,6 @@ impl Permit {
                     .clone(),
             ),
             covered: AtomicBool::new(self.covered.load(Ordering::SeqCst)),
-            span_cap: self.span_cap.clone(),
             unproven: AtomicBool::new(self.unproven.load(Ordering::SeqCst)),
             open_writes: AtomicU64::new(0),
             bytes_landed: AtomicU64::new(self.bytes_landed.load(Ordering::SeqCst)),
@@ -375,7 +382,7 @@ impl Admitted {
                 if cov.len() <= i {
                     cov.resize_with(i + 1, Vec::new);
                 }
-                let cap = p.span_cap.get(i).map_or(0, |&c| c as usize);
+                let cap = p.blocks.span_cap.get(i).map_or(0, |&c| c as usize);
                 add_span(&mut cov[i], piece.span, cap);
             }
             drop(cov);
@@ -659,7 +666,7 @@ impl PermitTable {
                     for a in &p.open {
                         a.load(Ordering::SeqCst).hash(h);
                     }
-                    for g in &p.blocks {
+                    for g in &p.blocks.groups {
                         g.0.hash(h);
                     }
                 }

@@ -55,11 +55,13 @@ impl PermitTable {
                 }
             }
         }
+        // The batch's pulls carry the same requests: one set of blocks for their permits.
+        let mut last = None;
         Ok(pulls
             .iter()
             .zip(chosen)
             .map(|(pull, w)| match w {
-                Some(w) => self.install(&mut inner, pull, w),
+                Some(w) => self.install(&mut inner, pull, w, &mut last),
                 None => reserved,
             })
             .collect())
@@ -160,12 +162,60 @@ impl PermitTable {
         Ok(window)
     }
 
-    /// Open `pull`'s permit in `window` (chosen by [`PermitTable::select`]).
-    pub(super) fn install(&self, inner: &mut Inner, pull: &PullWindow<'_>, window: u32) -> u32 {
+    /// Open `pull`'s permit in `window` (chosen by [`PermitTable::select`]). `last`: the
+    /// blocks of the batch's previous pull, shared when this pull carries the same requests.
+    pub(super) fn install<'p>(
+        &self,
+        inner: &mut Inner,
+        pull: &PullWindow<'p>,
+        window: u32,
+        last: &mut Option<(&'p [SharedRequest], Arc<PullBlocks>)>,
+    ) -> u32 {
         let deployment: Deployment = pull.requests[0].bootstrap_addr.clone();
         Self::ring_used(inner, pull.peer, window);
-        let groups = pull
-            .requests
+        let blocks = match last {
+            Some((reqs, b)) if std::ptr::eq(*reqs, pull.requests) => b.clone(),
+            _ => {
+                let b = Arc::new(self.pull_blocks(pull.requests));
+                *last = Some((pull.requests, b.clone()));
+                b
+            }
+        };
+        let n = pull.requests.len();
+        let permit = Arc::new(Permit {
+            pull_id: pull.pull_id,
+            peer: pull.peer.clone(),
+            deployment: deployment.clone(),
+            window,
+            blocks,
+            open: (0..n).map(|_| AtomicBool::new(true)).collect(),
+            open_count: AtomicUsize::new(n),
+            inflight: AtomicU64::new(0),
+            draining: AtomicBool::new(false),
+            quiet: Notify::new(),
+            coverage: Mutex::new(Vec::new()),
+            covered: AtomicBool::new(false),
+            unproven: AtomicBool::new(false),
+            open_writes: AtomicU64::new(0),
+            bytes_landed: AtomicU64::new(0),
+            writes_landed: AtomicU64::new(0),
+        });
+        // The window's previous permit closed and went then (`revoke`).
+        *self.slots[window as usize]
+            .write()
+            .unwrap_or_else(|e| e.into_inner()) = Slot::Open(permit.clone());
+        for (i, r) in (0u32..).zip(pull.requests) {
+            inner.by_req.add(r, pull.pull_id, i);
+        }
+        inner.by_pull.insert(pull.pull_id, permit);
+        let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
+        self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
+        window
+    }
+
+    /// `requests`' blocks by group, each with the index of its request, and their span caps.
+    fn pull_blocks(&self, requests: &[SharedRequest]) -> PullBlocks {
+        let groups = requests
             .iter()
             .map(|r| r.block_ids.len())
             .max()
@@ -174,15 +224,14 @@ impl PermitTable {
         // was four allocations per group and pull).
         let mut blocks: Vec<BlockOwners> = (0..groups)
             .map(|g| {
-                let n = pull
-                    .requests
+                let n = requests
                     .iter()
                     .filter_map(|r| r.block_ids.get(g))
-                    .map(Vec::len);
+                    .map(<[u32]>::len);
                 BlockOwners(Vec::with_capacity(n.sum()))
             })
             .collect();
-        for (i, r) in pull.requests.iter().enumerate() {
+        for (i, r) in requests.iter().enumerate() {
             for (g, ids) in r.block_ids.iter().enumerate() {
                 blocks[g].0.extend(ids.iter().map(|&b| (b, i as u32)));
             }
@@ -197,9 +246,7 @@ impl PermitTable {
                 g.0.shrink_to_fit();
             }
         }
-        let n = pull.requests.len();
-        let span_cap = pull
-            .requests
+        let span_cap = requests
             .iter()
             .map(|r| {
                 let pieces: u64 = (0u32..)
@@ -209,36 +256,10 @@ impl PermitTable {
                 u32::try_from(pieces.saturating_mul(2).saturating_add(16)).unwrap_or(u32::MAX)
             })
             .collect();
-        let permit = Arc::new(Permit {
-            pull_id: pull.pull_id,
-            peer: pull.peer.clone(),
-            deployment: deployment.clone(),
-            window,
-            blocks,
-            open: (0..n).map(|_| AtomicBool::new(true)).collect(),
-            open_count: AtomicUsize::new(n),
-            inflight: AtomicU64::new(0),
-            draining: AtomicBool::new(false),
-            quiet: Notify::new(),
-            coverage: Mutex::new(Vec::new()),
-            covered: AtomicBool::new(false),
+        PullBlocks {
+            groups: blocks,
             span_cap,
-            unproven: AtomicBool::new(false),
-            open_writes: AtomicU64::new(0),
-            bytes_landed: AtomicU64::new(0),
-            writes_landed: AtomicU64::new(0),
-        });
-        // The window's previous permit closed and went then (`revoke`).
-        *self.slots[window as usize]
-            .write()
-            .unwrap_or_else(|e| e.into_inner()) = Slot::Open(permit.clone());
-        for (i, r) in (0u32..).zip(pull.requests) {
-            inner.by_req.add(&r.req_id, pull.pull_id, i);
         }
-        inner.by_pull.insert(pull.pull_id, permit);
-        let live = self.live.fetch_add(1, Ordering::Relaxed) + 1;
-        self.labels.gauge(m::LIVE_PERMITS).set(live as f64);
-        window
     }
 
     /// `peer`'s pull got `window`: the newest of its ring.

@@ -31,7 +31,7 @@ fn req(id: &str) -> Arc<RequestMeta> {
         transfer_id: id.into(),
         engine_id: "e".into(),
         bootstrap_addr: "http://127.0.0.1:1".into(),
-        block_ids: vec![vec![0]],
+        block_ids: vec![vec![0]].into(),
     })
 }
 
@@ -190,6 +190,46 @@ fn reusing_a_window_keeps_a_newer_permit_of_the_same_pull_id() {
         !admits(&t, wb),
         "b's permit was still found by its pull id and closed"
     );
+}
+
+fn blocks_of(t: &PermitTable, w: u32) -> Arc<PullBlocks> {
+    match &*t.slots[w as usize].read().unwrap() {
+        Slot::Open(p) => p.blocks.clone(),
+        _ => panic!("window {w} is not open"),
+    }
+}
+
+/// The pulls of one batch (the same requests) share one set of blocks and span caps, and
+/// each admits writes into them; a pull of other requests has its own.
+#[test]
+fn a_batchs_pulls_share_their_blocks() {
+    let t = table(8);
+    let (p, q) = (PeerId::new("p"), PeerId::new("q"));
+    let reqs = [req("a")];
+    let w = t
+        .open_all_at(
+            &[
+                PullWindow {
+                    pull_id: 1,
+                    peer: &p,
+                    requests: &reqs,
+                },
+                PullWindow {
+                    pull_id: 2,
+                    peer: &q,
+                    requests: &reqs,
+                },
+            ],
+            Instant::now(),
+        )
+        .unwrap();
+    assert!(Arc::ptr_eq(&blocks_of(&t, w[0]), &blocks_of(&t, w[1])));
+    assert_eq!(blocks_of(&t, w[0]).span_cap.len(), 1);
+    assert_eq!(write_into(&t, w[0], 0), Ok(()));
+    assert_eq!(write_into(&t, w[1], 0), Ok(()));
+    assert_eq!(write_into(&t, w[1], 1), Err(RejectReason::NoPermit));
+    let other = open(&t, 3, &p, &req("b"));
+    assert!(!Arc::ptr_eq(&blocks_of(&t, w[0]), &blocks_of(&t, other)));
 }
 
 /// A write into block `block` through window `w`: admitted, or why not.
