@@ -4,21 +4,10 @@
 
 use actix::Message;
 
-use super::batch::SharedRequest;
 use super::ids::PullId;
 use super::pull_requests::PullRequests;
 use super::wire::WireError;
 use std::sync::Arc;
-
-/// One request inside a pull.
-#[derive(Clone)]
-pub struct PullRequest {
-    /// The request and its destination blocks.
-    pub meta: SharedRequest,
-    /// Whether an aggregator awaits its settle; a request nobody awaits (empty pull) is still
-    /// sent and settled, but its settle goes nowhere.
-    pub awaited: bool,
-}
 
 /// A pull's layout id and whether the pull carries the layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,14 +1,25 @@
-//! A pull's requests, shared by every pull of the batch: the Receiver sorts the batch's list
-//! once and each pull (one per P worker) holds the same list, where each held a copy before
-//! (16 bytes a request per pull; docs/PERFORMANCE.md, "Where the bytes per in-flight request
-//! go"). A batch of one still allocates no list (the request is held inline).
+//! A request inside a pull, and a pull's requests: shared by every pull of the batch (the
+//! Receiver sorts the batch's list once and each pull, one per P worker, holds the same list,
+//! where each held a copy before: 16 bytes a request per pull; docs/PERFORMANCE.md, "Where the
+//! bytes per in-flight request go"). A batch of one still allocates no list (the request is
+//! held inline).
 
 #![forbid(unsafe_code)]
 
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
 
-use super::pull::PullRequest;
+use super::batch::SharedRequest;
+
+/// One request inside a pull.
+#[derive(Clone)]
+pub struct PullRequest {
+    /// The request and its destination blocks.
+    pub meta: SharedRequest,
+    /// Whether an aggregator awaits its settle; a request nobody awaits (empty pull) is still
+    /// sent and settled, but its settle goes nowhere.
+    pub awaited: bool,
+}
 
 /// A pull's requests: none, one inline, or a list shared by the batch's pulls. Reads as a
 /// slice; a write (tests only) copies a shared list first.
