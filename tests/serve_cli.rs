@@ -1068,6 +1068,22 @@ async fn prefill_sim_stops_cleanly_when_its_stdout_closes() {
     assert!(String::from_utf8_lossy(&done.stderr).contains("stdout closed"));
 }
 
+/// [`thread_cpus`] once `n` threads are named `name`, or after 10 s: a thread names itself when
+/// it first runs, and the data runtime's workers need not have run yet (a pull without
+/// writes never wakes them; under load the first time slice can come late).
+fn named_threads(pid: u32, name: &str, n: usize) -> Vec<(String, String)> {
+    let t0 = std::time::Instant::now();
+    loop {
+        let threads = thread_cpus(pid);
+        if threads.iter().filter(|(t, _)| t == name).count() >= n
+            || t0.elapsed() > Duration::from_secs(10)
+        {
+            return threads;
+        }
+        std::thread::yield_now();
+    }
+}
+
 /// Each thread of `pid`: its name and its `Cpus_allowed_list`.
 fn thread_cpus(pid: u32) -> Vec<(String, String)> {
     let mut v = vec![];
@@ -1116,7 +1132,7 @@ async fn the_control_plane_runs_on_one_cpu_and_the_data_plane_on_all() {
         s.send(&load.to_string()).await;
         let c = s.wait("completion", |v| ev(v, "completion")).await;
         assert_eq!(c["outcome"], "ok", "{placement:?}");
-        let threads = thread_cpus(s.child.id().unwrap());
+        let threads = named_threads(s.child.id().unwrap(), "kvrecv-data", 2);
         let (data, control): (Vec<_>, Vec<_>) =
             threads.iter().partition(|(name, _)| name == "kvrecv-data");
         assert_eq!(data.len(), 2, "{threads:?}");
