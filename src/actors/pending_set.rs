@@ -99,10 +99,7 @@ impl PendingSet {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::Arc;
-
     use super::*;
-    use crate::messages::RequestMeta;
 
     /// "About 16 bytes a request" (module doc): one `PullRequest` and one bit.
     #[test]
@@ -112,16 +109,7 @@ mod tests {
     }
 
     fn req(id: &str) -> PullRequest {
-        PullRequest {
-            meta: Arc::new(RequestMeta {
-                req_id: id.into(),
-                transfer_id: id.into(),
-                engine_id: "e".into(),
-                bootstrap_addr: "b".into(),
-                block_ids: vec![vec![1]].into(),
-            }),
-            awaited: true,
-        }
+        crate::messages::pull_requests::test_request(id)
     }
 
     /// The batch's pulls each track the one list the Receiver sorted (16 bytes a request for

@@ -128,22 +128,27 @@ impl FromIterator<PullRequest> for PullRequests {
     }
 }
 
+/// An awaited request `id` with one block (tests of what holds pull requests).
+#[cfg(test)]
+pub(crate) fn test_request(id: &str) -> PullRequest {
+    PullRequest {
+        meta: Arc::new(crate::messages::RequestMeta {
+            req_id: id.into(),
+            transfer_id: id.into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: vec![vec![1]].into(),
+        }),
+        awaited: true,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::RequestMeta;
 
     fn req(id: &str) -> PullRequest {
-        PullRequest {
-            meta: Arc::new(RequestMeta {
-                req_id: id.into(),
-                transfer_id: id.into(),
-                engine_id: "e".into(),
-                bootstrap_addr: "b".into(),
-                block_ids: vec![vec![1]].into(),
-            }),
-            awaited: true,
-        }
+        test_request(id)
     }
 
     fn ids(l: &PullRequests) -> Vec<&str> {
