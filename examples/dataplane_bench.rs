@@ -9,10 +9,15 @@
 //! The floor (`raw`) is the least a receiver can do for the same bytes: it answers the
 //! handshake with kvrecv's daemon (off the timed path) so that both writers connect to it
 //! unchanged, then, on one thread (a current-thread tokio runtime, a task per connection), reads
-//! each 24-byte header, `read_exact`s the payload straight into one region at the header's
-//! offset (a bounds check, nothing else: no permits, windows, audit or counters) and answers the
-//! v2 status frame. `KVRECV_FLOOR=threads` runs a blocking thread per connection instead
-//! (`recv` with `MSG_WAITALL`), which measured more CPU per GiB than kvrecv's target here.
+//! each 24-byte header, reads the payload straight into one region at the header's offset,
+//! waiting as kvrecv's data server does (`SO_RCVLOWAT` set to what the payload still lacks), and
+//! answers the v2 status frame: a bounds check, nothing else (no permits, windows, audit or
+//! counters). `KVRECV_FLOOR=threads` runs a blocking thread per connection instead (`recv` with
+//! `MSG_WAITALL`), which measured more CPU per GiB than kvrecv's target here.
+//!
+//! `KVRECV_BENCH_BEFORE=<path>`: another build of this example, whose kvrecv target runs as a
+//! fourth receiver in the same rounds (an A/B of a change in one invocation). One receiver
+//! alone, under `perf`: `scripts/dataplane-profile`.
 //!
 //! ```text
 //! cargo run --release --example dataplane_bench -- [MiB per run, default 256] [rounds, default 5]
