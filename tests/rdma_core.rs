@@ -16,10 +16,10 @@ use kvrecv::config::{KvRecvConfig, Policy};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest, LoadKv, PeerId, XferStatus};
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
-use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState};
+use kvrecv::rdma::verbs::fake::test_nic;
+use kvrecv::rdma::verbs::qp_attrs::QpState;
 use kvrecv::rdma::verbs::{
-    EndpointState, FakeVerbs, HandShakeDesc, LocalNic, PeerBinding, QpId, RdmaTarget,
-    RdmaTargetConfig,
+    EndpointState, FakeVerbs, HandShakeDesc, PeerBinding, QpId, RdmaTarget, RdmaTargetConfig,
 };
 
 /// Safety net only: every wait ends on an event long before this.
@@ -49,18 +49,12 @@ struct Rig {
 
 impl Rig {
     async fn start(protocol: &str, quarantine_deadline: Duration, bind: bool) -> Rig {
-        let nic = LocalNic {
-            name: "mlx5_0".into(),
-            port: 1,
-            lid: 0,
-            gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:7f:00:00:01"
+        let nic = test_nic(
+            "mlx5_0",
+            "00:00:00:00:00:00:00:00:00:00:ff:ff:7f:00:00:01"
                 .parse()
                 .unwrap(),
-            gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
-            link_layer: Default::default(),
-            numa_node: None,
-        };
+        );
         // Explicit bindings only: these tests are about what `bind_peer` says (binding by host
         // is tested through the front door, tests/rdma_front_door.rs).
         let target = RdmaTarget::start(

@@ -9,10 +9,9 @@ use std::sync::Arc;
 
 use kvrecv::layout::KvLayout;
 use kvrecv::rdma::memory::{DeviceMemory, DeviceRegion};
-use kvrecv::rdma::verbs::fake::VerbsCall;
-use kvrecv::rdma::verbs::qp_attrs::Mtu;
+use kvrecv::rdma::verbs::fake::{test_nic, VerbsCall};
 use kvrecv::rdma::verbs::{
-    DeviceMemoryExport, DmaBuf, FakeVerbs, GpuDirectError, LocalNic, RdmaTarget, RdmaTargetConfig,
+    DeviceMemoryExport, DmaBuf, FakeVerbs, GpuDirectError, RdmaTarget, RdmaTargetConfig,
     RdmaTargetError,
 };
 
@@ -23,16 +22,7 @@ const PTRS: [u64; 2] = [0x7f00_0000_0000, 0x7f00_0020_0000];
 const WINDOWS: usize = 2;
 
 fn fake() -> FakeVerbs {
-    FakeVerbs::new(vec![LocalNic {
-        name: "mlx5_0".into(),
-        port: 1,
-        lid: 0,
-        gid: Default::default(),
-        gid_index: 3,
-        active_mtu: Mtu::Mtu4096,
-        link_layer: Default::default(),
-        numa_node: None,
-    }])
+    FakeVerbs::new(vec![test_nic("mlx5_0", Default::default())])
 }
 
 #[derive(Debug)]

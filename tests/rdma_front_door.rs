@@ -15,7 +15,8 @@ use kvrecv::embed::{EventStream, KvRecv};
 use kvrecv::layout::KvLayout;
 use kvrecv::messages::{KvEvent, KvRequest};
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
-use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState, QpTransition};
+use kvrecv::rdma::verbs::fake::test_nic;
+use kvrecv::rdma::verbs::qp_attrs::{QpState, QpTransition};
 use kvrecv::rdma::verbs::{
     FakeVerbs, HandShakeDesc, HandshakeConfig, LocalNic, MrAccess, MrKeys, QpId, SegmentDescriptor,
     VerbsBackend, VerbsError, WriteRefused,
@@ -37,16 +38,7 @@ struct SharedVerbs {
 
 impl SharedVerbs {
     fn new() -> Self {
-        let nics = vec![LocalNic {
-            name: "mlx5_0".into(),
-            port: 1,
-            lid: 0,
-            gid: P_GID.parse().unwrap(),
-            gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
-            link_layer: Default::default(),
-            numa_node: None,
-        }];
+        let nics = vec![test_nic("mlx5_0", P_GID.parse().unwrap())];
         SharedVerbs {
             inner: Arc::new(Mutex::new(FakeVerbs::new(nics.clone()))),
             nics,

@@ -8,24 +8,14 @@ use std::sync::Arc;
 
 use kvrecv::layout::KvLayout;
 use kvrecv::rdma::memory::{HostMemory, HostRegion};
-use kvrecv::rdma::verbs::fake::VerbsCall;
-use kvrecv::rdma::verbs::qp_attrs::Mtu;
-use kvrecv::rdma::verbs::{FakeVerbs, LocalNic, RdmaTarget, RdmaTargetConfig, RdmaTargetError};
+use kvrecv::rdma::verbs::fake::{test_nic, VerbsCall};
+use kvrecv::rdma::verbs::{FakeVerbs, RdmaTarget, RdmaTargetConfig, RdmaTargetError};
 
 const BLOCK: u64 = 64;
 const BLOCKS: u32 = 32;
 
 fn fake() -> FakeVerbs {
-    FakeVerbs::new(vec![LocalNic {
-        name: "mlx5_0".into(),
-        port: 1,
-        lid: 0,
-        gid: Default::default(),
-        gid_index: 3,
-        active_mtu: Mtu::Mtu4096,
-        link_layer: Default::default(),
-        numa_node: None,
-    }])
+    FakeVerbs::new(vec![test_nic("mlx5_0", Default::default())])
 }
 
 /// The host's KV cache: one buffer per layer, as a model runner allocates it.

@@ -160,19 +160,9 @@ pub fn build_live(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::verbs::qp_attrs::Mtu;
 
     fn nic(name: &str, gid: &str) -> LocalNic {
-        LocalNic {
-            name: name.into(),
-            port: 1,
-            lid: 0,
-            gid: gid.parse().unwrap(),
-            gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
-            link_layer: Default::default(),
-            numa_node: None,
-        }
+        crate::rdma::verbs::fake::test_nic(name, gid.parse().unwrap())
     }
 
     fn nics() -> Vec<LocalNic> {

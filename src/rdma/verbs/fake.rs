@@ -114,6 +114,21 @@ pub struct FakeVerbs {
     pub fail_dmabuf: Option<i32>,
 }
 
+/// A NIC as tests hand it to [`FakeVerbs`]: `name`, port 1, LID 0, GID `gid` at index 3, MTU
+/// 4096, the default link layer, no NUMA node.
+pub fn test_nic(name: &str, gid: super::gid::Gid) -> LocalNic {
+    LocalNic {
+        name: name.into(),
+        port: 1,
+        lid: 0,
+        gid,
+        gid_index: 3,
+        active_mtu: super::qp_attrs::Mtu::Mtu4096,
+        link_layer: Default::default(),
+        numa_node: None,
+    }
+}
+
 impl FakeVerbs {
     /// QP numbers start at `0x100` so they never look like a count or index in assertions.
     pub fn new(nics: Vec<LocalNic>) -> Self {

@@ -194,24 +194,17 @@ mod tests {
     use super::*;
     use crate::messages::handshake_desc::HandShakeDesc;
     use crate::rdma::verbs::endpoint::EndpointState;
-    use crate::rdma::verbs::fake::FakeVerbs;
-    use crate::rdma::verbs::nic::LocalNic;
+    use crate::rdma::verbs::fake::{test_nic, FakeVerbs};
     use crate::rdma::verbs::passive::HandshakeConfig;
-    use crate::rdma::verbs::qp_attrs::{Mtu, QpState};
+    use crate::rdma::verbs::qp_attrs::QpState;
 
     fn shared() -> SharedHandshake<FakeVerbs> {
-        let nic = LocalNic {
-            name: "mlx5_0".into(),
-            port: 1,
-            lid: 0,
-            gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07"
+        let nic = test_nic(
+            "mlx5_0",
+            "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07"
                 .parse()
                 .unwrap(),
-            gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
-            link_layer: Default::default(),
-            numa_node: None,
-        };
+        );
         let t = PassiveHandshake::new(
             FakeVerbs::new(vec![nic]),
             "10.0.0.7:15000",

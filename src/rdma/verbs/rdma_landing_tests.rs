@@ -9,10 +9,9 @@ use crate::messages::handshake::SegmentDescriptor;
 use crate::messages::handshake_desc::HandShakeDesc;
 use crate::messages::RequestMeta;
 use crate::rdma::verbs::backend::QpId;
-use crate::rdma::verbs::fake::{FakeVerbs, WriteRefused};
-use crate::rdma::verbs::nic::LocalNic;
+use crate::rdma::verbs::fake::{test_nic, FakeVerbs, WriteRefused};
 use crate::rdma::verbs::passive::{HandshakeConfig, PassiveHandshake};
-use crate::rdma::verbs::qp_attrs::{Mtu, QpState};
+use crate::rdma::verbs::qp_attrs::QpState;
 use crate::rdma::verbs::PeerBinding;
 
 const D: &str = "10.0.0.7:15000";
@@ -20,18 +19,12 @@ const BLOCK: u64 = 64;
 const BLOCKS: u32 = 4;
 
 fn shared() -> SharedHandshake<FakeVerbs> {
-    let nic = LocalNic {
-        name: "mlx5_0".into(),
-        port: 1,
-        lid: 0,
-        gid: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07"
+    let nic = test_nic(
+        "mlx5_0",
+        "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07"
             .parse()
             .unwrap(),
-        gid_index: 3,
-        active_mtu: Mtu::Mtu4096,
-        link_layer: Default::default(),
-        numa_node: None,
-    };
+    );
     Arc::new(Mutex::new(PassiveHandshake::new(
         FakeVerbs::new(vec![nic]),
         D,
