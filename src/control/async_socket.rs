@@ -80,6 +80,13 @@ impl AsyncSocket {
         &self.sock
     }
 
+    /// The underlying socket for raw options (tests read them back).
+    #[cfg(test)]
+    pub fn socket_mut(&mut self) -> &mut zmq::Socket {
+        self.primed = false;
+        &mut self.sock
+    }
+
     /// Stop the socket's monitor now, if it has one (`zmq_socket_monitor(s, NULL, 0)`).
     ///
     /// Call it before closing a monitored socket. `zmq_close` is asynchronous: the socket lives on

@@ -148,6 +148,72 @@ impl ZmqContext {
     }
 }
 
+/// Engine buffer size of kvrecv's DEALERs: each pull in flight holds one DEALER, whose
+/// resident memory this takes from 36 to 23 KB (800 connected DEALERs that sent a 12 KB
+/// request, docs/PERFORMANCE.md "libzmq's engine buffers"); a pull's request and replies are
+/// one message each way, so a smaller buffer costs no extra system call.
+pub const ENGINE_BATCH_BYTES: i32 = 1024;
+
+/// libzmq 4.3's `ZMQ_IN_BATCH_SIZE` and `ZMQ_OUT_BATCH_SIZE` (draft options, `zmq.h`).
+const ZMQ_IN_BATCH_SIZE: i32 = 101;
+const ZMQ_OUT_BATCH_SIZE: i32 = 102;
+
+/// Size a socket's ZMTP engine buffers: the decoder reads up to `bytes` per `recv` and the
+/// encoder gathers up to `bytes` per `send` (libzmq's default is 8192 each). A message larger
+/// than the buffer still goes in one piece: libzmq reads and writes its body straight from and
+/// into the message. `Ok(false)` when this libzmq was built without its draft API, which holds
+/// these options (the crate's `.cargo/config.toml` builds it with them; a dependent crate's
+/// build may not): the socket keeps the defaults.
+pub fn set_engine_batch(socket: &mut zmq::Socket, bytes: i32) -> Result<bool, zmq::Error> {
+    for option in [ZMQ_IN_BATCH_SIZE, ZMQ_OUT_BATCH_SIZE] {
+        // SAFETY: a live socket owned by the caller, an `int` option passed by pointer with
+        // its size, as zmq_setsockopt(3) asks.
+        let rc = unsafe {
+            zmq_sys::zmq_setsockopt(
+                socket.as_mut_ptr(),
+                option,
+                (&bytes as *const i32).cast(),
+                std::mem::size_of::<i32>(),
+            )
+        };
+        if rc != 0 {
+            // SAFETY: reads the calling thread's errno; no preconditions.
+            return match zmq::Error::from_raw(unsafe { zmq_sys::zmq_errno() }) {
+                zmq::Error::EINVAL => {
+                    static ONCE: std::sync::Once = std::sync::Once::new();
+                    ONCE.call_once(|| {
+                        tracing::info!(
+                            "libzmq built without its draft API: DEALERs keep 8 KiB engine buffers"
+                        )
+                    });
+                    Ok(false)
+                }
+                e => Err(e),
+            };
+        }
+    }
+    Ok(true)
+}
+
+/// A socket's `ZMQ_IN_BATCH_SIZE` and `ZMQ_OUT_BATCH_SIZE` (`None` without the draft API).
+pub fn engine_batch(socket: &mut zmq::Socket) -> Option<(i32, i32)> {
+    let mut get = |option| {
+        let mut v: i32 = 0;
+        let mut len = std::mem::size_of::<i32>();
+        // SAFETY: a live socket, an `int` out-parameter with its size (zmq_getsockopt(3)).
+        let rc = unsafe {
+            zmq_sys::zmq_getsockopt(
+                socket.as_mut_ptr(),
+                option,
+                (&mut v as *mut i32).cast(),
+                &mut len,
+            )
+        };
+        (rc == 0).then_some(v)
+    };
+    Some((get(ZMQ_IN_BATCH_SIZE)?, get(ZMQ_OUT_BATCH_SIZE)?))
+}
+
 impl std::fmt::Debug for ZmqContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ZmqContext")
@@ -159,6 +225,38 @@ impl std::fmt::Debug for ZmqContext {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The engine buffers take the size asked (this crate builds libzmq with the options),
+    /// and messages larger and smaller than them still go through whole, both ways.
+    #[test]
+    fn small_engine_buffers_carry_every_message_whole() {
+        let ctx = ZmqContext::new(8).unwrap();
+        let mut d = ctx.socket(zmq::DEALER).unwrap();
+        assert_eq!(engine_batch(&mut d), Some((8192, 8192)), "libzmq's default");
+        assert!(set_engine_batch(&mut d, 256).unwrap());
+        assert_eq!(engine_batch(&mut d), Some((256, 256)));
+        let mut r = ctx.socket(zmq::ROUTER).unwrap();
+        assert!(set_engine_batch(&mut r, 256).unwrap());
+        r.bind("tcp://127.0.0.1:*").unwrap();
+        d.connect(&r.get_last_endpoint().unwrap().unwrap()).unwrap();
+        let sizes = [0usize, 1, 255, 256, 257, 1000, 70_000, 3];
+        let body = |n: usize, k: usize| (0..n).map(|i| (i * 7 + k) as u8).collect::<Vec<u8>>();
+        for (k, n) in sizes.iter().enumerate() {
+            d.send(body(*n, k), 0).unwrap();
+        }
+        let mut who = Vec::new();
+        for (k, n) in sizes.iter().enumerate() {
+            let m = r.recv_multipart(0).unwrap();
+            assert_eq!(m[1], body(*n, k), "request {k} of {n} bytes");
+            who = m[0].clone();
+        }
+        for (k, n) in sizes.iter().enumerate() {
+            r.send_multipart([who.clone(), body(*n, k + 1)], 0).unwrap();
+        }
+        for (k, n) in sizes.iter().enumerate() {
+            assert_eq!(d.recv_bytes(0).unwrap(), body(*n, k + 1), "reply {k} of {n} bytes");
+        }
+    }
 
     #[test]
     fn the_cap_is_raised_and_enforced() {
