@@ -19,6 +19,10 @@
 //! fourth receiver in the same rounds (an A/B of a change in one invocation). One receiver
 //! alone, under `perf`: `scripts/dataplane-profile`.
 //!
+//! kvrecv's target and the floor land on huge pages (`MADV_HUGEPAGE`, as kvrecv's own landing
+//! memory does); the TE target in a ctypes buffer, as its Python users allocate one, or with
+//! `KVRECV_BENCH_TE_HUGE=1` in an advised mapping like theirs.
+//!
 //! ```text
 //! cargo run --release --example dataplane_bench -- [MiB per run, default 256] [rounds, default 5]
 //! ```
@@ -372,8 +376,18 @@ fn set_lowat(s: &tokio::net::TcpStream, bytes: usize) -> std::io::Result<()> {
 /// descriptor that advertises the region's real address, and a blocking thread per data
 /// connection; until stdin closes.
 async fn raw_sink() {
-    // Touched (non-zero fill), like the TE target's zeroed ctypes buffer: no page faults timed.
-    let region: &'static mut [u8] = vec![1u8; REGION as usize].leak();
+    // On huge pages, as kvrecv's own landing memory is (`rdma/host_buffer.rs`); touched
+    // (non-zero fill), like the TE target's zeroed ctypes buffer: no page faults timed.
+    let layout = std::alloc::Layout::from_size_align(REGION as usize, 2 << 20).expect("layout");
+    // SAFETY: a fresh allocation of REGION bytes (non-zero size), advised and then filled
+    // before any reference to it exists; leaked, so it lives as long as the process.
+    let region: &'static mut [u8] = unsafe {
+        let p = std::alloc::alloc(layout);
+        assert!(!p.is_null(), "the floor's region");
+        libc::madvise(p.cast(), REGION as usize, libc::MADV_HUGEPAGE);
+        std::ptr::write_bytes(p, 1, REGION as usize);
+        std::slice::from_raw_parts_mut(p, REGION as usize)
+    };
     let base = region.as_mut_ptr() as u64;
     let addr = region.as_mut_ptr() as usize;
     let data = TcpListener::bind("127.0.0.1:0").expect("raw data listener");

@@ -14,7 +14,6 @@
 //! no reference (`&` or `&mut`) to them is ever made: writes go through raw pointers
 //! (`RegisteredMemory::landing_ptr`), reads copy the bytes out ([`RegisteredMemory::read`]).
 
-use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -25,10 +24,8 @@ pub use super::host_memory::{HostMemory, HostRegion};
 pub use super::memory_error::MemoryError;
 
 use super::device_memory::{device_copier, DeviceInner};
+use super::host_buffer::HostBuffer;
 use super::device_stream::DeviceCopy;
-
-/// Alignment of the host allocation (a page: what an RDMA registration, which pins it, wants).
-const ALIGN: usize = 4096;
 
 /// Where destination bytes live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -49,40 +46,6 @@ struct Segment {
     start: u64,
     ptr: NonNull<u8>,
     len: u64,
-}
-
-struct HostBuffer {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is plain bytes owned by this struct; concurrent access goes through raw
-// pointers with the DMA-like contract documented at the top of the module.
-unsafe impl Send for HostBuffer {}
-// SAFETY: as for `Send`: `&HostBuffer` reaches the bytes only through raw pointers and copies.
-unsafe impl Sync for HostBuffer {}
-
-impl HostBuffer {
-    fn new(len: usize) -> Result<Self, MemoryError> {
-        let layout = Layout::from_size_align(len.max(1), ALIGN)
-            .map_err(|_| MemoryError::Alloc(len as u64))?;
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { alloc_zeroed(layout) };
-        let ptr = NonNull::new(p).ok_or(MemoryError::Alloc(len as u64))?;
-        Ok(HostBuffer { ptr, len })
-    }
-}
-
-impl Drop for HostBuffer {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this exact layout.
-        unsafe {
-            dealloc(
-                self.ptr.as_ptr(),
-                Layout::from_size_align_unchecked(self.len.max(1), ALIGN),
-            )
-        }
-    }
 }
 
 /// The destination bytes of one D worker.
@@ -124,7 +87,7 @@ impl RegisteredMemory {
         let owned = |host: HostBuffer| RegisteredMemory {
             segments: vec![Segment {
                 start: 0,
-                ptr: host.ptr,
+                ptr: host.ptr(),
                 len,
             }],
             len,

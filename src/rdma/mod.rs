@@ -18,6 +18,7 @@ pub(crate) mod device_stream;
 #[cfg(any(test, feature = "testing"))]
 internal_mod!(fake_device);
 internal_mod!(handshake_daemon);
+mod host_buffer;
 mod host_memory;
 internal_mod!(landing);
 internal_mod!(memory);

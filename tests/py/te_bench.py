@@ -8,6 +8,8 @@
       <batch> per batch_transfer_sync_write; print {"seconds": s, "bytes": n} (timed writes only).
 """
 import ctypes
+import os
+import mmap
 import json
 import sys
 import time
@@ -25,8 +27,15 @@ def engine():
 
 def target(size):
     te = engine()
-    buf = ctypes.create_string_buffer(size)
-    addr = ctypes.addressof(buf)
+    if os.environ.get("KVRECV_BENCH_TE_HUGE"):
+        # The same huge-page advice as kvrecv's landing memory, touched like the buffer below.
+        buf = mmap.mmap(-1, size)
+        buf.madvise(mmap.MADV_HUGEPAGE)
+        addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
+        ctypes.memset(addr, 0, size)
+    else:
+        buf = ctypes.create_string_buffer(size)
+        addr = ctypes.addressof(buf)
     if te.register_memory(addr, size) != 0:
         raise SystemExit("register_memory failed")
     print(json.dumps({"segment": f"127.0.0.1:{te.get_rpc_port()}", "addr": addr}), flush=True)
