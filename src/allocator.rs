@@ -85,32 +85,31 @@ unsafe impl GlobalAlloc for MiMalloc {
 /// mimalloc's defaults keep freed pages resident for a while and commit whole arenas up front:
 /// RSS per in-flight request at 100k in flight went from 1,131 B (glibc) to 1,160–1,218 B
 /// (`baseline.py --memory-only`). Purging at once and committing on demand brought it to
-/// 1,104 B with the same CPU. Transparent huge pages stay on: turning them off is process-wide
-/// (serve's landing region included); `MIMALLOC_ALLOW_THP=0` does it for an operator who wants
-/// the ~60 B per in-flight request it saves (docs/PERFORMANCE.md). An operator's `MIMALLOC_*`
-/// variable still wins.
-pub fn tune() {
+/// 1,104 B with the same CPU. An operator's `MIMALLOC_*` variable still wins.
+///
+/// Set before `main`, from the ELF constructor below, not in it: mimalloc reserves its first
+/// arena at the Rust runtime's first allocation, before `main`, and by default commits it at
+/// once and advises it onto transparent huge pages, where every partly used 2 MiB page is
+/// resident whole. Set in `main` (as it was) the options came too late for that arena, which
+/// holds everything: 40–50 B per in-flight request more (docs/PERFORMANCE.md, "mimalloc's
+/// first arena"). Transparent huge pages stay allowed for the process: kvrecv's landing
+/// memory asks for them (`rdma/host_buffer.rs`), and `MIMALLOC_ALLOW_THP=0` would turn them off
+/// for all of it. Allocates nothing (the environment is read in place).
+fn tune() {
     // `mi_option_t` values, the same in mimalloc v2 and v3 (include/mimalloc.h).
     const ARENA_EAGER_COMMIT: mi::mi_option_t = 4;
     const PURGE_DELAY: mi::mi_option_t = 15;
-    // mimalloc reads its variables case-insensitively and also under their older names.
-    let set_by_operator = |names: &[&str]| {
-        std::env::vars_os().any(|(k, _)| {
-            k.to_str()
-                .is_some_and(|k| names.iter().any(|n| k.eq_ignore_ascii_case(n)))
-        })
-    };
     for (option, names) in [
         (
             ARENA_EAGER_COMMIT,
             &[
-                "MIMALLOC_ARENA_EAGER_COMMIT",
-                "MIMALLOC_EAGER_REGION_COMMIT",
+                &b"MIMALLOC_ARENA_EAGER_COMMIT"[..],
+                b"MIMALLOC_EAGER_REGION_COMMIT",
             ][..],
         ),
         (
             PURGE_DELAY,
-            &["MIMALLOC_PURGE_DELAY", "MIMALLOC_RESET_DELAY"][..],
+            &[&b"MIMALLOC_PURGE_DELAY"[..], b"MIMALLOC_RESET_DELAY"][..],
         ),
     ] {
         if !set_by_operator(names) {
@@ -120,9 +119,74 @@ pub fn tune() {
     }
 }
 
+/// Whether the environment names any of `names` (ASCII case ignored, as mimalloc reads
+/// them), read without allocating.
+fn set_by_operator(names: &[&[u8]]) -> bool {
+    extern "C" {
+        static environ: *const *const std::ffi::c_char;
+    }
+    // SAFETY: `environ` is the process's NULL-terminated array of NUL-terminated strings;
+    // nothing changes it while the constructors run (one thread), nor in the tests below.
+    unsafe {
+        let mut e = environ;
+        while !e.is_null() && !(*e).is_null() {
+            let var = std::ffi::CStr::from_ptr(*e).to_bytes();
+            let key = var.split(|&b| b == b'=').next().unwrap_or(var);
+            if names.iter().any(|n| key.eq_ignore_ascii_case(n)) {
+                return true;
+            }
+            e = e.add(1);
+        }
+    }
+    false
+}
+
+/// [`tune`] as an ELF constructor: glibc runs `.init_array` before `main` and before the Rust
+/// runtime's first allocation.
+#[used]
+#[link_section = ".init_array"]
+static TUNE_BEFORE_MAIN: extern "C" fn() = {
+    extern "C" fn tune_before_main() {
+        tune();
+    }
+    tune_before_main
+};
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The options were set before mimalloc's first arena: no mapping of this process (this
+    /// test binary has the binary's allocator and constructor) is advised onto huge pages,
+    /// where the arena was when the options came in `main`; and they read back as set.
+    #[test]
+    fn the_first_arena_is_committed_on_demand_and_not_on_huge_pages() {
+        // Something allocated: the arena exists.
+        let held: Vec<Vec<u8>> = (0..1000).map(|i| vec![1u8; 100 + i]).collect();
+        let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+        let advised: Vec<&str> = smaps
+            .lines()
+            .filter(|l| l.starts_with("VmFlags:") && l.split_whitespace().any(|f| f == "hg"))
+            .collect();
+        assert!(
+            advised.is_empty(),
+            "huge-page advised mappings: {advised:?}"
+        );
+        // SAFETY: plain option getters.
+        let (commit, purge) = unsafe { (mi::mi_option_get(4), mi::mi_option_get(15)) };
+        assert_eq!((commit, purge), (0, 0));
+        drop(held);
+    }
+
+    /// The environment is read as mimalloc reads it: names in any case, whole names only.
+    #[test]
+    fn operator_variables_are_found_in_any_case() {
+        assert!(std::env::var_os("PATH").is_some(), "tests run with a PATH");
+        assert!(set_by_operator(&[b"path"]));
+        assert!(set_by_operator(&[b"NOPE_NOT_SET_KVRECV", b"Path"]));
+        assert!(!set_by_operator(&[b"PAT"]));
+        assert!(!set_by_operator(&[b"NOPE_NOT_SET_KVRECV"]));
+    }
 
     /// Every layout, the plain entry points included, gets memory of its alignment, usable for
     /// its whole size, and keeps its bytes through growing and shrinking.

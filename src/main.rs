@@ -12,6 +12,6 @@ mod allocator;
 static ALLOCATOR: allocator::MiMalloc = allocator::MiMalloc;
 
 fn main() -> std::process::ExitCode {
-    allocator::tune();
+    // mimalloc's options are set before this runs (`allocator::tune`).
     kvrecv::cli::main()
 }

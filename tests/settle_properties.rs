@@ -266,10 +266,7 @@ impl World {
                 with_layout: None,
                 requests: reqs
                     .iter()
-                    .map(|m| PullRequest {
-                        meta: m.clone(),
-                        awaited: true,
-                    })
+                    .map(|m| PullRequest { meta: m.clone() })
                     .collect(),
             };
             pull_of.push(pull.pull_id);

@@ -258,7 +258,7 @@ impl PeerState {
         let mut seen = FastSet::default();
         for r in pull.requests.iter().filter(|r| seen.insert(&r.meta.req_id)) {
             fx.push(
-                r.awaited,
+                r.awaited(),
                 Settle {
                     peer: self.peer.clone(),
                     pull_id: pull.pull_id,
@@ -279,7 +279,7 @@ impl PeerState {
             Some(req) => {
                 pull.aborted.retain(|(id, _)| &**id != req_id);
                 let s = settle_of(&self.peer, pull_id, &req.meta.req_id, outcome);
-                fx.push(req.awaited, s);
+                fx.push(req.awaited(), s);
             }
             None => fx.stale.note(req_id),
         }
@@ -303,7 +303,7 @@ impl PeerState {
             for req in pull.pending.iter() {
                 let id = &req.meta.req_id;
                 let outcome = pull.outcome_of(id, outcome.clone());
-                fx.push(req.awaited, settle_of(&self.peer, pull_id, id, outcome));
+                fx.push(req.awaited(), settle_of(&self.peer, pull_id, id, outcome));
             }
         }
         fx.pull_done = true;

@@ -31,7 +31,6 @@ fn pull(id: PullId, reqs: &[&str]) -> Pull {
                     bootstrap_addr: "http://b:1".into(),
                     block_ids: vec![vec![1]].into(),
                 }),
-                awaited: true,
             })
             .collect(),
     }
@@ -54,7 +53,7 @@ fn reply(status: XferStatus, ok: Vec<String>, err: Vec<String>) -> Frames {
 fn only_awaited_settles_go_to_the_aggregator() {
     let mut st = PeerState::new(PeerId::new("tcp://p:1"));
     let mut p = pull(1, &["a", "cleanup", "b", "c"]);
-    p.requests[1].awaited = false;
+    p.requests[1] = crate::messages::pull_requests::test_unawaited_request("cleanup");
     st.start_pull(p);
     let ok = vec!["cleanup".to_string(), "a".to_string(), "c".to_string()];
     let mut fx = st.on_reply(1, reply(XferStatus::Finish, ok, vec![]));

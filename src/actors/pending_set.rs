@@ -1,6 +1,6 @@
 //! The requests one pull still owes, compactly: the pull's requests sorted by id (binary
-//! search) and one bit each for "settled". About 16 bytes a request, where a hash map with its
-//! slack cost 64 (docs/PERFORMANCE.md, memory per in-flight request).
+//! search) and one bit each for "settled". About 8 bytes a request (the batch's list, shared
+//! by its pulls), where a hash map with its slack cost 64 (docs/PERFORMANCE.md, memory per in-flight request).
 
 #![forbid(unsafe_code)]
 
@@ -101,18 +101,18 @@ impl PendingSet {
 mod tests {
     use super::*;
 
-    /// "About 16 bytes a request" (module doc): one `PullRequest` and one bit.
+    /// "About 8 bytes a request" (module doc): one `PullRequest` (a pointer) and one bit.
     #[test]
     #[cfg(target_pointer_width = "64")]
-    fn a_pending_request_is_16_bytes_and_a_bit() {
-        assert_eq!(std::mem::size_of::<PullRequest>(), 16);
+    fn a_pending_request_is_8_bytes_and_a_bit() {
+        assert_eq!(std::mem::size_of::<PullRequest>(), 8);
     }
 
     fn req(id: &str) -> PullRequest {
         crate::messages::pull_requests::test_request(id)
     }
 
-    /// The batch's pulls each track the one list the Receiver sorted (16 bytes a request for
+    /// The batch's pulls each track the one list the Receiver sorted (8 bytes a request for
     /// the batch, not for each pull); a list not sorted yet is sorted into a copy of its own.
     #[test]
     fn the_pulls_of_a_batch_share_one_sorted_list() {

@@ -425,7 +425,6 @@ impl Receiver {
         // One list, sorted as the pulls' pending sets keep it, shared by every pull.
         let requests = PullRequests::sorted_unique(group.iter().map(|req| PullRequest {
             meta: req.clone(),
-            awaited: req.is_awaiting(),
         }));
         let req_blocks = batch_plan::req_blocks(&group);
         let req_blocks = ReqBlocksRef(&req_blocks);

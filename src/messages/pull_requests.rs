@@ -1,8 +1,8 @@
 //! A request inside a pull, and a pull's requests: shared by every pull of the batch (the
 //! Receiver sorts the batch's list once and each pull, one per P worker, holds the same list,
-//! where each held a copy before: 16 bytes a request per pull; docs/PERFORMANCE.md, "Where the
-//! bytes per in-flight request go"). A batch of one still allocates no list (the request is
-//! held inline).
+//! where each held a copy before; an entry is the request's pointer, 8 bytes;
+//! docs/PERFORMANCE.md, "Where the bytes per in-flight request go"). A batch of one still
+//! allocates no list (the request is held inline).
 
 #![forbid(unsafe_code)]
 
@@ -11,14 +11,20 @@ use std::sync::Arc;
 
 use super::batch::SharedRequest;
 
-/// One request inside a pull.
+/// One request inside a pull: one pointer, so a batch's list costs 8 bytes a request (a
+/// stored `awaited` flag made it 16, though the request itself says it).
 #[derive(Clone)]
 pub struct PullRequest {
     /// The request and its destination blocks.
     pub meta: SharedRequest,
-    /// Whether an aggregator awaits its settle; a request nobody awaits (empty pull) is still
-    /// sent and settled, but its settle goes nowhere.
-    pub awaited: bool,
+}
+
+impl PullRequest {
+    /// Whether an aggregator awaits its settle: the request has a destination block. One
+    /// nobody awaits (a cleanup pull's) is still sent and settled, but its settle goes nowhere.
+    pub fn awaited(&self) -> bool {
+        self.meta.is_awaiting()
+    }
 }
 
 /// A pull's requests: none, one inline, or a list shared by the batch's pulls. Reads as a
@@ -139,7 +145,20 @@ pub(crate) fn test_request(id: &str) -> PullRequest {
             bootstrap_addr: "b".into(),
             block_ids: vec![vec![1]].into(),
         }),
-        awaited: true,
+    }
+}
+
+/// A request `id` nobody awaits: no destination block (a cleanup pull's).
+#[cfg(test)]
+pub(crate) fn test_unawaited_request(id: &str) -> PullRequest {
+    PullRequest {
+        meta: Arc::new(crate::messages::RequestMeta {
+            req_id: id.into(),
+            transfer_id: id.into(),
+            engine_id: "e".into(),
+            bootstrap_addr: "b".into(),
+            block_ids: crate::messages::BlockIds::default(),
+        }),
     }
 }
 
@@ -170,8 +189,8 @@ mod tests {
     fn a_write_copies_a_shared_list() {
         let a: PullRequests = ["a", "b"].iter().map(|i| req(i)).collect();
         let mut b = a.clone();
-        b[1].awaited = false;
-        assert!(a[1].awaited && !b[1].awaited && !a.shares_with(&b));
+        b[1] = test_unawaited_request("b");
+        assert!(a[1].awaited() && !b[1].awaited() && !a.shares_with(&b));
     }
 
     /// None and one request allocate no list.

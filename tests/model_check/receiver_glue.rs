@@ -82,12 +82,7 @@ impl Kv {
                 );
                 s.peers[p].start(
                     pull,
-                    [PullRequest {
-                        meta: meta.clone(),
-                        awaited: true,
-                    }]
-                    .into_iter()
-                    .collect(),
+                    [PullRequest { meta: meta.clone() }].into_iter().collect(),
                 );
                 s.pulls.insert(pull, (attempt, p));
                 s.writes.push(Write {
