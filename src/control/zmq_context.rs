@@ -148,24 +148,39 @@ impl ZmqContext {
     }
 }
 
-/// Engine buffer size of kvrecv's DEALERs: each pull in flight holds one DEALER, whose
-/// resident memory this takes from 36 to 23 KB (800 connected DEALERs that sent a 12 KB
-/// request, docs/PERFORMANCE.md "libzmq's engine buffers"); a pull's request and replies are
-/// one message each way, so a smaller buffer costs no extra system call.
-pub const ENGINE_BATCH_BYTES: i32 = 256;
+/// ZMTP engine buffers of kvrecv's DEALERs, in and out. Each pull in flight holds one
+/// DEALER, and libzmq's 8 KiB buffers were a third of its resident memory (the decoder's with
+/// its reference counts, 18 KB allocated). Measured in docs/PERFORMANCE.md ("libzmq's engine
+/// buffers"): 256 in / 1,024 out took a DEALER from 36 to about 22 KB and the control plane's
+/// CPU per request did not move; 256 out cost serve 28% more CPU per request at batch 1 (a
+/// request no longer fits the encoder's buffer, and goes out in two writes).
+pub const ENGINE_BATCH: EngineBatch = EngineBatch {
+    input: 256,
+    output: 1024,
+};
+
+/// A socket's ZMTP engine buffer sizes, bytes (libzmq's default is 8192 each).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EngineBatch {
+    /// `ZMQ_IN_BATCH_SIZE`: the decoder reads up to this much per `recv`.
+    pub input: i32,
+    /// `ZMQ_OUT_BATCH_SIZE`: the encoder gathers up to this much per `send`.
+    pub output: i32,
+}
 
 /// libzmq 4.3's `ZMQ_IN_BATCH_SIZE` and `ZMQ_OUT_BATCH_SIZE` (draft options, `zmq.h`).
 const ZMQ_IN_BATCH_SIZE: i32 = 101;
 const ZMQ_OUT_BATCH_SIZE: i32 = 102;
 
-/// Size a socket's ZMTP engine buffers: the decoder reads up to `bytes` per `recv` and the
-/// encoder gathers up to `bytes` per `send` (libzmq's default is 8192 each). A message larger
-/// than the buffer still goes in one piece: libzmq reads and writes its body straight from and
-/// into the message. `Ok(false)` when this libzmq was built without its draft API, which holds
+/// Size a socket's ZMTP engine buffers. A message larger than a buffer still goes whole:
+/// libzmq reads and writes the rest of its body straight into and from the message. `Ok(false)` when this libzmq was built without its draft API, which holds
 /// these options (the crate's `.cargo/config.toml` builds it with them; a dependent crate's
 /// build may not): the socket keeps the defaults.
-pub fn set_engine_batch(socket: &mut zmq::Socket, bytes: i32) -> Result<bool, zmq::Error> {
-    for option in [ZMQ_IN_BATCH_SIZE, ZMQ_OUT_BATCH_SIZE] {
+pub fn set_engine_batch(socket: &mut zmq::Socket, sizes: EngineBatch) -> Result<bool, zmq::Error> {
+    for (option, bytes) in [
+        (ZMQ_IN_BATCH_SIZE, sizes.input),
+        (ZMQ_OUT_BATCH_SIZE, sizes.output),
+    ] {
         // SAFETY: a live socket owned by the caller, an `int` option passed by pointer with
         // its size, as zmq_setsockopt(3) asks.
         let rc = unsafe {
@@ -197,7 +212,7 @@ pub fn set_engine_batch(socket: &mut zmq::Socket, bytes: i32) -> Result<bool, zm
 
 /// A socket's `ZMQ_IN_BATCH_SIZE` and `ZMQ_OUT_BATCH_SIZE` (`None` without the draft API).
 #[cfg(test)]
-pub fn engine_batch(socket: &mut zmq::Socket) -> Option<(i32, i32)> {
+pub fn engine_batch(socket: &mut zmq::Socket) -> Option<EngineBatch> {
     let mut get = |option| {
         let mut v: i32 = 0;
         let mut len = std::mem::size_of::<i32>();
@@ -212,7 +227,10 @@ pub fn engine_batch(socket: &mut zmq::Socket) -> Option<(i32, i32)> {
         };
         (rc == 0).then_some(v)
     };
-    Some((get(ZMQ_IN_BATCH_SIZE)?, get(ZMQ_OUT_BATCH_SIZE)?))
+    Some(EngineBatch {
+        input: get(ZMQ_IN_BATCH_SIZE)?,
+        output: get(ZMQ_OUT_BATCH_SIZE)?,
+    })
 }
 
 impl std::fmt::Debug for ZmqContext {
@@ -233,11 +251,19 @@ mod tests {
     fn small_engine_buffers_carry_every_message_whole() {
         let ctx = ZmqContext::new(8).unwrap();
         let mut d = ctx.socket(zmq::DEALER).unwrap();
-        assert_eq!(engine_batch(&mut d), Some((8192, 8192)), "libzmq's default");
-        assert!(set_engine_batch(&mut d, 256).unwrap());
-        assert_eq!(engine_batch(&mut d), Some((256, 256)));
+        let default = EngineBatch {
+            input: 8192,
+            output: 8192,
+        };
+        assert_eq!(engine_batch(&mut d), Some(default), "libzmq's default");
+        let small = EngineBatch {
+            input: 256,
+            output: 300,
+        };
+        assert!(set_engine_batch(&mut d, small).unwrap());
+        assert_eq!(engine_batch(&mut d), Some(small));
         let mut r = ctx.socket(zmq::ROUTER).unwrap();
-        assert!(set_engine_batch(&mut r, 256).unwrap());
+        assert!(set_engine_batch(&mut r, small).unwrap());
         r.bind("tcp://127.0.0.1:*").unwrap();
         d.connect(&r.get_last_endpoint().unwrap().unwrap()).unwrap();
         let sizes = [0usize, 1, 255, 256, 257, 1000, 70_000, 3];

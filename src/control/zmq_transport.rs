@@ -64,7 +64,7 @@ use crate::telemetry::{self as m, Labels};
 use super::async_socket::{AsyncSocket, SocketError};
 use super::control_cpu::{pin_current_thread, ControlCpu};
 use super::fd_exhaustion::{fd_exhaustion, note_fd_exhaustion};
-use super::zmq_context::{set_engine_batch, ZmqContext, DEFAULT_MAX_SOCKETS, ENGINE_BATCH_BYTES};
+use super::zmq_context::{set_engine_batch, ZmqContext, DEFAULT_MAX_SOCKETS, ENGINE_BATCH};
 
 /// Knobs of the ZMQ side channel.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -413,7 +413,7 @@ impl ZmqTransport {
     fn sockets(&self, peer: &PeerId) -> Result<Channel, SocketError> {
         let ms = |d: Duration| i32::try_from(d.as_millis()).unwrap_or(i32::MAX);
         let mut dealer = self.ctx.socket(zmq::DEALER)?;
-        set_engine_batch(&mut dealer, ENGINE_BATCH_BYTES)?;
+        set_engine_batch(&mut dealer, ENGINE_BATCH)?;
         dealer.set_linger(0)?;
         dealer.set_maxmsgsize(self.cfg.max_msg_size)?;
         dealer.set_connect_timeout(ms(self.cfg.connect_timeout))?;

@@ -18,7 +18,7 @@ fn a_nul_in_the_address_is_refused_not_dialled() {
     }
 }
 
-/// A pull's DEALER holds small engine buffers ([`ENGINE_BATCH_BYTES`]): each pull in flight
+/// A pull's DEALER holds small engine buffers ([`ENGINE_BATCH`]): each pull in flight
 /// holds one, and libzmq's 8 KiB defaults were most of its memory.
 #[tokio::test]
 async fn a_pulls_dealer_has_small_engine_buffers() {
@@ -26,7 +26,7 @@ async fn a_pulls_dealer_has_small_engine_buffers() {
     let (_router, addr) = p_router(&t);
     let mut ch = t.open(&PeerId::new(&addr)).unwrap();
     let batch = super::super::zmq_context::engine_batch(ch.dealer.socket_mut());
-    assert_eq!(batch, Some((ENGINE_BATCH_BYTES, ENGINE_BATCH_BYTES)));
+    assert_eq!(batch, Some(ENGINE_BATCH));
 }
 
 /// P's side: a ROUTER on loopback, on `t`'s context, and its address.
