@@ -31,13 +31,13 @@ fn bench(c: &mut Criterion) {
         // the next one, and only the table's work is timed.
         let reqs: Vec<Arc<RequestMeta>> = (0..batch)
             .map(|n| {
-                Arc::new(RequestMeta {
-                    req_id: format!("d-{n}").as_str().into(),
-                    transfer_id: format!("t-{n}").as_str().into(),
-                    engine_id: "prefill-0".into(),
-                    bootstrap_addr: "http://127.0.0.1:8998".into(),
-                    block_ids: vec![vec![n as u32]].into(),
-                })
+                Arc::new(RequestMeta::new(
+                    format!("d-{n}").as_str(),
+                    &format!("t-{n}"),
+                    "prefill-0",
+                    "http://127.0.0.1:8998",
+                    &[vec![n as u32]],
+                ))
             })
             .collect();
         g.throughput(Throughput::Elements(batch as u64));

@@ -208,13 +208,13 @@ async fn serve_target(size: u64) {
     let t = TcpTarget::start(TargetConfig::loopback(KvLayout::uniform(1, size, blocks)))
         .await
         .expect("target starts");
-    let req = Arc::new(RequestMeta {
-        req_id: "bench".into(),
-        transfer_id: "bench".into(),
-        engine_id: "e".into(),
-        bootstrap_addr: "b".into(),
-        block_ids: vec![(0..blocks).collect()].into(),
-    });
+    let req = Arc::new(RequestMeta::new(
+        "bench",
+        "bench",
+        "e",
+        "b",
+        &[(0..blocks).collect::<Vec<u32>>()],
+    ));
     let peer = PeerId::new("tcp://127.0.0.1:1");
     let bases = t.landing().open_pull(&PullWindow {
         pull_id: 1,

@@ -228,7 +228,7 @@ impl Hash for State {
         for (key, group) in &self.parked {
             key.hash(h);
             for r in group {
-                r.transfer_id.hash(h);
+                r.transfer_id().hash(h);
             }
         }
         self.awaited.hash(h);

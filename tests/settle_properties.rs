@@ -242,13 +242,7 @@ impl World {
                 } else {
                     pool.allocate(&id, 1, n).unwrap()
                 };
-                Arc::new(RequestMeta {
-                    req_id: id,
-                    transfer_id: format!("t{i}").into(),
-                    engine_id: "e".into(),
-                    bootstrap_addr: "b".into(),
-                    block_ids: vec![blocks].into(),
-                })
+                Arc::new(RequestMeta::new(id, &format!("t{i}"), "e", "b", &[blocks]))
             })
             .collect();
         let peer_ids: Vec<PeerId> = (0..c.n_peers)

@@ -458,14 +458,14 @@ fn data_server_survives_random_and_mutated_requests() {
     cfg.windows = Some(4);
     cfg.idle_timeout = Duration::from_secs(5);
     let t = rt.block_on(TcpTarget::start(cfg)).unwrap();
-    let req = Arc::new(RequestMeta {
-        req_id: "r".into(),
-        transfer_id: "t".into(),
-        engine_id: "e".into(),
-        bootstrap_addr: "http://127.0.0.1:1".into(),
-        // Most of the window is admitted, so large READs and WRITEs get past the checks.
-        block_ids: vec![(1..400).collect()].into(),
-    });
+    // Most of the window is admitted, so large READs and WRITEs get past the checks.
+    let req = Arc::new(RequestMeta::new(
+        "r",
+        "t",
+        "e",
+        "http://127.0.0.1:1",
+        &[(1..400).collect::<Vec<u32>>()],
+    ));
     let peer = PeerId::new("tcp://127.0.0.1:1");
     let bases = t.landing().open_pull(&PullWindow {
         pull_id: 1,

@@ -159,13 +159,7 @@ mod tests {
     #[test]
     fn a_settle_counts_only_for_the_pulls_of_its_attempt() {
         let mut t = AggregationTable::default();
-        let req = Arc::new(RequestMeta {
-            req_id: "r".into(),
-            transfer_id: "t".into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]].into(),
-        });
+        let req = Arc::new(RequestMeta::new("r", "t", "e", "b", &[vec![1]]));
         let peers = vec![PeerId::new("tcp://p:1"), PeerId::new("tcp://p:2")];
         let state = AggregatorState::new(req, peers, Policy::Settle);
         t.register(7..9, [state].into_iter(), Instant::now());

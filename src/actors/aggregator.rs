@@ -261,13 +261,7 @@ mod tests {
         .start();
         let table = SharedAggregation::default();
         let agg = RequestAggregator::new(table.clone(), bm, events).start();
-        let req = Arc::new(RequestMeta {
-            req_id: "r".into(),
-            transfer_id: "t".into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]].into(),
-        });
+        let req = Arc::new(RequestMeta::new("r", "t", "e", "b", &[vec![1]]));
         let state = AggregatorState::new(req, vec![PeerId::new("tcp://p:1")], Policy::Settle);
         table
             .borrow_mut()

@@ -435,13 +435,7 @@ mod tests {
     }
 
     fn req() -> SharedRequest {
-        Arc::new(RequestMeta {
-            req_id: "r".into(),
-            transfer_id: "t".into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]].into(),
-        })
+        Arc::new(RequestMeta::new("r", "t", "e", "b", &[vec![1]]))
     }
 
     fn settle(peer: &str, outcome: SettleOutcome) -> Settle {

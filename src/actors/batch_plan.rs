@@ -74,7 +74,7 @@ pub fn validate_metas(
                 i,
                 BatchError::DuplicateTransferId {
                     req_id: m.req_id.to_string(),
-                    transfer_id: m.transfer_id.to_string(),
+                    transfer_id: m.transfer_id().to_string(),
                 },
             )),
             _ => out.valid.push((i, m)),
@@ -105,7 +105,7 @@ fn duplicates_by_scan<'a>(
         .map(|m| {
             let same_transfer = |k: &&RequestMeta| {
                 k.is_awaiting()
-                    && k.transfer_id == m.transfer_id
+                    && k.transfer_id() == m.transfer_id()
                     && k.engine_id == m.engine_id
                     && k.bootstrap_addr == m.bootstrap_addr
             };
@@ -134,7 +134,7 @@ fn duplicates_by_set<'a>(
             if seen.contains(&*m.req_id) {
                 Dup::Id
             } else if m.is_awaiting()
-                && !transfers.insert((&*m.bootstrap_addr, &*m.engine_id, &*m.transfer_id))
+                && !transfers.insert((&*m.bootstrap_addr, &*m.engine_id, m.transfer_id()))
             {
                 Dup::Transfer
             } else {
@@ -147,10 +147,10 @@ fn duplicates_by_set<'a>(
 
 /// Layout-level checks on top of [`KvRequest::validate`].
 fn check_blocks(r: &RequestMeta, l: &KvLayout) -> Result<(), BatchError> {
-    if r.is_awaiting() && r.block_ids.len() != l.num_groups as usize {
+    if r.is_awaiting() && r.block_ids().len() != l.num_groups as usize {
         return Err(BatchError::GroupCount {
             req_id: r.req_id.to_string(),
-            groups: r.block_ids.len(),
+            groups: r.block_ids().len(),
             expected: l.num_groups as usize,
         });
     }
@@ -216,7 +216,7 @@ pub fn pull_metadata(
     md.remote_pp_size = d.pp_size;
     for r in group {
         let blocks = if r.is_awaiting() {
-            r.block_ids
+            r.block_ids()
                 .iter()
                 .map(|g| g.iter().map(|&b| u64::from(b)).collect())
                 .collect()
@@ -224,7 +224,7 @@ pub fn pull_metadata(
             vec![]
         };
         md.req_blocks
-            .insert(r.req_id.to_string(), (r.transfer_id.to_string(), blocks));
+            .insert(r.req_id.to_string(), (r.transfer_id().to_string(), blocks));
     }
     md.kv_caches_base_addr = bases;
     md.block_lens = layout.regions.iter().map(|r| r.block_len).collect();
@@ -270,11 +270,11 @@ pub fn req_blocks(group: &[SharedRequest]) -> ReqBlockList<'_> {
         .iter()
         .map(|r| {
             let blocks = if r.is_awaiting() {
-                r.block_ids.groups()
+                r.block_ids()
             } else {
                 BlockGroups::NONE
             };
-            (&*r.req_id, &*r.transfer_id, blocks)
+            (&*r.req_id, r.transfer_id(), blocks)
         })
         .collect();
     v.sort_by(|a, b| a.0.cmp(b.0));
@@ -345,13 +345,7 @@ mod tests {
         ) {
             let metas: Vec<RequestMeta> = batch
                 .iter()
-                .map(|&(id, transfer, engine, bootstrap, awaiting)| RequestMeta {
-                    req_id: format!("r{id}").as_str().into(),
-                    transfer_id: format!("t{transfer}").as_str().into(),
-                    engine_id: format!("e{engine}").as_str().into(),
-                    bootstrap_addr: format!("http://p:{bootstrap}").as_str().into(),
-                    block_ids: if awaiting { vec![vec![1]] } else { vec![] }.into(),
-                })
+                .map(|&(id, transfer, engine, bootstrap, awaiting)| RequestMeta::new(format!("r{id}").as_str(), &format!("t{transfer}"), format!("e{engine}").as_str(), format!("http://p:{bootstrap}").as_str(), &if awaiting { vec![vec![1]] } else { vec![] }))
                 .collect();
             let scan = duplicates_by_scan(metas.iter());
             let set = duplicates_by_set(metas.iter(), metas.len());

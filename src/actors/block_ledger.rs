@@ -161,7 +161,7 @@ impl BlockLedger {
             return;
         }
         let mut out = self.out.lock();
-        if req.block_ids.len() > 1 {
+        if req.block_ids().len() > 1 {
             out.failed_recving.push(req.req_id.clone());
         } else {
             out.invalid_block_ids.extend(req.all_blocks());
@@ -287,13 +287,7 @@ mod tests {
     use crate::messages::{Outcome, RequestMeta};
 
     fn req(id: &str, groups: Vec<Vec<u32>>) -> SharedRequest {
-        Arc::new(RequestMeta {
-            req_id: id.into(),
-            transfer_id: id.into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: groups.into(),
-        })
+        Arc::new(RequestMeta::new(id, id, "e", "b", &groups))
     }
 
     fn completion(r: &SharedRequest, failed: bool, uncertain: &[&str]) -> Completion {

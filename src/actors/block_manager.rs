@@ -381,13 +381,7 @@ mod tests {
     }
 
     fn req(id: &str, block: u32) -> SharedRequest {
-        Arc::new(RequestMeta {
-            req_id: id.into(),
-            transfer_id: format!("t-{id}").into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "http://b:1".into(),
-            block_ids: vec![vec![block]].into(),
-        })
+        Arc::new(RequestMeta::new(id, &format!("t-{id}"), "e", "http://b:1", &[vec![block]]))
     }
 
     fn ok(r: &SharedRequest) -> Completion {

@@ -79,7 +79,7 @@ impl LiveSet {
                 limit: self.max_live,
             });
         }
-        for (group, blocks) in req.block_ids.iter().enumerate() {
+        for (group, blocks) in req.block_ids().iter().enumerate() {
             for &block in blocks {
                 if let Some(owner) = self.owners.get(&(group as u32, block)) {
                     return Err(BatchError::BlockInUse {
@@ -95,7 +95,7 @@ impl LiveSet {
         self.live.insert_unique(hasher.hash_one(&*req.req_id), req.clone(), |r| {
             hasher.hash_one(&*r.req_id)
         });
-        for (group, blocks) in req.block_ids.iter().enumerate() {
+        for (group, blocks) in req.block_ids().iter().enumerate() {
             for &block in blocks {
                 self.owners.insert((group as u32, block), req.clone());
             }
@@ -106,7 +106,7 @@ impl LiveSet {
     /// `req`'s blocks are released: another request may own them. Its id stays live until
     /// [`LiveSet::hand_over`].
     pub fn release_blocks(&mut self, req: &RequestMeta) {
-        for (group, blocks) in req.block_ids.iter().enumerate() {
+        for (group, blocks) in req.block_ids().iter().enumerate() {
             for &block in blocks {
                 if let Entry::Occupied(o) = self.owners.entry((group as u32, block)) {
                     if o.get().req_id == req.req_id {
@@ -204,13 +204,7 @@ mod tests {
     use crate::messages::SharedRequest;
 
     fn req(id: &str, blocks: &[u32]) -> SharedRequest {
-        Arc::new(RequestMeta {
-            req_id: id.into(),
-            transfer_id: id.into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: vec![blocks.to_vec()].into(),
-        })
+        Arc::new(RequestMeta::new(id, id, "e", "b", &[blocks.to_vec()]))
     }
 
     /// What the BlockManager releases through its share, the Receiver's share sees at its next

@@ -24,13 +24,7 @@ fn pull(id: PullId, reqs: &[&str]) -> Pull {
         requests: reqs
             .iter()
             .map(|r| crate::messages::PullRequest {
-                meta: Arc::new(RequestMeta {
-                    req_id: (*r).into(),
-                    transfer_id: format!("t-{r}").into(),
-                    engine_id: "e".into(),
-                    bootstrap_addr: "http://b:1".into(),
-                    block_ids: vec![vec![1]].into(),
-                }),
+                meta: Arc::new(RequestMeta::new(*r, &format!("t-{r}"), "e", "http://b:1", &[vec![1]])),
             })
             .collect(),
     }

@@ -354,14 +354,14 @@ impl ReceiverState {
         let mut parked: Vec<(&str, &str)> = self
             .undispatched
             .values()
-            .map(|r| (&*r.req_id, &*r.transfer_id))
+            .map(|r| (&*r.req_id, r.transfer_id()))
             .collect();
         parked.sort_unstable();
         parked.hash(h);
         let mut aborted: Vec<(&str, &str)> = self
             .aborted
             .iter()
-            .map(|r| (&*r.req_id, &*r.transfer_id))
+            .map(|r| (&*r.req_id, r.transfer_id()))
             .collect();
         aborted.sort_unstable();
         aborted.hash(h);

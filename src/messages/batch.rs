@@ -11,7 +11,8 @@ use actix::Message;
 use serde::Deserialize;
 use thiserror::Error;
 
-use super::block_ids::BlockIds;
+use super::block_ids::BlockGroups;
+use super::request_tail::RequestTail;
 use super::ids::ReqId;
 use super::shared_str::SharedStr;
 
@@ -392,14 +393,12 @@ pub fn check_bootstrap_addr(addr: &str) -> Result<(), &'static str> {
 pub struct RequestMeta {
     /// vLLM's request id (the key of every event and drain).
     pub req_id: ReqId,
-    /// P's transfer id for the request.
-    pub transfer_id: Arc<str>,
     /// P's engine id (shared by every request of the engine, see [`Interner`]; one pointer).
     pub engine_id: SharedStr,
     /// P's bootstrap server (shared likewise).
     pub bootstrap_addr: SharedStr,
-    /// Destination blocks, one list per KV-cache group (one allocation for them all).
-    pub block_ids: BlockIds,
+    /// Destination blocks and the transfer id, in one allocation.
+    tail: RequestTail,
 }
 
 /// Shares the strings many requests repeat (engine ids, bootstrap addresses): one allocation
@@ -446,14 +445,40 @@ impl Interner {
 }
 
 impl RequestMeta {
+    /// A request's metadata: `block_ids` one list per KV-cache group.
+    pub fn new<G: AsRef<[u32]>>(
+        req_id: impl Into<ReqId>,
+        transfer_id: &str,
+        engine_id: impl Into<SharedStr>,
+        bootstrap_addr: impl Into<SharedStr>,
+        block_ids: &[G],
+    ) -> Self {
+        RequestMeta {
+            req_id: req_id.into(),
+            engine_id: engine_id.into(),
+            bootstrap_addr: bootstrap_addr.into(),
+            tail: RequestTail::new(block_ids, transfer_id),
+        }
+    }
+
+    /// P's transfer id for the request.
+    pub fn transfer_id(&self) -> &str {
+        self.tail.transfer_id()
+    }
+
+    /// Destination blocks, one list per KV-cache group.
+    pub fn block_ids(&self) -> BlockGroups<'_> {
+        self.tail.block_ids()
+    }
+
     /// Awaiting = the scheduler waits for a completion (there is at least one destination block).
     pub fn is_awaiting(&self) -> bool {
-        self.block_ids.iter().any(|g| !g.is_empty())
+        self.block_ids().iter().any(|g| !g.is_empty())
     }
 
     /// All destination block ids, every group.
     pub fn all_blocks(&self) -> impl Iterator<Item = u32> + '_ {
-        self.block_ids.iter().flatten().copied()
+        self.block_ids().iter().flatten().copied()
     }
 }
 
@@ -496,13 +521,11 @@ impl<'a> Fields<'a> {
         interner: &mut Interner,
     ) -> Result<RequestMeta, BatchError> {
         let (transfer_id, engine_id, bootstrap) = self.checked(&block_ids, interner)?;
-        let block_ids = BlockIds::from(block_ids);
         Ok(RequestMeta {
             req_id: ReqId::from(self.req_id),
-            transfer_id: Arc::from(transfer_id),
             engine_id: interner.intern(engine_id),
             bootstrap_addr: interner.intern(bootstrap),
-            block_ids,
+            tail: RequestTail::new(&block_ids, transfer_id),
         })
     }
 

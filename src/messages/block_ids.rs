@@ -40,12 +40,6 @@ impl BlockIds {
         self.groups().iter()
     }
 
-    /// The `u32`s held: the group count, each group's end, the ids (tests).
-    #[cfg(test)]
-    pub(crate) fn stored_len(&self) -> usize {
-        self.0.len()
-    }
-
     /// The lists as vectors.
     pub fn to_vecs(&self) -> Vec<Vec<u32>> {
         self.iter().map(<[u32]>::to_vec).collect()
@@ -53,12 +47,22 @@ impl BlockIds {
 }
 
 /// A [`BlockIds`]' groups, borrowed: serialized as a list of lists, as vLLM's `block_ids`.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Default)]
 pub struct BlockGroups<'a>(&'a [u32]);
 
 impl<'a> BlockGroups<'a> {
     /// No group at all (a request nothing is received for).
     pub const NONE: BlockGroups<'static> = BlockGroups(&[]);
+
+    /// The groups stored as [`BlockIds`] stores them (a request's tail starts so).
+    pub(super) fn from_stored(stored: &'a [u32]) -> Self {
+        BlockGroups(stored)
+    }
+
+    /// The lists as vectors.
+    pub fn to_vecs(self) -> Vec<Vec<u32>> {
+        self.iter().map(<[u32]>::to_vec).collect()
+    }
 
     /// Number of KV-cache groups.
     pub fn len(self) -> usize {
@@ -187,9 +191,21 @@ impl<'a> IntoIterator for &'a BlockIds {
     }
 }
 
+impl PartialEq<Vec<Vec<u32>>> for BlockGroups<'_> {
+    fn eq(&self, other: &Vec<Vec<u32>>) -> bool {
+        self.len() == other.len() && self.iter().zip(other).all(|(a, b)| a == b.as_slice())
+    }
+}
+
 impl PartialEq<Vec<Vec<u32>>> for BlockIds {
     fn eq(&self, other: &Vec<Vec<u32>>) -> bool {
         self.len() == other.len() && self.iter().zip(other).all(|(a, b)| a == b.as_slice())
+    }
+}
+
+impl fmt::Debug for BlockGroups<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_list().entries(self.iter()).finish()
     }
 }
 

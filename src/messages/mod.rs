@@ -24,6 +24,7 @@ internal_mod!(pause);
 internal_mod!(peer_text);
 internal_mod!(pool);
 internal_mod!(block_ids);
+internal_mod!(request_tail);
 internal_mod!(pull);
 internal_mod!(pull_requests);
 mod reply_reader;

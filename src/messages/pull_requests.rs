@@ -138,13 +138,7 @@ impl FromIterator<PullRequest> for PullRequests {
 #[cfg(test)]
 pub(crate) fn test_request(id: &str) -> PullRequest {
     PullRequest {
-        meta: Arc::new(crate::messages::RequestMeta {
-            req_id: id.into(),
-            transfer_id: id.into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]].into(),
-        }),
+        meta: Arc::new(crate::messages::RequestMeta::new(id, id, "e", "b", &[vec![1]])),
     }
 }
 
@@ -152,13 +146,7 @@ pub(crate) fn test_request(id: &str) -> PullRequest {
 #[cfg(test)]
 pub(crate) fn test_unawaited_request(id: &str) -> PullRequest {
     PullRequest {
-        meta: Arc::new(crate::messages::RequestMeta {
-            req_id: id.into(),
-            transfer_id: id.into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: crate::messages::BlockIds::default(),
-        }),
+        meta: Arc::new(crate::messages::RequestMeta::new(id, id, "e", "b", &[] as &[Vec<u32>])),
     }
 }
 

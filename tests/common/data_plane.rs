@@ -36,13 +36,13 @@ async fn start(permits: bool, reads: bool) -> TcpTarget {
 }
 
 pub fn req(id: &str, blocks: &[u32]) -> Arc<RequestMeta> {
-    Arc::new(RequestMeta {
-        req_id: id.into(),
-        transfer_id: format!("xfer-{id}").into(),
-        engine_id: "engine".into(),
-        bootstrap_addr: "http://127.0.0.1:1".into(),
-        block_ids: vec![blocks.to_vec()].into(),
-    })
+    Arc::new(RequestMeta::new(
+        id,
+        &format!("xfer-{id}"),
+        "engine",
+        "http://127.0.0.1:1",
+        &[blocks.to_vec()],
+    ))
 }
 
 pub fn peer() -> PeerId {

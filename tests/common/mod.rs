@@ -97,7 +97,7 @@ impl Landing for ManualLanding {
         for r in w.requests {
             let held = permits.entry(r.req_id.to_string()).or_default();
             let table = self.ownership.get();
-            for b in r.block_ids.iter().flatten() {
+            for b in r.block_ids().iter().flatten() {
                 if let Some(st) = table.and_then(|t| t.get(*b)) {
                     if st.owner_tag.is_some() && !held.iter().any(|(h, _)| h == b) {
                         held.push((*b, st));

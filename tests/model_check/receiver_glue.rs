@@ -34,7 +34,7 @@ impl Kv {
     /// The attempt a request of the Receiver's effects is (each load has its own transfer id).
     pub(super) fn attempt_of(s: &State, r: &SharedRequest) -> u8 {
         let i = (0..s.attempts.len())
-            .find(|&i| transfer(s.attempts[i].id, i as u8) == *r.transfer_id)
+            .find(|&i| transfer(s.attempts[i].id, i as u8) == *r.transfer_id())
             .expect("every request the Receiver names was loaded");
         i as u8
     }

@@ -165,13 +165,7 @@ mod tests {
     }
 
     fn req(s: &str) -> SharedRequest {
-        std::sync::Arc::new(crate::messages::RequestMeta {
-            req_id: s.into(),
-            transfer_id: s.into(),
-            engine_id: "e".into(),
-            bootstrap_addr: "b".into(),
-            block_ids: vec![vec![1]].into(),
-        })
+        std::sync::Arc::new(crate::messages::RequestMeta::new(s, s, "e", "b", &[vec![1]]))
     }
 
     #[test]

@@ -103,13 +103,7 @@ fn rkey_for(desc: &PublishedDescriptor, addr: u64) -> Option<u32> {
 }
 
 fn request(id: &str) -> RequestMeta {
-    RequestMeta {
-        req_id: id.into(),
-        transfer_id: id.into(),
-        engine_id: "e".into(),
-        bootstrap_addr: "b".into(),
-        block_ids: vec![vec![1]].into(),
-    }
+    RequestMeta::new(id, id, "e", "b", &[vec![1]])
 }
 
 fn open(l: &RdmaLanding<FakeVerbs>, peer: &PeerId, pull_id: u64) -> crate::rdma::RegionBases {

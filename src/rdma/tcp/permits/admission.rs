@@ -117,7 +117,7 @@ impl PermitTable {
         drop(inner);
         let landed = union_len(ranges);
         let expected: u64 = req
-            .block_ids
+            .block_ids()
             .iter()
             .enumerate()
             .map(|(g, ids)| ids.len() as u64 * self.map.kv_bytes_per_block(g as u32))

@@ -217,7 +217,7 @@ impl PermitTable {
     fn pull_blocks(&self, requests: &[SharedRequest]) -> PullBlocks {
         let groups = requests
             .iter()
-            .map(|r| r.block_ids.len())
+            .map(|r| r.block_ids().len())
             .max()
             .unwrap_or(0);
         // Each group's list allocated once at its length (grown push by push, then shrunk, it
@@ -226,13 +226,13 @@ impl PermitTable {
             .map(|g| {
                 let n = requests
                     .iter()
-                    .filter_map(|r| r.block_ids.get(g))
+                    .filter_map(|r| r.block_ids().get(g))
                     .map(<[u32]>::len);
                 BlockOwners(Vec::with_capacity(n.sum()))
             })
             .collect();
         for (i, r) in requests.iter().enumerate() {
-            for (g, ids) in r.block_ids.iter().enumerate() {
+            for (g, ids) in r.block_ids().iter().enumerate() {
                 blocks[g].0.extend(ids.iter().map(|&b| (b, i as u32)));
             }
         }
@@ -250,7 +250,7 @@ impl PermitTable {
             .iter()
             .map(|r| {
                 let pieces: u64 = (0u32..)
-                    .zip(&r.block_ids)
+                    .zip(r.block_ids().iter())
                     .map(|(g, ids)| ids.len() as u64 * self.map.regions_in_group(g))
                     .sum();
                 u32::try_from(pieces.saturating_mul(2).saturating_add(16)).unwrap_or(u32::MAX)

@@ -26,13 +26,7 @@ fn table(windows: u32) -> PermitTable {
 }
 
 fn req(id: &str) -> Arc<RequestMeta> {
-    Arc::new(RequestMeta {
-        req_id: id.into(),
-        transfer_id: id.into(),
-        engine_id: "e".into(),
-        bootstrap_addr: "http://127.0.0.1:1".into(),
-        block_ids: vec![vec![0]].into(),
-    })
+    Arc::new(RequestMeta::new(id, id, "e", "http://127.0.0.1:1", &[vec![0]]))
 }
 
 fn open(t: &PermitTable, pull_id: PullId, peer: &PeerId, r: &Arc<RequestMeta>) -> u32 {
@@ -372,11 +366,10 @@ fn a_peers_ring_reuses_its_closed_windows_and_never_a_poisoned_one() {
 }
 
 fn req_of(id: &str, engine: &str, bootstrap: &str) -> Arc<RequestMeta> {
-    Arc::new(RequestMeta {
-        engine_id: engine.into(),
-        bootstrap_addr: bootstrap.into(),
-        ..(*req(id)).clone()
-    })
+    let mut m = (*req(id)).clone();
+    m.engine_id = engine.into();
+    m.bootstrap_addr = bootstrap.into();
+    Arc::new(m)
 }
 
 /// Once half the windows are poisoned, a P deployment whose writers keep ending up suspects
