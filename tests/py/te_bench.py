@@ -29,7 +29,7 @@ def target(size):
     te = engine()
     if os.environ.get("KVRECV_BENCH_TE_HUGE"):
         # The same huge-page advice as kvrecv's landing memory, touched like the buffer below.
-        buf = mmap.mmap(-1, size)
+        buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         buf.madvise(mmap.MADV_HUGEPAGE)
         addr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
         ctypes.memset(addr, 0, size)
