@@ -31,7 +31,8 @@ use super::device_stream::DeviceCopy;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum MemoryKind {
     #[default]
-    /// Page-aligned host memory kvrecv allocates (pageable: an RDMA registration pins it).
+    /// Page-aligned host memory kvrecv maps, on transparent huge pages where the kernel allows
+    /// (pageable: an RDMA registration pins it).
     Host,
     /// Device memory kvrecv allocates on GPU `ordinal` (feature `cuda`), reached through
     /// staging copies.
