@@ -108,20 +108,29 @@ impl<G: AsRef<[u32]>> From<&[G]> for BlockIds {
         if groups.is_empty() {
             return BlockIds::default();
         }
-        let total: usize = groups.iter().map(|g| g.as_ref().len()).sum();
-        let n = |x: usize| u32::try_from(x).expect("a request's block ids fit u32 counts");
-        let mut v = Vec::with_capacity(1 + groups.len() + total);
-        v.push(n(groups.len()));
-        let mut end = 0;
-        for g in groups {
-            end += g.as_ref().len();
-            v.push(n(end));
-        }
-        for g in groups {
-            v.extend_from_slice(g.as_ref());
-        }
-        BlockIds(v.into_boxed_slice())
+        BlockIds(stored(groups, 0).into_boxed_slice())
     }
+}
+
+/// `groups` as stored (`[groups, end of each group, ids…]`), with room for `spare` more words
+/// (a request's tail appends its transfer id).
+///
+/// # Panics
+/// Past `u32::MAX` groups or ids in all (16 GiB of ids: no host's request).
+pub(super) fn stored<G: AsRef<[u32]>>(groups: &[G], spare: usize) -> Vec<u32> {
+    let total: usize = groups.iter().map(|g| g.as_ref().len()).sum();
+    let n = |x: usize| u32::try_from(x).expect("a request's block ids fit u32 counts");
+    let mut v = Vec::with_capacity(1 + groups.len() + total + spare);
+    v.push(n(groups.len()));
+    let mut end = 0;
+    for g in groups {
+        end += g.as_ref().len();
+        v.push(n(end));
+    }
+    for g in groups {
+        v.extend_from_slice(g.as_ref());
+    }
+    v
 }
 
 impl From<Vec<Vec<u32>>> for BlockIds {

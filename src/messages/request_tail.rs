@@ -10,7 +10,7 @@ use std::fmt;
 
 use zerocopy::IntoBytes;
 
-use super::block_ids::BlockGroups;
+use super::block_ids::{stored, BlockGroups};
 
 /// Block lists and transfer id, stored as `[groups, end of group 0, …, end of group G-1,
 /// ids…, transfer id length in bytes, the id's bytes packed into words]`.
@@ -23,21 +23,10 @@ impl RequestTail {
     /// # Panics
     /// Past `u32::MAX` groups, ids or id bytes (16 GiB of ids: no host's request).
     pub fn new<G: AsRef<[u32]>>(groups: &[G], transfer_id: &str) -> Self {
-        let n = |x: usize| u32::try_from(x).expect("a request's lists and id fit u32 counts");
-        let total: usize = groups.iter().map(|g| g.as_ref().len()).sum();
         let id = transfer_id.as_bytes();
         let words = id.len().div_ceil(4);
-        let mut v = Vec::with_capacity(1 + groups.len() + total + 1 + words);
-        v.push(n(groups.len()));
-        let mut end = 0;
-        for g in groups {
-            end += g.as_ref().len();
-            v.push(n(end));
-        }
-        for g in groups {
-            v.extend_from_slice(g.as_ref());
-        }
-        v.push(n(id.len()));
+        let mut v = stored(groups, 1 + words);
+        v.push(u32::try_from(id.len()).expect("a transfer id fits u32 bytes"));
         let start = v.len();
         v.resize(start + words, 0);
         v[start..].as_mut_bytes()[..id.len()].copy_from_slice(id);
