@@ -2,7 +2,8 @@
 
   te_bench.py target <bytes>
       Start a real Mooncake TE as the *target*; print {"segment": name, "addr": base} and serve
-      until stdin closes.
+      until stdin closes. Its region is a ctypes buffer, or with KVRECV_BENCH_TE_HUGE=1 a private
+      mapping advised onto transparent huge pages (as kvrecv's own landing memory is).
   te_bench.py write <segment> <base addr> <region bytes> <write size> <total bytes> [batch]
       Real TE as P: write <total bytes> into [base, base + region bytes) in <write size> requests,
       <batch> per batch_transfer_sync_write; print {"seconds": s, "bytes": n} (timed writes only).
