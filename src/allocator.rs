@@ -91,7 +91,7 @@ unsafe impl GlobalAlloc for MiMalloc {
 /// arena at the Rust runtime's first allocation, before `main`, and by default commits it at
 /// once and advises it onto transparent huge pages, where every partly used 2 MiB page is
 /// resident whole. Set in `main` (as it was) the options came too late for that arena, which
-/// holds everything: 40–50 B per in-flight request more (docs/PERFORMANCE.md, "mimalloc's
+/// holds everything: 25–53 B per in-flight request more (docs/PERFORMANCE.md, "mimalloc's
 /// first arena"). Transparent huge pages stay allowed for the process: kvrecv's landing
 /// memory asks for them (`rdma/host_buffer.rs`), and `MIMALLOC_ALLOW_THP=0` would turn them off
 /// for all of it. Allocates nothing (the environment is read in place).
