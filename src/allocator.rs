@@ -123,17 +123,21 @@ fn tune() {
 /// them), read without allocating.
 fn set_by_operator(names: &[&[u8]]) -> bool {
     extern "C" {
-        static environ: *const *const std::ffi::c_char;
+        // `mut`: `setenv` replaces it; read once, through a raw pointer.
+        static mut environ: *const *const std::ffi::c_char;
     }
     // SAFETY: `environ` is the process's NULL-terminated array of NUL-terminated strings;
-    // nothing changes it while the constructors run (one thread), nor in the tests below.
+    // nothing changes it while the constructors run (one thread), and kvrecv never sets a
+    // variable.
     unsafe {
-        let mut e = environ;
+        let mut e = std::ptr::addr_of!(environ).read();
         while !e.is_null() && !(*e).is_null() {
             let var = std::ffi::CStr::from_ptr(*e).to_bytes();
-            let key = var.split(|&b| b == b'=').next().unwrap_or(var);
-            if names.iter().any(|n| key.eq_ignore_ascii_case(n)) {
-                return true;
+            // As mimalloc matches them: `NAME=value`; an entry without `=` sets nothing.
+            if let Some(eq) = var.iter().position(|&b| b == b'=') {
+                if names.iter().any(|n| var[..eq].eq_ignore_ascii_case(n)) {
+                    return true;
+                }
             }
             e = e.add(1);
         }
@@ -174,7 +178,15 @@ mod tests {
         );
         // SAFETY: plain option getters.
         let (commit, purge) = unsafe { (mi::mi_option_get(4), mi::mi_option_get(15)) };
-        assert_eq!((commit, purge), (0, 0));
+        if !set_by_operator(&[
+            b"MIMALLOC_ARENA_EAGER_COMMIT",
+            b"MIMALLOC_EAGER_REGION_COMMIT",
+        ]) {
+            assert_eq!(commit, 0);
+        }
+        if !set_by_operator(&[b"MIMALLOC_PURGE_DELAY", b"MIMALLOC_RESET_DELAY"]) {
+            assert_eq!(purge, 0);
+        }
         drop(held);
     }
 

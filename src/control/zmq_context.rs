@@ -172,11 +172,17 @@ pub struct EngineBatch {
 const ZMQ_IN_BATCH_SIZE: i32 = 101;
 const ZMQ_OUT_BATCH_SIZE: i32 = 102;
 
-/// Size a socket's ZMTP engine buffers. A message larger than a buffer still goes whole:
-/// libzmq reads and writes the rest of its body straight into and from the message. `Ok(false)` when this libzmq was built without its draft API, which holds
-/// these options (the crate's `.cargo/config.toml` builds it with them; a dependent crate's
-/// build may not): the socket keeps the defaults.
+/// Size a socket's ZMTP engine buffers (each size at least one byte, else `EINVAL`).
+///
+/// A message larger than a buffer still goes whole: libzmq reads and writes the rest of its
+/// body straight into and from the message. `Ok(false)` when this libzmq was built without
+/// its draft API, which holds these options (the crate's `.cargo/config.toml` builds it with
+/// them; a dependent crate's build may not): the socket keeps the defaults.
 pub fn set_engine_batch(socket: &mut zmq::Socket, sizes: EngineBatch) -> Result<bool, zmq::Error> {
+    // libzmq refuses a size below one with EINVAL too, which would read as "no draft API".
+    if sizes.input < 1 || sizes.output < 1 {
+        return Err(zmq::Error::EINVAL);
+    }
     for (option, bytes) in [
         (ZMQ_IN_BATCH_SIZE, sizes.input),
         (ZMQ_OUT_BATCH_SIZE, sizes.output),
@@ -255,7 +261,17 @@ mod tests {
             input: 8192,
             output: 8192,
         };
-        assert_eq!(engine_batch(&mut d), Some(default), "libzmq's default");
+        assert_eq!(
+            engine_batch(&mut d),
+            Some(default),
+            "libzmq built without its draft API: a CXXFLAGS in the environment overrides \
+             .cargo/config.toml's (force = false), which defines ZMQ_BUILD_DRAFT_API"
+        );
+        let zero = EngineBatch {
+            input: 0,
+            output: 1024,
+        };
+        assert_eq!(set_engine_batch(&mut d, zero), Err(zmq::Error::EINVAL));
         let small = EngineBatch {
             input: 256,
             output: 300,

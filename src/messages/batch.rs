@@ -63,7 +63,8 @@ pub struct KvRequestRef<'a> {
 }
 
 impl KvRequestRef<'_> {
-    /// The request's metadata, as [`KvRequest::into_meta`]; the block lists move.
+    /// The request's metadata, as [`KvRequest::into_meta`] (the block lists are copied into
+    /// the metadata's one buffer).
     pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
         Fields {
             req_id: &self.req_id,
@@ -513,8 +514,8 @@ impl KvRequest {
 }
 
 impl<'a> Fields<'a> {
-    /// The metadata of a valid request, its block lists in one allocation ([`BlockIds`]: they
-    /// live as long as the request).
+    /// The metadata of a valid request, its block lists and transfer id in one allocation
+    /// ([`RequestTail`]: they live as long as the request).
     fn into_meta(
         self,
         block_ids: Vec<Vec<u32>>,

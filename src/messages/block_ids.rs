@@ -1,7 +1,10 @@
-//! A request's destination blocks, one list per KV-cache group, in one allocation: where a
+//! Destination blocks, one list per KV-cache group, in one allocation: where a
 //! `Vec<Vec<u32>>` held 24 bytes inline and two buffers (the outer list's and each group's),
 //! this holds 16 bytes inline and one buffer (docs/PERFORMANCE.md, "Where the bytes per
 //! in-flight request go"). Read like the lists it replaces: groups by index, each a slice.
+//! A request in flight keeps its lists in this stored form at the head of its
+//! [`super::request_tail::RequestTail`] (with its transfer id after them) and reads them as
+//! [`BlockGroups`]; [`BlockIds`] is the form on its own (a pull's metadata built by hand).
 
 #![forbid(unsafe_code)]
 
