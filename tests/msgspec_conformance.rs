@@ -74,10 +74,10 @@ fn rust_vectors() -> Vec<(&'static str, Vec<u8>, bool)> {
 /// (`tests/py/mooncake_structs_033.py`): the pulls kvrecv sends with and without the layout,
 /// encoded as the Receiver encodes them (pre-encoded tails), and every response shape.
 fn vectors_033() -> Vec<(&'static str, Vec<u8>, bool)> {
-    use kvrecv::messages::{BlockIds, MetadataRef, MetadataTail, ReqBlocksRef};
+    use kvrecv::messages::{MetadataRef, MetadataTail, ReqBlocksRef, RequestMeta};
     let id = 0x5a5a_1234_5678_9abd_u64;
-    let blocks = BlockIds::from([vec![5u32, 6]]);
-    let req_blocks = [("d-1", "t-1", blocks.groups())];
+    let meta = RequestMeta::new("d-1", "t-1", "e", "http://b:1", &[vec![5u32, 6]]);
+    let req_blocks = [("d-1", "t-1", meta.block_ids())];
     let names = ["model.layers.0.self_attn.attn".to_string()];
     let full = MetadataRef {
         remote_hostname: "10.0.0.7",

@@ -1,55 +1,15 @@
-//! Destination blocks, one list per KV-cache group, in one allocation: where a
-//! `Vec<Vec<u32>>` held 24 bytes inline and two buffers (the outer list's and each group's),
-//! this holds 16 bytes inline and one buffer (docs/PERFORMANCE.md, "Where the bytes per
-//! in-flight request go"). Read like the lists it replaces: groups by index, each a slice.
-//! A request in flight keeps its lists in this stored form at the head of its
-//! [`super::request_tail::RequestTail`] (with its transfer id after them) and reads them as
-//! [`BlockGroups`]; [`BlockIds`] is the form on its own (a pull's metadata built by hand).
+//! Destination blocks, one list per KV-cache group, stored in one buffer of `u32`s:
+//! `[groups, end of group 0, …, end of group G-1, ids…]` (ends counted in ids), where a
+//! `Vec<Vec<u32>>` held two buffers (the outer list's and each group's; docs/PERFORMANCE.md,
+//! "Where the bytes per in-flight request go"). A request in flight keeps its lists so at the
+//! head of its [`super::request_tail::RequestTail`] (its transfer id after them) and reads
+//! them as [`BlockGroups`]: groups by index, each a slice, like the lists they replace.
 
 #![forbid(unsafe_code)]
 
 use std::fmt;
 
-/// Destination block ids, one list per KV-cache group (possibly none, possibly empty ones).
-///
-/// Stored as `[groups, end of group 0, …, end of group G-1, ids…]` (ends counted in ids); no
-/// group at all is the empty slice, which allocates nothing.
-#[derive(Clone, Default, PartialEq, Eq, Hash)]
-pub struct BlockIds(Box<[u32]>);
-
-impl BlockIds {
-    /// The groups, borrowed (what a pull's metadata serializes).
-    pub fn groups(&self) -> BlockGroups<'_> {
-        BlockGroups(&self.0)
-    }
-
-    /// Number of KV-cache groups.
-    pub fn len(&self) -> usize {
-        self.groups().len()
-    }
-
-    /// Whether there is no group at all.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
-
-    /// Group `g`'s blocks, if there is such a group.
-    pub fn get(&self, g: usize) -> Option<&[u32]> {
-        self.groups().get(g)
-    }
-
-    /// Each group's blocks, in group order.
-    pub fn iter(&self) -> Groups<'_> {
-        self.groups().iter()
-    }
-
-    /// The lists as vectors.
-    pub fn to_vecs(&self) -> Vec<Vec<u32>> {
-        self.iter().map(<[u32]>::to_vec).collect()
-    }
-}
-
-/// A [`BlockIds`]' groups, borrowed: serialized as a list of lists, as vLLM's `block_ids`.
+/// Stored block lists, borrowed: serialized as a list of lists, as vLLM's `block_ids`.
 #[derive(Clone, Copy, Default)]
 pub struct BlockGroups<'a>(&'a [u32]);
 
@@ -57,14 +17,9 @@ impl<'a> BlockGroups<'a> {
     /// No group at all (a request nothing is received for).
     pub const NONE: BlockGroups<'static> = BlockGroups(&[]);
 
-    /// The groups stored as [`BlockIds`] stores them (a request's tail starts so).
+    /// The groups in their stored form ([`stored`]; a request's tail starts so).
     pub(super) fn from_stored(stored: &'a [u32]) -> Self {
         BlockGroups(stored)
-    }
-
-    /// The lists as vectors.
-    pub fn to_vecs(self) -> Vec<Vec<u32>> {
-        self.iter().map(<[u32]>::to_vec).collect()
     }
 
     /// Number of KV-cache groups.
@@ -104,17 +59,6 @@ impl serde::Serialize for BlockGroups<'_> {
     }
 }
 
-impl<G: AsRef<[u32]>> From<&[G]> for BlockIds {
-    /// # Panics
-    /// Past `u32::MAX` groups or ids in all (16 GiB of ids: no host's request).
-    fn from(groups: &[G]) -> Self {
-        if groups.is_empty() {
-            return BlockIds::default();
-        }
-        BlockIds(stored(groups, 0).into_boxed_slice())
-    }
-}
-
 /// `groups` as stored (`[groups, end of each group, ids…]`), with room for `spare` more words
 /// (a request's tail appends its transfer id).
 ///
@@ -136,29 +80,7 @@ pub(super) fn stored<G: AsRef<[u32]>>(groups: &[G], spare: usize) -> Vec<u32> {
     v
 }
 
-impl From<Vec<Vec<u32>>> for BlockIds {
-    fn from(groups: Vec<Vec<u32>>) -> Self {
-        BlockIds::from(groups.as_slice())
-    }
-}
-
-impl<const N: usize> From<[Vec<u32>; N]> for BlockIds {
-    fn from(groups: [Vec<u32>; N]) -> Self {
-        BlockIds::from(groups.as_slice())
-    }
-}
-
-impl std::ops::Index<usize> for BlockIds {
-    type Output = [u32];
-
-    /// # Panics
-    /// When there is no group `g`, as a `Vec` would.
-    fn index(&self, g: usize) -> &[u32] {
-        self.get(g).expect("group index out of range")
-    }
-}
-
-/// The groups of a [`BlockIds`], each its blocks.
+/// The groups of a [`BlockGroups`], each its blocks.
 #[derive(Clone)]
 pub struct Groups<'a> {
     ids: BlockGroups<'a>,
@@ -194,34 +116,13 @@ impl DoubleEndedIterator for Groups<'_> {
     }
 }
 
-impl<'a> IntoIterator for &'a BlockIds {
-    type Item = &'a [u32];
-    type IntoIter = Groups<'a>;
-
-    fn into_iter(self) -> Groups<'a> {
-        self.iter()
-    }
-}
-
 impl PartialEq<Vec<Vec<u32>>> for BlockGroups<'_> {
     fn eq(&self, other: &Vec<Vec<u32>>) -> bool {
         self.len() == other.len() && self.iter().zip(other).all(|(a, b)| a == b.as_slice())
     }
 }
 
-impl PartialEq<Vec<Vec<u32>>> for BlockIds {
-    fn eq(&self, other: &Vec<Vec<u32>>) -> bool {
-        self.len() == other.len() && self.iter().zip(other).all(|(a, b)| a == b.as_slice())
-    }
-}
-
 impl fmt::Debug for BlockGroups<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_list().entries(self.iter()).finish()
-    }
-}
-
-impl fmt::Debug for BlockIds {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_list().entries(self.iter()).finish()
     }
@@ -234,42 +135,39 @@ mod tests {
     #[test]
     fn groups_read_back_as_given() {
         for groups in [
-            vec![],
             vec![vec![]],
             vec![vec![7]],
             vec![vec![1, 2, 3], vec![], vec![9, 8]],
             vec![vec![], vec![], vec![4]],
         ] {
-            let b = BlockIds::from(groups.clone());
+            let v = stored(&groups, 0);
+            let b = BlockGroups::from_stored(&v);
             assert_eq!(b.len(), groups.len());
-            assert_eq!(b.to_vecs(), groups);
             assert_eq!(b, groups);
             for (g, ids) in groups.iter().enumerate() {
-                assert_eq!(&b[g], ids.as_slice());
+                assert_eq!(b.get(g), Some(ids.as_slice()));
             }
             assert_eq!(b.get(groups.len()), None);
+            assert_eq!(b.iter().rev().count(), groups.len());
         }
-        assert_ne!(BlockIds::from(vec![]), BlockIds::from(vec![vec![]]));
+        assert!(BlockGroups::NONE.is_empty() && BlockGroups::NONE.get(0).is_none());
     }
 
     /// The groups serialize as the lists they were made of (a pull's `req_blocks`).
     #[test]
     fn serialized_as_lists() {
-        for groups in [vec![], vec![vec![]], vec![vec![1, 2], vec![], vec![3]]] {
-            let b = BlockIds::from(groups.clone());
-            let bytes = rmp_serde::to_vec(&b.groups()).unwrap();
+        for groups in [vec![vec![]], vec![vec![1, 2], vec![], vec![3]]] {
+            let v = stored(&groups, 0);
+            let bytes = rmp_serde::to_vec(&BlockGroups::from_stored(&v)).unwrap();
             assert_eq!(bytes, rmp_serde::to_vec(&groups).unwrap());
         }
         let none = rmp_serde::to_vec(&BlockGroups::NONE).unwrap();
         assert_eq!(none, rmp_serde::to_vec(&Vec::<Vec<u32>>::new()).unwrap());
     }
 
-    /// One group of one block, the common case: 16 bytes inline, one 12-byte buffer.
+    /// One group of one block, the common case: three words (count, end, id).
     #[test]
-    #[cfg(target_pointer_width = "64")]
-    fn one_allocation() {
-        assert_eq!(std::mem::size_of::<BlockIds>(), 16);
-        assert_eq!(BlockIds::from(vec![vec![5]]).0.len(), 3);
-        assert_eq!(BlockIds::from(vec![]).0.len(), 0);
+    fn one_group_of_one_block_is_three_words() {
+        assert_eq!(stored(&[vec![5u32]], 0), [1, 1, 5]);
     }
 }

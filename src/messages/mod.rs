@@ -47,8 +47,6 @@ pub use batch::{
     Queued, RequestMeta, SharedRequest,
 };
 pub use block_ids::BlockGroups;
-#[cfg(any(test, feature = "testing"))]
-pub use block_ids::BlockIds;
 pub use completion::{Completion, CompletionList, Completions, FirstFailure, Outcome};
 pub use drain::{Drain, StepOutput};
 pub use event::KvEvent;

@@ -533,7 +533,7 @@ impl MooncakeXferResponse {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::messages::BlockIds;
+    use crate::messages::RequestMeta;
 
     fn hex(s: &str) -> Vec<u8> {
         s.split_whitespace()
@@ -699,11 +699,14 @@ mod tests {
             };
             let indices: Vec<u32> = if names { (0..layers as u32).collect() } else { vec![] };
             let group_ids: Vec<u32> = if groups { vec![0; layers] } else { vec![] };
-            let stored: Vec<BlockIds> = reqs.iter().map(|(_, b)| BlockIds::from(b.as_slice())).collect();
+            let stored: Vec<RequestMeta> = reqs
+                .iter()
+                .map(|(id, b)| RequestMeta::new(id.as_str(), id, "e", "b", b.as_slice()))
+                .collect();
             let mut req_blocks: Vec<ReqBlock<'_>> = reqs
                 .iter()
                 .zip(&stored)
-                .map(|((id, _), b)| (id.as_str(), id.as_str(), b.groups()))
+                .map(|((id, _), m)| (id.as_str(), id.as_str(), m.block_ids()))
                 .collect();
             req_blocks.sort_by(|a, b| a.0.cmp(b.0));
             req_blocks.dedup_by(|a, b| a.0 == b.0);
