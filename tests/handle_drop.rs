@@ -109,6 +109,9 @@ async fn two_instances_pin_nothing_and_the_last_handle_dropped_leaves_no_kvrecv_
         // libzmq's I/O thread and reaper, per instance, under a name of their own.
         assert!(count(&threads, "kvrecv-zmq") >= 4, "{threads:?}");
         assert!(count(&threads, "kvrecv-io") >= 2, "{threads:?}");
+        // The data connections' thread, one per instance by default.
+        assert_eq!(count(&threads, "kvrecv-conn-0"), 2, "{threads:?}");
+        assert_eq!(count(&threads, "kvrecv-conn-1"), 0, "{threads:?}");
         for t in &threads {
             assert_eq!(t.cpus, all, "{} pinned by default: {threads:?}", t.name);
         }

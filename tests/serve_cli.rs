@@ -1084,6 +1084,42 @@ fn named_threads(pid: u32, name: &str, n: usize) -> Vec<(String, String)> {
     }
 }
 
+/// `--data-threads N`: N threads serve the data connections and a pull's writes land through
+/// them; 0 is refused at the command line.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn data_threads_sets_the_threads_serving_data_connections() {
+    let sim = PrefillSim::start(SimConfig::default()).await.unwrap();
+    let mut args = BASIC.to_vec();
+    args.extend(["--data-threads", "3"]);
+    let mut s = Serve::start(&args);
+    s.wait("ready", |v| ev(v, "ready")).await;
+    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
+        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
+        "block_ids": [[5, 6]]}]});
+    s.send(&load.to_string()).await;
+    let c = s.wait("completion", |v| ev(v, "completion")).await;
+    assert_eq!(c["outcome"], "ok", "{c}");
+    let threads = named_threads(s.child.id().unwrap(), "kvrecv-conn-2", 1);
+    let mut conn: Vec<&str> = threads
+        .iter()
+        .filter(|(n, _)| n.starts_with("kvrecv-conn-"))
+        .map(|(n, _)| n.as_str())
+        .collect();
+    conn.sort_unstable();
+    assert_eq!(conn, ["kvrecv-conn-0", "kvrecv-conn-1", "kvrecv-conn-2"]);
+    s.send(r#"{"op":"shutdown"}"#).await;
+    s.wait("shutdown", |v| ev(v, "shutdown")).await;
+
+    let mut args = BASIC.to_vec();
+    args.extend(["--data-threads", "0"]);
+    let mut s = Serve::start(&args);
+    let status = tokio::time::timeout(SAFETY, s.child.wait())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(status.code(), Some(2), "--data-threads 0 is a usage error");
+}
+
 /// Each thread of `pid`: its name and its `Cpus_allowed_list`.
 fn thread_cpus(pid: u32) -> Vec<(String, String)> {
     let mut v = vec![];
@@ -1133,9 +1169,11 @@ async fn the_control_plane_runs_on_one_cpu_and_the_data_plane_on_all() {
         let c = s.wait("completion", |v| ev(v, "completion")).await;
         assert_eq!(c["outcome"], "ok", "{placement:?}");
         let threads = named_threads(s.child.id().unwrap(), "kvrecv-data", 2);
-        let (data, control): (Vec<_>, Vec<_>) =
-            threads.iter().partition(|(name, _)| name == "kvrecv-data");
-        assert_eq!(data.len(), 2, "{threads:?}");
+        // The data runtime's two workers and the thread serving data connections.
+        let (data, control): (Vec<_>, Vec<_>) = threads
+            .iter()
+            .partition(|(name, _)| name == "kvrecv-data" || name.starts_with("kvrecv-conn-"));
+        assert_eq!(data.len(), 3, "{threads:?}");
         assert!(data.iter().all(|(_, c)| *c == all), "{threads:?}");
         // The actors' thread, libzmq's I/O and reaper threads.
         assert!(control.len() >= 3, "{threads:?}");

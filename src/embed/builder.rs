@@ -237,7 +237,8 @@ impl KvRecvBuilder {
     }
 
     /// Worker threads of kvrecv's data-plane runtime (the handshake daemon and the data
-    /// server's connections run there; the actors have a thread of their own). Default 2.
+    /// server's listener run there; the data connections have threads of their own,
+    /// [`TargetConfig::data_threads`], and the actors one). Default 2.
     pub fn worker_threads(mut self, n: usize) -> Self {
         self.worker_threads = n.max(1);
         self

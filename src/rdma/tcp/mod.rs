@@ -2,6 +2,7 @@
 //! that admit a write only for its own pull, the data server and the wire format it speaks, and
 //! the target that starts them with the shared handshake daemon.
 
+mod conn_shards;
 internal_mod!(memory_slot);
 internal_mod!(permits);
 pub(crate) mod raw_recv;

@@ -16,6 +16,7 @@ use tokio::sync::Semaphore;
 use crate::block_ownership::BlockOwnership;
 use crate::telemetry as m;
 
+use super::conn_shards::ConnShards;
 use super::memory_slot::MemorySlot;
 use crate::rdma::accept_cap::Caps;
 use crate::rdma::conn_table::{ConnGuard, ConnTable, Phase};
@@ -224,10 +225,11 @@ enum ConnEnd {
     Memory(#[from] MemoryError),
 }
 
-/// Accept connections forever, each served on its own task; at most `max_connections` at once
-/// and `max_per_address` from one address. At a cap the connection idle longest (between
-/// requests) is closed to make room; a new one is refused only if all are inside a request.
-pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
+/// Accept connections forever, each served on its own task on one of `shards`' threads; at
+/// most `max_connections` at once and `max_per_address` from one address. At a cap the
+/// connection idle longest (between requests) is closed to make room; a new one is refused
+/// only if all are inside a request.
+pub(crate) async fn serve(listener: TcpListener, plane: Arc<DataPlane>, shards: Arc<ConnShards>) {
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(c) => c,
@@ -256,9 +258,25 @@ pub async fn serve(listener: TcpListener, plane: Arc<DataPlane>) {
         // Status frames are 8 bytes: Nagle would hold them back.
         let _ = stream.set_nodelay(true);
         plane.stats.connections.fetch_add(1, Ordering::Relaxed);
+        // Registered again on the thread that will serve it.
+        let stream = match stream.into_std() {
+            Ok(s) => s,
+            Err(e) => {
+                plane.stats.broken.fetch_add(1, Ordering::Relaxed);
+                tracing::debug!(%peer, error = %e, "data connection could not be handed over");
+                continue;
+            }
+        };
         let plane = plane.clone();
-        tokio::spawn(async move {
-            let mut stream = stream;
+        shards.spawn(async move {
+            let mut stream = match TcpStream::from_std(stream) {
+                Ok(s) => s,
+                Err(e) => {
+                    plane.stats.broken.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(%peer, error = %e, "data connection could not be registered");
+                    return;
+                }
+            };
             // Declared after the stream, so dropped before it: the place is free again by the
             // time the client sees the close.
             let conn = conn;

@@ -16,6 +16,7 @@ use crate::block_ownership::BlockOwnership;
 use crate::layout::KvLayout;
 use crate::messages::handshake::{BufferDesc, SegmentDescriptor};
 
+use super::conn_shards::ConnShards;
 use super::permits::PermitTable;
 use super::server::{
     self, DataPlane, DataStats, DEFAULT_IDLE_TIMEOUT, DEFAULT_MAX_DATA_CONNECTIONS,
@@ -32,6 +33,14 @@ use crate::rdma::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, Reg
 /// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
 /// by abandoned writers, plus the reserved one. Clamped to what fits below 2^53 for the layout.
 pub const DEFAULT_WINDOWS: u32 = 16_384;
+
+/// Default number of threads serving data connections ([`TargetConfig::data_threads`]): one,
+/// as the Mooncake TE target's one `io_context` thread. With P's lanes on it, one thread
+/// drains whichever sockets are ready and mostly finds each payload whole; more threads each
+/// wake sooner for less (`dataplane_bench`: 0.74x the CPU per GiB of two workers at 256 KiB
+/// writes, at the floor's throughput; docs/PERFORMANCE.md). Raise it where one core's copy
+/// rate (about 9 GiB/s here) is less than the NIC's.
+pub const DEFAULT_DATA_THREADS: usize = 1;
 
 /// How to start a target.
 #[derive(Debug, Clone)]
@@ -84,6 +93,11 @@ pub struct TargetConfig {
     /// nothing authenticates the data port, so a READ would let anyone who reaches it read the
     /// blocks of a pull in flight. Interop tests turn it on to read back what landed.
     pub serve_reads: bool,
+    /// Threads that serve data connections (at least one; default one: see
+    /// docs/PERFORMANCE.md, "One thread for the data connections"),
+    /// each a current-thread runtime of kvrecv's own; a connection stays on the one that had
+    /// the fewest when it came. `kvrecv serve --data-threads`.
+    pub data_threads: usize,
 }
 
 impl TargetConfig {
@@ -109,6 +123,7 @@ impl TargetConfig {
             max_handshakes_per_address: DEFAULT_MAX_HANDSHAKES_PER_ADDRESS,
             labels: Labels::default(),
             serve_reads: false,
+            data_threads: DEFAULT_DATA_THREADS,
         }
     }
 }
@@ -135,9 +150,12 @@ pub enum TargetError {
     #[error("the descriptor ({0} bytes) exceeds the 1 MiB handshake frame cap; use fewer windows")]
     /// The segment descriptor does not fit the handshake frame.
     DescriptorTooLarge(usize),
+    #[error("cannot start the data connection threads: {0}")]
+    /// A thread serving data connections could not be started.
+    Threads(std::io::Error),
 }
 
-/// A running target. Dropping it stops accepting connections.
+/// A running target. Dropping it stops accepting connections and closes the open ones.
 pub struct TcpTarget {
     plane: Arc<DataPlane>,
     landing: Arc<TcpLanding>,
@@ -146,6 +164,9 @@ pub struct TcpTarget {
     handshake_addr: SocketAddr,
     data_addr: SocketAddr,
     tasks: Vec<JoinHandle<()>>,
+    /// The threads serving the data connections: kept for its drop, which stops them (the
+    /// accept task holds the other reference, gone once aborted).
+    _shards: Arc<ConnShards>,
 }
 
 impl std::fmt::Debug for TcpTarget {
@@ -257,9 +278,12 @@ impl TcpTarget {
             TcpLanding::new(permits, &cfg.advertise_host, handshake_addr.port())
                 .with_memory(Arc::clone(plane.memory_slot())),
         );
+        let shards = Arc::new(
+            ConnShards::start(cfg.data_threads).map_err(TargetError::Threads)?,
+        );
         let tasks = vec![
             tokio::spawn(handshake_daemon::serve(hs, daemon.clone())),
-            tokio::spawn(server::serve(data, plane.clone())),
+            tokio::spawn(server::serve(data, plane.clone(), Arc::clone(&shards))),
         ];
         tracing::info!(%handshake_addr, %data_addr, permits = cfg.permits, windows,
             epoch_rule = cfg.epoch_rule, "TE target listening");
@@ -271,6 +295,7 @@ impl TcpTarget {
             handshake_addr,
             data_addr,
             tasks,
+            _shards: shards,
         })
     }
 
