@@ -35,11 +35,11 @@ use crate::rdma::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, Reg
 pub const DEFAULT_WINDOWS: u32 = 16_384;
 
 /// Default number of threads serving data connections ([`TargetConfig::data_threads`]): one,
-/// as the Mooncake TE target's one `io_context` thread. With P's lanes on it, one thread
-/// drains whichever sockets are ready and mostly finds each payload whole; more threads each
-/// wake sooner for less (`dataplane_bench`: 0.74x the CPU per GiB of two workers at 256 KiB
-/// writes, at the floor's throughput; docs/PERFORMANCE.md). Raise it where one core's copy
-/// rate (about 9 GiB/s here) is less than the NIC's.
+/// as the Mooncake TE target's one `io_context` thread: it mostly finds each payload whole
+/// (`dataplane_bench`, Rust writer: 0.76–0.84x the CPU per GiB of the two-worker runtime, the
+/// floor's CPU, 0.86–0.90x the runtime's throughput at 1 MiB writes; docs/PERFORMANCE.md).
+/// Raise it where one core's copy rate (at most about 9 GiB/s on the development VM) is below
+/// the NIC's.
 pub const DEFAULT_DATA_THREADS: usize = 1;
 
 /// How to start a target.
