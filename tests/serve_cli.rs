@@ -1084,21 +1084,14 @@ fn named_threads(pid: u32, name: &str, n: usize) -> Vec<(String, String)> {
     }
 }
 
-/// `--data-threads N`: N threads serve the data connections and a pull's writes land through
-/// them; 0 is refused at the command line.
+/// `--data-threads N`: N threads serve the data connections, P's writes land through them and
+/// a late one is still refused; 0 is refused at the command line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_threads_sets_the_threads_serving_data_connections() {
-    let sim = PrefillSim::start(SimConfig::default()).await.unwrap();
     let mut args = BASIC.to_vec();
     args.extend(["--data-threads", "3"]);
     let mut s = Serve::start(&args);
     s.wait("ready", |v| ev(v, "ready")).await;
-    let load = json!({"op": "load_kv", "requests": [{"req_id": "d-1", "transfer_id": "t-1",
-        "remote_engine_id": sim.engine_id(), "remote_bootstrap_addr": sim.bootstrap_url(),
-        "block_ids": [[5, 6]]}]});
-    s.send(&load.to_string()).await;
-    let c = s.wait("completion", |v| ev(v, "completion")).await;
-    assert_eq!(c["outcome"], "ok", "{c}");
     let threads = named_threads(s.child.id().unwrap(), "kvrecv-conn-2", 1);
     let mut conn: Vec<&str> = threads
         .iter()
@@ -1109,6 +1102,11 @@ async fn data_threads_sets_the_threads_serving_data_connections() {
     assert_eq!(conn, ["kvrecv-conn-0", "kvrecv-conn-1", "kvrecv-conn-2"]);
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
+
+    // Two P ranks' lanes spread over the three threads: every write lands, a late one does not.
+    let (late, before, after) = write_into_serve(&["--data-threads", "3"]).await;
+    assert!(late.is_err(), "the completion revoked the pull's permit");
+    assert_eq!(after["bytes_landed"], before["bytes_landed"]);
 
     let mut args = BASIC.to_vec();
     args.extend(["--data-threads", "0"]);
