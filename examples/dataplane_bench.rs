@@ -21,7 +21,9 @@
 //!
 //! kvrecv's target and the floor land on huge pages (`MADV_HUGEPAGE`, as kvrecv's own landing
 //! memory does); the TE target in a ctypes buffer, as its Python users allocate one, or with
-//! `KVRECV_BENCH_TE_HUGE=1` in an advised mapping like theirs.
+//! `KVRECV_BENCH_TE_HUGE=1` in an advised mapping like theirs. `KVRECV_BENCH_DATA_THREADS=N`:
+//! this build's kvrecv target serves its connections on N threads (`TargetConfig::data_threads`,
+//! default one).
 //!
 //! ```text
 //! cargo run --release --example dataplane_bench -- [MiB per run, default 256] [rounds, default 5]
@@ -205,9 +207,15 @@ async fn write_run(te: bool, t: &Target, size: u64, total: u64) -> (f64, f64) {
 /// until stdin closes.
 async fn serve_target(size: u64) {
     let blocks = (REGION / size) as u32;
-    let t = TcpTarget::start(TargetConfig::loopback(KvLayout::uniform(1, size, blocks)))
-        .await
-        .expect("target starts");
+    let mut cfg = TargetConfig::loopback(KvLayout::uniform(1, size, blocks));
+    // `KVRECV_BENCH_DATA_THREADS`: the threads serving its connections (default one).
+    if let Some(n) = std::env::var("KVRECV_BENCH_DATA_THREADS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        cfg.data_threads = n;
+    }
+    let t = TcpTarget::start(cfg).await.expect("target starts");
     let req = Arc::new(RequestMeta::new(
         "bench",
         "bench",

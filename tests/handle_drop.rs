@@ -151,8 +151,12 @@ async fn asked_to_the_control_plane_runs_on_one_cpu() {
     for t in zmq {
         assert_eq!(&t.cpus, cpu, "{threads:?}");
     }
-    // The data runtime's threads gave the pinned CPU back.
-    for t in threads.iter().filter(|t| t.name == "kvrecv-io") {
+    // The data plane's threads (its runtime's, the connections') gave the pinned CPU back.
+    assert_eq!(count(&threads, "kvrecv-conn-0"), 1, "{threads:?}");
+    for t in threads
+        .iter()
+        .filter(|t| t.name == "kvrecv-io" || t.name.starts_with("kvrecv-conn-"))
+    {
         assert_eq!(t.cpus, all, "{threads:?}");
     }
     assert_eq!(cpus("/proc/thread-self/status"), all, "the host's thread");

@@ -1091,7 +1091,7 @@ async fn data_threads_sets_the_threads_serving_data_connections() {
     let mut args = BASIC.to_vec();
     args.extend(["--data-threads", "3"]);
     let mut s = Serve::start(&args);
-    s.wait("ready", |v| ev(v, "ready")).await;
+    let ready = s.wait("ready", |v| ev(v, "ready")).await;
     let threads = named_threads(s.child.id().unwrap(), "kvrecv-conn-2", 1);
     let mut conn: Vec<&str> = threads
         .iter()
@@ -1100,6 +1100,29 @@ async fn data_threads_sets_the_threads_serving_data_connections() {
         .collect();
     conn.sort_unstable();
     assert_eq!(conn, ["kvrecv-conn-0", "kvrecv-conn-1", "kvrecv-conn-2"]);
+    // Three connections open at once go one to each thread: each thread, parked until then,
+    // runs (its CPU time moves).
+    let pid = s.child.id().unwrap();
+    let ran = |name: &str| thread_run_ns(pid, name);
+    let idle: Vec<u64> = (0..3).map(|i| ran(&format!("kvrecv-conn-{i}"))).collect();
+    let data_port = ready["data"]["port"].as_u64().unwrap() as u16;
+    let mut held = vec![];
+    for _ in 0..3 {
+        held.push(
+            tokio::net::TcpStream::connect(("127.0.0.1", data_port))
+                .await
+                .unwrap(),
+        );
+    }
+    let t0 = std::time::Instant::now();
+    while (0..3).any(|i| ran(&format!("kvrecv-conn-{i}")) == idle[i]) {
+        assert!(
+            t0.elapsed() < SAFETY,
+            "a connection thread never ran: {idle:?}"
+        );
+        tokio::task::yield_now().await;
+    }
+    drop(held);
     s.send(r#"{"op":"shutdown"}"#).await;
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
 
@@ -1116,6 +1139,22 @@ async fn data_threads_sets_the_threads_serving_data_connections() {
         .unwrap()
         .unwrap();
     assert_eq!(status.code(), Some(2), "--data-threads 0 is a usage error");
+}
+
+/// Nanoseconds the thread of `pid` named `name` has run (`schedstat`), 0 if there is none.
+fn thread_run_ns(pid: u32, name: &str) -> u64 {
+    for t in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let dir = t.unwrap().path();
+        if std::fs::read_to_string(dir.join("comm")).is_ok_and(|c| c.trim() == name) {
+            let stat = std::fs::read_to_string(dir.join("schedstat")).unwrap_or_default();
+            return stat
+                .split_whitespace()
+                .next()
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(0);
+        }
+    }
+    0
 }
 
 /// Each thread of `pid`: its name and its `Cpus_allowed_list`.

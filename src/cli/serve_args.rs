@@ -119,8 +119,8 @@ pub struct ServeArgs {
     /// Data server per-connection idle timeout, ms.
     #[arg(long)]
     pub idle_timeout_ms: Option<u64>,
-    /// Threads serving data connections (TCP): one copies at most about 9 GiB/s on the
-    /// development VM; raise it for a faster NIC.
+    /// Threads serving data connections (TCP). One costs the least CPU per GiB; more land
+    /// more per second when one is the limit (docs/PERFORMANCE.md).
     #[arg(long, default_value_t = DEFAULT_DATA_THREADS as u16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub data_threads: u16,

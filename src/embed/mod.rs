@@ -3,8 +3,9 @@
 //! handle ([`KvRecv`]) a host calls from any tokio runtime, with no actix in the host.
 //!
 //! kvrecv's thread runs its own actix `System` on a current-thread tokio runtime that polls the
-//! actors' sockets itself; the data plane (handshake daemon, data server and its connections)
-//! runs on a multi-thread runtime of its own ([`KvRecvBuilder::worker_threads`]). The host's
+//! actors' sockets itself; the data plane's listeners (handshake daemon, data server) run on a
+//! multi-thread runtime of its own ([`KvRecvBuilder::worker_threads`]) and the data
+//! connections on threads of their own ([`TargetConfig::data_threads`](crate::TargetConfig::data_threads)). The host's
 //! runtime only awaits replies (actix mailboxes and tokio channels work across runtimes).
 //!
 //! Hosts that run actix themselves can still wire the actors directly

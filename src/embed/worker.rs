@@ -64,8 +64,9 @@ pub(super) fn forward_burst(
 /// data plane, and what must live until the worker stops (the target).
 pub(crate) type DataStarted<T> = (T, Option<DataPlaneHandle>, Box<dyn std::any::Any>);
 
-/// Start kvrecv's thread. The data plane (`start_data`: listeners, connections) runs on a
-/// multi-thread runtime of `worker_threads`; the actors (`make`) run in an actix System on a
+/// Start kvrecv's thread. The data plane (`start_data`) runs its listeners on a multi-thread
+/// runtime of `worker_threads` and its connections on threads of their own (`ConnShards`); the
+/// actors (`make`) run in an actix System on a
 /// current-thread runtime of their own on kvrecv's thread, which polls their sockets itself.
 /// One runtime for both made every control-plane wake-up a hop: a worker's epoll saw the
 /// socket ready and woke the actors' thread.
@@ -161,8 +162,8 @@ where
     })
 }
 
-/// The data plane's runtime (handshake daemon, data server, their connections): `threads`
-/// workers named `name`, none on the control plane's CPU.
+/// The data plane's runtime (handshake daemon, data server's listener): `threads` workers
+/// named `name`, none on the control plane's CPU.
 pub(crate) fn data_runtime(threads: usize, name: &str) -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
@@ -238,7 +239,9 @@ impl Drop for Inner {
         };
         let current = std::thread::current();
         let ours = current.id() == thread.thread().id()
-            || current.name().is_some_and(|n| n.starts_with("kvrecv-io"));
+            || current
+                .name()
+                .is_some_and(|n| n.starts_with("kvrecv-io") || n.starts_with("kvrecv-conn-"));
         if !ours {
             let _ = thread.join();
             // Nothing can return a report from here: say it, for an operator.

@@ -267,8 +267,9 @@ pub(crate) async fn serve(listener: TcpListener, plane: Arc<DataPlane>, shards: 
                 continue;
             }
         };
+        let served_by = plane.clone();
         let plane = plane.clone();
-        shards.spawn(async move {
+        let spawned = shards.spawn(async move {
             let mut stream = match TcpStream::from_std(stream) {
                 Ok(s) => s,
                 Err(e) => {
@@ -303,6 +304,11 @@ pub(crate) async fn serve(listener: TcpListener, plane: Arc<DataPlane>, shards: 
                 }
             }
         });
+        if !spawned {
+            // Stopping (the target is being dropped), or every connection thread ended.
+            served_by.stats.broken.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(%peer, "no data connection thread is serving; connection closed");
+        }
     }
 }
 

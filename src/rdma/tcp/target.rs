@@ -38,8 +38,8 @@ pub const DEFAULT_WINDOWS: u32 = 16_384;
 /// as the Mooncake TE target's one `io_context` thread: it mostly finds each payload whole
 /// (`dataplane_bench`, Rust writer: 0.76–0.84x the CPU per GiB of the two-worker runtime, the
 /// floor's CPU, 0.86–0.90x the runtime's throughput at 1 MiB writes; docs/PERFORMANCE.md).
-/// Raise it where one core's copy rate (at most about 9 GiB/s on the development VM) is below
-/// the NIC's.
+/// Raise it where a D must land more over TCP than one thread does: on the development VM one
+/// landed 5.3–5.5 GB/s at 1 MiB writes where two landed 6.4 (and cost 1.2x the CPU per GiB).
 pub const DEFAULT_DATA_THREADS: usize = 1;
 
 /// How to start a target.
@@ -164,9 +164,9 @@ pub struct TcpTarget {
     handshake_addr: SocketAddr,
     data_addr: SocketAddr,
     tasks: Vec<JoinHandle<()>>,
-    /// The threads serving the data connections: kept for its drop, which stops them (the
-    /// accept task holds the other reference, gone once aborted).
-    _shards: Arc<ConnShards>,
+    /// The threads serving the data connections, stopped by the drop (the accept task holds
+    /// the other reference).
+    shards: Arc<ConnShards>,
 }
 
 impl std::fmt::Debug for TcpTarget {
@@ -295,7 +295,7 @@ impl TcpTarget {
             handshake_addr,
             data_addr,
             tasks,
-            _shards: shards,
+            shards,
         })
     }
 
@@ -351,9 +351,12 @@ impl TcpTarget {
 }
 
 impl Drop for TcpTarget {
+    /// Stops accepting, then stops the connection threads and waits for them: once the drop
+    /// returns no connection of this target writes (`ConnShards::stop`).
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
         }
+        self.shards.stop();
     }
 }
