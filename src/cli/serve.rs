@@ -86,8 +86,8 @@ pub fn run(args: ServeArgs) -> ExitCode {
         Err(e) => return fail(e),
     };
     // The data plane's listeners (handshake daemon, data server) run on a runtime of their own
-    // and its connections on threads of their own; the actors and the pipes run on a current-thread runtime on this thread, which
-    // polls their sockets itself (one runtime for both made every control-plane wake-up a hop
+    // and its connections on threads of their own; the actors and the pipes run on a
+    // current-thread runtime on this thread, which polls their sockets itself (one runtime for both made every control-plane wake-up a hop
     // from a worker's epoll to this thread: 15-20% of serve's CPU per request).
     let data_rt = match data_runtime(2, "kvrecv-data") {
         Ok(rt) => rt,

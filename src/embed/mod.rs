@@ -5,8 +5,9 @@
 //! kvrecv's thread runs its own actix `System` on a current-thread tokio runtime that polls the
 //! actors' sockets itself; the data plane's listeners (handshake daemon, data server) run on a
 //! multi-thread runtime of its own ([`KvRecvBuilder::worker_threads`]) and the data
-//! connections on threads of their own ([`TargetConfig::data_threads`](crate::TargetConfig::data_threads)). The host's
-//! runtime only awaits replies (actix mailboxes and tokio channels work across runtimes).
+//! connections on threads of their own
+//! ([`TargetConfig::data_threads`](crate::TargetConfig::data_threads)). The host's runtime
+//! only awaits replies (actix mailboxes and tokio channels work across runtimes).
 //!
 //! Hosts that run actix themselves can still wire the actors directly
 //! ([`crate::actors::Coordinator::start`], the advanced path); [`KvRecv::from_parts`] puts

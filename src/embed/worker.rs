@@ -66,8 +66,8 @@ pub(crate) type DataStarted<T> = (T, Option<DataPlaneHandle>, Box<dyn std::any::
 
 /// Start kvrecv's thread. The data plane (`start_data`) runs its listeners on a multi-thread
 /// runtime of `worker_threads` and its connections on threads of their own (`ConnShards`); the
-/// actors (`make`) run in an actix System on a
-/// current-thread runtime of their own on kvrecv's thread, which polls their sockets itself.
+/// actors (`make`) run in an actix System on a current-thread runtime of their own on kvrecv's
+/// thread, which polls their sockets itself.
 /// One runtime for both made every control-plane wake-up a hop: a worker's epoll saw the
 /// socket ready and woke the actors' thread.
 pub(super) fn spawn_worker<D, DFut, T, M>(

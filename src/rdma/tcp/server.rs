@@ -267,7 +267,7 @@ pub(crate) async fn serve(listener: TcpListener, plane: Arc<DataPlane>, shards: 
                 continue;
             }
         };
-        let served_by = plane.clone();
+        let stats = Arc::clone(&plane.stats);
         let plane = plane.clone();
         let spawned = shards.spawn(async move {
             let mut stream = match TcpStream::from_std(stream) {
@@ -306,7 +306,7 @@ pub(crate) async fn serve(listener: TcpListener, plane: Arc<DataPlane>, shards: 
         });
         if !spawned {
             // Stopping (the target is being dropped), or every connection thread ended.
-            served_by.stats.broken.fetch_add(1, Ordering::Relaxed);
+            stats.broken.fetch_add(1, Ordering::Relaxed);
             tracing::warn!(%peer, "no data connection thread is serving; connection closed");
         }
     }

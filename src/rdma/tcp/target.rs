@@ -93,10 +93,10 @@ pub struct TargetConfig {
     /// nothing authenticates the data port, so a READ would let anyone who reaches it read the
     /// blocks of a pull in flight. Interop tests turn it on to read back what landed.
     pub serve_reads: bool,
-    /// Threads that serve data connections (at least one; default one: see
-    /// docs/PERFORMANCE.md, "One thread for the data connections"),
-    /// each a current-thread runtime of kvrecv's own; a connection stays on the one that had
-    /// the fewest when it came. `kvrecv serve --data-threads`.
+    /// Threads that serve data connections (at least one; default one, see docs/PERFORMANCE.md,
+    /// "One thread for the data connections"), each a current-thread runtime of kvrecv's own;
+    /// a connection stays on the one that had the fewest when it came. `kvrecv serve
+    /// --data-threads`.
     pub data_threads: usize,
 }
 
