@@ -89,7 +89,17 @@ async fn p_writes_reach_host_device_memory_through_bounded_staging() {
         view.uploads.load(Ordering::Relaxed) >= 4,
         "one write, several copies"
     );
+    // DeviceRegion's contract: once shutdown returned the host may destroy the memory's
+    // context, so nothing of kvrecv's may be left in it then (on CUDA each staging slot holds a
+    // stream, an event and page-locked memory there), though the handle is still alive.
+    assert!(view.live_slots.load(Ordering::SeqCst) > 0);
     kv.shutdown().await;
+    assert_eq!(
+        view.live_slots.load(Ordering::SeqCst),
+        0,
+        "staging slots outlived shutdown"
+    );
+    drop(kv);
 }
 
 /// P's writer that holds the job of request `a` (P never answers it) and reports every job.

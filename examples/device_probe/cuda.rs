@@ -223,33 +223,78 @@ impl Drop for Stream {
     }
 }
 
-/// An event recorded on the legacy stream after the busy kernel: complete once that work is.
+/// Host work on the legacy default stream: a kernel that spins until released (a host-mapped
+/// flag the probe sets `release_after` after the launch, or sooner with [`Busy::release`]),
+/// then an event behind it. A released flag, not a timer on the GPU, decides how long it runs.
 pub struct Busy {
     event: sys::CUevent,
     module: sys::CUmodule,
+    /// Page-locked, mapped into the device: word 0 the release flag (the host writes it), word 1
+    /// why the kernel stopped (1 released, 2 its cap), words 2-3 the ns it spun (it writes them).
+    flag: *mut u32,
+    /// Dropped to release the kernel early; the thread releases it at the deadline otherwise.
+    release_tx: Option<std::sync::mpsc::Sender<()>>,
+    releaser: Option<std::thread::JoinHandle<()>>,
 }
 
+/// The flag's address, handed to the releasing thread (joined before the memory is freed).
+struct FlagPtr(*mut u32);
+// SAFETY: the thread only writes word 0, volatile, and is joined before the memory is freed.
+unsafe impl Send for FlagPtr {}
+
+/// Why the busy kernel stopped, and after how long by the GPU's own timer.
+#[derive(Debug, Clone, Copy)]
+pub struct BusyOutcome {
+    pub released: bool,
+    pub spun: Duration,
+}
+
+/// A kernel that is never released stops after this, so a lost release cannot hang the GPU.
+const SPIN_CAP: Duration = Duration::from_secs(120);
+
 impl Busy {
-    /// Queue a kernel that spins for `d` on the legacy default stream of the current context,
-    /// then an event behind it. Returns at once (the launch is asynchronous).
-    pub fn start(d: Duration) -> Result<Busy, String> {
+    /// Queue the spin kernel on the legacy default stream of the current context, then an
+    /// event behind it; release it `release_after` from now. Returns at once.
+    pub fn start(release_after: Duration) -> Result<Busy, String> {
         let mut module = std::ptr::null_mut();
         let mut func = std::ptr::null_mut();
-        let mut event = std::ptr::null_mut();
-        let mut ns: u64 = d.as_nanos().try_into().unwrap_or(u64::MAX);
-        let mut params = [(&mut ns as *mut u64).cast::<c_void>()];
-        // SAFETY: a NUL-terminated PTX image; the kernel takes one u64, passed by pointer as
-        // `cuLaunchKernel` wants; the module is unloaded in `Drop` after the work finished.
+        let mut host: *mut c_void = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals; everything made here is owned by `busy` at once and
+        // freed in its `Drop`.
         unsafe {
+            let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+            ok(
+                sys::cuMemHostAlloc(&mut host, 16, flags),
+                "cuMemHostAlloc (flag)",
+            )?;
+            std::ptr::write_bytes(host.cast::<u8>(), 0, 16);
+        }
+        let mut busy = Busy {
+            event: std::ptr::null_mut(),
+            module: std::ptr::null_mut(),
+            flag: host.cast(),
+            release_tx: None,
+            releaser: None,
+        };
+        let mut dflag: sys::CUdeviceptr = 0;
+        let mut cap: u64 = SPIN_CAP.as_nanos().try_into().unwrap_or(u64::MAX);
+        // SAFETY: a NUL-terminated PTX image; the kernel takes two u64s, each passed by pointer
+        // as `cuLaunchKernel` wants; the module is unloaded in `Drop` after the work finished.
+        unsafe {
+            ok(
+                sys::cuMemHostGetDevicePointer_v2(&mut dflag, host, 0),
+                "cuMemHostGetDevicePointer",
+            )?;
             ok(
                 sys::cuModuleLoadData(&mut module, SPIN_PTX.as_ptr().cast()),
                 "cuModuleLoadData (spin kernel)",
             )?;
-            let busy = Busy { event, module };
+            busy.module = module;
             ok(
                 sys::cuModuleGetFunction(&mut func, module, c"kvrecv_spin".as_ptr()),
                 "cuModuleGetFunction",
             )?;
+            let mut event = std::ptr::null_mut();
             ok(
                 sys::cuEventCreate(
                     &mut event,
@@ -257,7 +302,11 @@ impl Busy {
                 ),
                 "cuEventCreate",
             )?;
-            let busy = Busy { event, ..busy };
+            busy.event = event;
+            let mut params = [
+                (&mut dflag as *mut u64).cast::<c_void>(),
+                (&mut cap as *mut u64).cast::<c_void>(),
+            ];
             ok(
                 sys::cuLaunchKernel(
                     func,
@@ -275,7 +324,26 @@ impl Busy {
                 "cuLaunchKernel (spin)",
             )?;
             ok(sys::cuEventRecord(event, LEGACY_STREAM), "cuEventRecord")?;
-            Ok(busy)
+        }
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let flag = FlagPtr(busy.flag);
+        busy.release_tx = Some(tx);
+        busy.releaser = Some(std::thread::spawn(move || {
+            let flag = flag;
+            // Released at the deadline, or at once when the sender is dropped.
+            let _ = rx.recv_timeout(release_after);
+            // SAFETY: word 0 of the live mapped buffer (joined before it is freed).
+            unsafe { std::ptr::write_volatile(flag.0, 1) };
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        }));
+        Ok(busy)
+    }
+
+    /// Release the kernel now (if the deadline has not already) and wait for the releaser.
+    pub fn release(&mut self) {
+        self.release_tx.take();
+        if let Some(t) = self.releaser.take() {
+            let _ = t.join();
         }
     }
 
@@ -289,19 +357,31 @@ impl Busy {
         }
     }
 
-    /// Wait for the queued work.
-    pub fn wait(&self) -> Result<(), String> {
+    /// Release the kernel, wait for it, and say why it stopped and after how long.
+    pub fn finish(&mut self) -> Result<BusyOutcome, String> {
+        self.release();
         // SAFETY: a live event.
-        ok(
-            unsafe { sys::cuEventSynchronize(self.event) },
-            "cuEventSynchronize",
-        )
+        let rc = unsafe { sys::cuEventSynchronize(self.event) };
+        ok(rc, "cuEventSynchronize")?;
+        // SAFETY: words the finished kernel wrote (the event orders them before this).
+        let (why, ns) = unsafe {
+            (
+                std::ptr::read_volatile(self.flag.add(1)),
+                std::ptr::read_volatile(self.flag.add(2).cast::<u64>()),
+            )
+        };
+        Ok(BusyOutcome {
+            released: why == 1,
+            spun: Duration::from_nanos(ns),
+        })
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        // SAFETY: made in `start`; waiting first so the module is not unloaded under the kernel.
+        self.release();
+        // SAFETY: made in `start`; the kernel is released and waited for first, so neither the
+        // module nor the flag it reads is freed under it.
         unsafe {
             if !self.event.is_null() {
                 sys::cuEventSynchronize(self.event);
@@ -310,6 +390,7 @@ impl Drop for Busy {
             if !self.module.is_null() {
                 sys::cuModuleUnload(self.module);
             }
+            sys::cuMemFreeHost(self.flag.cast());
         }
     }
 }

@@ -334,7 +334,7 @@ async fn ordering(
     pinned: &Pinned,
 ) {
     let bpr = o.blocks_per_req;
-    let busy = match Busy::start(o.busy) {
+    let mut busy = match Busy::start(o.busy) {
         Ok(b) => b,
         Err(e) => {
             let why = format!("cannot queue the busy kernel on the legacy stream: {e}");
@@ -359,7 +359,8 @@ async fn ordering(
         },
     )
     .await;
-    let _ = busy.wait();
+    // What stopped the kernel: a release before the landing means the copies waited for it.
+    let outcome = busy.finish();
     let blocks = bpr as usize * o.layers as usize;
     match (run, at_landing) {
         (Err(e), _) => {
@@ -390,14 +391,25 @@ async fn ordering(
             }
             let ms = elapsed.as_millis();
             let busy_ms = o.busy.as_millis();
+            let how = match &outcome {
+                Ok(b) if b.released => format!(
+                    "the kernel spun {} ms by %globaltimer until released",
+                    b.spun.as_millis()
+                ),
+                Ok(b) => format!(
+                    "the kernel stopped at its cap after {} ms by %globaltimer",
+                    b.spun.as_millis()
+                ),
+                Err(e) => format!("waiting for the kernel: {e}"),
+            };
             match busy_done {
                 Ok(false) => report.pass(
                     "gpu.ordering.legacy_stream",
-                    format!("landed after {ms} ms while the host's legacy stream was still busy ({busy_ms} ms kernel): kvrecv's copies did not queue behind it"),
+                    format!("landed after {ms} ms while the host's legacy stream was still busy (kernel held up to {busy_ms} ms; {how}): kvrecv's copies did not queue behind it"),
                 ),
                 Ok(true) => report.fail(
                     "gpu.ordering.legacy_stream",
-                    format!("landed only after {ms} ms, once the host's {busy_ms} ms legacy-stream kernel had finished: kvrecv's copies waited behind the host's GPU work"),
+                    format!("landed only after {ms} ms, once the host's legacy-stream kernel (held up to {busy_ms} ms) had finished ({how}): kvrecv's copies waited behind the host's GPU work"),
                 ),
                 Err(e) => report.fail("gpu.ordering.legacy_stream", e),
             }
@@ -462,5 +474,10 @@ async fn nonprimary(report: &mut Report, o: &GpuOpts, p: &Prefill) {
         Err(e) => report.fail(CHECK, format!("accepted at start, then: {e}")),
     }
     drop((bufs, stream, pinned));
+    // DeviceRegion's contract: the context may go once shutdown returned, before the handle.
+    // kvrecv's staging slots lived in it; had they outlived shutdown, dropping the handle
+    // below would use a destroyed context (device-check's `gpu.clean_exit` sees the crash).
     drop(ctx);
+    drop(events);
+    drop(kv);
 }

@@ -32,6 +32,10 @@ pub(crate) trait DeviceCopy: Send + Sync {
     fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError>;
     /// Device -> host, likewise complete on return.
     fn download(&self, offset: u64, dst: &mut [u8]) -> Result<(), MemoryError>;
+    /// Nothing copies any more (the data server stopped): wait for copies in flight, then let
+    /// go of every slot (its stream, event and page-locked buffer live in the host's context,
+    /// which the host may destroy once shutdown returned). Later copies fail.
+    fn close(&self);
 }
 
 /// Largest staging buffer one write uses on its way to device memory.
@@ -80,6 +84,8 @@ struct Pool {
     free: Vec<Box<dyn DeviceStream>>,
     /// Slots not lost to a failed synchronisation (free or leased).
     live: usize,
+    /// [`DeviceCopy::close`] ran: no slot is handed out again.
+    closed: bool,
 }
 
 impl StagedCopier {
@@ -94,6 +100,7 @@ impl StagedCopier {
             pool: Mutex::new(Pool {
                 live: slots.len(),
                 free: slots,
+                closed: false,
             }),
             freed: Condvar::new(),
             _keep: keep,
@@ -119,6 +126,11 @@ impl StagedCopier {
     fn lease(&self) -> Result<Lease<'_>, MemoryError> {
         let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
         loop {
+            if pool.closed {
+                return Err(MemoryError::Cuda(
+                    "the device destination was closed (kvrecv shut down)".into(),
+                ));
+            }
             if let Some(slot) = pool.free.pop() {
                 return Ok(Lease {
                     owner: self,
@@ -181,12 +193,27 @@ impl Drop for Lease<'_> {
             let mut pool = self.owner.pool.lock().unwrap_or_else(|e| e.into_inner());
             pool.free.push(slot);
             drop(pool);
-            self.owner.freed.notify_one();
+            // All: `close` waits on the same condition as copies waiting for a slot.
+            self.owner.freed.notify_all();
         }
     }
 }
 
 impl DeviceCopy for StagedCopier {
+    fn close(&self) {
+        let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+        pool.closed = true;
+        // Leased slots come back when their copy synchronised; lost ones never do.
+        while pool.free.len() < pool.live {
+            pool = self.freed.wait(pool).unwrap_or_else(|e| e.into_inner());
+        }
+        let slots = std::mem::take(&mut pool.free);
+        drop(pool);
+        // Waiters for a slot see `closed`.
+        self.freed.notify_all();
+        drop(slots);
+    }
+
     fn upload(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
         let dst = self.locate(offset, src.len() as u64)?;
         let mut pos = 0u64;
@@ -314,6 +341,42 @@ mod tests {
         assert!(c.upload(2 * REGION - 1, &[0; 2]).is_err());
         assert!(c.download(2 * REGION - 1, &mut [0; 2]).is_err());
         assert_eq!(dev.uploads.load(Ordering::Relaxed), before);
+    }
+
+    /// Closing lets go of every slot (on CUDA: what lives in the host's context), but only once
+    /// a copy in flight completed; after it copies fail instead of waiting for a slot.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn close_waits_for_copies_in_flight_then_drops_every_slot() {
+        let (c, dev) = copier(2);
+        let c = Arc::new(c);
+        assert_eq!(dev.live_slots.load(Ordering::SeqCst), 2);
+        dev.hold();
+        let held = dev.sync_held();
+        let up = tokio::task::spawn_blocking({
+            let c = Arc::clone(&c);
+            move || c.upload(0, &[7; 16])
+        });
+        held.await;
+        let close = tokio::task::spawn_blocking({
+            let (c, dev) = (Arc::clone(&c), Arc::clone(&dev));
+            move || {
+                c.close();
+                dev.live_slots.load(Ordering::SeqCst)
+            }
+        });
+        // Once close marked the pool closed it waits for the held copy's slot.
+        while !c.pool.lock().unwrap().closed {
+            tokio::task::yield_now().await;
+        }
+        assert!(!close.is_finished(), "close returned under a copy in flight");
+        dev.release();
+        up.await.unwrap().unwrap();
+        assert_eq!(close.await.unwrap(), 0, "a slot outlived close");
+        assert_eq!(dev.snapshot(0, 16), vec![7; 16], "the copy in flight landed");
+        assert_eq!(dev.live_slots.load(Ordering::SeqCst), 0);
+        assert!(matches!(c.upload(0, &[1; 8]), Err(MemoryError::Cuda(_))));
+        assert!(c.download(0, &mut [0; 8]).is_err());
+        assert_eq!(dev.snapshot(0, 16), vec![7; 16]);
     }
 
     /// A slot whose synchronisation failed may still be copying from its staging bytes: it is

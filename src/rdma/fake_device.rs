@@ -3,7 +3,7 @@
 //! not complete when `cuMemcpyHtoDAsync` returns). A test can also hold synchronisations, to
 //! catch a copy in flight.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use super::device_stream::DeviceStream;
@@ -20,6 +20,9 @@ pub struct FakeDevice {
     pub largest_upload: AtomicU64,
     /// Fail the next synchronisation (its copies never complete), as a device fault would.
     pub fail_next_sync: AtomicBool,
+    /// Staging slots alive (made and not yet dropped): what a CUDA slot holds in the host's
+    /// context (stream, event, page-locked buffer).
+    pub live_slots: AtomicUsize,
     held: Mutex<bool>,
     unheld: Condvar,
     sync_waiting: tokio::sync::Notify,
@@ -32,6 +35,7 @@ impl FakeDevice {
             uploads: AtomicU64::new(0),
             largest_upload: AtomicU64::new(0),
             fail_next_sync: AtomicBool::new(false),
+            live_slots: AtomicUsize::new(0),
             held: Mutex::new(false),
             unheld: Condvar::new(),
             sync_waiting: tokio::sync::Notify::new(),
@@ -71,6 +75,7 @@ impl FakeDevice {
 
     /// `n` staging slots onto this device (device addresses are offsets into its bytes).
     pub(crate) fn streams(self: &Arc<Self>, n: usize) -> Vec<Box<dyn DeviceStream>> {
+        self.live_slots.fetch_add(n, Ordering::SeqCst);
         (0..n)
             .map(|_| {
                 Box::new(FakeStream {
@@ -107,6 +112,12 @@ impl FakeStream {
                 size: size as u64,
             }),
         }
+    }
+}
+
+impl Drop for FakeStream {
+    fn drop(&mut self) {
+        self.dev.live_slots.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

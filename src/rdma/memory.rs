@@ -198,6 +198,17 @@ impl RegisteredMemory {
         self.staged.is_some()
     }
 
+    /// The data server stopped: let go of what kvrecv holds in the host's device context (the
+    /// staging slots' streams, events and page-locked buffers) once copies in flight finished,
+    /// so that the host may destroy that context when shutdown returned ([`DeviceRegion::new`]'s
+    /// contract). Later copies fail. Nothing for host memory or kvrecv's own GPU allocation
+    /// (in the primary context kvrecv retains).
+    pub(crate) fn close_host_device(&self) {
+        if let (Some(d), false) = (&self.staged, self.gpu) {
+            d.close();
+        }
+    }
+
     /// Copy `src` to destination offset `offset` (bounds-checked): staged memory only (the data
     /// server's bounded staging path). Blocks until the device holds the bytes: call it off the
     /// async runtime.

@@ -352,11 +352,13 @@ impl TcpTarget {
 
 impl Drop for TcpTarget {
     /// Stops accepting, then stops the connection threads and waits for them: once the drop
-    /// returns no connection of this target writes (`ConnShards::stop`).
+    /// returns no connection of this target writes (`ConnShards::stop`), and nothing of
+    /// kvrecv's is left in the host's device context (the host may destroy it next).
     fn drop(&mut self) {
         for t in &self.tasks {
             t.abort();
         }
         self.shards.stop();
+        self.plane.memory().close_host_device();
     }
 }
