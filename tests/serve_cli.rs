@@ -123,6 +123,7 @@ async fn serve_session_over_the_pipe() {
     let mut s = Serve::start(BASIC);
     let ready = s.wait("ready", |v| ev(v, "ready")).await;
     assert_eq!(ready["regions"].as_array().unwrap().len(), 2);
+    assert_eq!(ready["memory"], "host");
     assert_eq!(ready["regions"][0]["base_addr"], 0x7e00_0000_0000u64);
     assert_eq!(
         ready["regions"][1]["layer_name"],
@@ -1002,6 +1003,10 @@ async fn unusable_flag_values_are_refused_at_start() {
         (&["--expect-p-tp", "0"], "--expect-p-tp"),
         (&["--max-p-workers", "0"], "--max-p-workers"),
         (&["--advertise-host", "a b"], "--advertise-host"),
+        (&["--gpu", "0", "--protocol", "rdma"], "--gpu"),
+        // A build without CUDA says so instead of starting on host memory.
+        #[cfg(not(feature = "cuda"))]
+        (&["--gpu", "0"], "built without CUDA"),
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
             .args(base)

@@ -58,7 +58,7 @@ pub const CHECKS: [&str; 6] = [
 ];
 
 /// CPU seconds (user + system) of process `pid` so far, from /proc/<pid>/stat.
-fn cpu_seconds(pid: &str) -> Option<f64> {
+pub fn cpu_seconds(pid: &str) -> Option<f64> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // Fields after the command name (which may hold spaces): state is field 3, utime 14, stime 15.
     let rest = &stat[stat.rfind(')')? + 2..];

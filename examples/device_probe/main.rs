@@ -21,6 +21,7 @@ mod loads;
 mod prefill;
 mod rehearsal;
 mod report;
+mod serve_check;
 
 use std::process::ExitCode;
 use std::time::Duration;
@@ -46,6 +47,8 @@ struct GpuArgs {
     plan: bool,
     /// Rehearse on kvrecv's fake device instead of a GPU.
     fake_device: bool,
+    /// The kvrecv binary (`--kvrecv-bin`): `gpu.serve_cuda` runs its `serve --gpu`.
+    serve_bin: Option<String>,
 }
 
 fn parse_gpu(args: &[String]) -> Result<GpuArgs, String> {
@@ -90,6 +93,7 @@ fn parse_gpu(args: &[String]) -> Result<GpuArgs, String> {
         return Err("--block-kib must split into P TP2's two head slices".into());
     }
     let p_args = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+    let serve_bin = kvrecv_bin.clone();
     let p = match (kvrecv_bin, p_self) {
         (Some(_), true) => return Err("--kvrecv-bin and --p-self exclude each other".into()),
         (Some(bin), false) => (
@@ -121,6 +125,7 @@ fn parse_gpu(args: &[String]) -> Result<GpuArgs, String> {
         p,
         plan,
         fake_device,
+        serve_bin,
     })
 }
 
@@ -166,7 +171,7 @@ async fn main() -> ExitCode {
             a.opts.blocks_per_req,
             a.opts.busy.as_millis()
         );
-        for c in gpu_checks::CHECKS {
+        for c in gpu_checks::CHECKS.iter().chain([&serve_check::CHECK]) {
             println!("PLAN check {c}");
         }
         return ExitCode::SUCCESS;
@@ -191,7 +196,7 @@ async fn main() -> ExitCode {
     match cuda::init() {
         Ok(gpu) => eprintln!("device_probe: {gpu}"),
         Err(e) => {
-            for c in gpu_checks::CHECKS {
+            for c in gpu_checks::CHECKS.iter().chain([&serve_check::CHECK]) {
                 report.skip(c, format!("no usable GPU: {e}"));
             }
             return ExitCode::SUCCESS;
@@ -200,13 +205,20 @@ async fn main() -> ExitCode {
     let p = match prefill::Prefill::spawn(&a.p.0, &a.p.1).await {
         Ok(p) => p,
         Err(e) => {
-            for c in gpu_checks::CHECKS {
+            for c in gpu_checks::CHECKS.iter().chain([&serve_check::CHECK]) {
                 report.fail(c, format!("P did not start: {e}"));
             }
             return ExitCode::FAILURE;
         }
     };
     gpu_checks::run(&mut report, &a.opts, &p).await;
+    match &a.serve_bin {
+        Some(bin) => serve_check::run(&mut report, &a.opts, &p, bin).await,
+        None => report.skip(
+            serve_check::CHECK,
+            "needs --kvrecv-bin (the kvrecv whose serve --gpu it runs)",
+        ),
+    }
     p.stop().await;
     if report.failed() {
         ExitCode::FAILURE

@@ -130,7 +130,8 @@ pub fn run(args: ServeArgs) -> ExitCode {
         let cfg = control.config.clone();
         let labels = control.labels.clone();
         let (coord, control_cpu) = control.coordinator(Arc::clone(&landing));
-        let ready = ready_line(metrics, &cfg, landing.endpoint(), &plane, control_cpu);
+        let mut ready = ready_line(metrics, &cfg, landing.endpoint(), &plane, control_cpu);
+        ready["memory"] = json!(args.gpu.map_or("host".to_owned(), |o| format!("cuda:{o}")));
         let worker = Worker {
             coord,
             plane,

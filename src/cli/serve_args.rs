@@ -124,6 +124,12 @@ pub struct ServeArgs {
     #[arg(long, default_value_t = DEFAULT_DATA_THREADS as u16,
           value_parser = clap::value_parser!(u16).range(1..))]
     pub data_threads: u16,
+    /// Land P's writes in the memory of GPU ORDINAL, allocated by kvrecv in the device's
+    /// primary context, instead of host memory: each write goes through page-locked staging
+    /// and a stream of kvrecv's own, and counts as landed once the device holds it. TCP only;
+    /// needs a build with `--features cuda` (the driver is loaded at start).
+    #[arg(long, value_name = "ORDINAL")]
+    pub gpu: Option<u32>,
     /// P's TP size, when known: a /query view with fewer ranks is refused.
     #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
     pub expect_p_tp: Option<u32>,
@@ -295,6 +301,13 @@ impl ServeArgs {
     /// explicit (its data target, the control plane's placement, which events it keeps, the
     /// RDMA devices and queue-pair options).
     pub fn builder(&self, cfg: KvRecvConfig) -> Result<KvRecvBuilder, String> {
+        if self.gpu.is_some() && cfg.mooncake_protocol == MooncakeProtocol::Rdma {
+            // The RDMA target registers host memory, or the host's own device regions
+            // through GPUDirect (the library); it has no GPU allocation of its own.
+            return Err(
+                "--gpu is for the TCP target; with --protocol rdma it is not supported".into(),
+            );
+        }
         let target = self.target(&cfg.layout)?;
         let builder = KvRecvBuilder::new(cfg)
             .target(|t| *t = target)
@@ -331,6 +344,21 @@ impl ServeArgs {
             EventLevel::Completions => builder.completion_events(),
             EventLevel::None => builder,
         })
+    }
+
+    /// Where P's writes land (`--gpu`).
+    pub fn memory_kind(&self) -> Result<MemoryKind, String> {
+        match self.gpu {
+            None => Ok(MemoryKind::Host),
+            #[cfg(feature = "cuda")]
+            Some(ordinal) => Ok(MemoryKind::Cuda {
+                ordinal: ordinal as usize,
+            }),
+            #[cfg(not(feature = "cuda"))]
+            Some(_) => Err(
+                "--gpu: this kvrecv was built without CUDA (cargo build --features cuda)".into(),
+            ),
+        }
     }
 
     /// The data-plane target for `layout`.
@@ -372,7 +400,7 @@ impl ServeArgs {
             idle_timeout: self
                 .idle_timeout_ms
                 .map_or(DEFAULT_IDLE_TIMEOUT, |ms| Duration::from_millis(ms.max(1))),
-            memory: MemoryKind::Host,
+            memory: self.memory_kind()?,
             serve_reads: self.serve_reads,
             data_threads: usize::from(self.data_threads),
             ..TargetConfig::loopback(layout.clone())
