@@ -235,6 +235,8 @@ pub struct Busy {
     /// Dropped to release the kernel early; the thread releases it at the deadline otherwise.
     release_tx: Option<std::sync::mpsc::Sender<()>>,
     releaser: Option<std::thread::JoinHandle<()>>,
+    /// The kernel was queued (whatever failed after it).
+    launched: bool,
 }
 
 /// The flag's address, handed to the releasing thread (joined before the memory is freed).
@@ -275,6 +277,7 @@ impl Busy {
             flag: host.cast(),
             release_tx: None,
             releaser: None,
+            launched: false,
         };
         let mut dflag: sys::CUdeviceptr = 0;
         let mut cap: u64 = SPIN_CAP.as_nanos().try_into().unwrap_or(u64::MAX);
@@ -323,6 +326,7 @@ impl Busy {
                 ),
                 "cuLaunchKernel (spin)",
             )?;
+            busy.launched = true;
             ok(sys::cuEventRecord(event, LEGACY_STREAM), "cuEventRecord")?;
         }
         let (tx, rx) = std::sync::mpsc::channel::<()>();
@@ -380,11 +384,16 @@ impl Busy {
 impl Drop for Busy {
     fn drop(&mut self) {
         self.release();
-        // SAFETY: made in `start`; the kernel is released and waited for first, so neither the
-        // module nor the flag it reads is freed under it.
+        // SAFETY: made in `start`. The flag is set here too (`start` may have failed after the
+        // launch, before the releaser existed) and the legacy stream waited for, so neither the
+        // module nor the flag the kernel reads is freed under it.
         unsafe {
+            std::ptr::write_volatile(self.flag, 1);
+            std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+            if self.launched {
+                sys::cuStreamSynchronize(LEGACY_STREAM);
+            }
             if !self.event.is_null() {
-                sys::cuEventSynchronize(self.event);
                 sys::cuEventDestroy_v2(self.event);
             }
             if !self.module.is_null() {

@@ -180,6 +180,9 @@ async fn main() -> ExitCode {
         return match prefill::Prefill::spawn(&a.p.0, &a.p.1).await {
             Ok(p) => {
                 rehearsal::run(&mut report, &a.opts, &p).await;
+                if let Some(bin) = &a.serve_bin {
+                    serve_check::rehearse(&mut report, &a.opts, &p, bin).await;
+                }
                 p.stop().await;
                 if report.failed() {
                     ExitCode::FAILURE

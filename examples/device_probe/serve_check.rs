@@ -135,6 +135,11 @@ async fn one_run(bin: &str, o: &GpuOpts, p: &Prefill, extra: &[&str]) -> Result<
     let t0 = Instant::now();
     s.send(&json!({"op": "load_kv", "requests": requests}))
         .await?;
+    let answer = s.next(&["load_kv"], deadline).await?;
+    let rejected = answer["rejected"].as_array().map_or(0, Vec::len);
+    if answer["accepted"].as_u64() != Some(n as u64) || rejected != 0 {
+        return Err(format!("serve did not accept every request: {answer}"));
+    }
     // A completion Ok means every peer's bytes landed (on the GPU: the device holds them).
     for _ in 0..n {
         let v = s.next(&["completion"], deadline).await?;
@@ -164,7 +169,7 @@ async fn one_run(bin: &str, o: &GpuOpts, p: &Prefill, extra: &[&str]) -> Result<
     if broken != 0 {
         return Err(format!("{broken} broken data connections: {data}"));
     }
-    let gib = o.total_bytes() as f64 / f64::from(1u32 << 30);
+    let gib = requested_bytes(o) as f64 / f64::from(1u32 << 30);
     Ok(Run {
         gib_per_s: gib / wall,
         cpu_s_per_gib: cpu / gib,
@@ -172,12 +177,39 @@ async fn one_run(bin: &str, o: &GpuOpts, p: &Prefill, extra: &[&str]) -> Result<
     })
 }
 
+/// Bytes of the blocks the requests cover (whole requests of `blocks_per_req` blocks).
+fn requested_bytes(o: &GpuOpts) -> u64 {
+    let blocks = o.blocks / o.blocks_per_req * o.blocks_per_req;
+    u64::from(o.layers) * u64::from(blocks) * o.block_len
+}
+
+/// The rehearsal's check: the host-memory half, which needs no GPU.
+pub const REHEARSAL: &str = "rehearsal.serve_host";
+
+/// The dry run's rehearsal of this check's pipe-driving: the host-memory run alone.
+pub async fn rehearse(report: &mut Report, o: &GpuOpts, p: &Prefill, bin: &str) {
+    match one_run(bin, o, p, &[]).await {
+        Ok(h) if h.bytes_landed == requested_bytes(o) => report.pass(
+            REHEARSAL,
+            format!(
+                "kvrecv serve (host memory) driven over its pipes: every request ok, {} bytes landed, clean exit (no GPU: not a throughput figure)",
+                h.bytes_landed
+            ),
+        ),
+        Ok(h) => report.fail(
+            REHEARSAL,
+            format!("{} bytes landed of {}", h.bytes_landed, requested_bytes(o)),
+        ),
+        Err(e) => report.fail(REHEARSAL, e),
+    }
+}
+
 /// `gpu.serve_cuda`: serve on host memory (the baseline), then `serve --gpu ORDINAL`.
 pub async fn run(report: &mut Report, o: &GpuOpts, p: &Prefill, bin: &str) {
     let host = one_run(bin, o, p, &[]).await;
     let ordinal = o.ordinal.to_string();
     let gpu = one_run(bin, o, p, &["--gpu", &ordinal]).await;
-    let total = o.total_bytes();
+    let total = requested_bytes(o);
     let fig = |r: &Run| {
         format!(
             "gib_per_s={:.2} serve_cpu_s_per_gib={:.3}",

@@ -224,22 +224,29 @@ impl DeviceStream for CudaSlot {
 
 impl Drop for CudaSlot {
     fn drop(&mut self) {
-        if self.ctx.bind().is_err() {
+        // Pushed and popped, not set: the thread that drops the slot (a host's own, when it
+        // drops a `TcpTarget`) keeps the context it had current.
+        // SAFETY: a live context (see `CopyCtx`).
+        if unsafe { sys::cuCtxPushCurrent_v2(self.ctx.raw) }
+            .result()
+            .is_err()
+        {
             return; // leak rather than free memory a copy may still use
         }
         // SAFETY: the slot's own handles, released once; the stream is drained first so no
-        // copy still reads the pinned buffer.
+        // copy still reads the pinned buffer (if it cannot be, everything is leaked).
         unsafe {
-            if result::stream::synchronize(self.stream).is_err() {
-                return;
+            if result::stream::synchronize(self.stream).is_ok() {
+                let _ = result::stream::destroy(self.stream);
+                if !self.done.is_null() {
+                    let _ = result::event::destroy(self.done);
+                }
+                if !self.pinned.is_null() {
+                    let _ = result::free_host(self.pinned as *mut _);
+                }
             }
-            let _ = result::stream::destroy(self.stream);
-            if !self.done.is_null() {
-                let _ = result::event::destroy(self.done);
-            }
-            if !self.pinned.is_null() {
-                let _ = result::free_host(self.pinned as *mut _);
-            }
+            let mut popped = std::ptr::null_mut();
+            sys::cuCtxPopCurrent_v2(&mut popped);
         }
     }
 }

@@ -208,6 +208,8 @@ impl DeviceCopy for StagedCopier {
             pool = self.freed.wait(pool).unwrap_or_else(|e| e.into_inner());
         }
         let slots = std::mem::take(&mut pool.free);
+        // None is leased any more: a second close has nothing to wait for.
+        pool.live = 0;
         drop(pool);
         // Waiters for a slot see `closed`.
         self.freed.notify_all();
@@ -374,9 +376,56 @@ mod tests {
         assert_eq!(close.await.unwrap(), 0, "a slot outlived close");
         assert_eq!(dev.snapshot(0, 16), vec![7; 16], "the copy in flight landed");
         assert_eq!(dev.live_slots.load(Ordering::SeqCst), 0);
-        assert!(matches!(c.upload(0, &[1; 8]), Err(MemoryError::Cuda(_))));
-        assert!(c.download(0, &mut [0; 8]).is_err());
+        // Later copies fail at once (a copier that waited for a slot would hang here), and a
+        // second close returns.
+        let after = tokio::task::spawn_blocking({
+            let c = Arc::clone(&c);
+            move || {
+                let up = c.upload(0, &[1; 8]);
+                let down = c.download(0, &mut [0; 8]);
+                c.close();
+                (up, down)
+            }
+        });
+        let (up, down) = tokio::time::timeout(std::time::Duration::from_secs(30), after)
+            .await
+            .expect("a copy after close waited for a slot, or a second close hung")
+            .unwrap();
+        assert!(matches!(up, Err(MemoryError::Cuda(_))));
+        assert!(down.is_err());
         assert_eq!(dev.snapshot(0, 16), vec![7; 16]);
+    }
+
+    /// A copy already waiting for a slot when close runs gets an error, not a slot.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_copy_waiting_for_a_slot_fails_when_closed() {
+        let (c, dev) = copier(1);
+        let c = Arc::new(c);
+        dev.hold();
+        let held = dev.sync_held();
+        let first = tokio::task::spawn_blocking({
+            let c = Arc::clone(&c);
+            move || c.upload(0, &[3; 8])
+        });
+        held.await;
+        // The only slot is leased: this one waits in `lease`.
+        let waiting = tokio::task::spawn_blocking({
+            let c = Arc::clone(&c);
+            move || c.upload(8, &[4; 8])
+        });
+        let close = tokio::task::spawn_blocking({
+            let c = Arc::clone(&c);
+            move || c.close()
+        });
+        while !c.pool.lock().unwrap().closed {
+            tokio::task::yield_now().await;
+        }
+        dev.release();
+        first.await.unwrap().unwrap();
+        close.await.unwrap();
+        assert!(waiting.await.unwrap().is_err(), "got a slot after close");
+        assert_eq!(dev.snapshot(8, 8), vec![0; 8]);
+        assert_eq!(dev.live_slots.load(Ordering::SeqCst), 0);
     }
 
     /// A slot whose synchronisation failed may still be copying from its staging bytes: it is

@@ -155,7 +155,9 @@ pub enum TargetError {
     Threads(std::io::Error),
 }
 
-/// A running target. Dropping it stops accepting connections and closes the open ones.
+/// A running target. Dropping it stops accepting connections, closes the open ones and waits
+/// for their device copies in flight; after it the host's device regions are no longer reached
+/// (a later copy into them fails); kvrecv's own GPU allocation still is.
 pub struct TcpTarget {
     plane: Arc<DataPlane>,
     landing: Arc<TcpLanding>,
