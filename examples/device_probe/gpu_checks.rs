@@ -18,7 +18,9 @@
 
 use std::time::{Duration, Instant};
 
-use kvrecv::{DeviceMemory, DeviceRegion, EventStream, KvLayout, KvRecv, KvRecvConfig, KvRequest};
+use kvrecv::{
+    DeviceMemory, DeviceRegion, EventStream, HostMemory, KvLayout, KvRecv, KvRecvConfig, KvRequest,
+};
 
 use crate::cuda::{Busy, Ctx, DevBuf, Pinned, Stream};
 use crate::expected;
@@ -93,6 +95,46 @@ pub fn start(o: &GpuOpts, blocks: u32, mem: DeviceMemory) -> Result<(KvRecv, Eve
         .map_err(|e| e.to_string())?;
     let events = kv.events().map_err(|e| e.to_string())?;
     Ok((kv, events))
+}
+
+/// The same run as the timed GPU one (every block of every layer, the same P, the same request
+/// sizes) into host memory: the throughput check's baseline, measured in the same invocation.
+/// Returns `(GiB/s, D CPU s/GiB, P CPU s/GiB)`.
+pub async fn host_baseline(o: &GpuOpts, p: &Prefill) -> Result<(f64, f64, f64), String> {
+    let region = (u64::from(o.blocks) * o.block_len) as usize;
+    let mem =
+        HostMemory::owned(vec![vec![0u8; region]; o.layers as usize]).map_err(|e| e.to_string())?;
+    let config = KvRecvConfig {
+        layout: KvLayout::uniform(o.layers, o.block_len, o.blocks),
+        pull_timeout: Duration::from_secs(120),
+        ..KvRecvConfig::default()
+    };
+    let kv = KvRecv::builder(config)
+        .host_memory(mem)
+        .events(true)
+        .start()
+        .map_err(|e| e.to_string())?;
+    let mut events = kv.events().map_err(|e| e.to_string())?;
+    let bpr = o.blocks_per_req;
+    let reqs = (0..o.blocks / bpr)
+        .map(|r| request(p, &format!("dc-h-{r}"), r * bpr..(r + 1) * bpr))
+        .collect();
+    let pid = p.pid().map(|p| p.to_string()).ok_or("P has no pid")?;
+    let (d0, p0) = (cpu_seconds("self"), cpu_seconds(&pid));
+    let t0 = Instant::now();
+    let run = receive(&kv, &mut events, reqs, Duration::from_secs(150), |_| {}).await;
+    let wall = t0.elapsed().as_secs_f64();
+    let (d1, p1) = (cpu_seconds("self"), cpu_seconds(&pid));
+    kv.shutdown().await;
+    run?;
+    let gib = (u64::from(o.layers) * u64::from(o.blocks / bpr * bpr) * o.block_len) as f64
+        / f64::from(1u32 << 30);
+    match (d0, d1, p0, p1) {
+        (Some(d0), Some(d1), Some(p0), Some(p1)) => {
+            Ok((gib / wall, (d1 - d0) / gib, (p1 - p0) / gib))
+        }
+        _ => Err("no /proc CPU figures".into()),
+    }
 }
 
 pub fn request(p: &Prefill, id: &str, blocks: std::ops::Range<u32>) -> KvRequest {
@@ -264,10 +306,24 @@ async fn primary(report: &mut Report, o: &GpuOpts, p: &Prefill, ctx: Ctx) {
                 (Some(a), Some(b)) => format!("{:.3}", (b - a) / gib),
                 _ => "n/a".into(),
             };
+            // Host memory, the same run shape, right after: what the GPU's staging costs.
+            let baseline = match host_baseline(o, p).await {
+                Ok((h_rate, h_d, h_p)) => {
+                    let ratio = match (d0, d1) {
+                        (Some(a), Some(b)) => format!("{:.2}", (b - a) / gib / h_d),
+                        _ => "n/a".into(),
+                    };
+                    format!(
+                        " host_gib_per_s={h_rate:.2} host_d_cpu_s_per_gib={h_d:.3} host_p_cpu_s_per_gib={h_p:.3} gpu/host gib_per_s={:.2} d_cpu={ratio}",
+                        gib / wall / h_rate
+                    )
+                }
+                Err(e) => format!(" host baseline failed: {e}"),
+            };
             report.pass(
                 "gpu.throughput",
                 format!(
-                    "gib={gib:.2} seconds={wall:.2} gib_per_s={:.2} d_cpu_s_per_gib={} p_cpu_s_per_gib={} build={}",
+                    "gib={gib:.2} seconds={wall:.2} gib_per_s={:.2} d_cpu_s_per_gib={} p_cpu_s_per_gib={} build={};{baseline}",
                     gib / wall,
                     per_gib(d0, d1),
                     per_gib(p0, p1),

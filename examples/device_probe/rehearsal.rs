@@ -8,12 +8,14 @@ use std::time::{Duration, Instant};
 use kvrecv::DeviceMemory;
 
 use crate::expected;
-use crate::gpu_checks::{describe_bad, receive, request, start, GpuOpts, P_TP};
+use crate::gpu_checks::{describe_bad, host_baseline, receive, request, start, GpuOpts, P_TP};
 use crate::prefill::Prefill;
 use crate::report::Report;
 
 /// The check this reports.
 pub const CHECK: &str = "rehearsal.fake_device.write_verified";
+/// `gpu.throughput`'s host-memory baseline, run as on hardware.
+pub const BASELINE: &str = "rehearsal.host_baseline";
 
 pub async fn run(report: &mut Report, o: &GpuOpts, p: &Prefill) {
     let region = u64::from(o.blocks) * o.block_len;
@@ -55,5 +57,12 @@ pub async fn run(report: &mut Report, o: &GpuOpts, p: &Prefill) {
         );
     } else {
         report.fail(CHECK, describe_bad(&bad, all));
+    }
+    match host_baseline(o, p).await {
+        Ok((rate, d, p)) => report.pass(
+            BASELINE,
+            format!("every request released Ok into host memory (gib_per_s={rate:.2} d_cpu_s_per_gib={d:.3} p_cpu_s_per_gib={p:.3}; no GPU: not a figure)"),
+        ),
+        Err(e) => report.fail(BASELINE, e),
     }
 }
