@@ -19,7 +19,8 @@
 use std::time::{Duration, Instant};
 
 use kvrecv::{
-    DeviceMemory, DeviceRegion, EventStream, HostMemory, KvLayout, KvRecv, KvRecvConfig, KvRequest,
+    DeviceMemory, DeviceRegion, EventStream, HostMemory, KvLayout, KvRecv, KvRecvBuilder,
+    KvRecvConfig, KvRequest,
 };
 
 use crate::cuda::{Busy, Ctx, DevBuf, Pinned, Stream};
@@ -46,6 +47,12 @@ impl GpuOpts {
     /// Bytes P writes in the throughput run (every block of every layer).
     pub fn total_bytes(&self) -> u64 {
         u64::from(self.layers) * u64::from(self.blocks) * self.block_len
+    }
+
+    /// Bytes of the blocks whole requests of `blocks_per_req` blocks cover, every layer.
+    pub fn requested_bytes(&self) -> u64 {
+        let blocks = self.blocks / self.blocks_per_req * self.blocks_per_req;
+        u64::from(self.layers) * u64::from(blocks) * self.block_len
     }
 }
 
@@ -83,13 +90,21 @@ fn regions(ordinal: i32, bufs: &[DevBuf]) -> Result<DeviceMemory, String> {
 }
 
 pub fn start(o: &GpuOpts, blocks: u32, mem: DeviceMemory) -> Result<(KvRecv, EventStream), String> {
+    start_with(o, blocks, |b| b.device_memory(mem))
+}
+
+/// kvrecv on `o`'s layout with `blocks` blocks per region, its memory given by `memory`.
+fn start_with(
+    o: &GpuOpts,
+    blocks: u32,
+    memory: impl FnOnce(KvRecvBuilder) -> KvRecvBuilder,
+) -> Result<(KvRecv, EventStream), String> {
     let config = KvRecvConfig {
         layout: KvLayout::uniform(o.layers, o.block_len, blocks),
         pull_timeout: Duration::from_secs(120),
         ..KvRecvConfig::default()
     };
-    let kv = KvRecv::builder(config)
-        .device_memory(mem)
+    let kv = memory(KvRecv::builder(config))
         .events(true)
         .start()
         .map_err(|e| e.to_string())?;
@@ -104,17 +119,7 @@ pub async fn host_baseline(o: &GpuOpts, p: &Prefill) -> Result<(f64, f64, f64), 
     let region = (u64::from(o.blocks) * o.block_len) as usize;
     let mem =
         HostMemory::owned(vec![vec![0u8; region]; o.layers as usize]).map_err(|e| e.to_string())?;
-    let config = KvRecvConfig {
-        layout: KvLayout::uniform(o.layers, o.block_len, o.blocks),
-        pull_timeout: Duration::from_secs(120),
-        ..KvRecvConfig::default()
-    };
-    let kv = KvRecv::builder(config)
-        .host_memory(mem)
-        .events(true)
-        .start()
-        .map_err(|e| e.to_string())?;
-    let mut events = kv.events().map_err(|e| e.to_string())?;
+    let (kv, mut events) = start_with(o, o.blocks, |b| b.host_memory(mem))?;
     let bpr = o.blocks_per_req;
     let reqs = (0..o.blocks / bpr)
         .map(|r| request(p, &format!("dc-h-{r}"), r * bpr..(r + 1) * bpr))
@@ -127,8 +132,7 @@ pub async fn host_baseline(o: &GpuOpts, p: &Prefill) -> Result<(f64, f64, f64), 
     let (d1, p1) = (cpu_seconds("self"), cpu_seconds(&pid));
     kv.shutdown().await;
     run?;
-    let gib = (u64::from(o.layers) * u64::from(o.blocks / bpr * bpr) * o.block_len) as f64
-        / f64::from(1u32 << 30);
+    let gib = o.requested_bytes() as f64 / f64::from(1u32 << 30);
     match (d0, d1, p0, p1) {
         (Some(d0), Some(d1), Some(p0), Some(p1)) => {
             Ok((gib / wall, (d1 - d0) / gib, (p1 - p0) / gib))

@@ -169,18 +169,12 @@ async fn one_run(bin: &str, o: &GpuOpts, p: &Prefill, extra: &[&str]) -> Result<
     if broken != 0 {
         return Err(format!("{broken} broken data connections: {data}"));
     }
-    let gib = requested_bytes(o) as f64 / f64::from(1u32 << 30);
+    let gib = o.requested_bytes() as f64 / f64::from(1u32 << 30);
     Ok(Run {
         gib_per_s: gib / wall,
         cpu_s_per_gib: cpu / gib,
         bytes_landed,
     })
-}
-
-/// Bytes of the blocks the requests cover (whole requests of `blocks_per_req` blocks).
-fn requested_bytes(o: &GpuOpts) -> u64 {
-    let blocks = o.blocks / o.blocks_per_req * o.blocks_per_req;
-    u64::from(o.layers) * u64::from(blocks) * o.block_len
 }
 
 /// The rehearsal's check: the host-memory half, which needs no GPU.
@@ -189,7 +183,7 @@ pub const REHEARSAL: &str = "rehearsal.serve_host";
 /// The dry run's rehearsal of this check's pipe-driving: the host-memory run alone.
 pub async fn rehearse(report: &mut Report, o: &GpuOpts, p: &Prefill, bin: &str) {
     match one_run(bin, o, p, &[]).await {
-        Ok(h) if h.bytes_landed == requested_bytes(o) => report.pass(
+        Ok(h) if h.bytes_landed == o.requested_bytes() => report.pass(
             REHEARSAL,
             format!(
                 "kvrecv serve (host memory) driven over its pipes: every request ok, {} bytes landed, clean exit (no GPU: not a throughput figure)",
@@ -198,7 +192,7 @@ pub async fn rehearse(report: &mut Report, o: &GpuOpts, p: &Prefill, bin: &str) 
         ),
         Ok(h) => report.fail(
             REHEARSAL,
-            format!("{} bytes landed of {}", h.bytes_landed, requested_bytes(o)),
+            format!("{} bytes landed of {}", h.bytes_landed, o.requested_bytes()),
         ),
         Err(e) => report.fail(REHEARSAL, e),
     }
@@ -209,7 +203,7 @@ pub async fn run(report: &mut Report, o: &GpuOpts, p: &Prefill, bin: &str) {
     let host = one_run(bin, o, p, &[]).await;
     let ordinal = o.ordinal.to_string();
     let gpu = one_run(bin, o, p, &["--gpu", &ordinal]).await;
-    let total = requested_bytes(o);
+    let total = o.requested_bytes();
     let fig = |r: &Run| {
         format!(
             "gib_per_s={:.2} serve_cpu_s_per_gib={:.3}",
