@@ -121,9 +121,7 @@ pub unsafe fn register_device_region<B: VerbsBackend + ?Sized>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::verbs::fake::{FakeVerbs, VerbsCall};
-    use crate::rdma::verbs::nic::LocalNic;
-    use crate::rdma::verbs::qp_attrs::Mtu;
+    use crate::rdma::verbs::fake::{test_nic, FakeVerbs, VerbsCall};
 
     #[derive(Debug)]
     struct Export {
@@ -149,17 +147,7 @@ mod tests {
     }
 
     fn fake() -> FakeVerbs {
-        let nic = |i: usize| LocalNic {
-            name: format!("mlx5_{i}"),
-            port: 1,
-            lid: 0,
-            gid: Default::default(),
-            gid_index: 0,
-            active_mtu: Mtu::Mtu4096,
-            link_layer: Default::default(),
-            numa_node: None,
-        };
-        FakeVerbs::new((0..2).map(nic).collect())
+        FakeVerbs::new((0..2).map(|i| test_nic(&format!("mlx5_{i}"), Default::default())).collect())
     }
 
     const PTR: u64 = 0x7f00_0020_1000;

@@ -142,22 +142,10 @@ impl Drop for MemoryRegistrations {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::rdma::verbs::fake::{FakeVerbs, VerbsCall};
-    use crate::rdma::verbs::nic::LocalNic;
-    use crate::rdma::verbs::qp_attrs::Mtu;
+    use crate::rdma::verbs::fake::{test_nic, FakeVerbs, VerbsCall};
 
     fn fake(n: usize) -> FakeVerbs {
-        let nic = |i: usize| LocalNic {
-            name: format!("mlx5_{i}"),
-            port: 1,
-            lid: 0,
-            gid: Default::default(),
-            gid_index: 0,
-            active_mtu: Mtu::Mtu4096,
-            link_layer: Default::default(),
-            numa_node: None,
-        };
-        FakeVerbs::new((0..n).map(nic).collect())
+        FakeVerbs::new((0..n).map(|i| test_nic(&format!("mlx5_{i}"), Default::default())).collect())
     }
 
     #[test]
