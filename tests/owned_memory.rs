@@ -14,7 +14,8 @@ use kvrecv::sim::initiator::InitiatorConfig;
 use kvrecv::sim::te_writer::TeWriter;
 use kvrecv::sim::{Faults, PrefillSim, SimConfig};
 use kvrecv::{
-    AbandonedRequest, BlockReadError, HostMemory, KvEvent, KvRecv, KvRecvConfig, KvRequest, ReqId,
+    AbandonedRequest, BlockReadError, HostMemory, KvEvent, KvRecv, KvRecvConfig, KvRequest,
+    MemoryError, ReqId, ResumeMemory, StartError, TargetError,
 };
 
 const BLOCK: usize = 4096;
@@ -171,4 +172,55 @@ async fn a_host_receives_into_memory_it_owns_reads_it_back_and_learns_what_shutd
         );
         assert!(region[5 * BLOCK..6 * BLOCK].iter().all(|&x| x == FILL));
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_memory_lands_for_one_worker_at_a_time() {
+    let config = || KvRecvConfig {
+        layout: KvLayout::uniform(REGIONS as u32, BLOCK as u64, BLOCKS as u32),
+        ..KvRecvConfig::default()
+    };
+    let owned = || HostMemory::owned((0..REGIONS).map(|_| vec![FILL; BLOCK * BLOCKS])).unwrap();
+    let (memory, other) = (owned(), owned());
+    let first = KvRecv::builder(config())
+        .host_memory(memory.clone())
+        .start()
+        .unwrap();
+    assert!(memory.is_registered());
+
+    // A second worker on the same memory (a clone of it) would land in the first's blocks.
+    match KvRecv::builder(config())
+        .host_memory(memory.clone())
+        .start()
+    {
+        Err(StartError::Target(TargetError::Memory(MemoryError::InUse))) => {}
+        other => panic!("a second worker on registered memory: {:?}", other.err()),
+    }
+    // Nor may a worker on other memory resume onto it.
+    let second = KvRecv::builder(config())
+        .host_memory(other.clone())
+        .start()
+        .unwrap();
+    second.pause().await.unwrap();
+    let refused = second
+        .resume(ResumeMemory::Host(memory.clone()))
+        .await
+        .expect_err("resumed onto another worker's memory");
+    assert!(refused.to_string().contains("another worker"), "{refused}");
+    assert!(second.is_paused(), "a refused resume stays paused");
+    // Its own memory is still its own to resume onto.
+    second
+        .resume(ResumeMemory::Host(other.clone()))
+        .await
+        .unwrap();
+
+    // The first worker gone, its memory is free for another.
+    drop(first);
+    assert!(!memory.is_registered());
+    let third = KvRecv::builder(config())
+        .host_memory(memory.clone())
+        .start()
+        .unwrap();
+    drop((second, third));
+    assert!(!memory.is_registered() && !other.is_registered());
 }

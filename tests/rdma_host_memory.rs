@@ -129,3 +129,28 @@ async fn host_regions_that_do_not_fit_the_layout_are_refused() {
     let err = RdmaTarget::start(fake(), cfg).await.unwrap_err();
     assert!(matches!(err, RdmaTargetError::HostRegions(_)), "{err}");
 }
+
+#[tokio::test]
+async fn a_second_target_on_registered_host_memory_is_refused() {
+    let memory = HostMemory::owned(host_cache(2)).unwrap();
+    let cfg = || RdmaTargetConfig {
+        host_memory: Some(memory.clone()),
+        ..RdmaTargetConfig::loopback(KvLayout::uniform(2, BLOCK, BLOCKS))
+    };
+    let first = RdmaTarget::start(fake(), cfg()).await.unwrap();
+    match RdmaTarget::start(fake(), cfg()).await {
+        Err(RdmaTargetError::HostRegions(why)) => {
+            assert!(why.contains("another worker"), "{why}")
+        }
+        other => panic!("two targets on one memory: {:?}", other.err()),
+    }
+    // The first target gone (its windows deregistered), the memory may be registered again.
+    drop(first);
+    assert!(!memory.is_registered());
+    let again = RdmaTarget::start(fake(), cfg()).await.unwrap();
+    drop(again);
+    assert!(
+        memory.take_back().is_ok(),
+        "nothing holds the memory any more"
+    );
+}

@@ -2,6 +2,8 @@
 //! hands over for kvrecv to own. Their bytes are shared like DMA memory (see [`super::memory`]).
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use super::memory_error::MemoryError;
 
@@ -194,13 +196,80 @@ impl HostRegion {
 
 /// The host's KV regions, one per layout region in layout order (vLLM: one tensor per layer).
 /// Each must hold at least `block_len x num_blocks` bytes of its region. Cheap to clone.
+///
+/// One memory, one worker: a worker (its target) registers the memory, and while it holds the
+/// registration another worker's start (or a resume onto it) is refused with
+/// [`MemoryError::InUse`], so two workers can never land in the same bytes. The registration
+/// ends when the worker's target is gone: every [`crate::KvRecv`] handle dropped and its
+/// thread ended (as [`HostMemory::take_back`] needs).
 #[derive(Debug, Clone)]
-pub struct HostMemory(std::sync::Arc<[HostRegion]>);
+pub struct HostMemory(Arc<Shared>);
+
+#[derive(Debug)]
+struct Shared {
+    regions: Box<[HostRegion]>,
+    /// The landing that registered the memory, and how many of its holds are alive.
+    registered: Mutex<Option<(LandingId, usize)>>,
+}
+
+/// One landing (a target's), as the registrations of host memory tell owners apart: a resume
+/// onto memory its own landing holds is allowed, another landing's is refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LandingId(u64);
+
+impl LandingId {
+    /// A new id, never handed out before in this process.
+    pub(crate) fn fresh() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        LandingId(NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+}
+
+/// A landing's hold on a [`HostMemory`] while it may write it (see its doc); dropped, the
+/// registration ends with the last hold of its landing.
+#[derive(Debug)]
+pub(crate) struct HostRegistration {
+    memory: HostMemory,
+    landing: LandingId,
+}
+
+impl HostRegistration {
+    /// The landing that holds it.
+    pub(crate) fn landing(&self) -> LandingId {
+        self.landing
+    }
+
+    /// The memory held.
+    pub(crate) fn memory(&self) -> &HostMemory {
+        &self.memory
+    }
+}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let mut r = lock(&self.memory.0.registered);
+        if let Some((_, holds)) = r.as_mut() {
+            *holds -= 1;
+            if *holds == 0 {
+                *r = None;
+            }
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    // The guarded data is a plain count, consistent at every step: a panic elsewhere cannot
+    // leave it half-updated.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 impl HostMemory {
     /// The regions, in layout order.
     pub fn new(regions: Vec<HostRegion>) -> Self {
-        HostMemory(regions.into())
+        HostMemory(Arc::new(Shared {
+            regions: regions.into_boxed_slice(),
+            registered: Mutex::new(None),
+        }))
     }
 
     /// The host's KV cache handed over whole, one buffer per layout region in layout order
@@ -230,8 +299,9 @@ impl HostMemory {
     /// dropped and its thread ended) and every region owned ([`HostRegion::owned`]).
     /// Otherwise the memory comes back unchanged.
     pub fn take_back(mut self) -> Result<Vec<Box<[u8]>>, HostMemory> {
-        match std::sync::Arc::get_mut(&mut self.0) {
-            Some(regions) if regions.iter().all(HostRegion::is_owned) => Ok(regions
+        match Arc::get_mut(&mut self.0) {
+            Some(shared) if shared.regions.iter().all(HostRegion::is_owned) => Ok(shared
+                .regions
                 .iter_mut()
                 .filter_map(|r| r.owned.take().map(OwnedBytes::into_box))
                 .collect()),
@@ -241,6 +311,25 @@ impl HostMemory {
 
     /// The regions.
     pub fn regions(&self) -> &[HostRegion] {
-        &self.0
+        &self.0.regions
+    }
+
+    /// Whether a worker's landing holds this memory now (see the type's doc).
+    pub fn is_registered(&self) -> bool {
+        lock(&self.0.registered).is_some()
+    }
+
+    /// Register the memory for `landing`: refused while another landing holds it.
+    pub(crate) fn register(&self, landing: LandingId) -> Result<HostRegistration, MemoryError> {
+        let mut r = lock(&self.0.registered);
+        match r.as_mut() {
+            None => *r = Some((landing, 1)),
+            Some((owner, holds)) if *owner == landing => *holds += 1,
+            Some(_) => return Err(MemoryError::InUse),
+        }
+        Ok(HostRegistration {
+            memory: self.clone(),
+            landing,
+        })
     }
 }

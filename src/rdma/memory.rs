@@ -21,6 +21,7 @@ pub use super::device_memory::{DeviceMemory, DeviceRegion};
 pub use super::device_stream::STAGING_CHUNK;
 pub(crate) use super::host_memory::OwnedBytes;
 pub use super::host_memory::{HostMemory, HostRegion};
+pub(crate) use super::host_memory::{HostRegistration, LandingId};
 pub use super::memory_error::MemoryError;
 
 use super::device_memory::{device_copier, DeviceInner};
@@ -56,8 +57,8 @@ pub struct RegisteredMemory {
     len: u64,
     /// kvrecv's own allocation (none with host-owned memory).
     _owned: Option<HostBuffer>,
-    /// Keeps the host's region list alive (the bytes are the host's).
-    host_owned: Option<HostMemory>,
+    /// The host's regions, registered for this memory's landing (the bytes are the host's).
+    host_owned: Option<HostRegistration>,
     /// Memory reached only through copies (device memory, kvrecv's or the host's): no
     /// segments.
     staged: Option<Arc<dyn DeviceCopy>>,
@@ -116,9 +117,13 @@ impl RegisteredMemory {
     /// The host's own regions as the destination: `spans` are the layout's `(start, length)`
     /// per region ([`super::tcp::windows::WindowMap::region_spans`]); region `i` of `host` backs span
     /// `i` and must be at least as long. Nothing is allocated or zeroed.
-    pub fn host_owned(host: HostMemory, spans: &[(u64, u64)]) -> Result<Self, MemoryError> {
+    pub(crate) fn host_owned(
+        registration: HostRegistration,
+        spans: &[(u64, u64)],
+    ) -> Result<Self, MemoryError> {
+        let host = registration.memory();
         let needed: Vec<u64> = spans.iter().map(|&(_, len)| len).collect();
-        super::memory_fit::check_fit(&host, &needed)
+        super::memory_fit::check_fit(host, &needed)
             .map_err(|e| MemoryError::HostRegions(e.to_string()))?;
         let mut segments = Vec::with_capacity(spans.len());
         let mut end = 0u64;
@@ -139,7 +144,7 @@ impl RegisteredMemory {
             segments,
             len: end,
             _owned: None,
-            host_owned: Some(host),
+            host_owned: Some(registration),
             staged: None,
             gpu: false,
         })

@@ -32,6 +32,12 @@ pub enum MemoryError {
     #[error("host memory: {0}")]
     /// The host's regions do not match the layout.
     HostRegions(String),
+    #[error(
+        "host memory: registered with another worker that is still running (or whose handles \
+         are not all dropped); one memory lands for one worker at a time"
+    )]
+    /// The [`crate::HostMemory`] is registered with another worker's landing.
+    InUse,
     #[error("device memory: {0}")]
     /// The host's device regions do not match the layout.
     DeviceRegions(String),

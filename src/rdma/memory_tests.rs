@@ -2,6 +2,35 @@
 
 use super::*;
 
+/// `memory` registered for a landing of its own.
+fn registered(memory: HostMemory) -> HostRegistration {
+    memory.register(LandingId::fresh()).unwrap()
+}
+
+#[test]
+fn host_memory_is_registered_for_one_landing_at_a_time() {
+    let memory = HostMemory::owned([vec![0u8; 64]]).unwrap();
+    let (a, b) = (LandingId::fresh(), LandingId::fresh());
+    assert!(!memory.is_registered());
+    let first = memory.register(a).unwrap();
+    assert!(memory.is_registered());
+    // Another landing (another worker) is refused, through any clone of the memory.
+    assert!(matches!(
+        memory.clone().register(b),
+        Err(MemoryError::InUse)
+    ));
+    // The same landing may hold it twice (a resume onto the memory it is on).
+    let again = memory.register(a).unwrap();
+    drop(first);
+    assert!(matches!(memory.register(b), Err(MemoryError::InUse)));
+    drop(again);
+    // The last hold gone, the memory is free for another landing, and the host's again.
+    assert!(!memory.is_registered());
+    let other = memory.register(b).unwrap();
+    drop(other);
+    assert_eq!(memory.take_back().unwrap().len(), 1);
+}
+
 #[test]
 fn host_memory_is_zeroed_bounds_checked_and_round_trips() {
     let m = RegisteredMemory::new(MemoryKind::Host, 8192).unwrap();
@@ -29,7 +58,7 @@ fn host_owned_regions_back_their_layout_spans_without_copying() {
             HostRegion::new(b.as_mut_ptr(), b.len()).unwrap(),
         ]
     };
-    let m = RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)]).unwrap();
+    let m = RegisteredMemory::host_owned(registered(HostMemory::new(regions)), &[(0, 64), (64, 64)]).unwrap();
     assert!(m.is_host_owned());
     assert_eq!(m.len(), 128);
     m.write(60, &[1, 2, 3, 4]).unwrap();
@@ -57,7 +86,7 @@ fn host_regions_whose_used_bytes_overlap_are_refused() {
             .iter()
             .map(|&o| unsafe { HostRegion::new(p.add(o), 128).unwrap() })
             .collect();
-        RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)])
+        RegisteredMemory::host_owned(registered(HostMemory::new(regions)), &[(0, 64), (64, 64)])
     };
     // The same buffer twice, and the second region starting inside the first's 64 bytes.
     for offsets in [[0, 0], [0, 32], [32, 0]] {
@@ -85,7 +114,7 @@ fn a_region_one_block_short_says_too_short_not_overlap() {
             HostRegion::new(p.add(32), 64).unwrap(),
         ]
     };
-    let Err(e) = RegisteredMemory::host_owned(HostMemory::new(regions), &[(0, 64), (64, 64)])
+    let Err(e) = RegisteredMemory::host_owned(registered(HostMemory::new(regions)), &[(0, 64), (64, 64)])
     else {
         panic!("a short region accepted")
     };

@@ -28,7 +28,9 @@ use crate::rdma::audit::AuditCounters;
 use crate::rdma::handshake_daemon::{
     self, Daemon, HandshakeStats, DEFAULT_MAX_HANDSHAKES, DEFAULT_MAX_HANDSHAKES_PER_ADDRESS,
 };
-use crate::rdma::memory::{DeviceMemory, HostMemory, MemoryError, MemoryKind, RegisteredMemory};
+use crate::rdma::memory::{
+    DeviceMemory, HostMemory, LandingId, MemoryError, MemoryKind, RegisteredMemory,
+};
 
 /// Default number of landing windows (epochs): pulls in flight at once, plus windows poisoned
 /// by abandoned writers, plus the reserved one. Clamped to what fits below 2^53 for the layout.
@@ -244,9 +246,12 @@ impl TcpTarget {
     pub async fn start(cfg: TargetConfig) -> Result<Self, TargetError> {
         let windows = window_count(&cfg)?;
         let map = Arc::new(WindowMap::new(&cfg.layout, cfg.base_addr, windows)?);
+        let landing_id = LandingId::fresh();
         let memory = Arc::new(match (&cfg.device_memory, &cfg.host_memory) {
             (Some(d), _) => RegisteredMemory::device_owned(d.clone(), &map.region_spans())?,
-            (None, Some(h)) => RegisteredMemory::host_owned(h.clone(), &map.region_spans())?,
+            (None, Some(h)) => {
+                RegisteredMemory::host_owned(h.register(landing_id)?, &map.region_spans())?
+            }
             (None, None) => RegisteredMemory::new(cfg.memory, map.span())?,
         });
         let mut table = PermitTable::new(map.clone(), cfg.permits).with_labels(cfg.labels.clone());
@@ -278,7 +283,7 @@ impl TcpTarget {
         );
         let landing = Arc::new(
             TcpLanding::new(permits, &cfg.advertise_host, handshake_addr.port())
-                .with_memory(Arc::clone(plane.memory_slot())),
+                .with_memory(Arc::clone(plane.memory_slot()), landing_id),
         );
         let shards = Arc::new(
             ConnShards::start(cfg.data_threads).map_err(TargetError::Threads)?,

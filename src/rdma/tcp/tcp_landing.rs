@@ -10,6 +10,7 @@ use futures::future::LocalBoxFuture;
 
 use super::permits::{PermitTable, NO_WINDOW};
 use crate::messages::{PeerId, RequestMeta};
+use crate::rdma::memory::LandingId;
 use crate::rdma::landing::{
     FenceError, Landing, NoWindow, PullWindow, RegionBases, RevokeRequest, Revoked,
 };
@@ -20,8 +21,9 @@ pub struct TcpLanding {
     permits: Arc<PermitTable>,
     host: String,
     port: u32,
-    /// The data server's memory, swapped by a resume on new memory (`None`: not swappable).
-    memory: Option<Arc<super::memory_slot::MemorySlot>>,
+    /// The data server's memory, swapped by a resume on new memory (`None`: not swappable),
+    /// and the id this landing registers host memory under.
+    memory: Option<(Arc<super::memory_slot::MemorySlot>, LandingId)>,
 }
 
 impl TcpLanding {
@@ -35,9 +37,14 @@ impl TcpLanding {
         }
     }
 
-    /// The data server's memory slot, which [`Landing::resume_on`] swaps.
-    pub fn with_memory(mut self, slot: Arc<super::memory_slot::MemorySlot>) -> Self {
-        self.memory = Some(slot);
+    /// The data server's memory slot, which [`Landing::resume_on`] swaps, registering the new
+    /// memory as `id` (the target's: its start registered the first under it).
+    pub(crate) fn with_memory(
+        mut self,
+        slot: Arc<super::memory_slot::MemorySlot>,
+        id: LandingId,
+    ) -> Self {
+        self.memory = Some((slot, id));
         self
     }
 
@@ -106,7 +113,7 @@ impl Landing for TcpLanding {
         memory: &crate::rdma::memory::HostMemory,
     ) -> Result<(), crate::rdma::LandingPauseError> {
         use crate::rdma::LandingPauseError as E;
-        let Some(slot) = &self.memory else {
+        let Some((slot, id)) = &self.memory else {
             return Err(E::Unsupported("no swappable memory".into()));
         };
         if !self.permits.is_paused() {
@@ -135,7 +142,10 @@ impl Landing for TcpLanding {
         let spans = self.permits.map().region_spans();
         let needed: Vec<u64> = spans.iter().map(|&(_, len)| len).collect();
         crate::rdma::memory_fit::check_fit(memory, &needed)?;
-        let fresh = crate::rdma::memory::RegisteredMemory::host_owned(memory.clone(), &spans)
+        let registration = memory
+            .register(*id)
+            .map_err(|e| E::Failed(e.to_string()))?;
+        let fresh = crate::rdma::memory::RegisteredMemory::host_owned(registration, &spans)
             .map_err(|e| E::Failed(e.to_string()))?;
         // The old memory goes when the last revoked write holding it ends; none reads it.
         drop(slot.replace(Arc::new(fresh)));

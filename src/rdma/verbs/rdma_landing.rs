@@ -29,6 +29,7 @@ use super::key_windows::KeyWindows;
 use super::peer_binding::peer_host;
 use super::window_registrations::{HostSpan, WindowRegisterError, WindowRegistrations};
 use crate::layout::KvLayout;
+use crate::rdma::memory::{HostRegistration, LandingId};
 use crate::messages::PeerId;
 use crate::rdma::tcp::windows::{WindowError, WindowMap, DEFAULT_BASE};
 use crate::rdma::{
@@ -129,6 +130,9 @@ struct Core<B> {
     fence: RdmaFence<B>,
     windows: Mutex<Windows>,
     published: PublishedDescriptor,
+    /// The id this landing registers host memory under, and the host memory the windows are
+    /// on now (`None`: kvrecv's own or device memory), kept registered while they may be.
+    host: Mutex<(LandingId, Option<HostRegistration>)>,
 }
 
 impl<B> std::fmt::Debug for RdmaLanding<B> {
@@ -239,6 +243,7 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
         let host = host.into();
         let landing = RdmaLanding {
             core: Arc::new(Core {
+                host: Mutex::new((LandingId::fresh(), None)),
                 segment: format!("{host}:{port}"),
                 handshake,
                 fence,
@@ -312,6 +317,18 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
     /// The advertised base of every layout region of registered window `slot`.
     pub fn window_bases(&self, slot: u32) -> Option<crate::rdma::RegionBases> {
         lock(&self.core.windows).regs.bases(slot)
+    }
+
+    /// Keep the host memory the windows are on registered for this landing (the target's
+    /// start registered it, before any window).
+    pub(crate) fn keep_host(&self, registration: HostRegistration) {
+        *lock(&self.core.host) = (registration.landing(), Some(registration));
+    }
+
+    /// Never end the host memory's registration: a window on it could not be deregistered,
+    /// so the NIC may still write it (the memory is leaked with it).
+    pub(crate) fn leak_host(&self) {
+        std::mem::forget(lock(&self.core.host).1.take());
     }
 
     /// Deregister every window (the target stops; nothing registers again). On an error the
@@ -408,12 +425,18 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
                     "a window on the old memory is still registered".into(),
                 ));
             }
+            let mut host = lock(&self.core.host);
+            let registration = memory
+                .register(host.0)
+                .map_err(|e| E::Failed(e.to_string()))?;
             let spans = memory
                 .regions()
                 .iter()
                 .map(|r| (r.as_ptr() as u64, r.len() as u64))
                 .collect();
             w.regs.replace_memory(spans);
+            // No window is on the old memory any more (checked above): its registration ends.
+            host.1 = Some(registration);
             w.paused = false;
         }
         tracing::info!("RDMA landing resuming on new memory");

@@ -24,7 +24,7 @@ use super::window_registrations::{HostSpan, WindowRegisterError};
 use crate::layout::KvLayout;
 use crate::messages::handshake::SegmentDescriptor;
 use crate::rdma::handshake_daemon::{self, Daemon, HandshakeStats};
-use crate::rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, OwnedBytes};
+use crate::rdma::memory::{DeviceMemory, DeviceRegion, HostMemory, LandingId, OwnedBytes};
 
 /// How to start an RDMA target.
 #[derive(Debug, Clone)]
@@ -113,11 +113,6 @@ pub struct RdmaTarget<B: VerbsBackend + 'static> {
     /// if a window cannot be deregistered. Held as a raw pointer, never a `Box`: the NIC
     /// writes it while the target runs.
     owned: Option<OwnedBytes>,
-    /// The host's regions, kept while registered: those kvrecv owns ([`HostRegion::owned`])
-    /// are freed only after their deregistration, and leaked like `owned` if it fails.
-    ///
-    /// [`HostRegion::owned`]: crate::rdma::memory::HostRegion::owned
-    host: Option<HostMemory>,
     landing: Arc<RdmaLanding<B>>,
     daemon: Arc<Daemon>,
     segment: String,
@@ -175,6 +170,16 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             (None, None) => Some(OwnedBytes::zeroed(len)),
             _ => None,
         };
+        // The host's regions, registered for this target before any window is on them: those
+        // kvrecv owns (`HostRegion::owned`) are freed only after their deregistration (the
+        // landing keeps the registration), and leaked like `owned` if it fails.
+        let registration = match (&device, &cfg.host_memory) {
+            (None, Some(host)) => Some(
+                host.register(LandingId::fresh())
+                    .map_err(|e| RdmaTargetError::HostRegions(e.to_string()))?,
+            ),
+            _ => None,
+        };
         let spans = destination_spans(&cfg, device.as_ref().map(|d| d.0), owned.as_ref());
         let landing = Arc::new(open_landing(
             &cfg,
@@ -183,6 +188,9 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             device.as_ref(),
             &handshake,
         )?);
+        if let Some(registration) = registration {
+            landing.keep_host(registration);
+        }
         let nics = handshake
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -200,7 +208,6 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         Ok(RdmaTarget {
             handshake,
             owned,
-            host: device.is_none().then(|| cfg.host_memory.clone()).flatten(),
             landing,
             daemon,
             segment: name,
@@ -263,7 +270,7 @@ impl<B: VerbsBackend + 'static> Drop for RdmaTarget<B> {
         if let Err(e) = self.landing.close() {
             tracing::warn!(error = %e, "RDMA deregistration failed; buffer leaked");
             std::mem::forget(self.owned.take());
-            std::mem::forget(self.host.take());
+            self.landing.leak_host();
         }
     }
 }
