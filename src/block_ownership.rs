@@ -68,6 +68,7 @@ impl BlockOwnership {
     }
 
     /// Whether the table has no block.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_empty(&self) -> bool {
         self.slots.is_empty()
     }

@@ -209,6 +209,7 @@ pub struct ParsedKvTransfer {
     /// Whether `kv_connector_extra_config.kvrecv.layout` was present.
     pub layout_given: bool,
     /// Top-level keys kvrecv does not know (vLLM adds keys every release): accepted, ignored.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub ignored_keys: Vec<String>,
 }
 
@@ -304,7 +305,8 @@ impl KvRecvConfig {
     }
 
     /// Parse without requiring a layout; logs one warning naming every ignored key.
-    pub fn parse_kv_transfer_config(json: &str) -> Result<ParsedKvTransfer, ConfigError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn parse_kv_transfer_config(json: &str) -> Result<ParsedKvTransfer, ConfigError> {
         let raw: RawKvTransfer = serde_json::from_str(json)?;
         let ignored_keys = ignored_keys(&raw);
         if !ignored_keys.is_empty() {

@@ -1,3 +1,4 @@
+#![warn(unnameable_types)]
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
@@ -16,9 +17,11 @@
 //! handle ([`KvRecv`]) with its requests ([`KvRequest`]), replies ([`LoadKvReply`],
 //! [`StepOutput`], [`AbortReply`], [`PauseReport`], [`Stats`]) and events ([`KvEvent`]),
 //! reading landed blocks back ([`KvRecv::read_block`], [`HostMemory::take_back`], [`Stamp`],
-//! [`owner_tag`]), the errors, and, for hosts that run actix themselves, the advanced actor
-//! path ([`actors`]: the actors and the messages they take and give). Everything else is
-//! private. (The `cli` feature adds
+//! [`owner_tag`]), the errors and what they carry ([`Cause`], ...), and, for hosts that run
+//! actix themselves, the advanced actor path ([`actors`]: the actors, the messages a host sends
+//! them, and the ports they are built on). Everything else is private, and every type a public
+//! item reaches can be named (`unnameable_types` is warned, so CI's clippy denies it), but for
+//! the actors' messages to each other, which are opaque (see [`actors`]). (The `cli` feature adds
 //! the binary's entry point, `cli::main`; the `testing` feature opens the internals to this
 //! crate's own tests and benches and is not part of the interface.)
 //!
@@ -90,6 +93,14 @@ pub use rdma::tcp::target::TargetError;
 pub use rdma::verbs::DeviceConfig as RdmaDeviceConfig;
 pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, Mtu as RdmaMtu, PeerBinding};
 pub use rdma::verbs::{RdmaTargetError, VerbsError};
+// What the errors and outcomes above carry, so that a host can match on them.
+pub use messages::settle::Cause;
+pub use rdma::tcp::windows::WindowError;
+pub use rdma::verbs::backend::{QpId, SkippedDevice};
+pub use rdma::verbs::descriptor::DescriptorError;
+pub use rdma::verbs::gpudirect::GpuDirectError;
+pub use rdma::verbs::rdma_landing::RdmaLandingError;
+pub use rdma::verbs::window_registrations::WindowRegisterError;
 pub use rdma::{LandingPauseError, TargetConfig, NO_CLEAN_WINDOW};
 
 /// The README's Rust snippets are compiled (and the embedding one type-checked) as doc tests.

@@ -111,7 +111,7 @@ async fn run(epoch_rule: bool) -> Outcomes {
         events: sink,
         builtin_pool: true,
     });
-    let audit = target.install_audit(coord.ownership.clone().unwrap());
+    let audit = target.install_audit(coord.ownership().unwrap());
     let (jobs_tx, mut jobs) = mpsc::unbounded_channel();
     let (go_c, gate_c) = oneshot::channel();
     let writer = Arc::new(QueuingWriter {

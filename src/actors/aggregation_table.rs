@@ -128,6 +128,7 @@ impl AggregationTable {
     }
 
     /// Whether no request is awaited.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
     }

@@ -31,6 +31,7 @@ use super::rediscovery::clock_now;
 /// DESIGN.md §4 rule 7, or aborted before anything was sent): fail and complete them now.
 #[derive(Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct FailUnsent {
     /// The requests.
     pub requests: Vec<SharedRequest>,
@@ -53,7 +54,7 @@ pub struct RequestAggregator {
 impl RequestAggregator {
     /// An aggregator of the requests registered in `table`, that hands failures and
     /// completions to `block_manager`.
-    pub fn new(
+    pub(crate) fn new(
         table: SharedAggregation,
         block_manager: Addr<BlockManager>,
         events: EventSink,
@@ -68,7 +69,7 @@ impl RequestAggregator {
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
-    pub fn with_labels(mut self, labels: Labels) -> Self {
+    pub(crate) fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
     }

@@ -155,6 +155,7 @@ impl AggregatorState {
     /// Check an all-Ok request against what `landing` saw land before completing it Ok
     /// (PROTOCOL.md §5.3: a v1 writer's ok proves nothing). An unbacked ok fails the request,
     /// and its peers count as uncertain: their bytes may still be in flight.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn verified_by(mut self, landing: Arc<dyn Landing>) -> Self {
         Arc::make_mut(&mut Arc::make_mut(&mut self.batch).rules).verifier = Some(landing);
         self
@@ -163,6 +164,7 @@ impl AggregatorState {
     /// On RDMA nothing can be revoked per request, and a TE failure does not prove the
     /// transport stopped touching D's memory (PROTOCOL.md §5.3): treat such a Failed settle as
     /// Uncertain when deciding what to fence (DESIGN.md §5).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn transport_failures_uncertain(mut self, yes: bool) -> Self {
         Arc::make_mut(&mut Arc::make_mut(&mut self.batch).rules).transport_failures_uncertain = yes;
         self
@@ -174,6 +176,7 @@ impl AggregatorState {
     }
 
     /// Hash the state that decides what this request publishes next (model checking).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         self.req.req_id.hash(h);
@@ -190,10 +193,12 @@ impl AggregatorState {
         &self.req
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn outstanding(&self) -> usize {
         self.outstanding as usize
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_complete(&self) -> bool {
         self.completed
     }

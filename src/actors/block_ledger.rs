@@ -33,6 +33,7 @@ pub enum Disposition {
 #[derive(Clone)]
 struct Held {
     req: SharedRequest,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     peers: Vec<PeerId>,
     since: Instant,
     deadline: Instant,
@@ -76,12 +77,14 @@ impl BlockLedger {
     }
 
     /// Let `req` start, or say why not ([`LiveSet::admit`]).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn admit(&mut self, req: &SharedRequest) -> Result<(), BatchError> {
         self.live.lock().admit(req)
     }
 
     /// Hash everything that decides the ledger's future (model checking); quarantine times are
     /// left out: the model decides when deadlines fire.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         fn sorted<T: Ord + Clone>(it: impl Iterator<Item = T>) -> Vec<T> {
@@ -110,11 +113,13 @@ impl BlockLedger {
     }
 
     /// Whether `req_id` was admitted and not yet drained.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_live(&self, req_id: &ReqId) -> bool {
         self.live.lock().is_live(req_id)
     }
 
     /// Requests admitted and not yet drained.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn live_requests(&self) -> usize {
         self.live.lock().len()
     }
@@ -243,6 +248,7 @@ impl BlockLedger {
     }
 
     /// The peers a quarantine waits for.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn held_peers(&self, req_id: &ReqId) -> Option<&[PeerId]> {
         self.held.get(req_id).map(|h| h.peers.as_slice())
     }

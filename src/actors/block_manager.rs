@@ -21,7 +21,7 @@ use crate::telemetry::{self as m, Labels};
 
 use super::alarm::Alarm;
 use super::block_ledger::{BlockLedger, Disposition};
-use super::block_pool::{BlockOwnership, PoolError};
+use super::block_pool::PoolError;
 use super::event_sink::EventSink;
 use super::live_set::SharedLiveSet;
 use super::pause_watch::PauseWatch;
@@ -46,7 +46,7 @@ pub struct BlockManager {
 
 impl BlockManager {
     /// A block manager over `ledger`, fencing through `landing`.
-    pub fn new(
+    pub(crate) fn new(
         ledger: BlockLedger,
         landing: Arc<dyn Landing>,
         policy: Policy,
@@ -64,20 +64,17 @@ impl BlockManager {
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
-    pub fn with_labels(mut self, labels: Labels) -> Self {
+    pub(crate) fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
     }
 
     /// The live set its ledger releases blocks from (the Receiver admits into it, the host's
     /// drain hands requests over).
-    pub fn live_set(&self) -> SharedLiveSet {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn live_set(&self) -> SharedLiveSet {
         self.ledger.live_set()
-    }
-
-    /// The built-in pool's ownership table (for the data plane's audit), if there is a pool.
-    pub fn ownership(&self) -> Option<Arc<BlockOwnership>> {
-        self.ledger.pool().map(|p| p.ownership())
     }
 
     /// Make the deadline alarm fire no later than `at` (deadlines mostly come in order, so it

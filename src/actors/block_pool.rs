@@ -41,6 +41,7 @@ impl Clone for BlockPool {
 
 impl BlockPool {
     /// Hash free list, generations and holders in a canonical order (model checking).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         self.free.hash(h);
@@ -67,6 +68,7 @@ impl BlockPool {
         self.free.len()
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn capacity(&self) -> usize {
         self.generation.len()
     }
@@ -102,6 +104,7 @@ impl BlockPool {
         blocks
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn holds(&self, req: &ReqId) -> bool {
         self.holders.contains_key(req)
     }

@@ -57,6 +57,7 @@ impl LayoutAcks {
     }
 
     /// Ids acked by `peer`.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn acked(&self, peer: &PeerId) -> usize {
         self.by_peer.get(peer).map_or(0, VecDeque::len)
     }

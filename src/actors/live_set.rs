@@ -174,16 +174,19 @@ impl LiveSet {
     }
 
     /// Requests admitted and not yet handed over.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn len(&self) -> usize {
         self.live.len()
     }
 
     /// Whether no request is live.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_empty(&self) -> bool {
         self.live.is_empty()
     }
 
     /// Hash the live ids and the owners, in a stable order (model checking).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         let mut live: Vec<&ReqId> = self.live.iter().map(|r| &r.req_id).collect();

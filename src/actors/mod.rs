@@ -16,6 +16,12 @@
 //!   (its reply streams merged), `alarm` (a timer task), `pause_watch`, `event_sink`, and the
 //!   test double `scripted_transport`.
 //!
+//! Outside the crate (the advanced path) the actors, [`Coordinator`], the messages a host sends
+//! ([`LoadKv`], [`LoadMetas`], [`Drain`], [`Abort`]) and the ports ([`PeerTransport`],
+//! [`TopologySource`], [`Landing`], with what they take and give) can be named. The messages the
+//! actors send each other are reachable through the actors' `Handler` impls but opaque: each
+//! carries `#[allow(unnameable_types)]`, and a host never builds one.
+//!
 //! Each shell is thin: the Receiver's admission, grouping, pull planning and rediscovery
 //! decisions are `receiver_state`'s effects; the Peer keeps its bookkeeping in `peer_state`;
 //! the RequestAggregator its per-request machine in `aggregator_state`; the BlockManager's
@@ -57,7 +63,11 @@ internal_mod!(transport);
 // messages they take and give.
 pub use crate::control::{HttpTopology, ZmqTransport};
 pub use crate::messages::{Abort, Drain, LoadKv, LoadMetas};
-pub use crate::rdma::{Landing, TcpTarget};
+pub use crate::rdma::{Landing, TcpLanding, TcpTarget};
+// What a `Landing` takes and gives.
+pub use crate::rdma::{
+    FenceError, NoWindow, NoWindowReason, PullWindow, Revocation, RevokeRequest, Revoked,
+};
 pub use aggregator::RequestAggregator;
 pub use block_manager::BlockManager;
 pub use event_sink::EventSink;
@@ -66,10 +76,8 @@ pub use receiver::Receiver;
 #[cfg(any(test, feature = "testing"))]
 pub use scripted_transport::{OpenedPull, ScriptedTransport};
 pub use system::{Coordinator, CoordinatorParts};
-pub use topology::TopologySource;
-pub use transport::PeerTransport;
+pub use topology::{EngineTopology, TopologyError, TopologySource};
+pub use transport::{CleanFinish, Frames, PeerTransport, ReplyStream, TransportError};
 // What this crate's tests and benches name through `kvrecv::actors` (not the interface).
 #[cfg(feature = "testing")]
-pub use topology::{DRank, EngineTopology, StaticTopology, TopologyError};
-#[cfg(feature = "testing")]
-pub use transport::{CleanFinish, Frames, ReplyStream, TransportError};
+pub use topology::{DRank, StaticTopology};

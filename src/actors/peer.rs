@@ -157,7 +157,7 @@ pub struct Peer {
 impl Peer {
     /// A peer `id` talking through `transport`, settling into `aggregator`; `health` reports
     /// its failures to the Receiver's rediscovery.
-    pub fn new(
+    pub(crate) fn new(
         id: PeerId,
         transport: Rc<dyn PeerTransport>,
         cfg: PeerConfig,
@@ -187,13 +187,13 @@ impl Peer {
     }
 
     /// Record this worker's layout-id echoes in `acks` (the Receiver's table).
-    pub fn with_layout_acks(mut self, acks: SharedLayoutAcks) -> Self {
+    pub(crate) fn with_layout_acks(mut self, acks: SharedLayoutAcks) -> Self {
         self.acks = acks;
         self
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
-    pub fn with_labels(mut self, labels: Labels) -> Self {
+    pub(crate) fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
     }

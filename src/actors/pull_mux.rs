@@ -28,6 +28,7 @@ use crate::messages::PullId;
 
 /// An item of one merged stream, or its end (`None`), with the stream's pull.
 #[derive(Debug, PartialEq, Eq)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Tagged<I> {
     /// The pull whose stream it came from.
     pub pull_id: PullId,

@@ -82,7 +82,7 @@ pub struct Receiver {
 
 impl Receiver {
     /// A receiver that hands quarantines to `block_manager` and lands writes through `landing`.
-    pub fn new(
+    pub(crate) fn new(
         cfg: KvRecvConfig,
         topology: Rc<dyn TopologySource>,
         transport: Rc<dyn PeerTransport>,
@@ -127,7 +127,7 @@ impl Receiver {
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
-    pub fn with_labels(mut self, labels: Labels) -> Self {
+    pub(crate) fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
     }

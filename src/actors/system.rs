@@ -46,7 +46,8 @@ pub struct Coordinator {
     /// Takes `Drain`; owns the destination-block ledger.
     pub block_manager: Addr<BlockManager>,
     /// The built-in pool's ownership table, for the data plane's audit.
-    pub ownership: Option<Arc<BlockOwnership>>,
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) ownership: Option<Arc<BlockOwnership>>,
     /// What the BlockManager has ready for the next drain (one for every clone: an `Outbox`'s
     /// own `clone` copies).
     outbox: Arc<Outbox>,
@@ -102,6 +103,14 @@ impl Coordinator {
             max_live,
             landing,
         }
+    }
+
+    /// The built-in pool's ownership table (what this crate's audit tests check writes
+    /// against).
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn ownership(&self) -> Option<Arc<BlockOwnership>> {
+        self.ownership.clone()
     }
 
     /// Whether admission is closed (sleep mode, DESIGN.md §7).

@@ -88,7 +88,7 @@ impl HttpTopology {
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
-    pub fn with_labels(mut self, labels: Labels) -> Self {
+    pub(crate) fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
     }

@@ -353,13 +353,14 @@ impl ZmqTransport {
     }
 
     /// Record metrics under `labels` (the coordinator's engine and ranks).
-    pub fn with_labels(mut self, labels: Labels) -> Self {
+    pub(crate) fn with_labels(mut self, labels: Labels) -> Self {
         self.labels = labels;
         self
     }
 
-    /// The context (tests share it for inproc sockets).
-    pub fn context(&self) -> &ZmqContext {
+    /// The context (unit tests share it for inproc sockets).
+    #[cfg(test)]
+    pub(crate) fn context(&self) -> &ZmqContext {
         &self.ctx
     }
 

@@ -42,6 +42,7 @@ pub struct AbortReply {
 /// held it.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "usize")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct AbortAtPeer {
     /// The request to settle at this peer.
     pub req_id: ReqId,

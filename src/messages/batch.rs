@@ -391,6 +391,7 @@ pub fn check_bootstrap_addr(addr: &str) -> Result<(), &'static str> {
 
 /// A validated request, shared (`Arc`) by every actor that needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct RequestMeta {
     /// vLLM's request id (the key of every event and drain).
     pub req_id: ReqId,
@@ -486,18 +487,23 @@ impl RequestMeta {
 impl KvRequest {
     /// Check the three keys vLLM needs (PROTOCOL.md §4); a missing one would leave the request
     /// waiting forever, so it is refused here instead.
-    pub fn validate(&self) -> Result<RequestMeta, BatchError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn validate(&self) -> Result<RequestMeta, BatchError> {
         self.validate_with(&mut Interner::default())
     }
 
     /// [`Self::validate`], sharing engine ids and bootstrap addresses through `interner`.
-    pub fn validate_with(&self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn validate_with(&self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
         self.clone().into_meta(interner)
     }
 
     /// [`Self::validate_with`], taking the request: its block lists are copied into one
     /// allocation for every group (the metadata lives as long as the request).
-    pub fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn into_meta(self, interner: &mut Interner) -> Result<RequestMeta, BatchError> {
         // One path for both forms: the owned request is read as the borrowed one.
         fn borrowed(s: &Option<String>) -> Option<Cow<'_, str>> {
             s.as_deref().map(Cow::Borrowed)
@@ -633,6 +639,7 @@ pub struct LoadKv {
 /// awaiting it, is not woken for it: the reply waits in the channel.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct LoadKvTo {
     /// The batch.
     pub batch: LoadKv,
@@ -645,6 +652,7 @@ pub struct LoadKvTo {
 /// A batch's requests counted in a host's queue of submitted batches, until this is dropped
 /// (the Receiver took the batch, or a stopped one dropped it unread).
 #[derive(Debug)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Queued {
     count: Arc<std::sync::atomic::AtomicUsize>,
     n: usize,

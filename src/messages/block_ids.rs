@@ -11,6 +11,7 @@ use std::fmt;
 
 /// Stored block lists, borrowed: serialized as a list of lists, as vLLM's `block_ids`.
 #[derive(Clone, Copy, Default)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct BlockGroups<'a>(&'a [u32]);
 
 impl<'a> BlockGroups<'a> {
@@ -82,6 +83,7 @@ pub(super) fn stored<G: AsRef<[u32]>>(groups: &[G], spare: usize) -> Vec<u32> {
 
 /// The groups of a [`BlockGroups`], each its blocks.
 #[derive(Clone)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Groups<'a> {
     ids: BlockGroups<'a>,
     next: usize,

@@ -19,6 +19,7 @@ pub struct RegisterWorker {
 /// One DP entry of `GET /query`. Unknown keys are ignored; `tp_size`/`pp_size` are used when a
 /// branch of vLLM sends them.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct DpEntry {
     pub engine_id: String,
     /// TP rank -> PP rank -> side-channel address. JSON keys are strings.

@@ -13,6 +13,7 @@ use super::ids::{PeerId, ReqId};
 /// fail the request while other peers are still writing.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct FirstFailure {
     /// The request.
     pub req: SharedRequest,
@@ -48,6 +49,7 @@ impl Outcome {
 /// [`Completions`] message. Its blocks may be reused once the landing permits are revoked and,
 /// for `uncertain_peers`, the data plane fenced them (DESIGN.md §5).
 #[derive(Debug, Clone)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Completion {
     /// The request.
     pub req: SharedRequest,
@@ -95,6 +97,7 @@ pub type CompletionList = smallvec::SmallVec<[Completion; 1]>;
 /// many [`Completion`]s one after another.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Completions {
     /// The completions, in the order their requests completed.
     pub completions: CompletionList,

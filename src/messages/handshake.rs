@@ -87,6 +87,7 @@ impl SegmentDescriptor {
     }
 
     /// The host P connects to for data: `tcp_data_host`, else the host part of `name`.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn data_host(&self) -> &str {
         match &self.tcp_data_host {
             Some(h) if !h.is_empty() => h,
@@ -104,6 +105,7 @@ impl SegmentDescriptor {
 /// assert_eq!(split_segment_name("[::1]:7"), ("::1", 7));
 /// assert_eq!(split_segment_name("host"), ("host", 12001));
 /// ```
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
 pub fn split_segment_name(name: &str) -> (&str, u16) {
     if let Some(rest) = name.strip_prefix('[') {
         if let Some((h, p)) = rest.split_once(']') {

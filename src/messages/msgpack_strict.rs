@@ -13,6 +13,7 @@ use thiserror::Error;
 const MAX_DEPTH: usize = 32;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub enum StrictError {
     #[error("Expected `object`, got `{0}`")]
     NotAMap(&'static str),

@@ -15,10 +15,12 @@ use super::ids::ReqId;
 /// midway, then called again) watches whatever still holds blocks.
 #[derive(Debug, Message)]
 #[rtype(result = "PauseStarted")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct BeginPause;
 
 /// What [`BeginPause`] answers.
 #[derive(Debug)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct PauseStarted {
     /// Requests holding blocks when admission closed (in flight, or quarantined).
     pub holders: Vec<ReqId>,
@@ -30,6 +32,7 @@ pub struct PauseStarted {
 /// layout-id nonce, so that P learns the layout again instead of trusting what it cached.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct NewRegistration;
 
 /// What a pause (or a shutdown) did to the requests that held blocks: what

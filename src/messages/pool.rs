@@ -9,6 +9,7 @@ use thiserror::Error;
 use super::ids::ReqId;
 
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub enum PoolError {
     #[error("pool exhausted: {wanted} blocks wanted, {free} free")]
     Exhausted { wanted: usize, free: usize },
@@ -19,6 +20,7 @@ pub enum PoolError {
 /// Take `n` destination blocks for a request from the built-in pool.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Result<Vec<u32>, PoolError>")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Allocate {
     pub req_id: ReqId,
     /// The writer-visible owner tag (`block_ownership::owner_tag(transfer_id)`), checked by the audit.
@@ -29,6 +31,7 @@ pub struct Allocate {
 /// Give back blocks of a request that was never loaded (the host changed its mind).
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "Vec<u32>")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Free {
     pub req_id: ReqId,
 }
@@ -36,6 +39,7 @@ pub struct Free {
 /// A snapshot of the ledger, for operators and tests.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "LedgerStats")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct GetLedgerStats;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]

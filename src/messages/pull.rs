@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 /// A pull's layout id and whether the pull carries the layout.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct PullLayout {
     /// 0: no id (layout ids off); the layout is then always carried.
     pub id: u64,
@@ -37,6 +38,7 @@ pub type EncodeWithLayout = Arc<dyn Fn(&PullRequests) -> Result<Vec<u8>, WireErr
 /// transports it and interprets the replies.
 #[derive(Clone, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Pull {
     /// Unique per coordinator; matches replies and events to the pull.
     pub pull_id: PullId,
@@ -59,6 +61,7 @@ pub struct Pull {
 /// still reaches zero.
 #[derive(Clone, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct UnsentPull {
     /// The pull that was not sent.
     pub pull_id: PullId,

@@ -14,6 +14,7 @@ use super::batch::SharedRequest;
 /// One request inside a pull: one pointer, so a batch's list costs 8 bytes a request (a
 /// stored `awaited` flag made it 16, though the request itself says it).
 #[derive(Clone)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct PullRequest {
     /// The request and its destination blocks.
     pub meta: SharedRequest,
@@ -30,6 +31,7 @@ impl PullRequest {
 /// A pull's requests: none, one inline, or a list shared by the batch's pulls. Reads as a
 /// slice; a write (tests only) copies a shared list first.
 #[derive(Clone, Default)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct PullRequests(Repr);
 
 #[derive(Clone, Default)]

@@ -12,15 +12,18 @@ use actix::Message;
 /// still reach them) and the actor stops after the last.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Retire;
 
 /// -> Receiver: how many Peer actors there are now.
 #[derive(Debug, Clone, Copy, Message)]
 #[rtype(result = "PeerCount")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct CountPeers;
 
 /// The answer to [`CountPeers`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct PeerCount {
     /// Peers the Receiver hands pulls to.
     pub serving: usize,

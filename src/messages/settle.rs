@@ -116,6 +116,7 @@ impl SettleOutcome {
 /// per-request messages were most of the actors' mailbox traffic.
 #[derive(Debug, Clone, Message)]
 #[rtype(result = "()")]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Settles(pub SettleList);
 
 /// Settles in order, inline for one (a reply at batch 1 allocates no list).
@@ -126,6 +127,7 @@ pub type SettleList = smallvec::SmallVec<[Settle; 1]>;
 /// Exactly one per (peer, request) of a pull (DESIGN.md §4 rule 1); it reaches the
 /// RequestAggregator inside a [`Settles`] message.
 #[derive(Debug, Clone)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct Settle {
     /// The settling peer.
     pub peer: PeerId,

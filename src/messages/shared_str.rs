@@ -14,6 +14,7 @@ use std::sync::Arc;
 /// An immutable string shared by reference count, one pointer wide. Compares, hashes and
 /// orders as its text.
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub struct SharedStr(Arc<Box<str>>);
 
 impl SharedStr {

@@ -443,6 +443,7 @@ impl<'a> XferReplyRef<'a> {
 
 /// Why bytes could not be encoded or decoded.
 #[derive(Debug, Error)]
+#[allow(unnameable_types)] // opaque outside: see `crate::actors` (module doc)
 pub enum WireError {
     #[error("malformed msgpack: {0}")]
     Structure(#[from] StrictError),

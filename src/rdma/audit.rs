@@ -133,6 +133,7 @@ pub struct AuditCounters {
 
 /// A point-in-time copy of [`AuditCounters`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
 pub struct AuditSnapshot {
     pub audited: u64,
     pub unstamped: u64,
@@ -150,6 +151,7 @@ impl AuditCounters {
         }
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn snapshot(&self) -> AuditSnapshot {
         let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
         AuditSnapshot {
@@ -171,6 +173,7 @@ pub struct Auditor {
 }
 
 impl Auditor {
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn new(ownership: Arc<BlockOwnership>) -> Self {
         Auditor {
             ownership,
@@ -178,6 +181,7 @@ impl Auditor {
         }
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn counters(&self) -> Arc<AuditCounters> {
         self.counters.clone()
     }

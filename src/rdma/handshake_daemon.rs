@@ -304,11 +304,13 @@ impl Daemon {
     }
 
     /// Connections open now from `ip` (tests, diagnostics).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn open_connections_from(&self, ip: std::net::IpAddr) -> usize {
         self.conns.open_from(ip)
     }
 
     /// `"tcp"` or `"rdma"`.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn protocol(&self) -> &'static str {
         self.service.protocol()
     }

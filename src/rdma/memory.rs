@@ -231,11 +231,13 @@ impl RegisteredMemory {
     }
 
     /// Whether there are no regions.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Whether the bytes are the host's own ([`HostMemory`]).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_host_owned(&self) -> bool {
         self.host_owned.is_some()
     }
@@ -325,6 +327,7 @@ impl RegisteredMemory {
     }
 
     /// A copy of `len` destination bytes at `offset`.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn snapshot(&self, offset: u64, len: u64) -> Result<Vec<u8>, MemoryError> {
         let mut v = vec![0u8; usize::try_from(len).map_err(|_| MemoryError::Alloc(len))?];
         self.read(offset, &mut v)?;
@@ -333,6 +336,7 @@ impl RegisteredMemory {
 
     /// Overwrite destination bytes (tests, READ fixtures); on device memory through a staged
     /// copy (blocking).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn write(&self, offset: u64, src: &[u8]) -> Result<(), MemoryError> {
         if self.staged.is_some() {
             return self.upload(offset, src);

@@ -210,8 +210,8 @@ impl Harness {
             events: events_tx,
             builtin_pool: true,
         });
-        if let Some(table) = &coord.ownership {
-            let _ = landing.ownership.set(table.clone());
+        if let Some(table) = coord.ownership() {
+            let _ = landing.ownership.set(table);
         }
         Harness {
             coord,

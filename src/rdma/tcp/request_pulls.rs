@@ -143,6 +143,7 @@ impl RequestPulls {
     }
 
     /// Every request with its pairs, sorted (model checking).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn sorted(&self) -> Vec<(ReqId, Pairs)> {
         let mut v: Vec<_> = self
             .runs

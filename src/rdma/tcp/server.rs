@@ -89,6 +89,7 @@ impl DataStats {
     }
 
     /// All rejections.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn rejected_total(&self) -> u64 {
         [
             RejectReason::OutOfRange,
@@ -183,11 +184,13 @@ impl DataPlane {
     }
 
     /// Connections open now from `ip` (tests, diagnostics).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn open_connections_from(&self, ip: std::net::IpAddr) -> usize {
         self.conns.open_from(ip)
     }
 
     /// Turn audit mode on against `ownership` (once; later calls return the existing counters).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn install_audit(&self, ownership: Arc<BlockOwnership>) -> Arc<AuditCounters> {
         self.audit
             .get_or_init(|| Auditor::new(ownership))
@@ -205,6 +208,7 @@ impl DataPlane {
     }
 
     /// Audit counters, if audit mode is on.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn audit(&self) -> Option<Arc<AuditCounters>> {
         self.audit.get().map(|a| a.counters())
     }

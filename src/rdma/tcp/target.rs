@@ -312,32 +312,41 @@ impl TcpTarget {
     }
 
     /// Memory, windows, permits and counters.
-    pub fn plane(&self) -> &Arc<DataPlane> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn plane(&self) -> &Arc<DataPlane> {
         &self.plane
     }
 
     /// Data server counters.
-    pub fn stats(&self) -> &Arc<DataStats> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn stats(&self) -> &Arc<DataStats> {
         &self.plane.stats
     }
 
     /// Handshake daemon counters.
-    pub fn handshake_stats(&self) -> &Arc<HandshakeStats> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn handshake_stats(&self) -> &Arc<HandshakeStats> {
         &self.daemon.stats
     }
 
     /// The handshake daemon (its caps and open connections).
-    pub fn daemon(&self) -> &Arc<Daemon> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn daemon(&self) -> &Arc<Daemon> {
         &self.daemon
     }
 
     /// Turn audit mode on.
-    pub fn install_audit(&self, ownership: Arc<BlockOwnership>) -> Arc<AuditCounters> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    pub(crate) fn install_audit(&self, ownership: Arc<BlockOwnership>) -> Arc<AuditCounters> {
         self.plane.install_audit(ownership)
     }
 
     /// The descriptor served to Metadata requests.
-    pub fn descriptor(&self) -> &SegmentDescriptor {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn descriptor(&self) -> &SegmentDescriptor {
         &self.descriptor
     }
 

@@ -28,7 +28,8 @@ pub struct TcpLanding {
 
 impl TcpLanding {
     /// `host:port` is the handshake daemon P's TE contacts.
-    pub fn new(permits: Arc<PermitTable>, host: &str, port: u16) -> Self {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn new(permits: Arc<PermitTable>, host: &str, port: u16) -> Self {
         TcpLanding {
             permits,
             host: host.to_owned(),
@@ -49,7 +50,8 @@ impl TcpLanding {
     }
 
     /// The permit table.
-    pub fn permits(&self) -> &Arc<PermitTable> {
+    #[cfg_attr(feature = "testing", visibility::make(pub))]
+    pub(crate) fn permits(&self) -> &Arc<PermitTable> {
         &self.permits
     }
 }

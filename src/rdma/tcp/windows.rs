@@ -17,24 +17,36 @@ pub const ADDRESS_LIMIT: u64 = 1 << 53;
 /// Windows start on this alignment, so a window's addresses read well in hex dumps.
 const WINDOW_ALIGN: u64 = 1 << 21;
 
+/// Why the landing windows could not be laid out over the KV layout (DESIGN.md §5).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum WindowError {
+    /// Nothing to land in.
     #[error("the layout has no region, no block, or a region with block_len 0")]
     EmptyLayout,
+    /// A region whose written part is longer than its block.
     #[error("region {region}: kv_block_len {kv_block_len} exceeds block_len {block_len}")]
     KvBlockLen {
+        /// The region, in layout order.
         region: usize,
+        /// Bytes written per block.
         kv_block_len: u64,
+        /// Bytes per block.
         block_len: u64,
     },
+    /// Windows are advertised above a base address, which cannot be 0.
     #[error("base address must be non-zero")]
     ZeroBase,
+    /// The windows would not fit below 2^53 (advertised addresses stay exact in every JSON tool).
     #[error("{windows} windows of {stride} bytes above {base:#x} exceed 2^53")]
     TooLarge {
+        /// The first window's address.
         base: u64,
+        /// Bytes between two windows.
         stride: u64,
+        /// How many windows were asked for.
         windows: u32,
     },
+    /// Zero windows asked for.
     #[error("at least one window is needed")]
     NoWindow,
 }
@@ -174,6 +186,7 @@ impl WindowMap {
     }
 
     /// Number of regions.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn regions(&self) -> usize {
         self.region_start.len()
     }

@@ -11,8 +11,9 @@ use super::qp_attrs::{QpState, QpTransition};
 /// A queue pair: QP numbers are unique per device only, so the device index is part of the id.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct QpId {
-    /// Index into [`VerbsBackend::nics`].
+    /// The device, as an index into the backend's list of NICs.
     pub nic: usize,
+    /// The QP's number on that device.
     pub qp_num: u32,
 }
 
@@ -213,7 +214,9 @@ pub trait VerbsBackend: Send {
 /// A device left out, and why (a [`VerbsError`] naming it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SkippedDevice {
+    /// The device's name (`mlx5_0`).
     pub name: String,
+    /// Why it was left out.
     pub reason: VerbsError,
 }
 
@@ -241,6 +244,7 @@ pub fn describe_skipped(skipped: &[SkippedDevice]) -> String {
 /// A dma-buf exported for a device region: `fd` covers the allocation holding it, the region
 /// starts `offset` bytes into it.
 #[derive(Debug)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
 pub struct DmaBuf {
     /// The dma-buf; closed once registered (the registration holds its own reference).
     pub fd: OwnedFd,
@@ -257,6 +261,7 @@ pub struct AsyncEvent {
 
 /// What happened (`ibv_event_type`), with the QP number or port it names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
 pub enum AsyncEventKind {
     /// `IBV_EVENT_QP_FATAL`: the QP is in ERR.
     QpFatal { qp_num: u32 },

@@ -29,18 +29,29 @@ pub struct RegisteredRegion {
 /// A descriptor P would discard (PROTOCOL.md §5.1, §6): kvrecv refuses to build it instead.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
 pub enum DescriptorError {
+    /// No segment name.
     #[error("the segment name is empty")]
     EmptyName,
+    /// No device to list.
     #[error("no RDMA device: an RDMA descriptor needs at least one")]
     NoDevices,
+    /// No buffer to list.
     #[error("no registered buffer")]
     NoBuffers,
+    /// A buffer P would discard.
     #[error("buffer {index} has an empty location, a zero address or a zero length")]
-    BadBuffer { index: usize },
+    BadBuffer {
+        /// The buffer, in descriptor order.
+        index: usize,
+    },
+    /// A buffer without one key pair per device.
     #[error("buffer {index} has {keys} key pairs for {devices} devices")]
     KeyCountMismatch {
+        /// The buffer, in descriptor order.
         index: usize,
+        /// Key pairs it has.
         keys: usize,
+        /// Devices listed.
         devices: usize,
     },
 }

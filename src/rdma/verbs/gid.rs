@@ -29,6 +29,7 @@ impl Gid {
     }
 
     /// True for an IPv4-mapped GID (`::ffff:a.b.c.d`), the form RoCE v2 uses for IPv4 routing.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn is_ipv4_mapped(&self) -> bool {
         self.0[..10] == [0; 10] && self.0[10] == 0xff && self.0[11] == 0xff
     }

@@ -93,6 +93,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
         }
     }
 
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn segment_name(&self) -> &str {
         &self.segment_name
     }
@@ -113,17 +114,20 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
 
     /// An endpoint from P's NIC path, if any: the one on D's first NIC (in device order) that
     /// has one. With several D NICs, [`endpoint_on`](Self::endpoint_on) names the NIC.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn endpoint(&self, peer_nic_path: &str) -> Option<&Endpoint> {
         self.table.of_peer(peer_nic_path).next()
     }
 
     /// The endpoint from P's NIC path on D's NIC named `nic`.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn endpoint_on(&self, nic: &str, peer_nic_path: &str) -> Option<&Endpoint> {
         let i = self.nic_index(nic)?;
         self.table.get(i, peer_nic_path)
     }
 
     /// Every endpoint from P's NIC path, in D NIC order (one per D NIC P connected to).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn endpoints_from<'a>(
         &'a self,
         peer_nic_path: &'a str,

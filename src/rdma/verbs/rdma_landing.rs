@@ -44,35 +44,62 @@ pub const MAX_SLOTS: u32 = 1 << 16;
 /// Why the landing cannot be set up.
 #[derive(Debug, Error)]
 pub enum RdmaLandingError {
+    /// Nothing to land in.
     #[error("the KV layout has no region")]
     EmptyLayout,
+    /// A region's bytes (blocks x block length) do not fit in a u64.
     #[error("KV region {region} needs {needed} bytes, which overflows u64")]
-    Overflow { region: usize, needed: u64 },
+    Overflow {
+        /// The region, in layout order.
+        region: usize,
+        /// What it was computed to need before overflowing.
+        needed: u64,
+    },
+    /// Not one memory region per layout region.
     #[error("{regions} memory regions for {layout} layout regions: give one per layout region")]
-    RegionCount { regions: usize, layout: usize },
+    RegionCount {
+        /// Memory regions given.
+        regions: usize,
+        /// Layout regions.
+        layout: usize,
+    },
+    /// A memory region shorter than its layout region.
     #[error("KV region {region} needs {needed} bytes at {addr:#x}; the memory holds {have}")]
     TooSmall {
+        /// The region, in layout order.
         region: usize,
+        /// Its start.
         addr: u64,
+        /// Bytes the layout needs.
         needed: u64,
+        /// Bytes the memory has.
         have: u64,
     },
+    /// The windows cannot be laid out.
     #[error("landing windows: {0}")]
     Windows(#[from] WindowError),
+    /// A window's registration with a NIC failed.
     #[error("registering landing window {slot}: {error}")]
     Register {
+        /// The window's IOVA slot.
         slot: u32,
+        /// Why.
         error: WindowRegisterError,
     },
+    /// The descriptor P would read is not one it accepts.
     #[error("RDMA descriptor: {0}")]
     Descriptor(#[from] DescriptorError),
+    /// The descriptor does not fit in one handshake frame.
     #[error(
         "the descriptor ({bytes} bytes: {windows} windows x {regions} regions) exceeds the 1 MiB \
          handshake frame cap; use fewer windows"
     )]
     DescriptorTooLarge {
+        /// Its size.
         bytes: usize,
+        /// Windows advertised.
         windows: usize,
+        /// Regions per window.
         regions: usize,
     },
 }

@@ -21,8 +21,10 @@ pub type HostSpan = (u64, u64);
 /// Why a window could not be registered.
 #[derive(Debug, Error)]
 pub enum WindowRegisterError {
+    /// The verbs call failed (`RLIMIT_MEMLOCK`, a NIC error).
     #[error(transparent)]
     Verbs(#[from] VerbsError),
+    /// Device memory the NIC cannot take.
     #[error(transparent)]
     GpuDirect(#[from] GpuDirectError),
 }

@@ -132,6 +132,7 @@ impl PermitTable {
     }
 
     /// Byte accounting of `pull` while its permit is open.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn pull_bytes(&self, pull: PullId) -> Option<PullBytes> {
         let inner = self.lock();
         let p = inner.by_pull.get(&pull)?;

@@ -161,6 +161,7 @@ impl Permit {
     }
 
     /// A copy with the same values (no read in the gate: forks happen between events).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     fn fork(&self) -> Permit {
         Permit {
             pull_id: self.pull_id,
@@ -393,6 +394,7 @@ impl Admitted {
     }
 
     /// The pull this write belongs to (`None` with permits off).
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn pull_id(&self) -> Option<PullId> {
         self.permit.as_ref().map(|p| p.pull_id)
     }
@@ -400,6 +402,7 @@ impl Admitted {
 
 /// Byte accounting of one pull.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
 pub struct PullBytes {
     pub window: u32,
     pub bytes_landed: u64,
@@ -605,6 +608,7 @@ impl PermitTable {
 
     /// A deep copy of the whole table (model checking forks states). Permits shared between
     /// the window slots and the indexes stay shared in the copy. Not for a live target.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn fork(&self) -> PermitTable {
         let inner = self.lock();
         let mut copies: FastMap<*const Permit, Arc<Permit>> = FastMap::default();
@@ -653,6 +657,7 @@ impl PermitTable {
     /// Hash what decides admission and window choice (model checking): each window's pull,
     /// peer, blocks and open requests, the poisoned windows, the cursor, the windowless
     /// requests. Poison deadlines are left out: the model decides when they pass.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn fingerprint<H: std::hash::Hasher>(&self, h: &mut H) {
         use std::hash::Hash;
         for s in &self.slots {
@@ -690,11 +695,13 @@ impl PermitTable {
     }
 
     /// Whether suspect windows are poisoned.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn epoch_rule(&self) -> bool {
         self.poison
     }
 
     /// Epoch counters.
+    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
     pub fn epochs(&self) -> &EpochStats {
         &self.epochs
     }
