@@ -513,13 +513,14 @@ impl Actor for Receiver {
 }
 
 impl Receiver {
-    /// The next idle-peer sweep: a few times per retirement period, at most every 10 s. An
-    /// [`Alarm`], not `run_interval`: a timer in the context is polled at every turn of the
-    /// Receiver (every batch).
+    /// The next sweep of idle peers and of the transport's idle channels: a few times per
+    /// retirement period, at most every second (what a hostile peer queues on an idle channel
+    /// is freed within that). An [`Alarm`], not `run_interval`: a timer in the context is
+    /// polled at every turn of the Receiver (every batch).
     fn arm_sweep(&mut self, ctx: &mut Context<Self>) {
         let every = (self.cfg.peer_retire_after / 4).clamp(
             std::time::Duration::from_millis(1),
-            std::time::Duration::from_secs(10),
+            std::time::Duration::from_secs(1),
         );
         let at = tokio::time::Instant::now() + every;
         self.sweep = Alarm::set(ctx.address().downgrade().recipient(), at, SweepDue);
@@ -531,6 +532,7 @@ impl Handler<SweepDue> for Receiver {
 
     fn handle(&mut self, _: SweepDue, ctx: &mut Context<Self>) {
         self.retire_idle_peers();
+        self.transport.sweep_idle();
         self.arm_sweep(ctx);
     }
 }

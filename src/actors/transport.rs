@@ -101,4 +101,10 @@ pub trait PeerTransport: 'static {
     /// is the Peer's verdict on the pull, read when the stream is dropped: a channel is reused
     /// only when it is set.
     fn pull(&self, peer: &PeerId, request: Vec<u8>, finish: CleanFinish) -> ReplyStream;
+
+    /// Close kept channels that can no longer carry a pull (their peer sent something for no
+    /// pull, or the connection went), so that what a hostile peer queues on an idle channel
+    /// is freed even when no pull comes. The Receiver calls it on its sweep; the default keeps
+    /// nothing to sweep.
+    fn sweep_idle(&self) {}
 }

@@ -221,17 +221,25 @@ impl Pool {
         }
     }
 
-    /// Close DEALERs idle past the timeout, at most once per [`SWEEP_EVERY`]: their peer may be
-    /// gone for good (a P restarted on new ports), and each holds descriptors.
+    /// [`Self::sweep_now`], at most once per [`SWEEP_EVERY`].
     fn sweep(&self) {
         if self.last_sweep.get().elapsed() < SWEEP_EVERY {
             return;
         }
+        self.sweep_now();
+    }
+
+    /// Close DEALERs idle past the timeout (their peer may be gone for good, a P restarted on
+    /// new ports, and each holds descriptors) and those that would not be taken any more
+    /// ([`Channel::usable_after_idle`]): a message queued on an idle DEALER is held by libzmq
+    /// until the socket closes, up to its high-water mark of `max_msg_size` messages (a hostile
+    /// P filled 4.6 GB in 16 s that way).
+    fn sweep_now(&self) {
         self.last_sweep.set(Instant::now());
         let timeout = self.idle_timeout;
         let mut idle = self.idle.borrow_mut();
         idle.retain(|_, list| {
-            list.retain(|i| i.since.elapsed() < timeout);
+            list.retain_mut(|i| i.since.elapsed() < timeout && i.ch.usable_after_idle());
             !list.is_empty()
         });
         // A peer with nothing lent and nothing idle is forgotten, its peak with it: a P that
@@ -827,6 +835,10 @@ impl PeerTransport for ZmqTransport {
             }
         })
         .boxed_local()
+    }
+
+    fn sweep_idle(&self) {
+        self.pool.sweep_now();
     }
 }
 

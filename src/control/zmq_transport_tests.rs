@@ -339,3 +339,46 @@ async fn a_pooled_dealer_whose_peer_went_is_closed_when_taken() {
     }
     assert!(t.pool.idle.borrow().get(&peer).is_none_or(|l| l.is_empty()));
 }
+
+/// A P that sends to an idle DEALER (here 8 messages of 1 MiB; a hostile one filled GBs this
+/// way) gets that DEALER closed by the Receiver's sweep, with no pull to take it: libzmq holds
+/// what is queued until the socket closes. A healthy idle DEALER stays for the next pull.
+#[tokio::test]
+async fn the_sweep_closes_an_idle_dealer_its_peer_sent_to_and_keeps_a_healthy_one() {
+    let t = ZmqTransport::default();
+    let (mut hostile, hostile_addr) = p_router(&t);
+    let (mut healthy, healthy_addr) = p_router(&t);
+    let identity = one_pull(&t, &mut hostile, &hostile_addr).await;
+    one_pull(&t, &mut healthy, &healthy_addr).await;
+    let junk = vec![0u8; 1 << 20];
+    for _ in 0..8 {
+        hostile
+            .send_multipart(&[identity.as_slice(), junk.as_slice()])
+            .await
+            .unwrap();
+    }
+    let (hostile_peer, healthy_peer) = (PeerId::new(&hostile_addr), PeerId::new(&healthy_addr));
+    let queued = async {
+        while !t.pool.idle.borrow_mut().get_mut(&hostile_peer).is_some_and(|l| {
+            l.iter_mut().all(|i| {
+                i.ch.dealer
+                    .socket()
+                    .get_events()
+                    .is_ok_and(|e| e.contains(zmq::POLLIN))
+            })
+        }) {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::timeout(SAFETY, queued)
+        .await
+        .expect("the junk reaches the idle DEALER");
+    let idle = |peer: &PeerId| t.pool.idle.borrow().get(peer).map_or(0, Vec::len);
+    assert_eq!((idle(&hostile_peer), idle(&healthy_peer)), (1, 1));
+    t.sweep_idle();
+    assert_eq!(
+        (idle(&hostile_peer), idle(&healthy_peer)),
+        (0, 1),
+        "the DEALER holding junk is closed, the healthy one kept"
+    );
+}
