@@ -815,6 +815,71 @@ async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limi
     assert!(status.success());
 }
 
+/// SIGTERM while the host reads nothing of stdout (its backlog full, stdin paused): serve
+/// still stops, dropping the output nobody reads after a short grace and saying so, instead of
+/// waiting for the host forever (a stop only SIGKILL could make).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_stops_serve_even_when_the_host_never_reads_stdout() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
+        .args([
+            "serve",
+            "--layers",
+            "1",
+            "--block-len",
+            "4096",
+            "--num-blocks",
+            "16",
+            "--max-output-backlog-bytes",
+            "65536",
+            "--log-level",
+            "warn",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("kvrecv binary");
+    let mut stdin = child.stdin.take().unwrap();
+    // Held, never read past the ready line: the pipe fills and serve's writes wait.
+    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
+    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+    assert_eq!(next_json(&mut out).await["event"], "ready");
+    let host = tokio::spawn(async move {
+        let chunk = r#"{"op":"stats"}"#.to_owned() + "\n";
+        // Until serve stops reading (a write fails once it exited).
+        while stdin.write_all(chunk.as_bytes()).await.is_ok() {}
+    });
+    async fn said(
+        err: &mut tokio::io::Lines<BufReader<tokio::process::ChildStderr>>,
+        what: &str,
+    ) -> String {
+        while let Some(l) = err.next_line().await.unwrap() {
+            if l.contains(what) {
+                return l;
+            }
+        }
+        panic!("stderr closed before {what:?}");
+    }
+    tokio::time::timeout(SAFETY, said(&mut err, "stdin paused"))
+        .await
+        .expect("serve pauses stdin");
+    let pid = child.id().expect("running") as libc::pid_t;
+    // SAFETY: signals our own child, which is still running (not yet waited for).
+    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+    let dropped = tokio::time::timeout(SAFETY, said(&mut err, "without writing the rest"))
+        .await
+        .expect("serve gives up on the unread backlog");
+    assert!(dropped.contains("WARN"), "{dropped}");
+    let status = tokio::time::timeout(SAFETY, child.wait())
+        .await
+        .expect("serve exits with its stdout still unread")
+        .unwrap();
+    assert!(status.success(), "{status:?}");
+    host.await.unwrap();
+    drop(out);
+}
+
 /// Shutdown hands over what completed since the host's last drain and says how many awaited
 /// requests were never released (still in flight), instead of ending silently.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

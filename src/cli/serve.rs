@@ -263,8 +263,11 @@ struct Session {
 
 /// Why serve's loop ended.
 enum Ended {
-    /// End of input, `shutdown`, a stop signal, or a stdin error (reported).
+    /// End of input, `shutdown`, or a stdin error (reported).
     Input,
+    /// SIGTERM or SIGINT: ends as at the end of input, but output the host does not read
+    /// within [`SIGNAL_FLUSH_GRACE`] is dropped.
+    Signal,
     /// stdout is closed: nothing more reaches the host.
     StdoutLost,
 }
@@ -289,8 +292,8 @@ async fn serve(args: ServeArgs, mut worker: Worker, ready: serde_json::Value) ->
         answers: args.answers,
         n: 0,
     };
-    let ended = match StopSignals::new() {
-        Ok(stop) => Some(serve_lines(&args, &mut worker, &mut session, &out, stop).await),
+    let mut stop = match StopSignals::new() {
+        Ok(stop) => Some(stop),
         Err(e) => {
             emit(
                 &out,
@@ -299,16 +302,52 @@ async fn serve(args: ServeArgs, mut worker: Worker, ready: serde_json::Value) ->
             None
         }
     };
+    let ended = match stop.as_mut() {
+        Some(stop) => Some(serve_lines(&args, &mut worker, &mut session, &out, stop).await),
+        None => None,
+    };
     if ended.is_some() {
         finish(args.events, &mut worker, &mut session, &out).await;
     }
     drop(out);
-    writer.join().await;
+    let grace = matches!(ended, Some(Ended::Signal)).then_some(SIGNAL_FLUSH_GRACE);
+    flush(writer, stop, grace).await;
     actix_rt::System::current().stop();
     match ended {
-        Some(Ended::Input) => ExitCode::SUCCESS,
+        Some(Ended::Input | Ended::Signal) => ExitCode::SUCCESS,
         Some(Ended::StdoutLost) => ExitCode::FAILURE,
         None => ExitCode::from(2),
+    }
+}
+
+/// How long output queued when a stop signal came may take to reach a host that is not
+/// reading it: an operator's stop ends serve even then (the rest is dropped, said on stderr).
+const SIGNAL_FLUSH_GRACE: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Wait until everything queued is written to stdout; with `grace` (after a stop signal) no
+/// longer than that, and with signal handlers not past another stop signal.
+async fn flush(writer: Writer, stop: Option<StopSignals>, grace: Option<std::time::Duration>) {
+    let another_signal = async {
+        match stop {
+            Some(mut stop) => stop.next().await,
+            None => std::future::pending().await,
+        }
+    };
+    let grace_over = async {
+        match grace {
+            Some(d) => tokio::time::sleep(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        () = writer.join() => {}
+        name = another_signal => {
+            tracing::warn!(signal = name, "stopping without writing the rest of stdout's backlog");
+        }
+        () = grace_over => {
+            tracing::warn!(grace_s = grace.unwrap_or_default().as_secs(),
+                "stdout is not being read: stopping without writing the rest of its backlog");
+        }
     }
 }
 
@@ -319,7 +358,7 @@ async fn serve_lines(
     worker: &mut Worker,
     session: &mut Session,
     out: &Output,
-    mut stop: StopSignals,
+    stop: &mut StopSignals,
 ) -> Ended {
     let max_line = args.max_line_bytes;
     let mut lines = LineReader::new(BufReader::new(stdin_reader()), max_line);
@@ -344,7 +383,7 @@ async fn serve_lines(
             // gets the last drain and the count of requests abandoned in flight.
             name = &mut stopped => {
                 tracing::warn!(signal = name, "stopping: shutting down as at the end of input");
-                return Ended::Input;
+                return Ended::Signal;
             }
             // Nothing serve says can reach the host: stop as at the end of input.
             () = &mut closed => {
