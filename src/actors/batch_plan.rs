@@ -145,9 +145,12 @@ fn duplicates_by_set<'a>(
         .collect()
 }
 
-/// Layout-level checks on top of [`KvRequest::validate`].
+/// Layout-level checks on top of [`KvRequest::validate`]. A request with blocks has one list
+/// per KV-cache group; one with none (`[]`, `[[]]`: sent so that P frees its side) no more
+/// lists than groups.
 fn check_blocks(r: &RequestMeta, l: &KvLayout) -> Result<(), BatchError> {
-    if r.is_awaiting() && r.block_ids().len() != l.num_groups as usize {
+    let (lists, groups) = (r.block_ids().len(), l.num_groups as usize);
+    if (r.is_awaiting() && lists != groups) || lists > groups.max(1) {
         return Err(BatchError::GroupCount {
             req_id: r.req_id.to_string(),
             groups: r.block_ids().len(),
@@ -373,6 +376,9 @@ mod tests {
                 kv("a", "e", vec![vec![2]]),
                 kv("c", "e", vec![vec![1], vec![2]]),
                 kv("d", "e", vec![]),
+                kv("f", "e", vec![vec![]]),
+                kv("g", "e", vec![vec![], vec![]]),
+                kv("h", "e", vec![vec![]; 100_000]),
             ],
             &l,
             &mut Interner::default(),
@@ -380,7 +386,7 @@ mod tests {
         let ok: Vec<(usize, &str)> = v.valid.iter().map(|(i, m)| (*i, &*m.req_id)).collect();
         assert_eq!(
             ok,
-            [(0, "a"), (4, "d")],
+            [(0, "a"), (4, "d"), (5, "f")],
             "a cleanup pull without blocks is valid"
         );
         let kinds: Vec<(usize, &str)> = v.rejected.iter().map(|(i, e)| (*i, e.kind())).collect();
@@ -389,8 +395,11 @@ mod tests {
             [
                 (1, "block_out_of_range"),
                 (2, "duplicate_in_batch"),
-                (3, "group_count")
-            ]
+                (3, "group_count"),
+                (6, "group_count"),
+                (7, "group_count")
+            ],
+            "one block list per group, or none: more empty lists than groups are refused too"
         );
     }
 
