@@ -20,6 +20,16 @@ use tokio::task::{JoinHandle, JoinSet};
 
 use crate::messages::bootstrap::{DpEntry, QueryResponse, RegisterWorker};
 
+/// The longest worker address taken (a `tcp://host:port`): anyone can register, and every
+/// D's `/query` reads every address (500 of 1 MiB made the answer 524 MB, over D's cap).
+pub const MAX_ADDR_BYTES: usize = 256;
+/// The most workers registered at once, every DP rank together.
+pub const MAX_WORKERS: usize = 4096;
+/// Connections served at once; one more is closed at once.
+pub const MAX_CONNECTIONS: usize = 256;
+/// How long a request's headers may take to arrive (a slow client holds a connection).
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// Registered workers, shared by the server's connections.
 #[derive(Default)]
 struct Registry {
@@ -58,10 +68,15 @@ async fn accept_loop(listener: TcpListener, st: Arc<State>) {
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
+                if conns.len() >= MAX_CONNECTIONS {
+                    continue; // dropped: closed at once
+                }
                 let st = st.clone();
                 conns.spawn(async move {
                     let svc = service_fn(move |req| handle(req, st.clone()));
                     let _ = hyper::server::conn::http1::Builder::new()
+                        .timer(hyper_util::rt::TokioTimer::new())
+                        .header_read_timeout(HEADER_READ_TIMEOUT)
                         .serve_connection(TokioIo::new(stream), svc)
                         .await;
                 });
@@ -138,7 +153,27 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 fn register(state: &State, w: &RegisterWorker) -> Result<(), String> {
+    if w.addr.len() > MAX_ADDR_BYTES {
+        return Err(format!(
+            "worker address of {} bytes, over {MAX_ADDR_BYTES}",
+            w.addr.len()
+        ));
+    }
     let mut reg = lock(&state.registry);
+    let workers: usize = reg
+        .engines
+        .values()
+        .flat_map(|e| e.worker_addr.values())
+        .map(BTreeMap::len)
+        .sum();
+    let known = reg.engines.get(&w.dp_rank).is_some_and(|e| {
+        e.worker_addr
+            .get(&w.tp_rank.to_string())
+            .is_some_and(|s| s.contains_key(&w.pp_rank.to_string()))
+    });
+    if !known && workers >= MAX_WORKERS {
+        return Err(format!("{MAX_WORKERS} workers registered already"));
+    }
     let entry = reg.engines.entry(w.dp_rank).or_insert_with(|| DpEntry {
         engine_id: w.engine_id.clone(),
         worker_addr: BTreeMap::new(),
@@ -216,4 +251,75 @@ async fn handle(
         }
         _ => reply(StatusCode::NOT_FOUND, json!({"detail": "Not Found"})),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn worker(tp_rank: u32, addr: &str) -> RegisterWorker {
+        RegisterWorker {
+            engine_id: "e".into(),
+            dp_rank: 7,
+            tp_rank,
+            pp_rank: 0,
+            addr: addr.into(),
+        }
+    }
+
+    /// Anyone can register, and every D reads every address: the registry is bounded.
+    #[test]
+    fn registration_is_bounded_in_address_length_and_workers() {
+        let state = State::default();
+        let long = "x".repeat(MAX_ADDR_BYTES + 1);
+        let e = register(&state, &worker(0, &long)).expect_err("a 257-byte address");
+        assert!(e.contains("over 256"), "{e}");
+        for tp in 0..MAX_WORKERS as u32 {
+            register(&state, &worker(tp, "tcp://10.0.0.1:5555")).unwrap();
+        }
+        let e = register(&state, &worker(MAX_WORKERS as u32, "tcp://10.0.0.1:5555"))
+            .expect_err("one worker too many");
+        assert!(e.contains("registered already"), "{e}");
+        // Re-registering a known worker at its address stays idempotent at the cap.
+        register(&state, &worker(3, "tcp://10.0.0.1:5555")).unwrap();
+    }
+
+    /// Connections that send nothing hold their place only until the cap: one more is closed at
+    /// once, and the server still answers once they go.
+    #[tokio::test]
+    async fn connections_over_the_cap_are_closed_at_once() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let server = BootstrapServer::start("127.0.0.1:0".parse().unwrap())
+            .await
+            .unwrap();
+        let mut idle = Vec::new();
+        for _ in 0..MAX_CONNECTIONS {
+            idle.push(tokio::net::TcpStream::connect(server.addr()).await.unwrap());
+        }
+        let mut extra = tokio::net::TcpStream::connect(server.addr()).await.unwrap();
+        let mut buf = [0u8; 16];
+        let n = tokio::time::timeout(std::time::Duration::from_secs(20), extra.read(&mut buf))
+            .await
+            .expect("closed, not held");
+        assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+        drop(idle);
+        let answered = async {
+            loop {
+                let mut c = tokio::net::TcpStream::connect(server.addr()).await.unwrap();
+                c.write_all(b"GET /query HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
+                    .await
+                    .unwrap();
+                let mut reply = Vec::new();
+                let _ = c.read_to_end(&mut reply).await;
+                if reply.starts_with(b"HTTP/1.1 200") {
+                    break;
+                }
+                // The closed connections' tasks end as the server notices them: try again.
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::time::timeout(std::time::Duration::from_secs(20), answered)
+            .await
+            .expect("served again once the idle connections went");
+    }
 }

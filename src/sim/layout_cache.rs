@@ -13,6 +13,9 @@ use crate::messages::MooncakeXferMetadata;
 
 /// vLLM 0.33's `_MAX_PEER_LAYOUTS`.
 pub const MAX_PEER_LAYOUTS: usize = 1024;
+/// The most bytes the cached layouts may hold together (about: their lists' lengths), beyond
+/// vLLM's count: a D sending a 200k-region layout with every pull grew the cache 20 MB a pull.
+pub const MAX_CACHED_BYTES: usize = 64 << 20;
 
 /// vLLM's `_peer_layout_key`: (hostname, port, tp rank, pp size, tp size, layout id).
 pub type LayoutKey = (String, u32, u32, u32, u32, u64);
@@ -32,6 +35,25 @@ pub struct CachedLayout {
 }
 
 impl CachedLayout {
+    /// About the bytes it holds.
+    fn bytes(&self) -> usize {
+        8 * (self.kv_caches_base_addr.len()
+            + self.block_lens.len()
+            + self.kv_block_lens.len()
+            + self.registered_row_offsets.len())
+            + 4 * (self.registered_layer_indices.len() + self.registered_group_indices.len())
+            + self
+                .registered_layer_names
+                .iter()
+                .map(|n| n.len() + 24)
+                .sum::<usize>()
+            + self
+                .registered_shared_group_ids
+                .iter()
+                .map(|g| 4 * g.len() + 24)
+                .sum::<usize>()
+    }
+
     fn of(md: &MooncakeXferMetadata) -> Self {
         CachedLayout {
             kv_caches_base_addr: md.kv_caches_base_addr.clone(),
@@ -69,6 +91,8 @@ pub struct LayoutCache {
     entries: FastMap<LayoutKey, (u64, Arc<CachedLayout>)>,
     by_use: BTreeMap<u64, LayoutKey>,
     clock: u64,
+    /// [`CachedLayout::bytes`] of every entry.
+    bytes: usize,
 }
 
 /// vLLM's key of a pull.
@@ -89,19 +113,27 @@ impl LayoutCache {
         if md.layout_id == 0 {
             return;
         }
+        let layout = CachedLayout::of(md);
+        let bytes = layout.bytes();
+        if bytes > MAX_CACHED_BYTES {
+            return; // served once, not kept: its next pull without it gets LAYOUT_MISS
+        }
         let key = key_of(md);
         self.clock += 1;
-        if let Some((used, _)) = self.entries.get(&key) {
+        if let Some((used, old)) = self.entries.get(&key) {
             self.by_use.remove(used);
+            self.bytes -= old.bytes();
         }
         self.by_use.insert(self.clock, key.clone());
-        self.entries
-            .insert(key, (self.clock, Arc::new(CachedLayout::of(md))));
-        while self.entries.len() > MAX_PEER_LAYOUTS {
+        self.entries.insert(key, (self.clock, Arc::new(layout)));
+        self.bytes += bytes;
+        while self.entries.len() > MAX_PEER_LAYOUTS || self.bytes > MAX_CACHED_BYTES {
             let Some((_, oldest)) = self.by_use.pop_first() else {
                 break;
             };
-            self.entries.remove(&oldest);
+            if let Some((_, gone)) = self.entries.remove(&oldest) {
+                self.bytes -= gone.bytes();
+            }
         }
     }
 
@@ -120,6 +152,7 @@ impl LayoutCache {
     pub fn clear(&mut self) {
         self.entries.clear();
         self.by_use.clear();
+        self.bytes = 0;
     }
 
     /// Layouts held.
@@ -163,5 +196,28 @@ mod tests {
         got.kv_caches_base_addr.clear();
         c.lookup(&pull(2, 5)).unwrap().fill(&mut got);
         assert_eq!(got.kv_caches_base_addr, [2]);
+    }
+
+    #[test]
+    fn the_cache_keeps_under_its_byte_budget() {
+        let mut c = LayoutCache::default();
+        let big = |port: u32| {
+            let mut m = pull(port, 5);
+            m.kv_caches_base_addr = vec![0; MAX_CACHED_BYTES / 8 * 2 / 5]; // 40% of the budget
+            m
+        };
+        for port in 0..4 {
+            c.remember(&big(port));
+        }
+        assert_eq!(c.len(), 2, "the oldest go once the bytes pass the budget");
+        assert!(c.bytes <= MAX_CACHED_BYTES);
+        assert!(c.lookup(&big(0)).is_none() && c.lookup(&big(3)).is_some());
+        let mut huge = pull(9, 5);
+        huge.kv_caches_base_addr = vec![0; MAX_CACHED_BYTES / 8 + 1];
+        c.remember(&huge);
+        assert!(c.lookup(&huge).is_none(), "a layout over the budget is not kept");
+        assert_eq!(c.len(), 2, "and evicts nothing");
+        c.clear();
+        assert_eq!(c.bytes, 0);
     }
 }

@@ -62,6 +62,13 @@ pub struct Copy {
     pub owner_tag: u32,
 }
 
+/// The most bytes one copy may carry (a block slice of one region: real ones are KBs to MBs).
+/// The simulator builds every payload before writing, so a D's metadata must not make it
+/// allocate without bound: 2^40-byte blocks grew it by GBs a second, 2^63 panicked.
+pub const MAX_COPY_BYTES: u64 = 64 << 20;
+/// The most bytes one pull may make the simulator write (the payloads it allocates).
+pub const MAX_PULL_BYTES: u64 = 1 << 30;
+
 /// The copies `rank` makes for `req_ids` (one per block, region and head slice), as P computes
 /// them from D's metadata. Regions belong to this P PP stage when D lists the layer and the
 /// layer falls in the stage's share of the layers.
@@ -101,6 +108,7 @@ pub fn plan_copies(
         layer * rank.pp_size / layers == rank.pp_rank
     };
     let mut out = Vec::new();
+    let mut total = 0u64;
     for id in req_ids {
         let Some((transfer_id, groups)) = md.req_blocks.get(id) else {
             continue;
@@ -122,7 +130,18 @@ pub fn plan_copies(
                     "region {i}: {kv_len} bytes per block cannot be split {slices} ways"
                 ));
             }
+            if len > MAX_COPY_BYTES {
+                return Err(format!(
+                    "region {i}: {len} bytes per block slice, over the simulator's {MAX_COPY_BYTES}"
+                ));
+            }
             for &b in blocks {
+                total = total.saturating_add(len);
+                if total > MAX_PULL_BYTES {
+                    return Err(format!(
+                        "the pull asks for over {MAX_PULL_BYTES} bytes, the simulator's most"
+                    ));
+                }
                 let region_offset = b
                     .checked_mul(block_len)
                     .and_then(|o| o.checked_add(slice * len))
@@ -259,5 +278,35 @@ mod tests {
         let s1 = plan_copies(&md(1), &rank(0, 1, 1, 2), &["r".into()]).unwrap();
         assert!(s0.iter().all(|c| c.addr < 0x2000_0000) && s0.len() == 2);
         assert!(s1.iter().all(|c| c.addr >= 0x2000_0000) && s1.len() == 2);
+    }
+
+    /// A D's metadata never makes the simulator allocate without bound (it builds every
+    /// payload before writing): an absurd block length, or a pull of too many blocks, is
+    /// refused (P answers the pull with an error) before anything is allocated.
+    #[test]
+    fn absurd_block_lengths_and_pulls_over_the_byte_cap_are_refused() {
+        let one = |f: &dyn Fn(&mut MooncakeXferMetadata)| {
+            let mut m = md(1);
+            f(&mut m);
+            plan_copies(&m, &rank(0, 1, 0, 1), &["r".into()])
+        };
+        for len in [MAX_COPY_BYTES + 1, 1 << 40, 1 << 63] {
+            let e = one(&|m| {
+                m.block_lens = vec![len, len];
+                m.kv_block_lens = vec![len, len];
+            })
+            .expect_err("an absurd block length");
+            assert!(e.contains("per block slice"), "{e}");
+        }
+        let blocks = MAX_PULL_BYTES / (1 << 20); // 1 MiB blocks: two regions go over
+        let e = one(&|m| {
+            m.block_lens = vec![1 << 20; 2];
+            m.kv_block_lens = vec![1 << 20; 2];
+            m.req_blocks
+                .insert("r".into(), ("t".into(), vec![(0..blocks).collect()]));
+        })
+        .expect_err("a pull over the cap");
+        assert!(e.contains("the simulator's most"), "{e}");
+        assert!(one(&|_| {}).is_ok());
     }
 }

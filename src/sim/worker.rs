@@ -21,6 +21,10 @@ use super::readiness::Readiness;
 use super::writer::{SharedWriter, WorkerRank, WriteJob};
 use super::SimError;
 
+/// The largest pull frame the simulator's ROUTER takes (kvrecv's own replies cap, PROTOCOL.md
+/// §7.2).
+pub const MAX_PULL_MESSAGE: i64 = 16 << 20;
+
 /// P's readiness-timeout message (PROTOCOL.md §2.5 reference vector).
 pub const READINESS_TIMEOUT_MSG: &str = "Timeout waiting for P side ready.";
 
@@ -131,6 +135,9 @@ impl Worker {
         let zerr = |e: zmq::Error| SimError::Zmq(e.to_string());
         let router = self.shared.ctx.socket(zmq::ROUTER).map_err(zerr)?;
         router.set_linger(0).map_err(zerr)?;
+        // A pull is KBs; one over this drops its connection instead of being queued (vLLM's P
+        // sets no cap: a 200k-region layout per pull grew the simulator 20 MB a pull).
+        router.set_maxmsgsize(MAX_PULL_MESSAGE).map_err(zerr)?;
         // A restarted worker rebinds its old port; the previous listener closes asynchronously
         // in libzmq's I/O thread, so EADDRINUSE is retried for a moment.
         let mut tries = 0;
