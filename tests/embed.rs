@@ -266,10 +266,22 @@ async fn submits_over_the_live_limit_are_refused_at_once_as_backpressure() {
         .expect("refused before kvrecv saw it")
         .unwrap();
     assert_eq!((over.accepted, over.rejected.len()), (0, 4));
-    assert!(over
-        .rejected
-        .iter()
-        .all(|e| matches!(e, BatchError::Backpressure { limit: 3, .. })));
+    // A batch over the limit itself can never fit: said so, not "drain, then retry".
+    assert!(over.rejected.iter().all(|e| matches!(
+        e,
+        BatchError::BatchOverLimit {
+            batch: 4,
+            limit: 3,
+            ..
+        }
+    )));
+    assert!(
+        over.rejected[0]
+            .to_string()
+            .contains("submit smaller batches"),
+        "{}",
+        over.rejected[0]
+    );
     // Nothing of it was loaded: its ids and blocks are free.
     let first = kv.submit(vec![req("o0", 0), req("o1", 1)]).await.unwrap();
     assert_eq!((first.awaiting, first.rejected.len()), (2, 0));

@@ -268,12 +268,20 @@ impl KvRecv {
             Err(live) => {
                 // A host that submits faster than kvrecv takes batches is told, as `load_kv`
                 // tells one over the live limit, instead of growing the mailbox without end.
+                let batch = requests.len();
                 let rejected = requests
                     .into_iter()
-                    .map(|r| BatchError::Backpressure {
-                        req_id: r.req_id,
-                        live,
-                        limit,
+                    .map(|r| match batch > limit {
+                        true => BatchError::BatchOverLimit {
+                            req_id: r.req_id,
+                            batch,
+                            limit,
+                        },
+                        false => BatchError::Backpressure {
+                            req_id: r.req_id,
+                            live,
+                            limit,
+                        },
                     })
                     .collect();
                 let _ = reply.send(LoadKvReply {

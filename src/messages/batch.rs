@@ -284,6 +284,20 @@ pub enum BatchError {
         /// The configured limit.
         limit: usize,
     },
+    #[error(
+        "request {req_id}: a submitted batch of {batch} requests is over the limit of {limit} \
+         live requests and can never fit; submit smaller batches"
+    )]
+    /// A [`crate::KvRecv::submit`] batch larger than `max_live_requests` (all or nothing: no
+    /// drain makes room for it).
+    BatchOverLimit {
+        /// The request refused.
+        req_id: String,
+        /// Requests in the batch.
+        batch: usize,
+        /// The configured limit.
+        limit: usize,
+    },
 }
 
 impl BatchError {
@@ -303,7 +317,8 @@ impl BatchError {
             | BatchError::BlockInUse { req_id, .. }
             | BatchError::Unavailable { req_id }
             | BatchError::Paused { req_id }
-            | BatchError::Backpressure { req_id, .. } => req_id,
+            | BatchError::Backpressure { req_id, .. }
+            | BatchError::BatchOverLimit { req_id, .. } => req_id,
         }
     }
 
@@ -323,6 +338,7 @@ impl BatchError {
             BatchError::Unavailable { .. } => "unavailable",
             BatchError::Paused { .. } => "paused",
             BatchError::Backpressure { .. } => "backpressure",
+            BatchError::BatchOverLimit { .. } => "batch_over_limit",
         }
     }
 }
