@@ -224,3 +224,38 @@ async fn one_memory_lands_for_one_worker_at_a_time() {
     drop((second, third));
     assert!(!memory.is_registered() && !other.is_registered());
 }
+
+/// `target()` adjusts the data target, but the layout is the configuration's and the memory
+/// the builder's: a closure that changes either makes `start` fail, rather than silently
+/// undoing `host_memory` (the worker would land in memory of its own) or being ignored.
+#[test]
+fn a_target_closure_cannot_undo_the_builders_memory_or_layout() {
+    let config = || KvRecvConfig {
+        layout: KvLayout::uniform(REGIONS as u32, BLOCK as u64, BLOCKS as u32),
+        ..KvRecvConfig::default()
+    };
+    let memory = HostMemory::owned((0..REGIONS).map(|_| vec![FILL; BLOCK * BLOCKS])).unwrap();
+    let conflict = |b: kvrecv::KvRecvBuilder, what: &str| match b.start() {
+        Err(StartError::TargetConflict(why)) => assert!(why.contains(what), "{why}"),
+        other => panic!("started: {:?}", other.err()),
+    };
+    conflict(
+        KvRecv::builder(config())
+            .host_memory(memory.clone())
+            .target(|t| t.host_memory = None),
+        "host memory",
+    );
+    conflict(
+        KvRecv::builder(config()).target(|t| t.layout.num_blocks = 1_000_000),
+        "layout",
+    );
+    assert!(!memory.is_registered(), "nothing started");
+    // What is the target's own to set is taken, memory and all.
+    let kv = KvRecv::builder(config())
+        .host_memory(memory.clone())
+        .target(|t| t.windows = Some(4))
+        .start()
+        .unwrap();
+    assert!(memory.is_registered());
+    drop(kv);
+}

@@ -46,6 +46,8 @@ pub struct KvRecvBuilder {
     rdma_handshake: crate::rdma::verbs::HandshakeConfig,
     rdma_windows: usize,
     peer_binding: PeerBinding,
+    /// What a [`Self::target`] closure changed that is not its to change (start refuses it).
+    target_conflict: Option<&'static str>,
     /// `kvrecv bench`'s control-plane-only worker: land here, start no data target.
     #[cfg(feature = "cli")]
     landing: Option<Arc<dyn Landing>>,
@@ -135,6 +137,7 @@ impl KvRecvBuilder {
             rdma_handshake: Default::default(),
             rdma_windows: crate::rdma::verbs::WindowsConfig::default().windows,
             peer_binding: PeerBinding::default(),
+            target_conflict: None,
             #[cfg(feature = "cli")]
             landing: None,
             #[cfg(feature = "cli")]
@@ -196,10 +199,28 @@ impl KvRecvBuilder {
         self
     }
 
-    /// Adjust the data-plane target further (windows, idle timeout, caps). Its layout is always
-    /// the configuration's.
+    /// Adjust the data-plane target further (windows, idle timeout, caps, bind addresses). Its
+    /// layout is always the configuration's, and its memory the builder's
+    /// ([`Self::host_memory`], [`Self::device_memory`]): a closure that changes either makes
+    /// [`Self::start`] fail with [`StartError::TargetConflict`], rather than one call silently
+    /// undoing another.
     pub fn target(mut self, f: impl FnOnce(&mut TargetConfig)) -> Self {
+        let (host, device) = (
+            self.target.host_memory.clone(),
+            self.target.device_memory.clone(),
+        );
         f(&mut self.target);
+        let t = &self.target;
+        let conflict = if t.layout != self.config.layout {
+            Some("the layout (it is KvRecvConfig::layout's)")
+        } else if !same(&host, &t.host_memory, HostMemory::same) {
+            Some("the host memory (set it with KvRecvBuilder::host_memory)")
+        } else if !same(&device, &t.device_memory, DeviceMemory::same) {
+            Some("the device memory (set it with KvRecvBuilder::device_memory)")
+        } else {
+            None
+        };
+        self.target_conflict = self.target_conflict.or(conflict);
         self
     }
 
@@ -337,6 +358,9 @@ impl KvRecvBuilder {
     /// the coordinator: [`Self::start`] runs both on kvrecv's thread, `kvrecv serve` on its
     /// own threads (the same wiring, one path).
     pub(crate) fn wire(self) -> Result<Wiring, StartError> {
+        if let Some(what) = self.target_conflict {
+            return Err(StartError::TargetConflict(what));
+        }
         self.config.validate()?;
         if self.target.advertise_host.is_empty() {
             return Err(StartError::NoAdvertiseHost(self.target.data_bind.ip()));
@@ -353,6 +377,7 @@ impl KvRecvBuilder {
             rdma_handshake,
             rdma_windows,
             peer_binding,
+            target_conflict: _,
             #[cfg(feature = "cli")]
             landing,
             #[cfg(feature = "cli")]
@@ -555,4 +580,13 @@ fn sink(events: Events) -> (EventSink, Option<UnboundedReceiver<KvEvent>>) {
         Events::All => EventSink::channel(),
     };
     (s, Some(rx))
+}
+
+/// Whether `a` and `b` are both none, or the same memory.
+fn same<M>(a: &Option<M>, b: &Option<M>, eq: impl Fn(&M, &M) -> bool) -> bool {
+    match (a, b) {
+        (None, None) => true,
+        (Some(a), Some(b)) => eq(a, b),
+        _ => false,
+    }
 }

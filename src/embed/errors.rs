@@ -45,6 +45,11 @@ pub enum StartError {
          with --features rdma"
     )]
     RdmaNotBuilt,
+    /// [`crate::KvRecvBuilder::target`] changed what the builder sets itself (the layout,
+    /// host or device memory): set those through the configuration and the builder's own
+    /// methods, so that no later call silently undoes an earlier one.
+    #[error("KvRecvBuilder::target changed {0}")]
+    TargetConflict(&'static str),
 }
 
 /// Memory the host hands over ([`crate::HostRegion`], [`crate::HostMemory`],

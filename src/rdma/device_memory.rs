@@ -82,6 +82,11 @@ impl DeviceMemory {
         DeviceMemory(Arc::new(DeviceInner::Regions(regions)))
     }
 
+    /// Whether `other` is this memory (a clone of it).
+    pub(crate) fn same(&self, other: &DeviceMemory) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// The regions, in layout order (`None` for a fake device).
     pub fn regions(&self) -> Option<&[DeviceRegion]> {
         match &*self.0 {

@@ -314,6 +314,11 @@ impl HostMemory {
         &self.0.regions
     }
 
+    /// Whether `other` is this memory (a clone of it).
+    pub(crate) fn same(&self, other: &HostMemory) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
     /// Whether a worker's landing holds this memory now (see the type's doc).
     pub fn is_registered(&self) -> bool {
         lock(&self.0.registered).is_some()
