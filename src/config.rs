@@ -129,7 +129,8 @@ pub struct KvRecvConfig {
     /// Where P writes: regions, block sizes, block count. Required (never defaulted silently).
     pub layout: KvLayout,
     /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
-    /// coordinators sharing one process and recorder keep their series apart.
+    /// coordinators sharing one process and recorder keep their series apart. From a
+    /// kv-transfer config without one, a random UUID, as vLLM gives it.
     pub engine_id: String,
     /// vLLM 0.33's layout ids (PROTOCOL.md §2.7): each pull names its landing window's layout
     /// by an id, and pulls to a P worker that echoed it omit the layout. Off: `layout_id` is
@@ -322,7 +323,10 @@ impl KvRecvConfig {
         }
         let mut cfg = KvRecvConfig {
             load_failure_policy: raw.kv_load_failure_policy,
-            engine_id: raw.engine_id.unwrap_or_default(),
+            // vLLM's `KVTransferConfig` gives an engine without an id a random UUID.
+            engine_id: raw
+                .engine_id
+                .unwrap_or_else(|| uuid::Uuid::new_v4().to_string()),
             ..KvRecvConfig::default()
         };
         if let Some(p) = raw.kv_connector_extra_config.mooncake_protocol {
@@ -536,5 +540,18 @@ mod tests {
         assert_eq!(c.engine_id, "x", "the metrics' engine label");
         assert_eq!(c.quarantine_deadline, Duration::from_millis(5));
         assert_eq!(KvRecvConfig::default().policy, Policy::Settle);
+    }
+
+    #[test]
+    fn a_config_without_an_engine_id_gets_a_random_uuid_as_vllm_gives_it() {
+        let parse = || {
+            KvRecvConfig::parse_kv_transfer_config(r#"{"kv_role":"kv_consumer"}"#)
+                .unwrap()
+                .config
+                .engine_id
+        };
+        let (a, b) = (parse(), parse());
+        assert!(uuid::Uuid::parse_str(&a).is_ok(), "{a:?}");
+        assert_ne!(a, b, "one id per engine, never a shared empty label");
     }
 }

@@ -90,8 +90,8 @@ pub use rdma::memory::{
 pub use rdma::memory_fit::MemoryFitError;
 pub use rdma::tcp::target::TargetError;
 #[cfg(feature = "rdma")]
-pub use rdma::verbs::DeviceConfig as RdmaDeviceConfig;
-pub use rdma::verbs::{HandshakeConfig as RdmaHandshakeConfig, Mtu as RdmaMtu, PeerBinding};
+pub use rdma::verbs::RdmaDeviceConfig;
+pub use rdma::verbs::{PeerBinding, RdmaHandshakeConfig, RdmaMtu};
 pub use rdma::verbs::{RdmaTargetError, VerbsError};
 // What the errors and outcomes above carry, so that a host can match on them.
 pub use messages::settle::Cause;

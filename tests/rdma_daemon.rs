@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use kvrecv::layout::KvLayout;
 use kvrecv::rdma::handshake_daemon::{request, FrameType};
-use kvrecv::rdma::verbs::qp_attrs::{Mtu, QpState};
+use kvrecv::rdma::verbs::qp_attrs::{QpState, RdmaMtu};
 use kvrecv::rdma::verbs::{
     EndpointState, FakeVerbs, HandShakeDesc, LocalNic, RdmaTarget, RdmaTargetConfig,
     SegmentDescriptor,
@@ -23,7 +23,7 @@ fn nic(name: &str) -> LocalNic {
         lid: 7,
         gid: D_GID.parse().unwrap(),
         gid_index: 3,
-        active_mtu: Mtu::Mtu4096,
+        active_mtu: RdmaMtu::Mtu4096,
         link_layer: Default::default(),
         numa_node: None,
     }

@@ -18,8 +18,8 @@ use kvrecv::rdma::handshake_daemon::{request, FrameType};
 use kvrecv::rdma::verbs::fake::test_nic;
 use kvrecv::rdma::verbs::qp_attrs::{QpState, QpTransition};
 use kvrecv::rdma::verbs::{
-    FakeVerbs, HandShakeDesc, HandshakeConfig, LocalNic, MrAccess, MrKeys, QpId, SegmentDescriptor,
-    VerbsBackend, VerbsError, WriteRefused,
+    FakeVerbs, HandShakeDesc, LocalNic, MrAccess, MrKeys, QpId, RdmaHandshakeConfig,
+    SegmentDescriptor, VerbsBackend, VerbsError, WriteRefused,
 };
 use kvrecv::sim::writer::NoopWriter;
 use kvrecv::sim::{Faults, PrefillSim, SimConfig};
@@ -280,10 +280,10 @@ async fn builder_traffic_class_and_service_level_reach_the_qps() {
         ..KvRecvConfig::default()
     })
     .rdma(move || Ok(backend.clone()))
-    .rdma_handshake(HandshakeConfig {
+    .rdma_handshake(RdmaHandshakeConfig {
         traffic_class: 106,
         service_level: 3,
-        ..HandshakeConfig::default()
+        ..RdmaHandshakeConfig::default()
     })
     .start()
     .unwrap();

@@ -118,7 +118,7 @@ fn start_kv(o: &Opts, region: &Region) -> Result<KvRecv, String> {
         .host_memory(HostMemory::new(vec![host]))
         .events(true);
     let b = if o.protocol == "rdma" {
-        b.rdma_devices(kvrecv::rdma::verbs::DeviceConfig::default())
+        b.rdma_devices(kvrecv::rdma::verbs::RdmaDeviceConfig::default())
     } else {
         b
     };

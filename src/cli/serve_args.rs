@@ -322,7 +322,7 @@ impl ServeArgs {
                 control_cpu: self.control_cpu,
                 ..ZmqTransportConfig::default()
             })
-            .rdma_handshake(crate::rdma::verbs::HandshakeConfig {
+            .rdma_handshake(crate::rdma::verbs::RdmaHandshakeConfig {
                 traffic_class: self.rdma_traffic_class,
                 service_level: self.rdma_service_level,
                 ..Default::default()
@@ -330,7 +330,7 @@ impl ServeArgs {
             .rdma_windows(usize::from(self.rdma_windows));
         #[cfg(feature = "rdma")]
         let builder = match builder.config().mooncake_protocol {
-            MooncakeProtocol::Rdma => builder.rdma_devices(crate::rdma::verbs::DeviceConfig {
+            MooncakeProtocol::Rdma => builder.rdma_devices(crate::rdma::verbs::RdmaDeviceConfig {
                 devices: self.rdma_devices.clone(),
                 port: self.rdma_port,
                 gid_index: self.rdma_gid_index,

@@ -43,7 +43,7 @@ pub struct KvRecvBuilder {
     builtin_pool: bool,
     worker_threads: usize,
     rdma: Option<RdmaStarter>,
-    rdma_handshake: crate::rdma::verbs::HandshakeConfig,
+    rdma_handshake: crate::rdma::verbs::RdmaHandshakeConfig,
     rdma_windows: usize,
     peer_binding: PeerBinding,
     /// What a [`Self::target`] closure changed that is not its to change (start refuses it).
@@ -285,7 +285,7 @@ impl KvRecvBuilder {
     /// (unusable ones are skipped), port and GID index. Without this call,
     /// `mooncake_protocol = "rdma"` opens every device with the default settings.
     #[cfg(feature = "rdma")]
-    pub fn rdma_devices(mut self, devices: crate::rdma::verbs::DeviceConfig) -> Self {
+    pub fn rdma_devices(mut self, devices: crate::rdma::verbs::RdmaDeviceConfig) -> Self {
         self.rdma = Some(rdma_starter(move || {
             crate::rdma::verbs::IbvDevices::open(&devices)
         }));
@@ -295,7 +295,7 @@ impl KvRecvBuilder {
 
     /// Queue-pair settings of the RDMA target: QPs per endpoint, MTU cap, traffic class and
     /// service level (default: Mooncake's defaults, QoS 0).
-    pub fn rdma_handshake(mut self, handshake: crate::rdma::verbs::HandshakeConfig) -> Self {
+    pub fn rdma_handshake(mut self, handshake: crate::rdma::verbs::RdmaHandshakeConfig) -> Self {
         self.rdma_handshake = handshake;
         self
     }
@@ -452,7 +452,7 @@ pub(crate) struct DataWiring {
     layout: crate::layout::KvLayout,
     target: TargetConfig,
     rdma: Option<RdmaStarter>,
-    rdma_handshake: crate::rdma::verbs::HandshakeConfig,
+    rdma_handshake: crate::rdma::verbs::RdmaHandshakeConfig,
     rdma_windows: usize,
     peer_binding: PeerBinding,
 }
@@ -554,7 +554,7 @@ impl ControlWiring {
 fn default_rdma() -> Result<RdmaStarter, StartError> {
     #[cfg(feature = "rdma")]
     {
-        let devices = crate::rdma::verbs::DeviceConfig::default();
+        let devices = crate::rdma::verbs::RdmaDeviceConfig::default();
         Ok(rdma_starter(move || {
             crate::rdma::verbs::IbvDevices::open(&devices)
         }))

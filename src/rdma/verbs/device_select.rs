@@ -13,7 +13,7 @@ use super::backend::VerbsError;
 use super::backend::SkippedDevice;
 use super::gid_rank::{select_gid, GidEntryInfo};
 use super::nic::{LinkLayer, LocalNic};
-use super::qp_attrs::Mtu;
+use super::qp_attrs::RdmaMtu;
 
 /// `IBV_PORT_ACTIVE`.
 pub const PORT_ACTIVE: u32 = 4;
@@ -95,7 +95,7 @@ pub fn describe_port(
         lid: probe.lid,
         gid: chosen.gid,
         gid_index: chosen.index,
-        active_mtu: Mtu::from_code(probe.active_mtu).unwrap_or(Mtu::Mtu1024),
+        active_mtu: RdmaMtu::from_code(probe.active_mtu).unwrap_or(RdmaMtu::Mtu1024),
         link_layer: LinkLayer::from_code(probe.link_layer),
         numa_node: probe.numa_node,
     })

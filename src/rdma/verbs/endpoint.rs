@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 
 use super::backend::{AsyncEvent, AsyncEventKind, QpId, VerbsBackend, VerbsError};
 use super::nic_path::NicPath;
-use super::qp_attrs::{connect_sequence_with, Mtu, PathAttrs, QpState, QpTransition, RemoteQp};
+use super::qp_attrs::{connect_sequence_with, RdmaMtu, PathAttrs, QpState, QpTransition, RemoteQp};
 
 /// Where an endpoint stands.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -97,14 +97,14 @@ fn live(state: EndpointState) -> bool {
 pub struct EndpointTable<B> {
     backend: B,
     qps_per_endpoint: usize,
-    mtu_cap: Mtu,
+    mtu_cap: RdmaMtu,
     path: PathAttrs,
     endpoints: BTreeMap<EndpointKey, Endpoint>,
 }
 
 impl<B: VerbsBackend> EndpointTable<B> {
     /// `qps_per_endpoint` is `MC_NUM_QP_PER_EP` (at least 1); `mtu_cap` is `MC_MTU`.
-    pub fn new(backend: B, qps_per_endpoint: usize, mtu_cap: Mtu) -> Self {
+    pub fn new(backend: B, qps_per_endpoint: usize, mtu_cap: RdmaMtu) -> Self {
         EndpointTable {
             backend,
             qps_per_endpoint: qps_per_endpoint.max(1),

@@ -123,7 +123,7 @@ pub fn test_nic(name: &str, gid: super::gid::Gid) -> LocalNic {
         lid: 0,
         gid,
         gid_index: 3,
-        active_mtu: super::qp_attrs::Mtu::Mtu4096,
+        active_mtu: super::qp_attrs::RdmaMtu::Mtu4096,
         link_layer: Default::default(),
         numa_node: None,
     }
@@ -478,7 +478,7 @@ mod state_table_tests {
             lid: 0,
             gid: Default::default(),
             gid_index: 0,
-            active_mtu: crate::rdma::verbs::qp_attrs::Mtu::Mtu4096,
+            active_mtu: crate::rdma::verbs::qp_attrs::RdmaMtu::Mtu4096,
             link_layer: Default::default(),
             numa_node: None,
         }]);

@@ -195,7 +195,7 @@ mod tests {
     use crate::messages::handshake_desc::HandShakeDesc;
     use crate::rdma::verbs::endpoint::EndpointState;
     use crate::rdma::verbs::fake::{test_nic, FakeVerbs};
-    use crate::rdma::verbs::passive::HandshakeConfig;
+    use crate::rdma::verbs::passive::RdmaHandshakeConfig;
     use crate::rdma::verbs::qp_attrs::QpState;
 
     fn shared() -> SharedHandshake<FakeVerbs> {
@@ -208,7 +208,7 @@ mod tests {
         let t = PassiveHandshake::new(
             FakeVerbs::new(vec![nic]),
             "10.0.0.7:15000",
-            HandshakeConfig::default(),
+            RdmaHandshakeConfig::default(),
         );
         Arc::new(Mutex::new(t))
     }

@@ -27,7 +27,7 @@ use super::qp_attrs::{QpState, QpTransition};
 
 /// Which devices to open and how (Mooncake's `MC_*` knobs).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeviceConfig {
+pub struct RdmaDeviceConfig {
     /// Device names to use, in this order (Mooncake's device filter); `None` = every device in
     /// libibverbs' order. A listed device that is absent or unusable is skipped.
     pub devices: Option<Vec<String>>,
@@ -40,9 +40,9 @@ pub struct DeviceConfig {
     pub cq_entries: i32,
 }
 
-impl Default for DeviceConfig {
+impl Default for RdmaDeviceConfig {
     fn default() -> Self {
-        DeviceConfig {
+        RdmaDeviceConfig {
             devices: None,
             port: 1,
             gid_index: None,
@@ -140,7 +140,7 @@ impl IbvDevices {
     /// each usable one. A device whose port is not ACTIVE, that has no usable GID, or that fails
     /// to open is skipped with a warning (as Mooncake does); [`VerbsError::NoUsableDevice`] when
     /// none is left, naming why each was skipped.
-    pub fn open(config: &DeviceConfig) -> Result<IbvDevices, VerbsError> {
+    pub fn open(config: &RdmaDeviceConfig) -> Result<IbvDevices, VerbsError> {
         let mut num = 0;
         // SAFETY: plain libibverbs call; the list is freed below.
         let list = unsafe { ffi::ibv_get_device_list(&mut num) };
@@ -166,7 +166,7 @@ impl IbvDevices {
     }
 
     fn open_from(
-        config: &DeviceConfig,
+        config: &RdmaDeviceConfig,
         all: &[(String, *mut ffi::ibv_device)],
     ) -> Result<IbvDevices, VerbsError> {
         if all.is_empty() {
@@ -202,7 +202,7 @@ impl IbvDevices {
     }
 
     fn open_one(
-        config: &DeviceConfig,
+        config: &RdmaDeviceConfig,
         name: &str,
         dev: *mut ffi::ibv_device,
     ) -> Result<(LocalNic, DeviceResources), VerbsError> {
@@ -260,7 +260,7 @@ impl IbvDevices {
     /// Port state, LID, MTU, link layer, the GID table with each entry's network device, and
     /// the device's NUMA node: what `describe_port` decides on.
     fn probe(
-        config: &DeviceConfig,
+        config: &RdmaDeviceConfig,
         name: &str,
         ctx: *mut ffi::ibv_context,
     ) -> Result<PortProbe, VerbsError> {

@@ -6,7 +6,7 @@ use super::*;
 /// panic; on an RDMA host it must list at least one NIC with a GID.
 #[test]
 fn open_returns_devices_or_a_typed_error() {
-    match IbvDevices::open(&DeviceConfig::default()) {
+    match IbvDevices::open(&RdmaDeviceConfig::default()) {
         Ok(devs) => {
             assert!(!devs.nics().is_empty());
             assert!(devs.nics().iter().all(|n| !n.gid.is_zero()));
@@ -24,9 +24,9 @@ fn open_returns_devices_or_a_typed_error() {
             )
         }
     }
-    let named = DeviceConfig {
+    let named = RdmaDeviceConfig {
         devices: Some(vec!["no_such_dev".into()]),
-        ..DeviceConfig::default()
+        ..RdmaDeviceConfig::default()
     };
     match IbvDevices::open(&named) {
         Err(VerbsError::NoUsableDevice(skipped)) => {
@@ -45,15 +45,15 @@ fn open_returns_devices_or_a_typed_error() {
 
 #[test]
 fn transitions_map_to_mooncake_masks() {
-    use super::super::qp_attrs::{connect_sequence_with, LocalPort, Mtu, PathAttrs, RemoteQp};
+    use super::super::qp_attrs::{connect_sequence_with, LocalPort, RdmaMtu, PathAttrs, RemoteQp};
     use ffi::ibv_qp_attr_mask as m;
     let seq = connect_sequence_with(
         LocalPort {
             port: 1,
             gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
+            active_mtu: RdmaMtu::Mtu4096,
         },
-        Mtu::Mtu4096,
+        RdmaMtu::Mtu4096,
         RemoteQp {
             lid: 5,
             gid: Gid([7; 16]),

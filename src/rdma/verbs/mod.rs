@@ -96,16 +96,16 @@ pub use gpudirect::{DeviceMemoryExport, DmaBuf};
 #[cfg(feature = "testing")]
 pub use gpudirect::{GpuDirectError, GpuDirectPath};
 #[cfg(feature = "rdma")]
-pub use ibverbs_device::{DeviceConfig, IbvDevices};
+pub use ibverbs_device::{RdmaDeviceConfig, IbvDevices};
 #[cfg(feature = "testing")]
 pub use memory::MemoryRegistrations;
 #[cfg(feature = "testing")]
 pub use nic::{LinkLayer, LocalNic};
-pub use passive::{HandshakeConfig, PassiveHandshake};
+pub use passive::{RdmaHandshakeConfig, PassiveHandshake};
 #[cfg(feature = "testing")]
 pub use passive::HandshakeReject;
 pub use peer_binding::PeerBinding;
-pub use qp_attrs::Mtu;
+pub use qp_attrs::RdmaMtu;
 pub use rdma_landing::WindowsConfig;
 #[cfg(feature = "testing")]
 pub use rdma_landing::{RdmaLanding, RdmaLandingError};

@@ -3,7 +3,7 @@
 #![forbid(unsafe_code)]
 
 use super::gid::Gid;
-use super::qp_attrs::{LocalPort, Mtu};
+use super::qp_attrs::{LocalPort, RdmaMtu};
 
 /// The port's link layer (`ibv_port_attr.link_layer`). Kept per NIC: a node may have both,
 /// and an InfiniBand NIC cannot reach a RoCE one.
@@ -41,7 +41,7 @@ pub struct LocalNic {
     /// Index of `gid` in the port's GID table (the RTR `sgid_index`).
     pub gid_index: u8,
     /// The port's active MTU (capped by `MC_MTU` at RTR).
-    pub active_mtu: Mtu,
+    pub active_mtu: RdmaMtu,
     /// InfiniBand or RoCE.
     pub link_layer: LinkLayer,
     /// NUMA node the device hangs off (sysfs `device/numa_node`); `None` if unknown. Decides

@@ -10,7 +10,7 @@ use super::backend::{AsyncEventKind, VerbsBackend, VerbsError};
 use super::endpoint::{Endpoint, EndpointState, EndpointTable, FenceFailure};
 use super::gid::{Gid, GidParseError};
 use super::nic_path::NicPath;
-use super::qp_attrs::{Mtu, PathAttrs};
+use super::qp_attrs::{RdmaMtu, PathAttrs};
 use crate::messages::handshake_desc::HandShakeDesc;
 
 /// Metric: async events read, by event (`qp_fatal`, `qp_req_err`, `qp_access_err`,
@@ -19,22 +19,22 @@ pub const ASYNC_EVENTS: &str = "kvrecv_rdma_async_events_total";
 
 /// Mooncake's defaults: `MC_NUM_QP_PER_EP` and `MC_MTU`.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HandshakeConfig {
+pub struct RdmaHandshakeConfig {
     /// QPs per endpoint; P must send exactly this many QP numbers. Default 2.
     pub qps_per_endpoint: usize,
     /// Upper bound of the path MTU. Default 4096.
-    pub mtu_cap: Mtu,
+    pub mtu_cap: RdmaMtu,
     /// GRH traffic class of D's QPs (`MC_IB_TC`). Default 0.
     pub traffic_class: u8,
     /// Service level of D's QPs (`MC_IB_SL`). Default 0.
     pub service_level: u8,
 }
 
-impl Default for HandshakeConfig {
+impl Default for RdmaHandshakeConfig {
     fn default() -> Self {
-        HandshakeConfig {
+        RdmaHandshakeConfig {
             qps_per_endpoint: 2,
-            mtu_cap: Mtu::Mtu4096,
+            mtu_cap: RdmaMtu::Mtu4096,
             traffic_class: 0,
             service_level: 0,
         }
@@ -81,7 +81,7 @@ pub struct PassiveHandshake<B> {
 
 impl<B: VerbsBackend> PassiveHandshake<B> {
     /// `segment_name` is D's `host:port`, the server part P puts in the NIC paths it asks for.
-    pub fn new(backend: B, segment_name: impl Into<String>, config: HandshakeConfig) -> Self {
+    pub fn new(backend: B, segment_name: impl Into<String>, config: RdmaHandshakeConfig) -> Self {
         PassiveHandshake {
             segment_name: segment_name.into(),
             table: EndpointTable::new(backend, config.qps_per_endpoint, config.mtu_cap).with_path(

@@ -13,7 +13,7 @@ const P_PATH: &str = "10.0.0.5:16001@mlx5_3";
 const P_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:05";
 const D_GID: &str = "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:07";
 
-fn nic(name: &str, mtu: Mtu) -> LocalNic {
+fn nic(name: &str, mtu: RdmaMtu) -> LocalNic {
     LocalNic {
         name: name.into(),
         port: 1,
@@ -28,10 +28,10 @@ fn nic(name: &str, mtu: Mtu) -> LocalNic {
 
 fn target() -> PassiveHandshake<FakeVerbs> {
     let fake = FakeVerbs::new(vec![
-        nic("mlx5_0", Mtu::Mtu4096),
-        nic("mlx5_1", Mtu::Mtu1024),
+        nic("mlx5_0", RdmaMtu::Mtu4096),
+        nic("mlx5_1", RdmaMtu::Mtu1024),
     ]);
-    PassiveHandshake::new(fake, D, HandshakeConfig::default())
+    PassiveHandshake::new(fake, D, RdmaHandshakeConfig::default())
 }
 
 fn request(qps: &[u32], ready_ack: Option<bool>) -> HandShakeDesc {
@@ -84,7 +84,7 @@ fn handshake_creates_qps_drives_them_to_rts_and_replies() {
     let local = LocalPort {
         port: 1,
         gid_index: 3,
-        active_mtu: Mtu::Mtu1024,
+        active_mtu: RdmaMtu::Mtu1024,
     };
     for (qp, peer) in ep.local_qps.iter().zip([0x51, 0x52]) {
         let remote = RemoteQp {
@@ -94,7 +94,7 @@ fn handshake_creates_qps_drives_them_to_rts_and_replies() {
         };
         assert_eq!(
             fake.transitions_of(*qp),
-            connect_sequence(local, Mtu::Mtu4096, remote).to_vec(),
+            connect_sequence(local, RdmaMtu::Mtu4096, remote).to_vec(),
             "QP {qp:?} must be connected to P QP {peer:#x} with the §6 attributes"
         );
         assert_eq!(fake.state(*qp), Some(QpState::Rts));
@@ -103,11 +103,11 @@ fn handshake_creates_qps_drives_them_to_rts_and_replies() {
 
 #[test]
 fn configured_traffic_class_and_service_level_reach_every_rtr() {
-    let fake = FakeVerbs::new(vec![nic("mlx5_1", Mtu::Mtu4096)]);
-    let cfg = HandshakeConfig {
+    let fake = FakeVerbs::new(vec![nic("mlx5_1", RdmaMtu::Mtu4096)]);
+    let cfg = RdmaHandshakeConfig {
         traffic_class: 106,
         service_level: 3,
-        ..HandshakeConfig::default()
+        ..RdmaHandshakeConfig::default()
     };
     let mut t = PassiveHandshake::new(fake, D, cfg);
     t.on_connection_request(request(&[1, 2], None)).unwrap();

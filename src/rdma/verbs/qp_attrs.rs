@@ -23,7 +23,7 @@ pub const START_PSN: u32 = 0;
 
 /// Path MTU, ordered so `min` picks the smaller one. Values are the verbs `ibv_mtu` codes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Mtu {
+pub enum RdmaMtu {
     /// 256 bytes.
     Mtu256 = 1,
     /// 512 bytes.
@@ -36,27 +36,27 @@ pub enum Mtu {
     Mtu4096 = 5,
 }
 
-impl Mtu {
+impl RdmaMtu {
     /// From bytes (`MC_MTU`); `None` for a size verbs does not define.
-    pub fn from_bytes(bytes: u32) -> Option<Mtu> {
+    pub fn from_bytes(bytes: u32) -> Option<RdmaMtu> {
         Some(match bytes {
-            256 => Mtu::Mtu256,
-            512 => Mtu::Mtu512,
-            1024 => Mtu::Mtu1024,
-            2048 => Mtu::Mtu2048,
-            4096 => Mtu::Mtu4096,
+            256 => RdmaMtu::Mtu256,
+            512 => RdmaMtu::Mtu512,
+            1024 => RdmaMtu::Mtu1024,
+            2048 => RdmaMtu::Mtu2048,
+            4096 => RdmaMtu::Mtu4096,
             _ => return None,
         })
     }
 
     /// From the `ibv_mtu` code a port reports; `None` for an unknown code.
-    pub fn from_code(code: u32) -> Option<Mtu> {
+    pub fn from_code(code: u32) -> Option<RdmaMtu> {
         Some(match code {
-            1 => Mtu::Mtu256,
-            2 => Mtu::Mtu512,
-            3 => Mtu::Mtu1024,
-            4 => Mtu::Mtu2048,
-            5 => Mtu::Mtu4096,
+            1 => RdmaMtu::Mtu256,
+            2 => RdmaMtu::Mtu512,
+            3 => RdmaMtu::Mtu1024,
+            4 => RdmaMtu::Mtu2048,
+            5 => RdmaMtu::Mtu4096,
             _ => return None,
         })
     }
@@ -112,7 +112,7 @@ pub struct InitAttrs {
 /// INIT → RTR attributes (address vector always global: RoCE needs a GRH).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RtrAttrs {
-    pub path_mtu: Mtu,
+    pub path_mtu: RdmaMtu,
     pub dest_qp_num: u32,
     pub rq_psn: u32,
     pub max_dest_rd_atomic: u8,
@@ -170,7 +170,7 @@ impl QpTransition {
 pub struct LocalPort {
     pub port: u8,
     pub gid_index: u8,
-    pub active_mtu: Mtu,
+    pub active_mtu: RdmaMtu,
 }
 
 /// The remote side as P announced it in its HandShakeDesc.
@@ -193,14 +193,14 @@ pub struct PathAttrs {
 /// The four calls that connect one QP: any → RESET → INIT → RTR → RTS. RESET first even on a
 /// fresh QP because the same path re-connects an endpoint that was connected, and some NICs
 /// refuse INIT from anything but RESET. Traffic class and service level 0.
-pub fn connect_sequence(local: LocalPort, mtu_cap: Mtu, remote: RemoteQp) -> [QpTransition; 4] {
+pub fn connect_sequence(local: LocalPort, mtu_cap: RdmaMtu, remote: RemoteQp) -> [QpTransition; 4] {
     connect_sequence_with(local, mtu_cap, remote, PathAttrs::default())
 }
 
 /// [`connect_sequence`] with the fabric's traffic class and service level.
 pub fn connect_sequence_with(
     local: LocalPort,
-    mtu_cap: Mtu,
+    mtu_cap: RdmaMtu,
     remote: RemoteQp,
     path: PathAttrs,
 ) -> [QpTransition; 4] {
@@ -247,11 +247,11 @@ mod tests {
         let local = LocalPort {
             port: 1,
             gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
+            active_mtu: RdmaMtu::Mtu4096,
         };
         let seq = connect_sequence(
             local,
-            Mtu::Mtu1024,
+            RdmaMtu::Mtu1024,
             RemoteQp {
                 lid: 7,
                 gid,
@@ -270,7 +270,7 @@ mod tests {
         let QpTransition::ToRtr(rtr) = &seq[2] else {
             panic!("RTR expected, got {:?}", seq[2])
         };
-        assert_eq!(rtr.path_mtu, Mtu::Mtu1024, "min(active 4096, MC_MTU 1024)");
+        assert_eq!(rtr.path_mtu, RdmaMtu::Mtu1024, "min(active 4096, MC_MTU 1024)");
         assert_eq!((rtr.dest_qp_num, rtr.rq_psn), (0x1234, 0));
         assert_eq!((rtr.max_dest_rd_atomic, rtr.min_rnr_timer), (16, 12));
         assert_eq!((rtr.dlid, rtr.dgid, rtr.sgid_index), (7, gid, 3));
@@ -292,7 +292,7 @@ mod tests {
         let local = LocalPort {
             port: 1,
             gid_index: 3,
-            active_mtu: Mtu::Mtu4096,
+            active_mtu: RdmaMtu::Mtu4096,
         };
         let remote = RemoteQp {
             lid: 0,
@@ -303,12 +303,12 @@ mod tests {
             traffic_class: 106,
             service_level: 3,
         };
-        let seq = connect_sequence_with(local, Mtu::Mtu4096, remote, path);
+        let seq = connect_sequence_with(local, RdmaMtu::Mtu4096, remote, path);
         let QpTransition::ToRtr(rtr) = &seq[2] else {
             panic!("{:?}", seq[2])
         };
         assert_eq!((rtr.traffic_class, rtr.sl), (106, 3));
-        let plain = connect_sequence(local, Mtu::Mtu4096, remote);
+        let plain = connect_sequence(local, RdmaMtu::Mtu4096, remote);
         assert!(matches!(&plain[2], QpTransition::ToRtr(r) if (r.traffic_class, r.sl) == (0, 0)));
     }
 
@@ -317,25 +317,25 @@ mod tests {
         let local = LocalPort {
             port: 1,
             gid_index: 0,
-            active_mtu: Mtu::Mtu1024,
+            active_mtu: RdmaMtu::Mtu1024,
         };
         let seq = connect_sequence(
             local,
-            Mtu::Mtu4096,
+            RdmaMtu::Mtu4096,
             RemoteQp {
                 lid: 0,
                 gid: Gid::default(),
                 qp_num: 1,
             },
         );
-        assert!(matches!(&seq[2], QpTransition::ToRtr(r) if r.path_mtu == Mtu::Mtu1024));
+        assert!(matches!(&seq[2], QpTransition::ToRtr(r) if r.path_mtu == RdmaMtu::Mtu1024));
     }
 
     #[test]
     fn mtu_codes_and_sizes() {
-        assert_eq!(Mtu::from_bytes(4096).map(Mtu::code), Some(5));
-        assert_eq!(Mtu::from_bytes(1500), None);
-        assert_eq!(Mtu::from_code(3), Some(Mtu::Mtu1024));
-        assert_eq!(Mtu::from_code(0), None);
+        assert_eq!(RdmaMtu::from_bytes(4096).map(RdmaMtu::code), Some(5));
+        assert_eq!(RdmaMtu::from_bytes(1500), None);
+        assert_eq!(RdmaMtu::from_code(3), Some(RdmaMtu::Mtu1024));
+        assert_eq!(RdmaMtu::from_code(0), None);
     }
 }

@@ -10,7 +10,7 @@ use crate::messages::handshake_desc::HandShakeDesc;
 use crate::messages::RequestMeta;
 use crate::rdma::verbs::backend::QpId;
 use crate::rdma::verbs::fake::{test_nic, FakeVerbs, WriteRefused};
-use crate::rdma::verbs::passive::{HandshakeConfig, PassiveHandshake};
+use crate::rdma::verbs::passive::{RdmaHandshakeConfig, PassiveHandshake};
 use crate::rdma::verbs::qp_attrs::QpState;
 use crate::rdma::verbs::PeerBinding;
 
@@ -28,7 +28,7 @@ fn shared() -> SharedHandshake<FakeVerbs> {
     Arc::new(Mutex::new(PassiveHandshake::new(
         FakeVerbs::new(vec![nic]),
         D,
-        HandshakeConfig::default(),
+        RdmaHandshakeConfig::default(),
     )))
 }
 

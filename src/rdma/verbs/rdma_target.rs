@@ -17,7 +17,7 @@ use super::async_events;
 use super::backend::{MrAccess, VerbsBackend, VerbsError};
 use super::fence::{RdmaFence, SharedHandshake};
 use super::gpudirect::{DeviceMemoryExport, GpuDirectError};
-use super::passive::{HandshakeConfig, PassiveHandshake};
+use super::passive::{RdmaHandshakeConfig, PassiveHandshake};
 use super::peer_binding::PeerBinding;
 use super::rdma_landing::{RdmaLanding, RdmaLandingError, WindowsConfig};
 use super::window_registrations::{HostSpan, WindowRegisterError};
@@ -34,7 +34,7 @@ pub struct RdmaTargetConfig {
     pub handshake_bind: SocketAddr,
     /// Host P must use to reach the daemon (the host part of the segment name).
     pub advertise_host: String,
-    pub handshake: HandshakeConfig,
+    pub handshake: RdmaHandshakeConfig,
     /// Descriptor buffer name of the host memory (`cpu:<numa node>`).
     pub location: String,
     pub access: MrAccess,
@@ -64,7 +64,7 @@ impl RdmaTargetConfig {
             layout,
             handshake_bind: ([127, 0, 0, 1], 0).into(),
             advertise_host: "127.0.0.1".into(),
-            handshake: HandshakeConfig::default(),
+            handshake: RdmaHandshakeConfig::default(),
             location: "cpu:0".into(),
             access: MrAccess::default(),
             host_memory: None,
