@@ -90,11 +90,17 @@ async fn error_from_one_peer_while_another_is_pending_completes_only_after_both(
     let c = h.wait_for("completion", is_completion("r1")).await;
     match c {
         KvEvent::Completion {
-            outcome: Outcome::Failed { peer: p, reason },
+            outcome:
+                Outcome::Failed {
+                    peer: p,
+                    cause,
+                    reason,
+                },
             uncertain_peers,
             ..
         } => {
             assert_eq!(p, Some(peer(0, 0)));
+            assert_eq!(cause, kvrecv::Cause::PeerWideError, "an ERROR reply");
             assert!(reason.contains("boom"));
             assert_eq!(uncertain_peers, vec![peer(0, 0)]);
         }

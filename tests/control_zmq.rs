@@ -487,7 +487,7 @@ async fn unknown_engine_fails_the_batch_at_once() {
     .await;
     let (outcome, _) = h.completion("d-1").await;
     assert!(
-        matches!(&outcome, Outcome::Failed { peer: None, reason } if reason.contains("not registered")),
+        matches!(&outcome, Outcome::Failed { peer: None, cause: Cause::NotSent, reason } if reason.contains("not registered")),
         "{outcome:?}"
     );
     assert_eq!(s.pulls_received(), 0);

@@ -114,7 +114,7 @@ async fn p_engine_restarted_on_new_ports_is_rediscovered() {
             .await;
         let (outcome, _) = h.completion(&id).await;
         assert!(
-            matches!(&outcome, Outcome::Failed { peer: None, reason } if reason.contains("bootstrap")),
+            matches!(&outcome, Outcome::Failed { peer: None, cause: kvrecv::Cause::NotSent, reason } if reason.contains("bootstrap")),
             "{id}: {outcome:?}"
         );
         assert!(settles_of(&h, &id).is_empty(), "{id} was sent to a peer");
@@ -205,7 +205,7 @@ async fn dead_workers_still_registered_fail_at_once_without_hammering_bootstrap(
             .await;
         let (outcome, _) = h.completion(&id).await;
         assert!(
-            matches!(&outcome, Outcome::Failed { peer: None, reason }
+            matches!(&outcome, Outcome::Failed { peer: None, cause: kvrecv::Cause::NotSent, reason }
                 if reason.contains("is down") && old.iter().any(|a| reason.contains(a.as_str()))),
             "{id}: {outcome:?}"
         );

@@ -18,6 +18,7 @@ use std::time::Instant;
 
 use actix::{Actor, Addr, Context, Handler, Message};
 
+use crate::messages::settle::Cause;
 use crate::messages::{CompletionList, Completions, KvEvent, Settle, Settles, SharedRequest};
 use crate::telemetry::{self as m, KeptHandles, Labels};
 
@@ -36,6 +37,8 @@ pub struct FailUnsent {
     /// The requests.
     pub requests: Vec<SharedRequest>,
     /// Why no writer exists.
+    pub cause: Cause,
+    /// The same, in words.
     pub reason: String,
 }
 
@@ -84,6 +87,7 @@ impl RequestAggregator {
                 out.events.push(KvEvent::FirstFailure {
                     req_id: ff.req.req_id.clone(),
                     peer: ff.peer.clone(),
+                    cause: ff.cause,
                     reason: ff.reason.clone(),
                 });
             }
@@ -183,7 +187,7 @@ impl Handler<FailUnsent> for RequestAggregator {
         let mut out = Outbox::default();
         for req in msg.requests {
             let mut state = AggregatorState::new(req, vec![], crate::config::Policy::Settle);
-            let fx = state.fail_now(msg.reason.clone());
+            let fx = state.fail_now(msg.cause, msg.reason.clone());
             self.publish(fx, since, &mut out);
         }
         self.flush(out);

@@ -73,7 +73,7 @@ struct Rare {
     /// The settles that were not Ok, by peer index.
     not_ok: NotOk,
     /// The first failure (peer, reason), once.
-    first_failure: Option<(Option<PeerId>, String)>,
+    first_failure: Option<(Option<PeerId>, Cause, String)>,
 }
 
 /// Kept per request in flight, so kept small (40 bytes): the rules and the peer list are
@@ -148,7 +148,7 @@ impl AggregatorState {
         self.rare.as_ref().map_or(&[], |r| &r.not_ok)
     }
 
-    fn first_failure(&self) -> Option<&(Option<PeerId>, String)> {
+    fn first_failure(&self) -> Option<&(Option<PeerId>, Cause, String)> {
         self.rare.as_ref().and_then(|r| r.first_failure.as_ref())
     }
 
@@ -204,24 +204,29 @@ impl AggregatorState {
     }
 
     /// No writer can exist (topology failure, rule 7): fail and complete at once.
-    pub fn fail_now(&mut self, reason: String) -> AggEffects {
+    pub fn fail_now(&mut self, cause: Cause, reason: String) -> AggEffects {
         if self.completed {
             return AggEffects {
                 stale: true,
                 ..Default::default()
             };
         }
-        self.rare_mut().first_failure = Some((None, reason.clone()));
+        self.rare_mut().first_failure = Some((None, cause, reason.clone()));
         self.completed = true;
         AggEffects {
             first_failure: Some(FirstFailure {
                 req: self.req.clone(),
                 peer: None,
+                cause,
                 reason: reason.clone(),
             }),
             completion: Some(Completion {
                 req: self.req.clone(),
-                outcome: Outcome::Failed { peer: None, reason },
+                outcome: Outcome::Failed {
+                    peer: None,
+                    cause,
+                    reason,
+                },
                 uncertain_peers: vec![],
                 unsettled_peers: vec![],
                 transport_failed_peers: vec![],
@@ -246,7 +251,7 @@ impl AggregatorState {
             self.rare_mut().not_ok.push((i, Some(s.outcome.clone())));
         }
         self.outstanding -= 1;
-        if let Some(reason) = s.outcome.reason() {
+        if let (Some(reason), Some(cause)) = (s.outcome.reason(), s.outcome.cause()) {
             if self.first_failure().is_none() {
                 // The peer's words, plus what D's data plane knows of the cause.
                 let reason = match self
@@ -258,10 +263,12 @@ impl AggregatorState {
                     Some(ctx) => format!("{reason} ({ctx})"),
                     None => reason.to_owned(),
                 };
-                self.rare_mut().first_failure = Some((Some(s.peer.clone()), reason.clone()));
+                self.rare_mut().first_failure =
+                    Some((Some(s.peer.clone()), cause, reason.clone()));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: Some(s.peer.clone()),
+                    cause,
                     reason,
                 });
             }
@@ -285,10 +292,11 @@ impl AggregatorState {
                         )
                     })
                     .collect();
-                rare.first_failure = Some((None, reason.clone()));
+                rare.first_failure = Some((None, Cause::Unbacked, reason.clone()));
                 fx.first_failure = Some(FirstFailure {
                     req: self.req.clone(),
                     peer: None,
+                    cause: Cause::Unbacked,
                     reason,
                 });
             }
@@ -377,8 +385,9 @@ impl AggregatorState {
         self.completed = true;
         let outcome = match self.first_failure() {
             None => Outcome::Ok,
-            Some((peer, reason)) => Outcome::Failed {
+            Some((peer, cause, reason)) => Outcome::Failed {
                 peer: peer.clone(),
+                cause: *cause,
                 reason: reason.clone(),
             },
         };

@@ -302,6 +302,7 @@ mod tests {
             outcome: if failed {
                 Outcome::Failed {
                     peer: None,
+                    cause: crate::messages::Cause::Channel,
                     reason: "x".into(),
                 }
             } else {
@@ -318,6 +319,7 @@ mod tests {
         let mut l = BlockLedger::new(Duration::from_secs(1), None);
         let r = req("r", vec![vec![3, 4]]);
         l.on_first_failure(&FirstFailure {
+            cause: crate::messages::Cause::Channel,
             req: r.clone(),
             peer: None,
             reason: "x".into(),

@@ -18,6 +18,7 @@ use actix::{
 };
 
 use crate::config::KvRecvConfig;
+use crate::messages::settle::Cause;
 use crate::messages::tick::SweepDue;
 use crate::messages::{
     Abort, AbortAtPeer, AbortReply, CountPeers, LoadKv, LoadKvReply, LoadKvTo, LoadMetas,
@@ -260,13 +261,17 @@ impl Receiver {
                 }
             }
         }
-        self.fail_awaiting(group, why.reason());
+        self.fail_awaiting(group, why.cause(), why.reason());
     }
 
-    fn fail_awaiting(&mut self, group: batch_plan::RequestGroup, reason: String) {
+    fn fail_awaiting(&mut self, group: batch_plan::RequestGroup, cause: Cause, reason: String) {
         let requests = awaiting(group);
         if !requests.is_empty() {
-            self.aggregator().do_send(FailUnsent { requests, reason });
+            self.aggregator().do_send(FailUnsent {
+                requests,
+                cause,
+                reason,
+            });
         }
     }
 
@@ -387,7 +392,7 @@ impl Receiver {
             .counter_by(m::REQUESTS_REFUSED_NO_WINDOW, "reason", refused.why.label())
             .increment(requests as u64);
         tracing::warn!(error = %refused, requests, "batch refused: no clean landing window for its pulls; nothing sent");
-        self.fail_awaiting(d.group.clone(), refused.to_string());
+        self.fail_awaiting(d.group.clone(), Cause::NotSent, refused.to_string());
         None
     }
 

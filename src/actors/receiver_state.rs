@@ -14,6 +14,7 @@ use std::time::Instant;
 use crate::config::DRank;
 use crate::fast_hash::FastMap;
 use crate::layout::KvLayout;
+use crate::messages::settle::Cause;
 use crate::messages::{
     BatchError, Interner, KvRequest, LoadKvReply, PeerId, ReqId, RequestMeta, SharedRequest,
     ABORTED_BY_HOST,
@@ -67,6 +68,15 @@ pub enum FailWhy {
 }
 
 impl FailWhy {
+    /// The failure's cause: nothing was sent (a lookup that failed, a peer known down), or
+    /// the host aborted first.
+    pub fn cause(&self) -> Cause {
+        match self {
+            FailWhy::Topology { .. } | FailWhy::Unreachable(_) => Cause::NotSent,
+            FailWhy::AbortedBeforeDispatch => Cause::Aborted,
+        }
+    }
+
     /// The failure's reason, as the host reads it.
     pub fn reason(&self) -> String {
         match self {

@@ -70,6 +70,7 @@ mod tests {
             "d-3",
             Outcome::Failed {
                 peer: Some(peer),
+                cause: crate::messages::Cause::PeerError,
                 reason: "peer said \"no\"".into(),
             },
             vec![],

@@ -8,6 +8,7 @@ use serde::Serialize;
 
 use super::batch::SharedRequest;
 use super::ids::{PeerId, ReqId};
+use super::settle::Cause;
 
 /// The first failed or uncertain settle of a request; sent once, immediately, so the host can
 /// fail the request while other peers are still writing.
@@ -19,6 +20,8 @@ pub struct FirstFailure {
     pub req: SharedRequest,
     /// `None` when no peer was involved (topology failure).
     pub peer: Option<PeerId>,
+    /// Why, as a host matches on it.
+    pub cause: Cause,
     /// Why (the first failing peer's reason).
     pub reason: String,
 }
@@ -33,7 +36,10 @@ pub enum Outcome {
     Failed {
         /// The first failing peer, if a peer failed (not the topology).
         peer: Option<PeerId>,
-        /// Why.
+        /// Why, as a host matches on it (retry, recompute, give up): the first failure's
+        /// [`Cause`].
+        cause: Cause,
+        /// Why, in words (the peer's, and what D knows of it).
         reason: String,
     },
 }

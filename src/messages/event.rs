@@ -6,7 +6,7 @@ use serde::Serialize;
 
 use super::completion::Outcome;
 use super::ids::{PeerId, PullId, ReqId};
-use super::settle::SettleOutcome;
+use super::settle::{Cause, SettleOutcome};
 
 /// Something an operator or a test may want to see, in the order it happened inside its actor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -43,7 +43,9 @@ pub enum KvEvent {
         req_id: ReqId,
         /// The failing peer (none for a topology failure).
         peer: Option<PeerId>,
-        /// Why.
+        /// Why, as a host matches on it.
+        cause: Cause,
+        /// Why, in words.
         reason: String,
     },
     /// Every peer settled (or was treated as Uncertain): the receive is over.

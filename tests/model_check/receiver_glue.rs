@@ -48,7 +48,7 @@ impl Kv {
                 for r in group.into_iter().filter(|r| r.is_awaiting()) {
                     let attempt = Kv::attempt_of(s, &r);
                     let mut agg = AggregatorState::new(r, vec![], Policy::Settle);
-                    let fx = agg.fail_now(why.reason());
+                    let fx = agg.fail_now(why.cause(), why.reason());
                     self.publish(s, attempt, fx, 0);
                 }
             }
