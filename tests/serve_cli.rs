@@ -739,12 +739,8 @@ async fn prefill_sim_with_write_lands_bytes_in_serve() {
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
 }
 
-/// A host that keeps writing stdin but stops reading stdout: serve stops reading stdin once its
-/// stdout backlog passes `--max-output-backlog-bytes` (the host's writes block), instead of
-/// queueing answers without limit; once the host reads again, every line is answered, in order.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limit() {
-    const LINES: usize = 20_000; // ~10 MB of answers for 300 KB of input
+/// `serve` with a 64 KiB stdout backlog and warnings on stderr, all three pipes the test's.
+fn serve_with_a_small_stdout_backlog() -> (tokio::process::Child, tokio::process::ChildStdin) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
         .args([
             "serve",
@@ -765,7 +761,17 @@ async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limi
         .kill_on_drop(true)
         .spawn()
         .expect("kvrecv binary");
-    let mut stdin = child.stdin.take().unwrap();
+    let stdin = child.stdin.take().unwrap();
+    (child, stdin)
+}
+
+/// A host that keeps writing stdin but stops reading stdout: serve stops reading stdin once its
+/// stdout backlog passes `--max-output-backlog-bytes` (the host's writes block), instead of
+/// queueing answers without limit; once the host reads again, every line is answered, in order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limit() {
+    const LINES: usize = 20_000; // ~10 MB of answers for 300 KB of input
+    let (mut child, mut stdin) = serve_with_a_small_stdout_backlog();
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
     assert_eq!(next_json(&mut out).await["event"], "ready");
@@ -820,27 +826,7 @@ async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limi
 /// waiting for the host forever (a stop only SIGKILL could make).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_serve_even_when_the_host_never_reads_stdout() {
-    let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
-        .args([
-            "serve",
-            "--layers",
-            "1",
-            "--block-len",
-            "4096",
-            "--num-blocks",
-            "16",
-            "--max-output-backlog-bytes",
-            "65536",
-            "--log-level",
-            "warn",
-        ])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .kill_on_drop(true)
-        .spawn()
-        .expect("kvrecv binary");
-    let mut stdin = child.stdin.take().unwrap();
+    let (mut child, mut stdin) = serve_with_a_small_stdout_backlog();
     // Held, never read past the ready line: the pipe fills and serve's writes wait.
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
