@@ -739,8 +739,11 @@ async fn prefill_sim_with_write_lands_bytes_in_serve() {
     s.wait("shutdown", |v| ev(v, "shutdown")).await;
 }
 
-/// `serve` with a 64 KiB stdout backlog and warnings on stderr, all three pipes the test's.
-fn serve_with_a_small_stdout_backlog() -> (tokio::process::Child, tokio::process::ChildStdin) {
+/// `serve` with a 64 KiB stdout backlog and warnings on stderr: stdin and stderr pipes, stdout
+/// `stdout`.
+fn serve_with_a_small_stdout_backlog(
+    stdout: Stdio,
+) -> (tokio::process::Child, tokio::process::ChildStdin) {
     let mut child = Command::new(env!("CARGO_BIN_EXE_kvrecv"))
         .args([
             "serve",
@@ -756,7 +759,7 @@ fn serve_with_a_small_stdout_backlog() -> (tokio::process::Child, tokio::process
             "warn",
         ])
         .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
+        .stdout(stdout)
         .stderr(Stdio::piped())
         .kill_on_drop(true)
         .spawn()
@@ -771,7 +774,7 @@ fn serve_with_a_small_stdout_backlog() -> (tokio::process::Child, tokio::process
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limit() {
     const LINES: usize = 20_000; // ~10 MB of answers for 300 KB of input
-    let (mut child, mut stdin) = serve_with_a_small_stdout_backlog();
+    let (mut child, mut stdin) = serve_with_a_small_stdout_backlog(Stdio::piped());
     let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
     let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
     assert_eq!(next_json(&mut out).await["event"], "ready");
@@ -823,47 +826,63 @@ async fn a_host_that_stops_reading_stdout_is_held_back_not_buffered_without_limi
 
 /// SIGTERM while the host reads nothing of stdout (its backlog full, stdin paused): serve
 /// still stops, dropping the output nobody reads after a short grace and saying so, instead of
-/// waiting for the host forever (a stop only SIGKILL could make).
+/// waiting for the host forever (a stop only SIGKILL could make). Over a pipe (written by a
+/// task) and over a socket (written by a thread of its own, blocked in `write`: as Node.js
+/// hosts give their children).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_stops_serve_even_when_the_host_never_reads_stdout() {
-    let (mut child, mut stdin) = serve_with_a_small_stdout_backlog();
-    // Held, never read past the ready line: the pipe fills and serve's writes wait.
-    let mut out = BufReader::new(child.stdout.take().unwrap()).lines();
-    let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
-    assert_eq!(next_json(&mut out).await["event"], "ready");
-    let host = tokio::spawn(async move {
-        let chunk = r#"{"op":"stats"}"#.to_owned() + "\n";
-        // Until serve stops reading (a write fails once it exited).
-        while stdin.write_all(chunk.as_bytes()).await.is_ok() {}
-    });
-    async fn said(
-        err: &mut tokio::io::Lines<BufReader<tokio::process::ChildStderr>>,
-        what: &str,
-    ) -> String {
-        while let Some(l) = err.next_line().await.unwrap() {
-            if l.contains(what) {
-                return l;
+    for socket in [false, true] {
+        // The socket's other end is held, never read.
+        let (stdout, _unread) = match socket {
+            false => (Stdio::piped(), None),
+            true => {
+                let (ours, theirs) = std::os::unix::net::UnixStream::pair().unwrap();
+                (Stdio::from(std::os::fd::OwnedFd::from(theirs)), Some(ours))
             }
+        };
+        let (mut child, mut stdin) = serve_with_a_small_stdout_backlog(stdout);
+        // A pipe is held too, never read past the ready line: it fills and serve's writes wait.
+        let mut out = child.stdout.take().map(|o| BufReader::new(o).lines());
+        if let Some(out) = out.as_mut() {
+            assert_eq!(next_json(out).await["event"], "ready");
         }
-        panic!("stderr closed before {what:?}");
+        let mut err = BufReader::new(child.stderr.take().unwrap()).lines();
+        let host = tokio::spawn(async move {
+            let chunk = r#"{"op":"stats"}"#.to_owned() + "\n";
+            // Until serve stops reading (a write fails once it exited).
+            while stdin.write_all(chunk.as_bytes()).await.is_ok() {}
+        });
+        tokio::time::timeout(SAFETY, said(&mut err, "stdin paused"))
+            .await
+            .expect("serve pauses stdin");
+        let pid = child.id().expect("running") as libc::pid_t;
+        // SAFETY: signals our own child, which is still running (not yet waited for).
+        assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
+        let dropped = tokio::time::timeout(SAFETY, said(&mut err, "without writing the rest"))
+            .await
+            .expect("serve gives up on the unread backlog");
+        assert!(dropped.contains("WARN"), "{dropped}");
+        let status = tokio::time::timeout(SAFETY, child.wait())
+            .await
+            .unwrap_or_else(|_| panic!("serve exits with its stdout unread (socket: {socket})"))
+            .unwrap();
+        assert!(status.success(), "{status:?}");
+        host.await.unwrap();
+        drop(out);
     }
-    tokio::time::timeout(SAFETY, said(&mut err, "stdin paused"))
-        .await
-        .expect("serve pauses stdin");
-    let pid = child.id().expect("running") as libc::pid_t;
-    // SAFETY: signals our own child, which is still running (not yet waited for).
-    assert_eq!(unsafe { libc::kill(pid, libc::SIGTERM) }, 0);
-    let dropped = tokio::time::timeout(SAFETY, said(&mut err, "without writing the rest"))
-        .await
-        .expect("serve gives up on the unread backlog");
-    assert!(dropped.contains("WARN"), "{dropped}");
-    let status = tokio::time::timeout(SAFETY, child.wait())
-        .await
-        .expect("serve exits with its stdout still unread")
-        .unwrap();
-    assert!(status.success(), "{status:?}");
-    host.await.unwrap();
-    drop(out);
+}
+
+/// The next stderr line that contains `what`.
+async fn said(
+    err: &mut tokio::io::Lines<BufReader<tokio::process::ChildStderr>>,
+    what: &str,
+) -> String {
+    while let Some(l) = err.next_line().await.unwrap() {
+        if l.contains(what) {
+            return l;
+        }
+    }
+    panic!("stderr closed before {what:?}");
 }
 
 /// Shutdown hands over what completed since the host's last drain and says how many awaited

@@ -346,7 +346,7 @@ async fn flush(writer: Writer, stop: Option<StopSignals>, grace: Option<std::tim
         }
         () = grace_over => {
             tracing::warn!(grace_s = grace.unwrap_or_default().as_secs(),
-                "stdout is not being read: stopping without writing the rest of its backlog");
+                "stdout not written within the grace after the stop signal: stopping without writing the rest of its backlog");
         }
     }
 }

@@ -168,9 +168,11 @@ pub enum Writer {
     /// A pipe, non-blocking through the runtime's epoll, written by a task on the actors'
     /// thread (a slow reader suspends the task, never the thread).
     Pipe(tokio::task::JoinHandle<()>),
-    /// Anything else (a file, a terminal), written by a thread of its own so that a blocking
-    /// write stalls neither the actors nor the runtime's workers.
-    Thread(std::thread::JoinHandle<std::io::Result<()>>),
+    /// Anything else (a file, a terminal, a socket), written by a thread of its own so that a
+    /// blocking write stalls neither the actors nor the runtime's workers. The receiver hears
+    /// when the thread ends: nothing waits on a thread blocked in `write(2)` (a joined one would
+    /// keep the runtime from ending after a stop signal gave up on the host).
+    Thread(tokio::sync::oneshot::Receiver<()>),
 }
 
 impl Writer {
@@ -181,24 +183,29 @@ impl Writer {
             .and_then(|fd| pipe::Sender::from_file(std::fs::File::from(fd)));
         match pipe {
             Ok(p) => Ok(Writer::Pipe(actix_rt::spawn(pipe_writer(p, q)))),
-            Err(_) => std::thread::Builder::new()
-                .name("kvrecv-stdout".into())
-                .spawn(move || {
-                    let stdout = std::io::stdout();
-                    write_all(q, stdout.lock())
-                })
-                .map(Writer::Thread),
+            Err(_) => {
+                let (ended, rx) = tokio::sync::oneshot::channel();
+                std::thread::Builder::new()
+                    .name("kvrecv-stdout".into())
+                    .spawn(move || {
+                        let stdout = std::io::stdout();
+                        // A write error ends the thread as the end of the queue does.
+                        let _ = write_all(q, stdout.lock());
+                        let _ = ended.send(());
+                    })
+                    .map(|_| Writer::Thread(rx))
+            }
         }
     }
 
-    /// Wait until everything queued is written (the thread is joined off the runtime's threads).
+    /// Wait until everything queued is written (or stdout failed).
     pub async fn join(self) {
         match self {
             Writer::Pipe(t) => {
                 let _ = t.await;
             }
-            Writer::Thread(t) => {
-                let _ = tokio::task::spawn_blocking(move || t.join()).await;
+            Writer::Thread(ended) => {
+                let _ = ended.await;
             }
         }
     }
