@@ -68,6 +68,8 @@ async fn accept_loop(listener: TcpListener, st: Arc<State>) {
         tokio::select! {
             accepted = listener.accept() => {
                 let Ok((stream, _)) = accepted else { continue };
+                // Connections that ended and were not reaped yet do not count.
+                while conns.try_join_next().is_some() {}
                 if conns.len() >= MAX_CONNECTIONS {
                     continue; // dropped: closed at once
                 }
@@ -302,6 +304,11 @@ mod tests {
             .await
             .expect("closed, not held");
         assert!(matches!(n, Ok(0) | Err(_)), "{n:?}");
+        // By the cap, not the header timeout: that would have closed the older ones first.
+        assert!(
+            matches!(idle[0].try_read(&mut buf), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock),
+            "the first idle connection is still open"
+        );
         drop(idle);
         let answered = async {
             loop {

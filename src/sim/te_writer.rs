@@ -68,6 +68,9 @@ pub struct Copy {
 pub const MAX_COPY_BYTES: u64 = 64 << 20;
 /// The most bytes one pull may make the simulator write (the payloads it allocates).
 pub const MAX_PULL_BYTES: u64 = 1 << 30;
+/// The most copies one pull may make (each costs its plan and payload's bookkeeping, ~100 B,
+/// whatever its length: 2^30 one-byte slices are under the byte cap).
+pub const MAX_PULL_COPIES: usize = 1 << 20;
 
 /// The copies `rank` makes for `req_ids` (one per block, region and head slice), as P computes
 /// them from D's metadata. Regions belong to this P PP stage when D lists the layer and the
@@ -137,9 +140,10 @@ pub fn plan_copies(
             }
             for &b in blocks {
                 total = total.saturating_add(len);
-                if total > MAX_PULL_BYTES {
+                if total > MAX_PULL_BYTES || out.len() >= MAX_PULL_COPIES {
                     return Err(format!(
-                        "the pull asks for over {MAX_PULL_BYTES} bytes, the simulator's most"
+                        "the pull asks for over {MAX_PULL_BYTES} bytes or {MAX_PULL_COPIES} \
+                         copies, the simulator's most"
                     ));
                 }
                 let region_offset = b
@@ -307,6 +311,17 @@ mod tests {
         })
         .expect_err("a pull over the cap");
         assert!(e.contains("the simulator's most"), "{e}");
+        // One-byte slices: few bytes, but each copy costs its bookkeeping.
+        let e = one(&|m| {
+            m.block_lens = vec![1; 2];
+            m.kv_block_lens = vec![1; 2];
+            m.req_blocks.insert(
+                "r".into(),
+                ("t".into(), vec![vec![0; MAX_PULL_COPIES]]),
+            );
+        })
+        .expect_err("a pull of too many copies");
+        assert!(e.contains("copies"), "{e}");
         assert!(one(&|_| {}).is_ok());
     }
 }
