@@ -126,11 +126,12 @@ pub struct KvRecvConfig {
     pub topology_retry_max: Duration,
     /// This D worker's TP/PP rank and sizes (which P ranks it pulls from).
     pub d_rank: DRank,
-    /// Where P writes: regions, block sizes, block count. Required (never defaulted silently).
+    /// Where P writes: regions, block sizes, block count. Required: the default is none, and a
+    /// start without one is refused ([`ConfigError::NoLayout`]).
     pub layout: KvLayout,
     /// This D worker's engine id (vLLM's `engine_id`): the `engine` label of every metric, so
-    /// coordinators sharing one process and recorder keep their series apart. From a
-    /// kv-transfer config without one, a random UUID, as vLLM gives it.
+    /// coordinators sharing one process and recorder keep their series apart. Empty (the
+    /// default) or missing from a kv-transfer config: a random UUID, as vLLM gives it.
     pub engine_id: String,
     /// vLLM 0.33's layout ids (PROTOCOL.md §2.7): each pull names its landing window's layout
     /// by an id, and pulls to a P worker that echoed it omit the layout. Off: `layout_id` is
@@ -158,7 +159,12 @@ impl Default for KvRecvConfig {
             topology_retry_base: Duration::from_millis(100),
             topology_retry_max: Duration::from_secs(2),
             d_rank: DRank::default(),
-            layout: KvLayout::default(),
+            // None: a start without one is refused (`NoLayout`), as from JSON.
+            layout: KvLayout {
+                regions: Vec::new(),
+                num_blocks: 0,
+                num_groups: 0,
+            },
             engine_id: String::new(),
             layout_ids: true,
         }
@@ -193,6 +199,9 @@ pub enum ConfigError {
     #[error("invalid layout: {0}")]
     /// The layout is inconsistent (empty, overlapping groups, zero sizes).
     Layout(String),
+    #[error("D rank outside its world size: {0}")]
+    /// `tp_rank`/`pp_rank` not below `tp_size`/`pp_size`.
+    Rank(String),
     /// A silently assumed layout would advertise addresses P writes real bytes to.
     #[error(
         "no destination layout: give kv_connector_extra_config.kvrecv.layout \
@@ -355,7 +364,10 @@ impl KvRecvConfig {
         if let Some(l) = k.layout {
             cfg.layout = l;
         }
-        cfg.validate()?;
+        match layout_given {
+            true => cfg.validate()?,
+            false => cfg.validate_ranks()?,
+        }
         Ok(ParsedKvTransfer {
             config: cfg,
             layout_given,
@@ -414,9 +426,18 @@ impl KvRecvConfig {
         Ok(())
     }
 
-    /// Internal consistency of the layout.
+    /// The whole configuration, layout included: what a start checks.
     pub fn validate(&self) -> Result<(), ConfigError> {
+        self.validate_layout()?;
+        self.validate_ranks()
+    }
+
+    /// The layout: given ([`ConfigError::NoLayout`] otherwise) and consistent.
+    fn validate_layout(&self) -> Result<(), ConfigError> {
         let l = &self.layout;
+        if l.regions.is_empty() && l.num_blocks == 0 && l.num_groups == 0 {
+            return Err(ConfigError::NoLayout);
+        }
         if l.regions.is_empty() || l.num_blocks == 0 || l.num_groups == 0 {
             return Err(ConfigError::Layout(
                 "need at least one region, block and group".into(),
@@ -443,9 +464,17 @@ impl KvRecvConfig {
                 )));
             }
         }
-        if self.d_rank.tp_rank >= self.d_rank.tp_size || self.d_rank.pp_rank >= self.d_rank.pp_size
-        {
-            return Err(ConfigError::Layout("rank outside its world size".into()));
+        Ok(())
+    }
+
+    /// This D worker's ranks, inside their world sizes.
+    fn validate_ranks(&self) -> Result<(), ConfigError> {
+        let d = &self.d_rank;
+        if d.tp_rank >= d.tp_size || d.pp_rank >= d.pp_size {
+            return Err(ConfigError::Rank(format!(
+                "tp_rank {} of tp_size {}, pp_rank {} of pp_size {}",
+                d.tp_rank, d.tp_size, d.pp_rank, d.pp_size
+            )));
         }
         Ok(())
     }

@@ -167,4 +167,21 @@ async fn two_workers_in_one_process_keep_their_series_apart() {
     }
     a.shutdown().await;
     b.shutdown().await;
+
+    // A worker whose config names no engine (`KvRecvConfig::default()`'s empty id) is given a
+    // random UUID, as vLLM names one: never an `engine=""` series another such worker shares.
+    let (c, mut c_events) = worker("");
+    c.load_kv(vec![req("rc", vec![5])]).await.unwrap();
+    released(&mut c_events, &["rc"]).await;
+    let engines: std::collections::BTreeSet<String> = store
+        .keys()
+        .iter()
+        .filter_map(|k| label(k, "engine").map(str::to_owned))
+        .filter(|e| e != "d-a" && e != "d-b")
+        .collect();
+    assert_eq!(engines.len(), 1, "{engines:?}");
+    let c_engine = engines.first().unwrap();
+    assert!(uuid::Uuid::parse_str(c_engine).is_ok(), "{c_engine:?}");
+    assert_eq!(store.counter(m::COMPLETIONS, c_engine), 1);
+    c.shutdown().await;
 }

@@ -244,7 +244,11 @@ impl ServeArgs {
                 }
                 p.config
             }
-            None => KvRecvConfig::default(),
+            // serve's own default, which its flags adjust (the library has none).
+            None => KvRecvConfig {
+                layout: KvLayout::default(),
+                ..KvRecvConfig::default()
+            },
         };
         if self
             .layers

@@ -366,7 +366,7 @@ impl KvRecvBuilder {
             return Err(StartError::NoAdvertiseHost(self.target.data_bind.ip()));
         }
         let KvRecvBuilder {
-            config,
+            mut config,
             mut target,
             bootstrap,
             zmq,
@@ -385,7 +385,10 @@ impl KvRecvBuilder {
         } = self;
         #[cfg(not(feature = "cli"))]
         let (landing, custom_sink) = (None, None);
-        target.layout = config.layout.clone();
+        if config.engine_id.is_empty() {
+            // As vLLM names an engine without an id; never one shared `engine=""` label.
+            config.engine_id = uuid::Uuid::new_v4().to_string();
+        }
         // What `read_block` reads: the host's memory, unless device memory takes its place.
         let host_blocks = HostBlocks {
             memory: match (&target.device_memory, &target.host_memory) {

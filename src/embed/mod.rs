@@ -691,6 +691,19 @@ mod tests {
         assert_send_sync_clone::<KvRecv>();
     }
 
+    /// The typed configuration has no layout of its own, as the JSON one has none: a start
+    /// without one is refused, never served on a made-up layout P would write into.
+    #[test]
+    fn a_start_without_a_layout_is_refused() {
+        let e = KvRecvBuilder::new(KvRecvConfig::default())
+            .start()
+            .unwrap_err();
+        assert!(
+            matches!(e, StartError::Config(crate::config::ConfigError::NoLayout)),
+            "{e}"
+        );
+    }
+
     #[test]
     fn a_wildcard_bind_needs_an_advertised_host() {
         let cfg = KvRecvConfig {
