@@ -105,6 +105,13 @@ pub enum PauseError {
     /// `resume` on a worker that is not paused.
     #[error("kvrecv is not paused")]
     NotPaused,
+    /// [`ResumeMemory::Host`](crate::ResumeMemory::Host) with memory another worker holds
+    /// ([`crate::MemoryError::InUse`]): still paused, on the old memory.
+    #[error(
+        "the new host memory is registered with another worker that is still running (or whose \
+         handles are not all dropped)"
+    )]
+    MemoryInUse,
 }
 
 

@@ -398,6 +398,7 @@ impl KvRecv {
                     .await
                     .map_err(|e| match e {
                         PauseError::Landing(LandingPauseError::DoesNotFit(e)) => e.into(),
+                        PauseError::Landing(LandingPauseError::InUse) => PauseError::MemoryInUse,
                         PauseError::Landing(LandingPauseError::Unsupported(why)) => {
                             PauseError::NewMemoryUnsupported(why)
                         }

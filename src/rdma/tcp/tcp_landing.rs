@@ -144,9 +144,7 @@ impl Landing for TcpLanding {
         let spans = self.permits.map().region_spans();
         let needed: Vec<u64> = spans.iter().map(|&(_, len)| len).collect();
         crate::rdma::memory_fit::check_fit(memory, &needed)?;
-        let registration = memory
-            .register(*id)
-            .map_err(|e| E::Failed(e.to_string()))?;
+        let registration = memory.register(*id).map_err(|_| E::InUse)?;
         let fresh = crate::rdma::memory::RegisteredMemory::host_owned(registration, &spans)
             .map_err(|e| E::Failed(e.to_string()))?;
         // The old memory goes when the last revoked write holding it ends; none reads it.

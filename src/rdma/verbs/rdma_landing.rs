@@ -453,9 +453,7 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
                 ));
             }
             let mut host = lock(&self.core.host);
-            let registration = memory
-                .register(host.0)
-                .map_err(|e| E::Failed(e.to_string()))?;
+            let registration = memory.register(host.0).map_err(|_| E::InUse)?;
             let spans = memory
                 .regions()
                 .iter()

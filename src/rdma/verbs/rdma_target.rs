@@ -103,6 +103,9 @@ pub enum RdmaTargetError {
     /// The landing windows could not be set up.
     #[error("landing: {0}")]
     Landing(#[from] RdmaLandingError),
+    /// The host memory is refused ([`crate::MemoryError::InUse`]: another worker holds it).
+    #[error("{0}")]
+    Memory(#[from] crate::rdma::memory::MemoryError),
 }
 
 /// A running RDMA target. Dropping it stops the daemon and deregisters the memory (a buffer
@@ -174,10 +177,7 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
         // kvrecv owns (`HostRegion::owned`) are freed only after their deregistration (the
         // landing keeps the registration), and leaked like `owned` if it fails.
         let registration = match (&device, &cfg.host_memory) {
-            (None, Some(host)) => Some(
-                host.register(LandingId::fresh())
-                    .map_err(|e| RdmaTargetError::HostRegions(e.to_string()))?,
-            ),
+            (None, Some(host)) => Some(host.register(LandingId::fresh())?),
             _ => None,
         };
         let spans = destination_spans(&cfg, device.as_ref().map(|d| d.0), owned.as_ref());
