@@ -11,12 +11,12 @@ use crate::layout::KvLayout;
 use crate::messages::ReqId;
 use crate::rdma::memory::{HostMemory, MemoryError};
 
-/// Why [`crate::KvRecv::read_block`] read nothing.
+/// Why [`KvRecv::read_block`](crate::KvRecv::read_block) read nothing.
 #[derive(Debug, Error)]
 pub enum BlockReadError {
-    /// The worker was not started on host memory ([`crate::KvRecvBuilder::host_memory`]):
+    /// The worker was not started on host memory ([`KvRecvBuilder::host_memory`](crate::KvRecvBuilder::host_memory)):
     /// kvrecv's own allocation, device memory, or parts of the host's
-    /// ([`crate::KvRecv::from_parts`]).
+    /// ([`KvRecv::from_parts`](crate::KvRecv::from_parts)).
     #[error("no host memory to read: the worker was not started with KvRecvBuilder::host_memory")]
     NoHostMemory,
     /// No such block in the layout.
@@ -46,9 +46,9 @@ pub enum BlockReadError {
         /// The request holding it.
         req_id: ReqId,
     },
-    /// The memory was handed over as pointers ([`crate::HostRegion::new`]) and the worker is
+    /// The memory was handed over as pointers ([`HostRegion::new`](crate::HostRegion::new)) and the worker is
     /// paused or shut down: the host may have released it (its contract ends there), so
-    /// kvrecv reads none of it. Memory kvrecv owns ([`crate::HostMemory::owned`]) is read
+    /// kvrecv reads none of it. Memory kvrecv owns ([`HostMemory::owned`](crate::HostMemory::owned)) is read
     /// then too.
     #[error("host memory given by pointer is not read while the worker is paused or shut down")]
     NotValid,

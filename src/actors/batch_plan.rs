@@ -37,7 +37,7 @@ pub fn validate(requests: Vec<KvRequest>, layout: &KvLayout, interner: &mut Inte
 }
 
 /// [`validate`] for requests already read into their metadata (or refused) by the host
-/// ([`crate::messages::LoadMetas`]).
+/// ([`LoadMetas`](crate::messages::LoadMetas)).
 pub fn validate_metas(
     requests: impl ExactSizeIterator<Item = Result<RequestMeta, BatchError>>,
     layout: &KvLayout,

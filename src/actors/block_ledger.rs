@@ -124,7 +124,7 @@ impl BlockLedger {
         self.live.lock().len()
     }
 
-    /// The live set, shared ([`super::shared::Shared::share`]): the Receiver admits into it,
+    /// The live set, shared ([`Shared::share`](super::shared::Shared::share)): the Receiver admits into it,
     /// the host's drain hands requests over.
     pub fn live_set(&self) -> SharedLiveSet {
         self.live.share()

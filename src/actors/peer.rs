@@ -3,7 +3,7 @@
 //! turns replies into settles, enforces the per-pull deadline, and on a channel failure stops so
 //! the supervisor restarts it, after settling everything it owed as Uncertain. Its health (down
 //! until the restart backoff ends, up after a clean FINISH) goes to the Receiver's
-//! [`super::rediscovery::Rediscovery`] through a [`PeerHealth`] handle.
+//! [`Rediscovery`](super::rediscovery::Rediscovery) through a [`PeerHealth`] handle.
 
 #![forbid(unsafe_code)]
 

@@ -1,4 +1,4 @@
-//! The Receiver actor's own tests (the decisions are [`super::ReceiverState`]'s, tested there).
+//! The Receiver actor's own tests (the decisions are [`ReceiverState`](super::ReceiverState)'s, tested there).
 
 #![forbid(unsafe_code)]
 

@@ -35,7 +35,7 @@ impl RevokedCompletion {
     }
 }
 
-/// Revoke `c`'s permits through `revoke` (the data plane's [`crate::rdma::Landing::revoke`]) at
+/// Revoke `c`'s permits through `revoke` (the data plane's [`Landing::revoke`](crate::rdma::Landing::revoke)) at
 /// `now`, poisoning its suspects' windows until the ledger's quarantine deadline. Returns the
 /// completion to [`dispose`] of, and what to wait for first: a landing read still copying into
 /// the request's blocks (`None`: nothing was).

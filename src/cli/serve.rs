@@ -31,7 +31,7 @@
 //! RDMA target instead. Nothing authenticates either listener: bind the interface P uses, never
 //! a public one.
 //!
-//! serve is a host of the front door: its worker is the one [`crate::KvRecvBuilder`] wires
+//! serve is a host of the front door: its worker is the one [`KvRecvBuilder`](crate::KvRecvBuilder) wires
 //! ([`ServeArgs::builder`]), run on serve's own threads (the data plane on a runtime of its
 //! own, the actors and the pipes on this thread) rather than behind a handle.
 

@@ -77,9 +77,11 @@ pub struct ZmqTransportConfig {
     pub connect_timeout: Duration,
     /// `ZMQ_HEARTBEAT_IVL` / `ZMQ_HEARTBEAT_TIMEOUT` (ZMTP 3.1 PING/PONG, answered by P's libzmq
     /// I/O thread even while P's Python code is busy): detects a host that vanished without
-    /// closing TCP. Zero disables.
+    /// closing TCP. Zero disables. Default 10 s: with `heartbeat_timeout`, a P that stops
+    /// answering with its connection open is noticed after about 40 s.
     pub heartbeat_ivl: Duration,
     /// How long without any traffic (PONG included) before the connection counts as dead.
+    /// Default 30 s.
     pub heartbeat_timeout: Duration,
     /// `ZMQ_MAX_SOCKETS` of the transport's context: a pull holds three sockets until its
     /// request is taken (its DEALER and the monitor pair), one after, and so does a pooled
@@ -100,8 +102,8 @@ pub struct ZmqTransportConfig {
     /// coordinator's actors and uses the sockets) and libzmq's I/O thread are pinned to one
     /// CPU, so that a pull's hand-offs between them are not cross-CPU wake-ups (`kvrecv serve`
     /// and `kvrecv bench` do, docs/PERFORMANCE.md). Threads that thread spawns later inherit
-    /// its CPU (the data plane's runtimes give theirs back:
-    /// `crate::control::control_cpu::unpin_current_thread`).
+    /// its CPU (kvrecv's data-plane threads unpin themselves). A CPU this process may not run
+    /// on is warned about and left to the scheduler.
     pub control_cpu: ControlCpu,
 }
 

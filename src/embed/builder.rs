@@ -179,9 +179,11 @@ impl KvRecvBuilder {
     }
 
     /// Land every write in the host's own KV regions (one per layout region, in layout order):
-    /// kvrecv allocates no KV memory. The regions' safety contract is
-    /// [`crate::rdma::memory::HostRegion::new`]'s; it holds until [`KvRecv::shutdown`] returned
-    /// (or the last handle was dropped and kvrecv's thread ended).
+    /// kvrecv allocates no KV memory. Memory handed over ([`HostMemory::owned`]) has no
+    /// contract; regions given by pointer keep
+    /// [`HostRegion::new`](crate::rdma::memory::HostRegion::new)'s until [`KvRecv::shutdown`]
+    /// returned (or the last handle was dropped and kvrecv's thread ended). One memory, one
+    /// worker: memory another worker holds is refused at start ([`MemoryError::InUse`](crate::MemoryError::InUse)).
     pub fn host_memory(mut self, memory: HostMemory) -> Self {
         self.target.host_memory = Some(memory);
         self
@@ -192,7 +194,7 @@ impl KvRecvBuilder {
     /// staging and kvrecv's own CUDA streams, each copy complete before the write counts as
     /// landed; over RDMA, the regions are registered with the NIC through GPUDirect RDMA
     /// (dma-buf, else nvidia-peermem). The regions are checked with the driver at start.
-    /// Contract: [`crate::rdma::memory::DeviceRegion::new`]. Without the feature, a driver, or
+    /// Contract: [`DeviceRegion::new`](crate::rdma::memory::DeviceRegion::new). Without the feature, a driver, or
     /// (RDMA) GPUDirect support, [`KvRecvBuilder::start`] fails with a typed error.
     pub fn device_memory(mut self, memory: DeviceMemory) -> Self {
         self.target.device_memory = Some(memory);

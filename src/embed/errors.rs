@@ -45,15 +45,15 @@ pub enum StartError {
          with --features rdma"
     )]
     RdmaNotBuilt,
-    /// [`crate::KvRecvBuilder::target`] changed what the builder sets itself (the layout,
+    /// [`KvRecvBuilder::target`](crate::KvRecvBuilder::target) changed what the builder sets itself (the layout,
     /// host or device memory): set those through the configuration and the builder's own
     /// methods, so that no later call silently undoes an earlier one.
     #[error("KvRecvBuilder::target changed {0}")]
     TargetConflict(&'static str),
 }
 
-/// Memory the host hands over ([`crate::HostRegion`], [`crate::HostMemory`],
-/// [`crate::DeviceRegion`]) that kvrecv refused: the same error [`KvRecvBuilder::start`](crate::KvRecvBuilder::start)
+/// Memory the host hands over ([`HostRegion`](crate::HostRegion), [`HostMemory`](crate::HostMemory),
+/// [`DeviceRegion`](crate::DeviceRegion)) that kvrecv refused: the same error [`KvRecvBuilder::start`](crate::KvRecvBuilder::start)
 /// returns when it checks that memory against the layout, so a host's `?` reads alike.
 impl From<crate::rdma::memory::MemoryError> for StartError {
     fn from(e: crate::rdma::memory::MemoryError) -> Self {
@@ -106,7 +106,7 @@ pub enum PauseError {
     #[error("kvrecv is not paused")]
     NotPaused,
     /// [`ResumeMemory::Host`](crate::ResumeMemory::Host) with memory another worker holds
-    /// ([`crate::MemoryError::InUse`]): still paused, on the old memory.
+    /// ([`MemoryError::InUse`](crate::MemoryError::InUse)): still paused, on the old memory.
     #[error(
         "the new host memory is registered with another worker that is still running (or whose \
          handles are not all dropped)"

@@ -10,7 +10,7 @@
 //! only awaits replies (actix mailboxes and tokio channels work across runtimes).
 //!
 //! Hosts that run actix themselves can still wire the actors directly
-//! ([`crate::actors::Coordinator::start`], the advanced path); [`KvRecv::from_parts`] puts
+//! ([`Coordinator::start`](crate::actors::Coordinator::start), the advanced path); [`KvRecv::from_parts`] puts
 //! such custom parts (a scripted transport, a static topology) behind the same handle.
 
 #![forbid(unsafe_code)]
@@ -242,7 +242,8 @@ impl KvRecv {
     /// docs/PERFORMANCE.md). A refused request never completes: read every ticket. Unlike
     /// `load_kv`, `submit` does not wait for room in kvrecv's mailbox: requests submitted and
     /// not yet taken by kvrecv count against `max_live_requests`, and a batch that would go
-    /// over it is refused at once, every request as [`BatchError::Backpressure`] (its ticket
+    /// over it is refused at once, every request as [`BatchError::Backpressure`], or as
+    /// [`BatchError::BatchOverLimit`] when the batch alone is larger than the limit (its ticket
     /// holds the reply; nothing of it is loaded). Pace it with the completions, as a
     /// scheduler's step does.
     ///
@@ -570,7 +571,7 @@ impl KvRecv {
     /// never loaded, or one a drain handed back in `finished_recving`), and no request can
     /// take it while it is copied; a held block is refused ([`BlockReadError::Held`]). Once
     /// the worker stopped ([`KvRecv::shutdown`]) nothing writes, and any block is read. Memory
-    /// given by pointer ([`crate::HostRegion::new`]) is not read while the worker is paused
+    /// given by pointer ([`HostRegion::new`](crate::HostRegion::new)) is not read while the worker is paused
     /// or after it stopped ([`BlockReadError::NotValid`]: the host may have released it).
     pub fn read_block(&self, group: u32, block: u32) -> Result<Vec<Vec<u8>>, BlockReadError> {
         let blocks = self

@@ -266,8 +266,8 @@ pub enum BatchError {
         req_id: String,
     },
     #[error("request {req_id}: kvrecv is paused (sleep mode): nothing is admitted until resume")]
-    /// The worker is paused ([`crate::embed::KvRecv::pause`]): nothing lands, so nothing is
-    /// admitted; load it again after [`crate::embed::KvRecv::resume`].
+    /// The worker is paused ([`KvRecv::pause`](crate::embed::KvRecv::pause)): nothing lands, so nothing is
+    /// admitted; load it again after [`KvRecv::resume`](crate::embed::KvRecv::resume).
     Paused {
         /// The request refused.
         req_id: String,
@@ -288,7 +288,7 @@ pub enum BatchError {
         "request {req_id}: a submitted batch of {batch} requests is over the limit of {limit} \
          live requests and can never fit; submit smaller batches"
     )]
-    /// A [`crate::KvRecv::submit`] batch larger than `max_live_requests` (all or nothing: no
+    /// A [`KvRecv::submit`](crate::KvRecv::submit) batch larger than `max_live_requests` (all or nothing: no
     /// drain makes room for it).
     BatchOverLimit {
         /// The request refused.
@@ -651,7 +651,7 @@ pub struct LoadKv {
 }
 
 /// Host -> Receiver: [`LoadKv`] whose reply goes to a channel the host reads when it chooses
-/// ([`crate::KvRecv::submit`]). A host that checks the reply at its next step, rather than
+/// ([`KvRecv::submit`](crate::KvRecv::submit)). A host that checks the reply at its next step, rather than
 /// awaiting it, is not woken for it: the reply waits in the channel.
 #[derive(Debug, Message)]
 #[rtype(result = "()")]

@@ -2,7 +2,7 @@
 //! `[groups, end of group 0, …, end of group G-1, ids…]` (ends counted in ids), where a
 //! `Vec<Vec<u32>>` held two buffers (the outer list's and each group's; docs/PERFORMANCE.md,
 //! "Where the bytes per in-flight request go"). A request in flight keeps its lists so at the
-//! head of its [`super::request_tail::RequestTail`] (its transfer id after them) and reads
+//! head of its [`RequestTail`](super::request_tail::RequestTail) (its transfer id after them) and reads
 //! them as [`BlockGroups`]: groups by index, each a slice, like the lists they replace.
 
 #![forbid(unsafe_code)]

@@ -36,7 +36,7 @@ pub struct PauseStarted {
 pub struct NewRegistration;
 
 /// What a pause (or a shutdown) did to the requests that held blocks: what
-/// [`crate::KvRecv::pause`] and [`crate::KvRecv::shutdown`] return.
+/// [`KvRecv::pause`](crate::KvRecv::pause) and [`KvRecv::shutdown`](crate::KvRecv::shutdown) return.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct PauseReport {
     /// A pause: every request that held blocks when it began, in the order they were
@@ -59,7 +59,7 @@ pub struct AbandonedRequest {
     /// way, not `forced` means the blocks are safe to reuse now.
     pub fenced: bool,
     /// Released by the last-resort deadline, without a fence: a peer may still write (a
-    /// shutdown of a [`crate::KvRecv::from_parts`] handle, whose landing is the host's: kvrecv
+    /// shutdown of a [`KvRecv::from_parts`](crate::KvRecv::from_parts) handle, whose landing is the host's: kvrecv
     /// could not close it). Reuse these blocks last.
     pub forced: bool,
 }

@@ -43,7 +43,7 @@ pub struct Free {
 pub struct GetLedgerStats;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, actix::MessageResponse)]
-/// The block ledger's counts ([`crate::Stats::ledger`]).
+/// The block ledger's counts ([`Stats::ledger`](crate::Stats::ledger)).
 pub struct LedgerStats {
     /// Requests whose blocks wait in quarantine (a peer may still write into them).
     pub quarantined_requests: usize,

@@ -1,6 +1,6 @@
 //! A shared string behind one thin pointer: what many requests repeat (a P engine's id and its
-//! bootstrap address, interned by [`super::Interner`]) costs each request 8 bytes, where an
-//! `Arc<str>` (a fat pointer) cost 16. Two fields of [`super::RequestMeta`] so, and its `Arc`
+//! bootstrap address, interned by [`Interner`](super::Interner)) costs each request 8 bytes, where an
+//! `Arc<str>` (a fat pointer) cost 16. Two fields of [`RequestMeta`](super::RequestMeta) so, and its `Arc`
 //! falls to mimalloc's 80-byte class from the 96-byte one (docs/PERFORMANCE.md, "Where the
 //! bytes per in-flight request go").
 

@@ -7,7 +7,7 @@
 //! Contexts: kvrecv copies in the context the memory belongs to. The primary context (PyTorch's,
 //! and vLLM's) is retained by kvrecv for as long as it copies; a non-primary context is used as
 //! it is, not retained (the driver has no retain for it): its memory's validity, which
-//! [`super::memory::DeviceRegion::new`]'s contract requires until shutdown, implies it lives.
+//! [`DeviceRegion::new`](super::memory::DeviceRegion::new)'s contract requires until shutdown, implies it lives.
 //! Memory mapped through the virtual memory management API (`cuMemMap`) reports no context:
 //! kvrecv copies into it from the device's primary context.
 

@@ -10,7 +10,7 @@ use super::device_stream::DeviceStream;
 use super::device_stream::STAGING_CHUNK;
 use super::memory_error::MemoryError;
 
-/// See [`super::memory::DeviceMemory::fake`].
+/// See [`DeviceMemory::fake`](super::memory::DeviceMemory::fake).
 #[derive(Debug)]
 pub struct FakeDevice {
     bytes: Mutex<Vec<u8>>,

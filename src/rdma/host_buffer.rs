@@ -1,4 +1,4 @@
-//! Host memory kvrecv allocates for landing ([`super::memory::MemoryKind::Host`]): an anonymous
+//! Host memory kvrecv allocates for landing ([`MemoryKind::Host`](super::memory::MemoryKind::Host)): an anonymous
 //! mapping of its own, not the allocator's, on transparent huge pages.
 //!
 //! Why huge pages: on the TCP data plane the kernel's copy into the destination is most of a

@@ -104,10 +104,10 @@ impl HostRegion {
     /// Register `len` bytes at `ptr` as one KV region.
     ///
     /// # Safety
-    /// The caller guarantees, for as long as any [`crate::embed::KvRecv`] handle (or
-    /// [`super::TcpTarget`], or RDMA target, which registers it with the NIC until it is
+    /// The caller guarantees, for as long as any [`KvRecv`](crate::embed::KvRecv) handle (or
+    /// [`TcpTarget`](super::TcpTarget), or RDMA target, which registers it with the NIC until it is
     /// dropped) built with this region exists, and until its shutdown completed, or until a
-    /// [`crate::embed::KvRecv::resume`] onto other memory returned (one onto this region:
+    /// [`KvRecv::resume`](crate::embed::KvRecv::resume) onto other memory returned (one onto this region:
     /// from the call on):
     /// - `ptr..ptr + len` is valid, writable memory of one allocation, and stays allocated and
     ///   at the same address (pinned: not freed, moved, reallocated or unmapped);
@@ -134,7 +134,7 @@ impl HostRegion {
     /// Hand `bytes` over as one KV region: kvrecv owns them while they are registered (as
     /// long as any clone of the [`HostMemory`] holding the region lives: the worker keeps one
     /// until its thread ended), so no contract is left to the host. Read a block back with
-    /// [`crate::KvRecv::read_block`]; take the memory back with [`HostMemory::take_back`].
+    /// [`KvRecv::read_block`](crate::KvRecv::read_block); take the memory back with [`HostMemory::take_back`].
     /// An empty region is refused.
     pub fn owned(bytes: impl Into<Box<[u8]>>) -> Result<Self, MemoryError> {
         let bytes = bytes.into();
@@ -160,7 +160,7 @@ impl HostRegion {
     }
 
     /// Copy `out.len()` bytes from `offset` of the region. Only for bytes no writer can reach
-    /// now (a block no request holds: [`crate::KvRecv::read_block`] checks, under the lock
+    /// now (a block no request holds: [`KvRecv::read_block`](crate::KvRecv::read_block) checks, under the lock
     /// every admission takes).
     pub(crate) fn copy_out(&self, offset: usize, out: &mut [u8]) -> Result<(), MemoryError> {
         let end = offset.checked_add(out.len());
@@ -200,7 +200,7 @@ impl HostRegion {
 /// One memory, one worker: a worker (its target) registers the memory, and while it holds the
 /// registration another worker's start (or a resume onto it) is refused with
 /// [`MemoryError::InUse`], so two workers can never land in the same bytes. The registration
-/// ends when the worker's target is gone: every [`crate::KvRecv`] handle dropped and its
+/// ends when the worker's target is gone: every [`KvRecv`](crate::KvRecv) handle dropped and its
 /// thread ended (as [`HostMemory::take_back`] needs).
 #[derive(Debug, Clone)]
 pub struct HostMemory(Arc<Shared>);
@@ -295,7 +295,7 @@ impl HostMemory {
     }
 
     /// The buffers back, once nothing else holds this memory: every other clone dropped
-    /// (the builder's, and the worker's, which go when the last [`crate::KvRecv`] handle was
+    /// (the builder's, and the worker's, which go when the last [`KvRecv`](crate::KvRecv) handle was
     /// dropped and its thread ended) and every region owned ([`HostRegion::owned`]).
     /// Otherwise the memory comes back unchanged.
     pub fn take_back(mut self) -> Result<Vec<Box<[u8]>>, HostMemory> {

@@ -106,7 +106,7 @@ pub enum LandingPauseError {
     /// A resume's new memory cannot hold the layout: still paused, on the old memory.
     #[error("the new memory does not fit the layout: {0}")]
     DoesNotFit(#[from] crate::rdma::memory_fit::MemoryFitError),
-    /// A resume's new memory is another worker's ([`crate::MemoryError::InUse`]): still
+    /// A resume's new memory is another worker's ([`MemoryError::InUse`](crate::MemoryError::InUse)): still
     /// paused, on the old memory.
     #[error("the new memory is registered with another worker")]
     InUse,

@@ -1,5 +1,5 @@
 //! Registered destination memory, laid out like the KV layout (see
-//! [`super::tcp::windows::WindowMap`] for the offsets). By default kvrecv allocates it: one
+//! [`WindowMap`](super::tcp::windows::WindowMap) for the offsets). By default kvrecv allocates it: one
 //! contiguous host allocation, or (feature `cuda`) device memory. With [`HostMemory`] the host
 //! registers its own KV regions (one per layout region) and kvrecv allocates no KV memory at
 //! all; with [`DeviceMemory`], its own CUDA device regions.
@@ -115,7 +115,7 @@ impl RegisteredMemory {
     }
 
     /// The host's own regions as the destination: `spans` are the layout's `(start, length)`
-    /// per region ([`super::tcp::windows::WindowMap::region_spans`]); region `i` of `host` backs span
+    /// per region ([`WindowMap::region_spans`](super::tcp::windows::WindowMap::region_spans)); region `i` of `host` backs span
     /// `i` and must be at least as long. Nothing is allocated or zeroed.
     pub(crate) fn host_owned(
         registration: HostRegistration,

@@ -36,7 +36,7 @@ pub enum MemoryError {
         "host memory: registered with another worker that is still running (or whose handles \
          are not all dropped); one memory lands for one worker at a time"
     )]
-    /// The [`crate::HostMemory`] is registered with another worker's landing.
+    /// The [`HostMemory`](crate::HostMemory) is registered with another worker's landing.
     InUse,
     #[error("device memory: {0}")]
     /// The host's device regions do not match the layout.

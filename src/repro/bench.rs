@@ -60,7 +60,7 @@ pub enum Via {
     /// On the actors' own thread, through [`Coordinator`] (as `serve` does).
     #[default]
     Actors,
-    /// Through the embedding handle ([`crate::KvRecv`], the README's path) from a multi-thread
+    /// Through the embedding handle ([`KvRecv`](crate::KvRecv), the README's path) from a multi-thread
     /// tokio runtime, as `#[tokio::main]` builds it: every call and event crosses from the
     /// host's threads to kvrecv's; the TCP target with landing permits is the data plane.
     Handle,

@@ -29,7 +29,7 @@ fn lock<B>(hs: &SharedHandshake<B>) -> std::sync::MutexGuard<'_, super::PassiveH
 }
 
 /// Read the backend's async events as they arrive and act on them
-/// ([`super::PassiveHandshake::on_async_events`]); `seen` counts the events handled. One task
+/// ([`PassiveHandshake::on_async_events`](super::PassiveHandshake::on_async_events)); `seen` counts the events handled. One task
 /// per event file descriptor ([`VerbsBackend::async_event_fds`]); returns at once if the
 /// backend has none. The draining runs on the blocking pool (it takes the handshake lock).
 pub async fn watch<B: VerbsBackend + 'static>(

@@ -84,7 +84,7 @@ pub enum GpuDirectError {
 ///
 /// # Safety
 /// `ptr..ptr + len` is device memory that stays allocated until it is deregistered (the
-/// contract of [`crate::rdma::memory::DeviceRegion::new`]): any peer holding the rkey can write
+/// contract of [`DeviceRegion::new`](crate::rdma::memory::DeviceRegion::new)): any peer holding the rkey can write
 /// it at any time.
 pub unsafe fn register_device_region<B: VerbsBackend + ?Sized>(
     backend: &mut B,

@@ -2,7 +2,7 @@
 //! the RDMA segment descriptor, the passive side of the endpoint handshake (type-0 frames), and
 //! the fence (queue pairs to ERR, DESIGN.md §5), and [`RdmaLanding`], the core's view of it.
 //! The handshake daemon serves this target in RDMA mode
-//! ([`crate::rdma::handshake_daemon::RdmaService`]).
+//! ([`RdmaService`](crate::rdma::handshake_daemon::RdmaService)).
 //!
 //! Every verbs call goes through [`VerbsBackend`]. The logic here compiles and is tested without
 //! the `rdma` feature against [`FakeVerbs`]; only `ibverbs_device` (feature `rdma`) links

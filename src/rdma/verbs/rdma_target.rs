@@ -103,7 +103,7 @@ pub enum RdmaTargetError {
     /// The landing windows could not be set up.
     #[error("landing: {0}")]
     Landing(#[from] RdmaLandingError),
-    /// The host memory is refused ([`crate::MemoryError::InUse`]: another worker holds it).
+    /// The host memory is refused ([`MemoryError::InUse`](crate::MemoryError::InUse): another worker holds it).
     #[error("{0}")]
     Memory(#[from] crate::rdma::memory::MemoryError),
 }

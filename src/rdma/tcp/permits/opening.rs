@@ -286,7 +286,7 @@ impl PermitTable {
     }
 
     /// Give `pull` the reserved window (it admits nothing): its requests' writes are refused
-    /// and they fail with the reason [`super::NO_WINDOW`].
+    /// and they fail with the reason [`NO_WINDOW`](super::NO_WINDOW).
     pub(super) fn refuse(inner: &mut Inner, pull: &PullWindow<'_>, reserved: u32) -> u32 {
         for r in pull.requests {
             inner.windowless.insert(r.req_id.clone());
