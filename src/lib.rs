@@ -8,6 +8,34 @@
 //! share, tracks what each peer still owes, reports a failure at once, and releases destination
 //! blocks only when no peer can still write into them (see `DESIGN.md`).
 //!
+//! A host starts one worker from vLLM's `--kv-transfer-config` (or a [`KvRecvConfig`]), hands
+//! it the KV memory, loads requests as its scheduler admits them and takes what finished once
+//! per step (the README's "Embedding" has a whole host):
+//!
+//! ```no_run
+//! # async fn host(config_json: &str, requests: Vec<kvrecv::KvRequest>) -> Result<(), Box<dyn std::error::Error>> {
+//! use kvrecv::{HostMemory, KvEvent, KvRecvBuilder, Outcome};
+//!
+//! let memory = HostMemory::owned(vec![vec![0u8; 16 * 4096]; 2])?; // one buffer per layer
+//! let kv = KvRecvBuilder::from_kv_transfer_config(config_json)? // its layout: 2 x 16 x 4 KiB
+//!     .host_memory(memory)
+//!     .completion_events()
+//!     .start()?;
+//! let mut events = kv.events()?;
+//! let reply = kv.load_kv(requests).await?; // refused ones are in reply.rejected
+//! # let _ = reply;
+//! // A completion says why a request failed (its blocks still come back through drain).
+//! if let Some(KvEvent::Completion { req_id, outcome: Outcome::Failed { cause, reason, .. }, .. }) =
+//!     events.recv().await
+//! {
+//!     eprintln!("{req_id}: {cause:?}: {reason}"); // recompute it
+//! }
+//! let step = kv.drain().await?; // each scheduler step: finished_recving, invalid_block_ids
+//! # let _ = step;
+//! kv.shutdown().await;
+//! # Ok(()) }
+//! ```
+//!
 //! Data flows one way: [`actors::Receiver`] -> [`actors::Peer`] -> [`actors::RequestAggregator`]
 //! -> [`actors::BlockManager`].
 //!

@@ -8,7 +8,9 @@ use super::completion::Outcome;
 use super::ids::{PeerId, PullId, ReqId};
 use super::settle::{Cause, SettleOutcome};
 
-/// Something an operator or a test may want to see, in the order it happened inside its actor.
+/// What happened to a request, for a host that wants more than [`crate::KvRecv::drain`]'s
+/// step output (why one failed, when its blocks came back): [`crate::KvRecv::events`], in the
+/// order it happened inside its actor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum KvEvent {
