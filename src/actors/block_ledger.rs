@@ -119,7 +119,7 @@ impl BlockLedger {
     }
 
     /// Requests admitted and not yet drained.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    #[cfg(test)]
     pub fn live_requests(&self) -> usize {
         self.live.lock().len()
     }

@@ -47,7 +47,7 @@ pub struct Coordinator {
     pub block_manager: Addr<BlockManager>,
     /// The built-in pool's ownership table, for the data plane's audit.
     #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
-    pub(crate) ownership: Option<Arc<BlockOwnership>>,
+    ownership: Option<Arc<BlockOwnership>>,
     /// What the BlockManager has ready for the next drain (one for every clone: an `Outbox`'s
     /// own `clone` copies).
     outbox: Arc<Outbox>,
@@ -105,10 +105,10 @@ impl Coordinator {
         }
     }
 
-    /// The built-in pool's ownership table (what this crate's audit tests check writes
-    /// against).
+    /// The built-in pool's ownership table (what the repro's and this crate's tests' audits
+    /// check writes against).
     #[cfg_attr(feature = "testing", visibility::make(pub))]
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    #[cfg_attr(not(feature = "cli"), allow(dead_code))] // the repro's, and the crate's tests'
     pub(crate) fn ownership(&self) -> Option<Arc<BlockOwnership>> {
         self.ownership.clone()
     }

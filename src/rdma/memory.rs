@@ -237,7 +237,7 @@ impl RegisteredMemory {
     }
 
     /// Whether the bytes are the host's own ([`HostMemory`]).
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    #[cfg(test)]
     pub fn is_host_owned(&self) -> bool {
         self.host_owned.is_some()
     }

@@ -134,8 +134,7 @@ async fn start_d(
         .events
         .ok_or_else(|| ReproError::Scenario("no event stream".into()))?;
     let ownership = coord
-        .ownership
-        .clone()
+        .ownership()
         .ok_or_else(|| ReproError::Scenario("no pool".into()))?;
     let audit = target.install_audit(ownership);
     Ok((

@@ -244,7 +244,7 @@ pub fn describe_skipped(skipped: &[SkippedDevice]) -> String {
 /// A dma-buf exported for a device region: `fd` covers the allocation holding it, the region
 /// starts `offset` bytes into it.
 #[derive(Debug)]
-#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // built under rdma and cuda, and for tests
 pub struct DmaBuf {
     /// The dma-buf; closed once registered (the registration holds its own reference).
     pub fd: OwnedFd,
@@ -261,7 +261,7 @@ pub struct AsyncEvent {
 
 /// What happened (`ibv_event_type`), with the QP number or port it names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+#[cfg_attr(not(feature = "testing"), allow(dead_code))] // built under rdma and cuda, and for tests
 pub enum AsyncEventKind {
     /// `IBV_EVENT_QP_FATAL`: the QP is in ERR.
     QpFatal { qp_num: u32 },

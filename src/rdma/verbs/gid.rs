@@ -28,11 +28,6 @@ impl Gid {
         self.0 == [0; 16]
     }
 
-    /// True for an IPv4-mapped GID (`::ffff:a.b.c.d`), the form RoCE v2 uses for IPv4 routing.
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
-    pub fn is_ipv4_mapped(&self) -> bool {
-        self.0[..10] == [0; 10] && self.0[10] == 0xff && self.0[11] == 0xff
-    }
 }
 
 impl fmt::Display for Gid {
@@ -98,7 +93,6 @@ mod tests {
     fn parses_what_it_prints_and_accepts_upper_case() {
         let g: Gid = ROCE_V2.parse().unwrap();
         assert_eq!(g.to_string(), ROCE_V2);
-        assert!(g.is_ipv4_mapped());
         let upper: Gid = ROCE_V2.to_uppercase().parse().unwrap();
         assert_eq!(upper, g);
     }

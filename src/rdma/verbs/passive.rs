@@ -127,7 +127,7 @@ impl<B: VerbsBackend> PassiveHandshake<B> {
     }
 
     /// Every endpoint from P's NIC path, in D NIC order (one per D NIC P connected to).
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    #[cfg(test)]
     pub fn endpoints_from<'a>(
         &'a self,
         peer_nic_path: &'a str,

@@ -157,9 +157,9 @@ struct Core<B> {
     fence: RdmaFence<B>,
     windows: Mutex<Windows>,
     published: PublishedDescriptor,
-    /// The id this landing registers host memory under, and the host memory the windows are
-    /// on now (`None`: kvrecv's own or device memory), kept registered while they may be.
-    host: Mutex<(LandingId, Option<HostRegistration>)>,
+    /// The host memory the windows are on now (`None`: kvrecv's own or device memory), kept
+    /// registered while they may be.
+    host: Mutex<Option<HostRegistration>>,
 }
 
 impl<B> std::fmt::Debug for RdmaLanding<B> {
@@ -270,7 +270,7 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
         let host = host.into();
         let landing = RdmaLanding {
             core: Arc::new(Core {
-                host: Mutex::new((LandingId::fresh(), None)),
+                host: Mutex::new(None),
                 segment: format!("{host}:{port}"),
                 handshake,
                 fence,
@@ -349,13 +349,13 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
     /// Keep the host memory the windows are on registered for this landing (the target's
     /// start registered it, before any window).
     pub(crate) fn keep_host(&self, registration: HostRegistration) {
-        *lock(&self.core.host) = (registration.landing(), Some(registration));
+        *lock(&self.core.host) = Some(registration);
     }
 
     /// Never end the host memory's registration: a window on it could not be deregistered,
     /// so the NIC may still write it (the memory is leaked with it).
     pub(crate) fn leak_host(&self) {
-        std::mem::forget(lock(&self.core.host).1.take());
+        std::mem::forget(lock(&self.core.host).take());
     }
 
     /// Deregister every window (the target stops; nothing registers again). On an error the
@@ -453,7 +453,11 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
                 ));
             }
             let mut host = lock(&self.core.host);
-            let registration = memory.register(host.0).map_err(|_| E::InUse)?;
+            // Under the id of the memory it is on (a resume onto that memory is its own).
+            let id = host
+                .as_ref()
+                .map_or_else(LandingId::fresh, HostRegistration::landing);
+            let registration = memory.register(id).map_err(|_| E::InUse)?;
             let spans = memory
                 .regions()
                 .iter()
@@ -461,7 +465,7 @@ impl<B: VerbsBackend + 'static> Landing for RdmaLanding<B> {
                 .collect();
             w.regs.replace_memory(spans);
             // No window is on the old memory any more (checked above): its registration ends.
-            host.1 = Some(registration);
+            *host = Some(registration);
             w.paused = false;
         }
         tracing::info!("RDMA landing resuming on new memory");

@@ -276,7 +276,7 @@ impl PermitTable {
     }
 
     /// The windows in `peer`'s ring, oldest first (tests).
-    #[cfg_attr(not(feature = "testing"), allow(dead_code))] // for the crate's tests
+    #[cfg(test)]
     pub fn ring_of(&self, peer: &PeerId) -> Vec<u32> {
         self.lock()
             .rings
