@@ -152,3 +152,35 @@ async fn a_second_target_on_registered_host_memory_is_refused() {
         "nothing holds the memory any more"
     );
 }
+
+/// A start that fails after registering windows (here: a descriptor over the handshake's frame
+/// cap) deregisters them; when one cannot be deregistered the NIC may still write the memory,
+/// so the host's memory stays registered (leaked with it), never free to be taken back.
+#[tokio::test]
+async fn memory_a_failed_start_could_not_deregister_is_never_released() {
+    let start = |memory: &HostMemory, fail_deregister: Option<i32>| {
+        let mut backend = fake();
+        backend.fail_deregister = fail_deregister;
+        let cfg = RdmaTargetConfig {
+            host_memory: Some(memory.clone()),
+            windows: 512, // x 64 regions: a descriptor over 1 MiB
+            ..RdmaTargetConfig::loopback(KvLayout::uniform(64, BLOCK, BLOCKS))
+        };
+        RdmaTarget::start(backend, cfg)
+    };
+    let memory = HostMemory::owned(host_cache(64)).unwrap();
+    match start(&memory, None).await {
+        Err(RdmaTargetError::Landing(e)) => assert!(e.to_string().contains("1 MiB"), "{e}"),
+        other => panic!("{:?}", other.err()),
+    }
+    assert!(
+        !memory.is_registered(),
+        "every window deregistered: the memory is free"
+    );
+    match start(&memory, Some(16)).await {
+        Err(RdmaTargetError::Landing(e)) => assert!(e.to_string().contains("leaked"), "{e}"),
+        other => panic!("{:?}", other.err()),
+    }
+    assert!(memory.is_registered(), "a window may still be on it");
+    assert!(memory.take_back().is_err(), "never handed back to be freed");
+}

@@ -89,6 +89,15 @@ pub enum RdmaLandingError {
     /// The descriptor P would read is not one it accepts.
     #[error("RDMA descriptor: {0}")]
     Descriptor(#[from] DescriptorError),
+    /// The start failed (`error`), and a window registered on the way could not be deregistered
+    /// (`deregister`): the NIC may still write the memory, which is therefore never freed.
+    #[error("{error}; a window could not be deregistered ({deregister}): its memory is leaked")]
+    Leaked {
+        /// Why the start failed.
+        error: Box<RdmaLandingError>,
+        /// Why the deregistration failed.
+        deregister: super::backend::VerbsError,
+    },
     /// The descriptor does not fit in one handshake frame.
     #[error(
         "the descriptor ({bytes} bytes: {windows} windows x {regions} regions) exceeds the 1 MiB \
@@ -168,6 +177,23 @@ impl<B> std::fmt::Debug for RdmaLanding<B> {
             .field("host", &self.host)
             .field("port", &self.port)
             .finish()
+    }
+}
+
+/// A failed start's windows deregistered, and its error; if one cannot be deregistered, the NIC
+/// may still write the memory: [`RdmaLandingError::Leaked`], which says the memory must never
+/// be freed.
+fn undo<B: VerbsBackend>(
+    regs: &mut WindowRegistrations,
+    backend: &mut B,
+    error: RdmaLandingError,
+) -> RdmaLandingError {
+    match regs.deregister_all(backend) {
+        Ok(()) => error,
+        Err(deregister) => RdmaLandingError::Leaked {
+            error: Box::new(error),
+            deregister,
+        },
     }
 }
 
@@ -294,8 +320,8 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
                     break;
                 };
                 if let Err(error) = w.regs.register(hs.backend_mut(), slot) {
-                    let _ = w.regs.deregister_all(hs.backend_mut());
-                    return Err(RdmaLandingError::Register { slot, error });
+                    let e = RdmaLandingError::Register { slot, error };
+                    return Err(undo(&mut w.regs, hs.backend_mut(), e));
                 }
                 w.keys.added(slot);
             }
@@ -307,19 +333,16 @@ impl<B: VerbsBackend + 'static> RdmaLanding<B> {
             );
             let d = match d {
                 Ok(d) => d,
-                Err(e) => {
-                    let _ = w.regs.deregister_all(hs.backend_mut());
-                    return Err(e.into());
-                }
+                Err(e) => return Err(undo(&mut w.regs, hs.backend_mut(), e.into())),
             };
             let bytes = d.to_wire().len();
             if bytes as u64 + 1 > crate::rdma::handshake_daemon::MAX_FRAME {
-                let _ = w.regs.deregister_all(hs.backend_mut());
-                return Err(RdmaLandingError::DescriptorTooLarge {
+                let e = RdmaLandingError::DescriptorTooLarge {
                     bytes,
                     windows: want,
                     regions: layout.regions.len(),
-                });
+                };
+                return Err(undo(&mut w.regs, hs.backend_mut(), e));
             }
             core.published.set(&d);
         }

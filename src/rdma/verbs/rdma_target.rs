@@ -181,13 +181,23 @@ impl<B: VerbsBackend + 'static> RdmaTarget<B> {
             _ => None,
         };
         let spans = destination_spans(&cfg, device.as_ref().map(|d| d.0), owned.as_ref());
-        let landing = Arc::new(open_landing(
+        let landing = match open_landing(
             &cfg,
             handshake_addr.port(),
             spans,
             device.as_ref(),
             &handshake,
-        )?);
+        ) {
+            Ok(l) => Arc::new(l),
+            Err(e) => {
+                if matches!(e, RdmaTargetError::Landing(RdmaLandingError::Leaked { .. })) {
+                    // The NIC may still write them: never freed, never registered again.
+                    std::mem::forget(owned);
+                    std::mem::forget(registration);
+                }
+                return Err(e);
+            }
+        };
         if let Some(registration) = registration {
             landing.keep_host(registration);
         }
