@@ -11,7 +11,7 @@ use kvrecv::actors::{CoordinatorParts, EventSink, OpenedPull, ScriptedTransport}
 use kvrecv::config::KvRecvConfig;
 use kvrecv::embed::KvRecv;
 use kvrecv::layout::KvLayout;
-use kvrecv::messages::{BatchError, KvEvent, KvRequest, ReqId, XferStatus};
+use kvrecv::messages::{BatchError, KvEvent, KvRequest, Outcome, ReqId, XferStatus};
 use kvrecv::rdma::StaticLanding;
 use tokio::sync::mpsc::UnboundedReceiver;
 
@@ -84,17 +84,23 @@ async fn host_runtime_loads_and_drains_through_the_handle() {
 }
 
 /// Wait (bounded) for kvrecv's event that `id`'s blocks were released.
-async fn released(events: &mut UnboundedReceiver<KvEvent>, id: &str) {
+async fn released(events: &mut UnboundedReceiver<KvEvent>, id: &str) -> Option<Outcome> {
+    let mut outcome = None;
     let found = tokio::time::timeout(Duration::from_secs(10), async {
         while let Some(ev) = events.recv().await {
-            if matches!(&ev, KvEvent::Released { req_id, .. } if &**req_id == id) {
-                return true;
+            match &ev {
+                KvEvent::Completion {
+                    req_id, outcome: o, ..
+                } if &**req_id == id => outcome = Some(o.clone()),
+                KvEvent::Released { req_id, .. } if &**req_id == id => return true,
+                _ => {}
             }
         }
         false
     })
     .await;
     assert_eq!(found.ok(), Some(true), "{id} released");
+    outcome
 }
 
 /// A topology whose first lookup waits for the test's go-ahead.
@@ -168,7 +174,18 @@ async fn abort_before_dispatch_fails_the_request_without_sending_it() {
     assert!(ab.before_dispatch, "{ab:?}");
     // The host's next step, once kvrecv released the blocks: the failure's invalid blocks
     // and the completion in one drain, the failure first.
-    released(&mut events, "r1").await;
+    let outcome = released(&mut events, "r1").await;
+    assert!(
+        matches!(
+            outcome,
+            Some(Outcome::Failed {
+                cause: kvrecv::Cause::Aborted,
+                peer: None,
+                ..
+            })
+        ),
+        "{outcome:?}"
+    );
     let step = kv.drain().await.unwrap();
     assert_eq!(
         step.finished_recving,

@@ -159,8 +159,9 @@ async fn with_four_windows_eight_tp2_requests_send_no_pull_that_cannot_land() {
         let (id, outcome) = completion(&mut events, "refused before P writes anything").await;
         seen += 1;
         match outcome {
-            Outcome::Failed { reason, .. } => {
+            Outcome::Failed { cause, reason, .. } => {
                 assert!(reason.starts_with(NO_CLEAN_WINDOW), "{id}: {reason}");
+                assert_eq!(cause, kvrecv::Cause::NotSent, "{id}: nothing was sent");
                 refused.push(id);
             }
             other => panic!("{id} completed before P wrote anything: {other:?}"),

@@ -183,3 +183,35 @@ async fn a_batch_goes_to_the_peers_of_the_topology_the_source_holds_now() {
         assert_eq!(next_peer().await, "tcp://moved-0-0");
     }
 }
+
+/// The Receiver's sweep also sweeps the transport's idle channels (what a hostile peer queued
+/// on one is freed even when no pull comes).
+#[actix::test]
+async fn the_receivers_sweep_sweeps_the_transports_idle_channels() {
+    /// Counts the sweeps it is asked for.
+    struct Counting(std::cell::Cell<usize>);
+    impl PeerTransport for Counting {
+        fn pull(&self, _: &PeerId, _: Vec<u8>, _: crate::actors::CleanFinish) -> crate::actors::ReplyStream {
+            unreachable!("no pull in this test")
+        }
+        fn sweep_idle(&self) {
+            self.0.set(self.0.get() + 1);
+        }
+    }
+    let Rig { events, bm, live, .. } = rig();
+    let transport = Rc::new(Counting(std::cell::Cell::new(0)));
+    let receiver = Receiver::new(
+        rig_config(),
+        Rc::new(StaticTopology::new([])),
+        transport.clone(),
+        rig_landing(),
+        bm.clone(),
+        live.share(),
+        events,
+    )
+    .start();
+    receiver.send(SweepDue).await.unwrap();
+    receiver.send(SweepDue).await.unwrap();
+    // At least those two (its own alarm may have fired too, on a slow machine).
+    assert!(transport.0.get() >= 2, "{}", transport.0.get());
+}
