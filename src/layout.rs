@@ -11,6 +11,7 @@ pub const MAX_REGIONS: usize = 4096;
 
 /// One registered region (vLLM: one layer's KV cache tensor view).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct Region {
     /// vLLM's layer name (reported to P in the descriptor).
     pub layer_name: String,
@@ -26,6 +27,7 @@ pub struct Region {
 
 /// The whole destination layout of one D worker.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct KvLayout {
     /// One region per layer (and K/V split), each `num_blocks` blocks long.
     pub regions: Vec<Region>,

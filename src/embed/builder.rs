@@ -367,6 +367,14 @@ impl KvRecvBuilder {
         if self.target.advertise_host.is_empty() {
             return Err(StartError::NoAdvertiseHost(self.target.data_bind.ip()));
         }
+        if !is_host_name(&self.target.advertise_host) {
+            return Err(StartError::BadAdvertiseHost(self.target.advertise_host));
+        }
+        if self.zmq.max_sockets < 1 {
+            return Err(StartError::Config(crate::config::ConfigError::Zero {
+                key: "ZmqTransportConfig::max_sockets",
+            }));
+        }
         let KvRecvBuilder {
             mut config,
             mut target,
@@ -594,4 +602,16 @@ fn same<M>(a: &Option<M>, b: &Option<M>, eq: impl Fn(&M, &M) -> bool) -> bool {
         (Some(a), Some(b)) => eq(a, b),
         _ => false,
     }
+}
+
+/// Whether `host` can name this machine to P: an IP address, or a DNS name (letters, digits,
+/// `-` and `.`). P resolves it itself; D only refuses what no resolver would take.
+fn is_host_name(host: &str) -> bool {
+    let label = |l: &str| {
+        (1..=63).contains(&l.len())
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
+    };
+    host.parse::<IpAddr>().is_ok() || (host.len() <= 253 && host.split('.').all(label))
 }

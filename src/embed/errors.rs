@@ -33,6 +33,9 @@ pub enum StartError {
     #[error("no advertised host: binding {0} needs advertise_host (the address P reaches)")]
     /// A wildcard bind needs the address P should connect to.
     NoAdvertiseHost(IpAddr),
+    #[error("advertised host {0:?} is neither an IP address nor a DNS name")]
+    /// `advertise_host` that no resolver would take: P could reach D by no such name.
+    BadAdvertiseHost(String),
     /// The RDMA devices could not be opened (none, no driver, a named one missing).
     #[error("RDMA devices: {0}")]
     RdmaDevices(#[from] VerbsError),

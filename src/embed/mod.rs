@@ -706,6 +706,51 @@ mod tests {
         );
     }
 
+    /// Settings every pull would fail on are refused at start, not found out pull by pull.
+    #[test]
+    fn settings_no_pull_could_work_with_are_refused_at_start() {
+        let cfg = || KvRecvConfig {
+            layout: crate::layout::KvLayout::uniform(1, 64, 4),
+            ..KvRecvConfig::default()
+        };
+        for bad in ["not a host!", "", "a..b", "-"] {
+            let e = KvRecvBuilder::new(cfg())
+                .advertise_host(bad)
+                .start()
+                .unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    StartError::BadAdvertiseHost(_) | StartError::NoAdvertiseHost(_)
+                ),
+                "{bad:?}: {e}"
+            );
+        }
+        for good in ["10.0.0.5", "::1", "d-node-3.cluster.local"] {
+            let kv = KvRecvBuilder::new(cfg())
+                .advertise_host(good)
+                .start()
+                .unwrap_or_else(|e| panic!("{good:?}: {e}"));
+            drop(kv);
+        }
+        let e = KvRecvBuilder::new(cfg())
+            .zmq(crate::ZmqTransportConfig {
+                max_sockets: 0,
+                ..crate::ZmqTransportConfig::default()
+            })
+            .start()
+            .unwrap_err();
+        assert!(e.to_string().contains("max_sockets"), "{e}");
+        // A key kvrecv does not know inside its own layout is refused, as any under `kvrecv`.
+        let e = KvRecvConfig::from_kv_transfer_config(
+            r#"{"kv_role":"kv_consumer","kv_connector_extra_config":{"kvrecv":{"layout":
+               {"num_blocks":4,"num_groups":1,"regions":[{"layer_name":"l0","layer_index":0,
+               "group_index":0,"block_len":64,"kv_block_len":64,"dtype":"fp8"}]}}}}"#,
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("dtype"), "{e}");
+    }
+
     #[test]
     fn a_wildcard_bind_needs_an_advertised_host() {
         let cfg = KvRecvConfig {
