@@ -13,6 +13,7 @@ use crate::rdma::memory::{HostMemory, MemoryError};
 
 /// Why [`KvRecv::read_block`](crate::KvRecv::read_block) read nothing.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum BlockReadError {
     /// The worker was not started on host memory ([`KvRecvBuilder::host_memory`](crate::KvRecvBuilder::host_memory)):
     /// kvrecv's own allocation, device memory, or parts of the host's

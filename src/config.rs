@@ -173,6 +173,7 @@ impl Default for KvRecvConfig {
 
 #[derive(Debug, Error)]
 /// Why a configuration is refused.
+#[non_exhaustive]
 pub enum ConfigError {
     #[error(
         "kv_transfer_config {what}: {err}",

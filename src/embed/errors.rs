@@ -17,6 +17,7 @@ use crate::rdma::LandingPauseError;
 
 /// Why a D worker could not start.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum StartError {
     #[error("configuration: {0}")]
     /// The configuration was refused.
@@ -66,6 +67,7 @@ impl From<crate::rdma::memory::MemoryError> for StartError {
 
 /// Why a call on a running handle failed.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum KvRecvError {
     /// The worker was shut down (or its thread ended): nothing more can be loaded or drained.
     #[error("the kvrecv worker is not running (shut down, or its thread ended)")]
@@ -84,6 +86,7 @@ pub enum KvRecvError {
 
 /// Why a [`KvRecv::pause`](crate::KvRecv::pause) or [`KvRecv::resume`](crate::KvRecv::resume) failed.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum PauseError {
     /// The worker was shut down (or its thread ended).
     #[error("the kvrecv worker is not running (shut down, or its thread ended)")]

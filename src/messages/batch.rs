@@ -146,6 +146,7 @@ pub const MAX_ID_BYTES: usize = 16 * 1024;
 
 /// A request of `load_kv` that cannot be pulled.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum BatchError {
     #[error(
         "request {req_id}: missing `{field}` in kv_transfer_params; no pull can be started for it"

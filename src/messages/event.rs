@@ -13,6 +13,7 @@ use super::settle::{Cause, SettleOutcome};
 /// order it happened inside its actor.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(tag = "event", rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum KvEvent {
     /// A peer settled one request of a pull.
     Settled {

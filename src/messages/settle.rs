@@ -11,6 +11,7 @@ use super::ids::{PeerId, PullId, ReqId};
 /// fence decision and the repro's accounting match on it, never on the reason's text.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
 #[serde(rename_all = "snake_case")]
+#[non_exhaustive]
 pub enum Cause {
     /// `err_reqs` for a reason P gave (not its transfer engine).
     PeerError,

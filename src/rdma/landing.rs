@@ -95,6 +95,7 @@ pub enum FenceError {
 
 /// Why a landing could not close or reopen for sleep mode (DESIGN.md §7).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum LandingPauseError {
     /// This data plane has no way to stop writes (or to take them again).
     #[error("this data plane cannot pause: {0}")]

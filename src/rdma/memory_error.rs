@@ -6,6 +6,7 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 /// Why destination memory could not be set up or written.
+#[non_exhaustive]
 pub enum MemoryError {
     #[error("cannot allocate {0} bytes of destination memory")]
     /// The allocation of that many bytes failed.

@@ -10,6 +10,7 @@ use super::host_memory::HostMemory;
 
 /// Why the host's regions cannot hold the layout.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum MemoryFitError {
     /// Not one region per layout region.
     #[error("{regions} memory regions for {layout} layout regions: give one per layout region")]

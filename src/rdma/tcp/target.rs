@@ -132,6 +132,7 @@ impl TargetConfig {
 
 #[derive(Debug, Error)]
 /// Why the data target could not start.
+#[non_exhaustive]
 pub enum TargetError {
     #[error("address windows: {0}")]
     /// The address windows do not fit.

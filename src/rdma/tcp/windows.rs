@@ -19,6 +19,7 @@ const WINDOW_ALIGN: u64 = 1 << 21;
 
 /// Why the landing windows could not be laid out over the KV layout (DESIGN.md §5).
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum WindowError {
     /// Nothing to land in.
     #[error("the layout has no region, no block, or a region with block_len 0")]

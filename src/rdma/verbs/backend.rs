@@ -34,6 +34,7 @@ pub struct MrKeys {
 
 /// Why a verbs operation failed. Carries errno (not `io::Error`) so errors compare in tests.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum VerbsError {
     /// libibverbs is present but reports no RDMA device (or none passed the configured filter).
     #[error("no RDMA device found{0}")]

@@ -28,6 +28,7 @@ pub struct RegisteredRegion {
 
 /// A descriptor P would discard (PROTOCOL.md §5.1, §6): kvrecv refuses to build it instead.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum DescriptorError {
     /// No segment name.
     #[error("the segment name is empty")]

@@ -45,6 +45,7 @@ pub enum GpuDirectPath {
 
 /// Why device memory could not be registered with the NIC.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum GpuDirectError {
     /// Neither path is available: P cannot write into this GPU's memory over RDMA on this node.
     #[error(

@@ -43,6 +43,7 @@ pub const MAX_SLOTS: u32 = 1 << 16;
 
 /// Why the landing cannot be set up.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum RdmaLandingError {
     /// Nothing to land in.
     #[error("the KV layout has no region")]

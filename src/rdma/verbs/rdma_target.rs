@@ -79,6 +79,7 @@ impl RdmaTargetConfig {
 
 /// Why the RDMA target could not start.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum RdmaTargetError {
     /// The handshake daemon's listener.
     #[error("cannot bind the handshake daemon on {addr}: {source}")]

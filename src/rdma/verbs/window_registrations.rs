@@ -20,6 +20,7 @@ pub type HostSpan = (u64, u64);
 
 /// Why a window could not be registered.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum WindowRegisterError {
     /// The verbs call failed (`RLIMIT_MEMLOCK`, a NIC error).
     #[error(transparent)]
