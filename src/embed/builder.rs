@@ -48,6 +48,9 @@ pub struct KvRecvBuilder {
     peer_binding: PeerBinding,
     /// What a [`Self::target`] closure changed that is not its to change (start refuses it).
     target_conflict: Option<&'static str>,
+    /// The host named the advertised host ([`Self::advertise_host`], or in [`Self::target`]):
+    /// [`Self::bind`] leaves it, whichever came first.
+    advertise_given: bool,
     /// `kvrecv bench`'s control-plane-only worker: land here, start no data target.
     #[cfg(feature = "cli")]
     landing: Option<Arc<dyn Landing>>,
@@ -138,6 +141,7 @@ impl KvRecvBuilder {
             rdma_windows: crate::rdma::verbs::WindowsConfig::default().windows,
             peer_binding: PeerBinding::default(),
             target_conflict: None,
+            advertise_given: false,
             #[cfg(feature = "cli")]
             landing: None,
             #[cfg(feature = "cli")]
@@ -156,12 +160,14 @@ impl KvRecvBuilder {
     pub fn bind(mut self, ip: IpAddr) -> Self {
         self.target.handshake_bind.set_ip(ip);
         self.target.data_bind.set_ip(ip);
-        // A wildcard address is not reachable: the host must say what P reaches.
-        self.target.advertise_host = if ip.is_unspecified() {
-            String::new()
-        } else {
-            ip.to_string()
-        };
+        if !self.advertise_given {
+            // A wildcard address is not reachable: the host must say what P reaches.
+            self.target.advertise_host = if ip.is_unspecified() {
+                String::new()
+            } else {
+                ip.to_string()
+            };
+        }
         self
     }
 
@@ -175,6 +181,7 @@ impl KvRecvBuilder {
     /// The host P reaches both listeners at (required when binding a wildcard address).
     pub fn advertise_host(mut self, host: impl Into<String>) -> Self {
         self.target.advertise_host = host.into().trim().to_owned();
+        self.advertise_given = true;
         self
     }
 
@@ -207,11 +214,13 @@ impl KvRecvBuilder {
     /// [`Self::start`] fail with [`StartError::TargetConflict`], rather than one call silently
     /// undoing another.
     pub fn target(mut self, f: impl FnOnce(&mut TargetConfig)) -> Self {
-        let (host, device) = (
+        let (host, device, advertised) = (
             self.target.host_memory.clone(),
             self.target.device_memory.clone(),
+            self.target.advertise_host.clone(),
         );
         f(&mut self.target);
+        self.advertise_given |= self.target.advertise_host != advertised;
         let t = &self.target;
         let conflict = if t.layout != self.config.layout {
             Some("the layout (it is KvRecvConfig::layout's)")
@@ -388,6 +397,7 @@ impl KvRecvBuilder {
             rdma_windows,
             peer_binding,
             target_conflict: _,
+            advertise_given: _,
             #[cfg(feature = "cli")]
             landing,
             #[cfg(feature = "cli")]

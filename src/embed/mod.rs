@@ -751,6 +751,35 @@ mod tests {
         assert!(e.to_string().contains("dtype"), "{e}");
     }
 
+    /// The advertised host the host named stays, whether `bind` comes before or after it.
+    #[test]
+    fn bind_never_undoes_a_named_advertised_host() {
+        let cfg = || KvRecvConfig {
+            layout: crate::layout::KvLayout::uniform(1, 64, 4),
+            ..KvRecvConfig::default()
+        };
+        let loopback = IpAddr::V4(Ipv4Addr::LOCALHOST);
+        for b in [
+            KvRecvBuilder::new(cfg())
+                .advertise_host("localhost")
+                .bind(loopback),
+            KvRecvBuilder::new(cfg())
+                .target(|t| t.advertise_host = "localhost".into())
+                .bind(loopback),
+            KvRecvBuilder::new(cfg())
+                .bind(loopback)
+                .advertise_host("localhost"),
+        ] {
+            let kv = b.start().unwrap();
+            assert_eq!(
+                kv.segment_name().map(|s| s.starts_with("localhost:")),
+                Some(true),
+                "{:?}",
+                kv.segment_name()
+            );
+        }
+    }
+
     #[test]
     fn a_wildcard_bind_needs_an_advertised_host() {
         let cfg = KvRecvConfig {
