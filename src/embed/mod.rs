@@ -568,8 +568,8 @@ impl KvRecv {
     /// ([`KvRecvBuilder::host_memory`]): one `Vec` per layout region of the group, in layout
     /// order, each the block's whole stride (`block_len`; its KV bytes, `kv_block_len`,
     /// first). Safe and bounds-checked: only a block no request holds is read (one the host
-    /// never loaded, or one a drain handed back in `finished_recving`), and no request can
-    /// take it while it is copied; a held block is refused ([`BlockReadError::Held`]). Once
+    /// never loaded, or one its request released: in a drain's `finished_recving`, or due
+    /// in the next one), and no request can take it while it is copied; a held block is refused ([`BlockReadError::Held`]). Once
     /// the worker stopped ([`KvRecv::shutdown`]) nothing writes, and any block is read. Memory
     /// given by pointer ([`HostRegion::new`](crate::HostRegion::new)) is not read while the worker is paused
     /// or after it stopped ([`BlockReadError::NotValid`]: the host may have released it).
